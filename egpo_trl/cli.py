@@ -1,0 +1,47 @@
+"""``egpo-trl``: one command line for training, evaluation, diagnostics and data building.
+
+Each sub-command lives in its own module and is imported only when used, so ``egpo-trl --help``
+stays fast and a missing optional dependency only affects the command that needs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("egpo_trl.train", "train a policy with EGPO (or a baseline) from a YAML recipe"),
+    "eval": ("egpo_trl.evaluation.cli", "evaluate a model on math benchmarks (pass@1 over k samples)"),
+    "diagnose": ("egpo_trl.diagnostics.cli", "entropy diagnostics of evaluation records (ROC-AUC, plots)"),
+    "data": ("egpo_trl.data.cli", "build training datasets (the OpenR1-Stable-10k recipe)"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: egpo-trl <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `egpo-trl <command> --help` for the options of a command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from egpo_trl import __version__
+
+        print(__version__)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"egpo-trl: unknown command {command!r}.\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    result = module.main(rest)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

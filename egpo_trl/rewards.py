@@ -1,0 +1,189 @@
+"""Outcome rewards for verifiable math (paper Eq. 1) and the answer-extraction helpers they use.
+
+The paper's reward is binary: ``+1`` when the content of the **last** ``\\boxed{...}`` of a completion
+equals the ground truth, ``-1`` otherwise. Equality is decided by `math-verify`_. We extract the last
+box ourselves: math-verify, given a whole text, gathers *every* box into one set, so a completion
+that writes ``\\boxed{3}`` and later ``\\boxed{5}`` would match a gold answer of ``3``.
+
+Reward functions follow TRL's signature ``f(completions, **dataset_columns) -> list[float]`` and
+accept plain strings or chat messages (``[{"role": "assistant", "content": ...}]``).
+
+.. _math-verify: https://github.com/huggingface/Math-Verify
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CORRECT_REWARD",
+    "INCORRECT_REWARD",
+    "answers_match",
+    "boxed_accuracy_reward",
+    "completion_text",
+    "extract_last_boxed",
+    "think_format_reward",
+]
+
+CORRECT_REWARD = 1.0
+INCORRECT_REWARD = -1.0
+
+# Boxed contents longer than this are not handed to the symbolic verifier (they are never a final
+# answer, and sympy can take unbounded time on them outside the main thread, where math-verify's
+# signal-based timeout cannot run).
+MAX_ANSWER_CHARS = 1000
+VERIFY_TIMEOUT_S = 3
+
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
+
+
+def completion_text(completion: Any) -> str:
+    """The text of a completion given as a string or as chat messages (the assistant turns joined)."""
+    if completion is None:
+        return ""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        content = completion.get("content", "")
+        if isinstance(content, list):  # multimodal content blocks
+            return "".join(block.get("text", "") for block in content if isinstance(block, dict))
+        return str(content or "")
+    if isinstance(completion, Sequence):
+        return "".join(completion_text(message) for message in completion)
+    return str(completion)
+
+
+def extract_last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, with balanced braces.
+
+    ``\\boxed 5`` (a single token after a space, as some models write) is accepted too. Returns
+    ``None`` when the text has no complete box (for example a box cut off by the length limit).
+
+    >>> extract_last_boxed(r"first \\boxed{1}, then \\boxed{\\frac{1}{2}}")
+    '\\\\frac{1}{2}'
+    """
+    if not text:
+        return None
+    for match in reversed(list(_BOX_RE.finditer(text))):
+        start = match.end()
+        rest = text[start:]
+        stripped = rest.lstrip()
+        if stripped.startswith("{"):
+            open_at = start + (len(rest) - len(stripped))
+            depth = 0
+            for pos in range(open_at, len(text)):
+                char = text[pos]
+                if char == "{" and text[pos - 1] != "\\":
+                    depth += 1
+                elif char == "}" and text[pos - 1] != "\\":
+                    depth -= 1
+                    if depth == 0:
+                        return text[open_at + 1 : pos].strip()
+            continue  # unbalanced: look at an earlier box
+        if rest.startswith(" "):
+            token = re.match(r"\s+([^\s$]+)", rest)
+            if token:
+                return token.group(1).strip()
+    return None
+
+
+def _normalize(answer: str) -> str:
+    answer = answer.strip().strip("$").strip()
+    answer = re.sub(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}", r"\1", answer)
+    answer = answer.replace("\\!", "").replace("\\,", "").replace("\\ ", "").replace(" ", "")
+    answer = answer.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\left", "").replace("\\right", "")
+    answer = answer.rstrip(".")
+    return answer
+
+
+@lru_cache(maxsize=65536)
+def _parse(expression: str, timeout: int | None):
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    # Wrapping in \boxed{} makes math-verify read the whole expression as one answer.
+    return parse(
+        "\\boxed{" + expression + "}",
+        extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()],
+        parsing_timeout=timeout,
+    )
+
+
+def answers_match(predicted: str | None, gold: Any) -> bool:
+    """Whether an extracted answer equals the ground truth, by string match then math-verify.
+
+    Never raises: any failure (parse error, timeout) counts as no match. In the main thread each
+    parse and comparison is bounded by ``VERIFY_TIMEOUT_S`` seconds (math-verify's signal alarm);
+    elsewhere overly long answers are refused up front instead.
+    """
+    if predicted is None or gold is None:
+        return False
+    gold_text = _gold_to_text(gold)
+    if not gold_text or not predicted.strip():
+        return False
+    if _normalize(predicted) == _normalize(gold_text):
+        return True
+    if len(predicted) > MAX_ANSWER_CHARS:
+        return False
+    timeout = VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    try:
+        from math_verify import verify
+
+        gold_parsed = _parse(gold_text, timeout)
+        pred_parsed = _parse(predicted, timeout)
+        if not gold_parsed or not pred_parsed:
+            return False
+        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
+    except Exception as error:  # noqa: BLE001 - a reward must never crash a training step
+        logger.debug("math-verify failed on %r vs %r: %s", predicted, gold_text, error)
+        return False
+
+
+def _gold_to_text(gold: Any) -> str:
+    if isinstance(gold, float) and gold.is_integer():
+        return str(int(gold))
+    if isinstance(gold, (list, tuple)):
+        return str(gold[0]) if gold else ""
+    return str(gold).strip()
+
+
+def boxed_accuracy_reward(completions: list[Any], answer: list[Any], **kwargs: Any) -> list[float]:
+    """Paper Eq. 1: ``+1.0`` when the last ``\\boxed{}`` of a completion verifies against ``answer``, else ``-1.0``.
+
+    Args:
+        completions: TRL completions, plain strings or lists of chat messages.
+        answer: the ground-truth answers, one per completion (the dataset's ``answer`` column).
+        **kwargs: the other dataset columns and TRL's extra arguments, ignored.
+
+    Returns:
+        One float per completion. A completion without a complete box scores ``-1.0``.
+    """
+    if len(answer) != len(completions):
+        raise ValueError(
+            f"boxed_accuracy_reward got {len(completions)} completions but {len(answer)} answers; the dataset needs "
+            "an `answer` column with one ground truth per prompt."
+        )
+    rewards = []
+    for completion, gold in zip(completions, answer):
+        predicted = extract_last_boxed(completion_text(completion))
+        rewards.append(CORRECT_REWARD if answers_match(predicted, gold) else INCORRECT_REWARD)
+    return rewards
+
+
+_THINK_RE = re.compile(r"^\s*<think>.*?</think>.*\\(?:boxed|fbox)\s*\{", re.DOTALL)
+
+
+def think_format_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    """``1.0`` when a completion reasons inside ``<think>...</think>`` and then gives a ``\\boxed{}`` answer, else ``0.0``.
+
+    A shaping bonus to combine with :func:`boxed_accuracy_reward`. EGPO decides correctness with the
+    reward function named by ``egpo_correctness_reward`` (the first one by default), so a bonus
+    never turns a wrong answer into a "correct" one.
+    """
+    return [1.0 if _THINK_RE.match(completion_text(c)) else 0.0 for c in completions]
