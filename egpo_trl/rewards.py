@@ -98,7 +98,9 @@ def _normalize(answer: str) -> str:
     answer = answer.strip().strip("$").strip()
     answer = re.sub(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}", r"\1", answer)
     answer = answer.replace("\\!", "").replace("\\,", "").replace("\\ ", "").replace(" ", "")
-    answer = answer.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\left", "").replace("\\right", "")
+    answer = (
+        answer.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\left", "").replace("\\right", "")
+    )
     answer = answer.rstrip(".")
     return answer
 
