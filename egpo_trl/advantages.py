@@ -121,7 +121,7 @@ def _nanstd(tensor: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     correction = torch.where(count > 1, correction, torch.full_like(correction, float("nan")))
     variance = variance * correction
     std = torch.sqrt(variance)
-    return std if dim is None else std.squeeze(dim)
+    return std.squeeze() if dim is None else std.squeeze(dim)
 
 
 def _check_layout(rewards: torch.Tensor, num_generations: int, **others: torch.Tensor | None) -> None:

@@ -1,0 +1,72 @@
+"""EGPOConfig: defaults from the paper, validation errors that name the fix, YAML keys as with TrlParser."""
+
+from __future__ import annotations
+
+import pytest
+from trl import GRPOConfig, TrlParser
+
+from egpo_trl import EGPOConfig
+
+
+def make(tmp_path, **kwargs):
+    return EGPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **kwargs)
+
+
+def test_defaults_are_the_papers(tmp_path):
+    config = make(tmp_path)
+    assert isinstance(config, GRPOConfig)
+    assert (config.egpo_lambda_min, config.egpo_lambda_max) == (0.8, 2.0)
+    assert config.egpo_clamp == "asymmetric" and config.egpo_renorm == "none"
+    assert config.egpo_nsr is True and config.egpo_nsr_weighting == "entropy"
+    assert config.advantage_estimator == "egpo" and config.egpo_entropy_scope == "completion"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"egpo_clamp": "asym"}, "egpo_clamp='asym' is not supported; set it to one of: asymmetric"),
+        ({"egpo_renorm": "after"}, "egpo_renorm='after' is not supported"),
+        ({"egpo_nsr_weighting": "flat"}, "egpo_nsr_weighting"),
+        ({"egpo_entropy_scope": "prompt"}, "egpo_entropy_scope"),
+        ({"advantage_estimator": "ppo"}, "advantage_estimator='ppo'"),
+        ({"egpo_lambda_min": 0.0}, "egpo_lambda_min must be > 0"),
+        ({"egpo_lambda_min": -1.0}, "egpo_lambda_min must be > 0"),
+        ({"egpo_lambda_min": 1.5, "egpo_lambda_max": 1.2}, "set egpo_lambda_min <= egpo_lambda_max"),
+        ({"egpo_lambda_min": 1.2, "egpo_lambda_max": 2.0}, "must bracket 1"),
+        ({"egpo_entropy_eps": 0.0}, "egpo_entropy_eps must be > 0"),
+        ({"egpo_lambda_max": float("nan")}, "finite number"),
+        ({"multi_objective_aggregation": "normalize_then_sum"}, "sum_then_normalize"),
+    ],
+)
+def test_bad_values_are_refused_with_the_fix(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make(tmp_path, **kwargs)
+
+
+def test_symmetric_clamp_may_use_bounds_above_one(tmp_path):
+    assert make(tmp_path, egpo_clamp="symmetric", egpo_lambda_min=1.2).egpo_lambda_min == 1.2
+
+
+def test_batch_that_does_not_divide_into_groups_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="divisible by num_generations"):
+        make(tmp_path, per_device_train_batch_size=6, num_generations=4)
+
+
+def test_yaml_keys_are_field_names_and_cli_overrides_the_file(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"output_dir: {tmp_path}/out\nuse_cpu: true\nreport_to: []\negpo_lambda_max: 1.5\negpo_renorm: after_clamp\n"
+        "egpo_nsr: false\nnum_generations: 4\nper_device_train_batch_size: 4\n"
+    )
+    parser = TrlParser((EGPOConfig,))
+    (config,) = parser.parse_args_and_config(["--config", str(recipe), "--egpo_lambda_max", "1.75"])
+    assert config.egpo_lambda_max == 1.75  # the command line wins
+    assert config.egpo_renorm == "after_clamp" and config.egpo_nsr is False
+
+
+def test_every_egpo_field_has_help():
+    import dataclasses
+
+    for field in dataclasses.fields(EGPOConfig):
+        if field.name.startswith("egpo_") or field.name == "advantage_estimator":
+            assert field.metadata.get("help"), field.name

@@ -1,0 +1,253 @@
+"""EGPOTrainer on TRL's real GRPOTrainer machinery, with a tiny Qwen2 model built offline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_prompt_dataset, parity_reward
+from trl import GRPOConfig, GRPOTrainer
+
+from egpo_trl import EGPOConfig, EGPOTrainer, egpo_advantages, sequence_entropy
+
+pytestmark = pytest.mark.slow
+
+COMMON = dict(
+    per_device_train_batch_size=8,
+    num_generations=4,
+    max_completion_length=12,
+    logging_steps=1,
+    report_to=[],
+    use_cpu=True,
+    save_strategy="no",
+    seed=0,
+    data_seed=0,
+    learning_rate=1e-3,
+    log_completions=False,
+)
+
+
+def config(tmp_path, cls=EGPOConfig, **overrides):
+    return cls(output_dir=str(tmp_path / "out"), **{**COMMON, **overrides})
+
+
+class RecordingEGPOTrainer(EGPOTrainer):
+    """Records what each generation batch produced and what each loss call consumed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.generated, self.consumed = [], []
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        self.generated.append(
+            {
+                "batch": self.egpo_last_batch,
+                "completion_ids": output["completion_ids"].clone(),
+                "completion_mask": output["completion_mask"].clone(),
+                "advantages": output["advantages"].clone(),
+            }
+        )
+        return output
+
+    def _compute_loss(self, model, inputs):
+        self.consumed.append({k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+        return super()._compute_loss(model, inputs)
+
+
+def recompute(batch: dict, args: EGPOConfig, trainer: EGPOTrainer):
+    rewards_per_func = batch["rewards_per_func"]
+    rewards = (rewards_per_func * trainer.reward_weights.unsqueeze(0)).nansum(dim=1)
+    return egpo_advantages(
+        rewards,
+        batch["entropies"],
+        batch["num_generations"],
+        lambda_min=args.egpo_lambda_min,
+        lambda_max=args.egpo_lambda_max,
+        entropy_eps=args.egpo_entropy_eps,
+        clamp=args.egpo_clamp,
+        renorm=args.egpo_renorm,
+        nsr=args.egpo_nsr,
+        nsr_weighting=args.egpo_nsr_weighting,
+        correct=rewards_per_func[:, 0] > 0,
+    )
+
+
+def rows(completion_ids, mask):
+    return [tuple(ids[m.bool()].tolist()) for ids, m in zip(completion_ids, mask)]
+
+
+def test_loss_uses_egpo_advantages_recomputed_from_rewards_and_entropies(tmp_path, tiny_model_dir):
+    # num_iterations=2: TRL computes old_per_token_logps, which EGPO reuses (no extra pass); the loss sees
+    # them too, so the entropy of every row the loss consumes can be recomputed independently.
+    args = config(tmp_path, max_steps=4, num_iterations=2, gradient_accumulation_steps=2)
+    trainer = RecordingEGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    trainer.train()
+
+    assert len(trainer.generated) == 2  # 4 optimizer steps, a generation every 2 (num_iterations)
+    mixed_seen = False
+    for generated in trainer.generated:
+        batch = generated["batch"]
+        assert batch["entropy_source"] == "old_per_token_logps"
+        expected = recompute(batch, args, trainer)
+        torch.testing.assert_close(batch["result"].advantages, expected.advantages, rtol=0, atol=0)
+        torch.testing.assert_close(generated["advantages"], expected.advantages[batch["process_slice"]])
+        mixed_seen |= bool((expected.group_type == 1).any() and (expected.weights != 1).any())
+    assert mixed_seen, "the test data should produce mixed groups with non-unit weights"
+
+    # Every loss call consumed the advantages computed for its rows, and its old log-probs give those entropies.
+    for consumed in trainer.consumed:
+        entropy = sequence_entropy(consumed["old_per_token_logps"], consumed["completion_mask"])
+        for row, adv, h in zip(
+            rows(consumed["completion_ids"], consumed["completion_mask"]), consumed["advantages"], entropy
+        ):
+            matches = [
+                (g["advantages"][i], g["batch"]["entropies"][i])
+                for g in trainer.generated
+                for i, r in enumerate(rows(g["completion_ids"], g["completion_mask"]))
+                if r == row
+            ]
+            assert any(torch.isclose(adv, a) and torch.isclose(h, e, equal_nan=True) for a, e in matches)
+
+    logged = list(trainer._logs["advantages"])
+    assert logged == trainer.generated[-1]["batch"]["result"].advantages.tolist()
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    for key in ("egpo/frac_mixed", "egpo/frac_all_correct", "egpo/frac_all_incorrect", "egpo/weight_correct"):
+        assert key in history[0], key
+    fractions = (
+        history[0]["egpo/frac_mixed"] + history[0]["egpo/frac_all_correct"] + history[0]["egpo/frac_all_incorrect"]
+    )
+    assert fractions == pytest.approx(1.0)
+
+
+def test_extra_forward_pass_gives_the_old_policy_entropy(tmp_path, tiny_model_dir):
+    args = config(tmp_path, max_steps=1)
+    trainer = RecordingEGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    reference = trainer.model.__class__.from_pretrained(tiny_model_dir).eval()
+    trainer.train()
+    generated = trainer.generated[0]
+    batch = generated["batch"]
+    assert batch["entropy_source"] == "forward"
+    assert trainer.state.log_history[0]["egpo/entropy_extra_pass"] == 1.0
+    # Recompute with the initial weights (the old policy of step 1), independently of TRL's helper.
+    consumed = trainer.consumed[0]
+    ids = torch.cat([consumed["prompt_ids"], consumed["completion_ids"]], dim=1)
+    attention = torch.cat([consumed["prompt_mask"], consumed["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logits = reference(input_ids=ids, attention_mask=attention).logits[:, consumed["prompt_ids"].size(1) - 1 : -1]
+    logps = torch.log_softmax(logits.float() / args.temperature, dim=-1)
+    logps = logps.gather(-1, consumed["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    entropy = sequence_entropy(logps, consumed["completion_mask"])
+    by_row = dict(zip(rows(generated["completion_ids"], generated["completion_mask"]), batch["entropies"]))
+    for row, h in zip(rows(consumed["completion_ids"], consumed["completion_mask"]), entropy):
+        torch.testing.assert_close(h, by_row[row], atol=1e-4, rtol=1e-4)
+
+
+def losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_egpo_switched_off_trains_exactly_like_grpo(tmp_path, tiny_model_dir, num_iterations):
+    kwargs = dict(max_steps=3, num_iterations=num_iterations)
+    grpo = GRPOTrainer(
+        tiny_model_dir,
+        parity_reward,
+        config(tmp_path / "grpo", GRPOConfig, **kwargs),
+        train_dataset=make_prompt_dataset(),
+    )
+    grpo.train()
+    egpo = EGPOTrainer(
+        tiny_model_dir,
+        parity_reward,
+        config(tmp_path / "egpo", egpo_clamp="none", egpo_nsr=False, **kwargs),
+        train_dataset=make_prompt_dataset(),
+    )
+    egpo.train()
+    assert losses(egpo) == losses(grpo)
+    assert any(loss != 0 for loss in losses(grpo))
+    for p_grpo, p_egpo in zip(grpo.model.parameters(), egpo.model.parameters()):
+        torch.testing.assert_close(p_grpo, p_egpo, rtol=0, atol=0)
+
+
+def test_egpo_changes_training_when_on(tmp_path, tiny_model_dir):
+    grpo = GRPOTrainer(
+        tiny_model_dir,
+        parity_reward,
+        config(tmp_path / "grpo", GRPOConfig, max_steps=2),
+        train_dataset=make_prompt_dataset(),
+    )
+    grpo.train()
+    egpo = EGPOTrainer(
+        tiny_model_dir, parity_reward, config(tmp_path / "egpo", max_steps=2), train_dataset=make_prompt_dataset()
+    )
+    egpo.train()
+    assert losses(egpo) != losses(grpo)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"])
+def test_every_trl_loss_type_trains(tmp_path, tiny_model_dir, loss_type):
+    extra = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
+    args = config(tmp_path, max_steps=1, loss_type=loss_type, **extra)
+    trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    batch = trainer.egpo_last_batch
+    torch.testing.assert_close(batch["result"].advantages, recompute(batch, args, trainer).advantages)
+    assert all(torch.isfinite(torch.tensor(losses(trainer))))
+
+
+def test_peft_lora_trains_only_the_adapter(tmp_path, tiny_model_dir):
+    from peft import LoraConfig
+
+    args = config(tmp_path, max_steps=2, beta=0.04)  # beta > 0: the reference is the adapter-free base
+    trainer = EGPOTrainer(
+        tiny_model_dir,
+        parity_reward,
+        args,
+        train_dataset=make_prompt_dataset(),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all("lora_" in n for n in changed)
+    assert "kl" in trainer.state.log_history[0]
+
+
+def test_correctness_comes_from_the_named_reward_function(tmp_path, tiny_model_dir):
+    def format_bonus(completions, **kwargs):
+        return [5.0] * len(completions)  # would make every completion "correct" if it decided correctness
+
+    args = config(tmp_path, max_steps=1, reward_weights=[1.0, 1.0])
+    trainer = EGPOTrainer(tiny_model_dir, [parity_reward, format_bonus], args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    batch = trainer.egpo_last_batch
+    assert torch.equal(batch["result"].correct, batch["rewards_per_func"][:, 0] > 0)
+    assert (batch["result"].correct == False).any()  # noqa: E712
+
+    args = config(tmp_path, max_steps=1, egpo_correctness_reward="format_bonus")
+    trainer = EGPOTrainer(tiny_model_dir, [parity_reward, format_bonus], args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    assert trainer.egpo_last_batch["result"].correct.all()
+
+    with pytest.raises(ValueError, match="names no reward function; set it to one of"):
+        EGPOTrainer(
+            tiny_model_dir,
+            parity_reward,
+            config(tmp_path, max_steps=1, egpo_correctness_reward="accuracy"),
+            train_dataset=make_prompt_dataset(),
+        )
+
+
+def test_grpo_config_is_refused_with_the_fix(tmp_path, tiny_model_dir):
+    with pytest.raises(TypeError, match="needs an EGPOConfig"):
+        EGPOTrainer(tiny_model_dir, parity_reward, config(tmp_path, GRPOConfig), train_dataset=make_prompt_dataset())
+
+
+def test_truncated_completions_are_left_out_of_the_weights(tmp_path, tiny_model_dir):
+    args = config(tmp_path, max_steps=1, max_completion_length=4, mask_truncated_completions=True)
+    trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    batch = trainer.egpo_last_batch
+    nan = torch.isnan(batch["entropies"])
+    assert nan.any(), "with 4 tokens most completions are truncated"
+    assert (batch["result"].weights[nan] == 1).all()
