@@ -176,9 +176,7 @@ def _grpo_base(rewards: torch.Tensor, num_generations: int, scale_rewards: str) 
 def _masked_group_mean(values: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean over the valid entries of each row of ``[G, N]`` values, and the count of valid entries."""
     count = valid.sum(dim=1, keepdim=True)
-    total = torch.where(valid, values, torch.zeros((), device=values.device, dtype=values.dtype)).sum(
-        dim=1, keepdim=True
-    )
+    total = torch.where(valid, values, 0.0).sum(dim=1, keepdim=True)
     return total / count.clamp(min=1), count
 
 
@@ -281,10 +279,9 @@ def egpo_advantages(
 
     # Base advantage, Eq. 11.
     mixed_adv = _grpo_base(rewards, n, scale_rewards)
-    minus_one = torch.full_like(rewards, -1.0 if nsr else 0.0)
-    base = torch.where(group_type_rows == GROUP_MIXED, mixed_adv, torch.zeros_like(rewards))
-    base = torch.where(group_type_rows == GROUP_ALL_INCORRECT, minus_one, base)
-    base = torch.nan_to_num(torch.where(scored.view(-1), base, torch.zeros_like(rewards)), nan=0.0)
+    base = torch.where(group_type_rows == GROUP_MIXED, mixed_adv, 0.0)
+    base = torch.where(group_type_rows == GROUP_ALL_INCORRECT, -1.0 if nsr else 0.0, base)
+    base = torch.nan_to_num(torch.where(scored.view(-1), base, 0.0), nan=0.0)
 
     # Raw weights, Eq. 8.
     h = entropies.float().view(-1, n)
@@ -292,20 +289,20 @@ def egpo_advantages(
     mean_h, count = _masked_group_mean(h, valid)
     usable = (count > 0) & (mean_h != 0)
     valid = valid & usable
-    raw = torch.where(valid, mean_h / (torch.nan_to_num(h, nan=0.0) + entropy_eps), torch.ones_like(h))
+    raw = torch.where(valid, mean_h / (torch.nan_to_num(h, nan=0.0) + entropy_eps), 1.0)
 
     if renorm == "before_clamp":  # C6
         mean_raw, _ = _masked_group_mean(raw, valid)
         raw = torch.where(valid, raw / mean_raw, raw)
 
-    weights = torch.where(valid, _clamp_weights(raw, is_correct, clamp, lambda_min, lambda_max), torch.ones_like(h))
+    weights = torch.where(valid, _clamp_weights(raw, is_correct, clamp, lambda_min, lambda_max), 1.0)
 
     if renorm == "after_clamp":  # C5, Eq. 10
         mean_w, _ = _masked_group_mean(weights, valid)
         weights = torch.where(valid, weights / mean_w, weights)
 
     if nsr_weighting == "unit":  # C4
-        weights = torch.where((group_type == GROUP_ALL_INCORRECT).unsqueeze(1), torch.ones_like(weights), weights)
+        weights = torch.where((group_type == GROUP_ALL_INCORRECT).unsqueeze(1), 1.0, weights)
 
     weights = weights.view(-1)
     return AdvantageOutput(
