@@ -112,11 +112,14 @@ def main() -> None:
         if size <= args.loop_max:
             r_list, h_list = rewards.tolist(), entropies.tolist()
             expected = torch.tensor(loop_advantages(r_list, h_list, n))
-            loop_ms = time_it(lambda: loop_advantages(r_list, h_list, n), repeats=max(3, args.repeats // 10))
+            loop_ms = time_it(
+                lambda r_list=r_list, h_list=h_list: loop_advantages(r_list, h_list, n),
+                repeats=max(3, args.repeats // 10),
+            )
         for device in devices:
             r, h = rewards.to(device), entropies.to(device)
 
-            def run():
+            def run(r=r, h=h):
                 return egpo_advantages(r, h, n, lambda_min=LAMBDA_MIN, lambda_max=LAMBDA_MAX, entropy_eps=EPS)
 
             out = run().advantages.cpu()
