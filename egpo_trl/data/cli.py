@@ -1,0 +1,122 @@
+"""``egpo-trl data``: build training datasets.
+
+Usage::
+
+    egpo-trl data build --config recipes/data/openr1_stable_10k.yaml [--SETTING VALUE ...]
+
+Every setting of :class:`~egpo_trl.data.openr1.OpenR1DataConfig` can be given on the command line and
+overrides the recipe; lists and mappings are written in YAML, for example
+``--subset_ratios '{default: 0.9, extended: 0.1}'`` or ``--decontamination_benchmarks '[math500, gsm8k]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import shlex
+import sys
+from typing import Any
+
+import yaml
+
+__all__ = ["main", "parse_overrides"]
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from egpo_trl.data.openr1 import OpenR1DataConfig
+
+    parser = argparse.ArgumentParser(prog="egpo-trl data", description="Build training datasets.")
+    commands = parser.add_subparsers(dest="command", metavar="{build}")
+    build = commands.add_parser(
+        "build",
+        help="build the OpenR1-Stable pool (or the same recipe on another pool)",
+        description="Build an RL training pool from OpenR1-Math-220k-style data. Settings given here override the "
+        "recipe; lists and mappings are YAML (e.g. --subset_ratios '{default: 0.9, extended: 0.1}').",
+        argument_default=argparse.SUPPRESS,
+    )
+    build.add_argument("--config", help="YAML recipe, e.g. recipes/data/openr1_stable_10k.yaml")
+    for config_field in dataclasses.fields(OpenR1DataConfig):
+        default = config_field.default
+        if default is dataclasses.MISSING:
+            default = (
+                config_field.default_factory() if config_field.default_factory is not dataclasses.MISSING else None
+            )
+        if dataclasses.is_dataclass(default) or (
+            isinstance(default, list) and default and dataclasses.is_dataclass(default[0])
+        ):
+            default = "(see the recipe)"
+        bool_field = config_field.type == "bool"
+        build.add_argument(
+            f"--{config_field.name}",
+            metavar="BOOL" if bool_field else "VALUE",
+            nargs="?" if bool_field else None,
+            const="true" if bool_field else None,
+            help=f"{config_field.metadata.get('help', '')} (default: {default})".replace("%", "%%"),
+        )
+    return parser
+
+
+def parse_overrides(values: dict[str, str]) -> dict[str, Any]:
+    """Turn command-line strings into setting values, following each setting's type.
+
+    Text settings keep the string as given (``null`` means none where the setting allows it); the
+    others are read as YAML, so ``4096``, ``true``, ``null``, ``[a, b]`` and ``{a: 1}`` all work.
+    """
+    from egpo_trl.data.openr1 import OpenR1DataConfig
+
+    types = {f.name: str(f.type) for f in dataclasses.fields(OpenR1DataConfig)}
+    parsed: dict[str, Any] = {}
+    for name, text in values.items():
+        kind = types[name]
+        optional = "None" in kind
+        if kind.startswith("str"):
+            parsed[name] = None if optional and text.lower() in ("null", "none", "~") else text
+            continue
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise ValueError(f"--{name} {text!r} is not valid YAML: {error}") from None
+        base = kind.split(" |")[0]
+        expected = {"bool": bool, "int": int, "float": (int, float)}.get(base)
+        if value is None and optional:
+            parsed[name] = None
+        elif expected is not None and (
+            not isinstance(value, expected) or (base != "bool" and isinstance(value, bool))
+        ):
+            wanted = {"bool": "true or false", "int": "an integer", "float": "a number"}[base]
+            raise ValueError(f"--{name} expects {wanted}, got {text!r}.")
+        else:
+            parsed[name] = float(value) if kind.startswith("float") and value is not None else value
+    return parsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``egpo-trl data``; returns the process exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _build_parser()
+    args = vars(parser.parse_args(argv))
+    command = args.pop("command", None)
+    if command is None:
+        parser.print_help()
+        return 0 if not argv else 2
+    from egpo_trl.data.openr1 import OpenR1DataConfig, build_openr1_dataset
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config_path = args.pop("config", None)
+    try:
+        overrides = parse_overrides(args)
+        if config_path is not None:
+            config = OpenR1DataConfig.from_yaml(config_path, overrides)
+        else:
+            config = OpenR1DataConfig.from_dict(overrides)
+        result = build_openr1_dataset(config, command=shlex.join(["egpo-trl", "data", *argv]))
+    except (ValueError, FileExistsError, FileNotFoundError) as error:
+        print(f"egpo-trl data {command}: error: {error}", file=sys.stderr)
+        return 2
+    print(f"Wrote {result.output_dir} (report: {result.report_path})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
