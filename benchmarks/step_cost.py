@@ -38,6 +38,10 @@ TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "egpo_trl" / "assets" / "t
 def build_model(path: Path, hidden: int, layers: int, seed: int, tokenizer_dir: str) -> int:
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
+    if tokenizer_dir == "char":  # the character-level tokenizer of egpo_trl.testing (no files needed)
+        from egpo_trl.testing import build_tiny_model
+
+        tokenizer_dir = build_tiny_model(str(path.parent / "char-tokenizer"))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.save_pretrained(path)
     torch.manual_seed(seed)
@@ -131,7 +135,9 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", default=["reuse", "extra"], choices=["reuse", "extra"])
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument(
-        "--tokenizer", default=str(TOKENIZER_DIR), help="tokenizer directory (default: the shipped one)"
+        "--tokenizer",
+        default=str(TOKENIZER_DIR),
+        help="tokenizer directory (default: the shipped one), or 'char' for a character-level one",
     )
     parser.add_argument("--json", type=str, default=None, help="also write the raw numbers to this file")
     args = parser.parse_args()

@@ -1,0 +1,144 @@
+"""A small reproduction of the paper's comparison (Tables 1 and 2) on the shipped tiny math model.
+
+GRPO, DAPO, EDGE-GRPO, NSR and EGPO, plus the EGPO ablations C1-C6, each trained with the same budget
+(the tiny CPU recipes: same model, data, steps and sampling; only the method's fields differ) for several
+seeds, then scored on the synthetic task's held-out split. Every run goes through ``egpo-trl train``.
+
+Usage::
+
+    python benchmarks/reproduce.py --seeds 0 1 2 --parallel 12 --device cuda     # one GPU, runs share it
+    python benchmarks/reproduce.py --methods GRPO EGPO --seeds 0 --parallel 2     # CPU, a subset
+
+Writes each run's folder (metrics.jsonl, heldout.json, training_curves.png, log.txt) under
+``--output`` and prints a Markdown table: held-out accuracy after training (mean, std over seeds), its
+change from the starting model, the training-time entropy gap (mean of the last 10 logged steps of
+``egpo/entropy_gap``: mean entropy of incorrect minus correct completions) and the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+EGPO = "demo_tiny_cpu.yaml"
+
+#: name -> (recipe, extra command-line overrides). Only the method's fields differ between rows.
+METHODS: dict[str, tuple[str, list[str]]] = {
+    "GRPO": ("tiny_cpu_grpo.yaml", []),
+    "DAPO": ("tiny_cpu_dapo.yaml", []),
+    "EDGE-GRPO": ("tiny_cpu_edge_grpo.yaml", []),
+    "NSR": ("tiny_cpu_nsr.yaml", []),
+    "EGPO": (EGPO, []),
+    "C1 symmetric": (EGPO, ["--egpo_clamp", "symmetric"]),
+    "C2 neg<=1 only": (EGPO, ["--egpo_clamp", "negative_only"]),
+    "C3 pos>=1 only": (EGPO, ["--egpo_clamp", "positive_only"]),
+    "C4 NSR w=1": (EGPO, ["--egpo_nsr_weighting", "unit"]),
+    "C5 clamp->renorm": (EGPO, ["--egpo_renorm", "after_clamp"]),
+    "C6 renorm->clamp": (EGPO, ["--egpo_renorm", "before_clamp"]),
+}
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-").replace("--", "-")
+
+
+def run_one(method: str, seed: int, args) -> dict:
+    recipe, overrides = METHODS[method]
+    out = Path(args.output) / f"{slug(method)}-seed{seed}"
+    if (out / "heldout.json").exists() and not args.rerun:
+        return collect(method, seed, out, wall=None)
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "egpo_trl.train", "--config", str(RECIPES / recipe), *overrides]
+    command += ["--seed", str(seed), "--output_dir", str(out), "--overwrite_output_dir", "true"]
+    command += ["--disable_tqdm", "true", "--save_final_model", "false"]
+    if args.device == "cuda":
+        command += ["--use_cpu", "false"]
+    if args.max_steps:
+        command += ["--max_steps", str(args.max_steps)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    start = time.time()
+    with open(out / "log.txt", "w") as log:
+        result = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    wall = time.time() - start
+    if result.returncode != 0:
+        print(f"  FAILED {method} seed {seed} (exit {result.returncode}); see {out / 'log.txt'}", flush=True)
+        return {"method": method, "seed": seed, "failed": True}
+    record = collect(method, seed, out, wall)
+    print(
+        f"  {method:18s} seed {seed}: {record['before']:.1%} -> {record['after']:.1%}  gap {record['gap']:+.3f}  "
+        f"({wall:.0f}s)",
+        flush=True,
+    )
+    return record
+
+
+def collect(method: str, seed: int, out: Path, wall: float | None) -> dict:
+    heldout = json.loads((out / "heldout.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    gaps = [r["egpo/entropy_gap"] for r in rows if "egpo/entropy_gap" in r][-10:]
+    return {
+        "method": method,
+        "seed": seed,
+        "before": heldout["before"]["accuracy"],
+        "after": heldout["after"]["accuracy"],
+        "gap": statistics.mean(gaps) if gaps else float("nan"),
+        "wall_s": wall,
+    }
+
+
+def fmt(values: list[float], pct: bool = True) -> str:
+    mean = statistics.mean(values)
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{100 * mean:.1f} ± {100 * std:.1f}" if pct else f"{mean:+.3f} ± {std:.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), metavar="METHOD")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--parallel", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads per run")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--max-steps", type=int, default=None, help="override the recipes' max_steps")
+    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "reproduce"))
+    parser.add_argument("--rerun", action="store_true", help="rerun runs whose results already exist")
+    args = parser.parse_args()
+
+    jobs = [(m, s) for s in args.seeds for m in args.methods]
+    print(f"{len(jobs)} runs, {args.parallel} at a time, on {args.device}", flush=True)
+    start = time.time()
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        records = list(pool.map(lambda job: run_one(job[0], job[1], args), jobs))
+    Path(args.output).mkdir(parents=True, exist_ok=True)
+    (Path(args.output) / "summary.json").write_text(json.dumps(records, indent=2) + "\n")
+
+    print(
+        f"\nHeld-out accuracy of the tiny model after training, {len(args.seeds)} seeds ({time.time() - start:.0f}s)\n"
+    )
+    print("| method | held-out acc. before (%) | after (%) | change (points) | entropy gap (incorrect - correct) |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for method in args.methods:
+        ok = [r for r in records if r["method"] == method and not r.get("failed")]
+        if not ok:
+            print(f"| {method} | failed | | | |")
+            continue
+        before = [r["before"] for r in ok]
+        after = [r["after"] for r in ok]
+        delta = [a - b for a, b in zip(after, before)]
+        gaps = [r["gap"] for r in ok if r["gap"] == r["gap"]]
+        gap = fmt(gaps, pct=False) if gaps else "-"
+        print(f"| {method} | {fmt(before)} | {fmt(after)} | {fmt(delta)} | {gap} |")
+
+
+if __name__ == "__main__":
+    main()
