@@ -1,0 +1,573 @@
+"""One command per recipe: the ``accelerate launch`` behind ``egpo-trl train``, ``--dry-run`` checks and tracking.
+
+``egpo-trl train recipes/egpo_qwen15b.yaml`` reads the recipe's ``accelerate_config`` and ``num_processes``. With
+an accelerate config, and outside a distributed launch, it prints and runs::
+
+    accelerate launch --config_file recipes/accelerate/zero2.yaml --num_processes 8 \\
+        -m egpo_trl.train --config recipes/egpo_qwen15b.yaml [overrides]
+
+whose processes train in-process (they see the launch's environment). Without one it trains in its own process.
+
+``egpo-trl train <recipe> --dry-run`` resolves the recipe and the accelerate config, checks what would otherwise
+fail minutes into a multi-GPU job (batch divisibility across processes, vLLM / DeepSpeed installed, lengths within
+the model's context, the dataset and the output folder), prints the resolved settings and the launch command, and
+exits non-zero listing every problem. It downloads nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DryRunReport",
+    "LaunchPlan",
+    "configure_tracking",
+    "dry_run",
+    "in_distributed_launch",
+    "launch_command",
+    "launch_if_requested",
+    "normalize_argv",
+    "plan_launch",
+]
+
+# Variables set by `accelerate launch` / torchrun in the processes they start.
+_LAUNCH_ENV_VARS = (
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "ACCELERATE_USE_CPU",
+    "ACCELERATE_MIXED_PRECISION",
+    "ACCELERATE_DYNAMO_BACKEND",
+    "ACCELERATE_USE_DEEPSPEED",
+    "ACCELERATE_USE_FSDP",
+)
+_NONE_VALUES = ("", "none", "null", "false")
+_DRY_RUN_FLAGS = ("--dry-run", "--dry_run")
+
+
+def normalize_argv(argv: Sequence[str]) -> tuple[list[str], bool]:
+    """Accept ``egpo-trl train <recipe.yaml> [...]`` as ``--config <recipe.yaml>`` and take out ``--dry-run``.
+
+    Returns:
+        ``(argv, dry_run)``: the arguments for :func:`egpo_trl.train.parse_args` and whether ``--dry-run`` was given.
+    """
+    args = list(argv)
+    is_dry_run = any(a in _DRY_RUN_FLAGS for a in args)
+    args = [a for a in args if a not in _DRY_RUN_FLAGS]
+    if args and not args[0].startswith("-"):
+        if "--config" in args:
+            raise SystemExit(
+                f"egpo-trl train: got the recipe {args[0]} and --config; give the recipe once (either form works)."
+            )
+        args = ["--config", args[0], *args[1:]]
+    return args, is_dry_run
+
+
+def in_distributed_launch(environ: dict[str, str] | None = None) -> bool:
+    """Whether this process was started by ``accelerate launch``/torchrun (so it must train, not launch again)."""
+    environ = os.environ if environ is None else environ
+    return any(name in environ for name in _LAUNCH_ENV_VARS)
+
+
+def _option(argv: Sequence[str], name: str) -> str | None:
+    """The last value of ``--name value`` / ``--name=value`` in ``argv`` (``None`` when absent)."""
+    value = None
+    for index, item in enumerate(argv):
+        if item == f"--{name}" and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif item.startswith(f"--{name}="):
+            value = item.split("=", 1)[1]
+    return value
+
+
+def _read_yaml(path: str | Path, what: str) -> dict[str, Any]:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"egpo-trl train: the {what} {path} does not exist; check the path.")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise SystemExit(f"egpo-trl train: {path} is not valid YAML: {error}") from error
+    if not isinstance(data, dict):
+        raise SystemExit(f"egpo-trl train: {path} must be a YAML mapping of field: value.")
+    return data
+
+
+def _visible_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - a broken CUDA setup counts as no GPU here
+        return 0
+
+
+@dataclass
+class LaunchPlan:
+    """How ``egpo-trl train`` runs a recipe.
+
+    Attributes:
+        recipe: the recipe path (``None`` without ``--config``).
+        accelerate_config: the accelerate config file, or ``None`` to train in this process.
+        accelerate_settings: that file's contents.
+        num_processes: processes of the launch (``None``: the accelerate config's own value).
+        argv: the arguments forwarded to ``egpo_trl.train``.
+    """
+
+    recipe: str | None
+    accelerate_config: str | None
+    accelerate_settings: dict[str, Any] = field(default_factory=dict)
+    num_processes: int | None = None
+    argv: list[str] = field(default_factory=list)
+
+    @property
+    def distributed_type(self) -> str | None:
+        return self.accelerate_settings.get("distributed_type") if self.accelerate_config else None
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return self.distributed_type == "DEEPSPEED" or bool(self.accelerate_settings.get("use_deepspeed"))
+
+    @property
+    def zero_stage(self) -> int | None:
+        ds = self.accelerate_settings.get("deepspeed_config") or {}
+        return ds.get("zero_stage") if self.uses_deepspeed else None
+
+    @property
+    def world_size(self) -> int:
+        if self.accelerate_config is None:
+            return 1
+        if self.num_processes is not None:
+            return self.num_processes
+        return int(self.accelerate_settings.get("num_processes") or 1)
+
+
+def plan_launch(argv: Sequence[str]) -> LaunchPlan:
+    """Read ``accelerate_config``/``num_processes`` from the recipe and the command line (the latter wins).
+
+    ``num_processes`` defaults to the number of GPUs this machine sees, else the accelerate config's value.
+    ``--accelerate_config none`` trains in this process whatever the recipe says.
+    """
+    argv = list(argv)
+    recipe = _option(argv, "config")
+    data = _read_yaml(recipe, "recipe") if recipe else {}
+    accelerate_config = _option(argv, "accelerate_config") or data.get("accelerate_config")
+    if accelerate_config is not None and str(accelerate_config).lower() in _NONE_VALUES:
+        accelerate_config = None
+    num_processes = _option(argv, "num_processes") or data.get("num_processes")
+    if num_processes is not None and str(num_processes).lower() in _NONE_VALUES:
+        num_processes = None
+    if num_processes is not None:
+        try:
+            num_processes = int(num_processes)
+        except ValueError:
+            raise SystemExit(f"egpo-trl train: num_processes must be an integer, got {num_processes!r}.") from None
+        if num_processes < 1:
+            raise SystemExit(f"egpo-trl train: num_processes must be >= 1, got {num_processes}.")
+    settings: dict[str, Any] = {}
+    if accelerate_config is not None:
+        settings = _read_yaml(accelerate_config, "accelerate config")
+        if num_processes is None and not settings.get("use_cpu"):
+            num_processes = _visible_gpus() or None
+    return LaunchPlan(
+        recipe=recipe,
+        accelerate_config=str(accelerate_config) if accelerate_config is not None else None,
+        accelerate_settings=settings,
+        num_processes=num_processes,
+        argv=argv,
+    )
+
+
+def launch_command(plan: LaunchPlan, executable: Sequence[str] = ("accelerate", "launch")) -> list[str]:
+    """The ``accelerate launch`` command line of a plan (``executable`` replaces ``accelerate launch``)."""
+    if plan.accelerate_config is None:
+        return ["egpo-trl", "train", *plan.argv]
+    command = [*executable, "--config_file", plan.accelerate_config]
+    if plan.num_processes is not None:
+        command += ["--num_processes", str(plan.num_processes)]
+    return [*command, "-m", "egpo_trl.train", *plan.argv]
+
+
+def _printable(command: Sequence[str]) -> str:
+    return " ".join(shlex.quote(part) for part in command)
+
+
+def launch_if_requested(argv: Sequence[str]) -> int | None:
+    """Run ``accelerate launch`` when the recipe names an accelerate config and this is not a launched process.
+
+    Prints the command first (so that it can be run by hand or from a SLURM script).
+
+    Returns:
+        The launch's exit status, or ``None`` when training should happen in this process.
+    """
+    if in_distributed_launch():
+        return None
+    plan = plan_launch(argv)
+    if plan.accelerate_config is None:
+        return None
+    print(f"Launching: {_printable(launch_command(plan))}", flush=True)
+    # `python -m accelerate.commands.launch` is `accelerate launch` without relying on the console script.
+    command = launch_command(plan, executable=(sys.executable, "-m", "accelerate.commands.launch"))
+    return subprocess.run(command, check=False).returncode
+
+
+def configure_tracking(training_args) -> None:
+    """Point the Weights & Biases run at the recipe's ``project`` and keep its files beside the run's outputs.
+
+    ``WANDB_PROJECT`` defaults to ``project`` and ``WANDB_DIR`` to ``output_dir`` (so an offline run,
+    ``WANDB_MODE=offline``, lands in ``<output_dir>/wandb/offline-run-*``, to upload later with ``wandb sync``).
+    Variables already set in the environment win. The run's name is ``run_name``.
+    """
+    report_to = training_args.report_to or []
+    if isinstance(report_to, str):
+        report_to = [report_to]
+    if "wandb" not in report_to and "all" not in report_to:
+        return
+    if training_args.project:
+        os.environ.setdefault("WANDB_PROJECT", training_args.project)
+    os.environ.setdefault("WANDB_DIR", str(training_args.output_dir))
+    Path(os.environ["WANDB_DIR"]).mkdir(parents=True, exist_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------- dry run
+@dataclass
+class DryRunReport:
+    """What ``--dry-run`` found: resolved settings, problems (fatal) and notes."""
+
+    settings: list[tuple[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    command: str | None = None
+    precision: str | None = None
+
+    def render(self) -> str:
+        width = max((len(k) for k, _ in self.settings), default=0)
+        lines = ["Resolved settings:"]
+        lines += [f"  {key.ljust(width)}  {value}" for key, value in self.settings]
+        if self.command:
+            lines += ["", "Launch command:", f"  {self.command}"]
+        if self.notes:
+            lines += ["", "Notes:"] + [f"  - {note}" for note in self.notes]
+        lines.append("")
+        if self.problems:
+            lines.append(f"{len(self.problems)} problem(s) found:")
+            lines += [f"  - {problem}" for problem in self.problems]
+        else:
+            lines.append("No problems found: the recipe is ready to run.")
+        return "\n".join(lines)
+
+
+def _looks_local(name: str) -> bool:
+    """A dataset name that can only be a local path (a Hub id is ``name`` or ``owner/name``)."""
+    return (
+        name.startswith((".", "/", "~"))
+        or name.count("/") > 1
+        or Path(name).suffix in (".json", ".jsonl", ".csv", ".parquet")
+    )
+
+
+def _check_dataset(script_args, report: DryRunReport) -> None:
+    from egpo_trl.train import SYNTHETIC_DATASET_PREFIX
+
+    name = script_args.dataset_name
+    if name.startswith(SYNTHETIC_DATASET_PREFIX):
+        report.notes.append(f"dataset: built-in synthetic task {name}.")
+        return
+    path = Path(name).expanduser()
+    if path.exists():
+        if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "dataset_info.json").is_file()):
+            from datasets import DatasetDict, load_from_disk
+
+            try:
+                loaded = load_from_disk(str(path))
+            except Exception as error:  # noqa: BLE001 - any failure is reported
+                report.problems.append(f"dataset {path} cannot be read with load_from_disk: {error}")
+                return
+            splits = loaded if isinstance(loaded, DatasetDict) else {script_args.dataset_train_split: loaded}
+            if script_args.dataset_train_split not in splits:
+                report.problems.append(
+                    f"dataset {path} has no split {script_args.dataset_train_split!r} (splits: {list(splits)}); set "
+                    "dataset_train_split."
+                )
+                return
+            train = splits[script_args.dataset_train_split]
+            columns = train.column_names
+            if script_args.prompt_template is None and "prompt" not in columns:
+                report.problems.append(
+                    f"dataset {path} has no 'prompt' column (columns: {columns}); set prompt_template."
+                )
+            if script_args.answer_column not in columns:
+                report.problems.append(
+                    f"dataset {path} has no {script_args.answer_column!r} column for the reward (columns: {columns})."
+                )
+            report.settings.append(("train rows", len(train)))
+        return
+    if _looks_local(name):
+        report.problems.append(
+            f"dataset {name} does not exist. Build OpenR1-Stable-10k with `egpo-trl data build --config "
+            "recipes/data/openr1_stable_10k.yaml` (it writes outputs/data/openr1_stable_10k/dataset), or point "
+            "dataset_name at a Hub dataset."
+        )
+    else:
+        report.notes.append(f"dataset: {name} is loaded from the Hugging Face Hub at run time (not checked).")
+
+
+def _check_output_dir(script_args, training_args, report: DryRunReport) -> None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from egpo_trl.train import _RUN_MARKERS
+
+    path = Path(training_args.output_dir)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK):
+        report.problems.append(f"output_dir {path} is not writable ({existing} is read-only); choose another folder.")
+    resume = training_args.resume_from_checkpoint
+    resuming = resume is not None and str(resume).lower() not in _NONE_VALUES
+    if resuming and str(resume).lower() in ("true", "last", "latest"):
+        if not path.is_dir() or get_last_checkpoint(str(path)) is None:
+            report.problems.append(
+                f"resume_from_checkpoint={resume} but {path} has no checkpoint-* folder; give a checkpoint path or "
+                "start a new run."
+            )
+        else:
+            report.settings.append(("resumes from", get_last_checkpoint(str(path))))
+    elif resuming:
+        if not Path(resume).is_dir():
+            report.problems.append(f"resume_from_checkpoint={resume} does not exist.")
+        else:
+            report.settings.append(("resumes from", resume))
+    if path.is_dir() and not resuming:
+        found = [p.name for p in sorted(path.glob("checkpoint-*")) if p.is_dir()]
+        found += [name for name in _RUN_MARKERS if (path / name).exists()]
+        if found and script_args.overwrite_output_dir:
+            report.notes.append(f"overwrite_output_dir: the earlier run's outputs in {path} will be removed.")
+        elif found:
+            report.problems.append(
+                f"output_dir {path} already holds another run ({', '.join(found[:5])}); choose a new output_dir, "
+                "resume with --resume_from_checkpoint true, or pass --overwrite_output_dir true."
+            )
+
+
+def _check_context(script_args, training_args, model_args, report: DryRunReport) -> None:
+    from egpo_trl.train import resolve_model_path
+
+    completion = training_args.max_completion_length
+    prompt = script_args.max_prompt_length
+    total = (prompt or 0) + completion
+    vllm_length = training_args.vllm_max_model_length
+    if training_args.use_vllm and vllm_length is not None and prompt is not None and vllm_length < total:
+        report.problems.append(
+            f"vllm_max_model_length={vllm_length} < max_prompt_length + max_completion_length = {total}: vLLM would "
+            "cut generations short; raise vllm_max_model_length."
+        )
+    try:
+        path = resolve_model_path(model_args.model_name_or_path)
+    except SystemExit as error:
+        report.problems.append(str(error).removeprefix("egpo-trl train: "))
+        return
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(
+            path,
+            revision=model_args.model_revision,
+            trust_remote_code=training_args.trust_remote_code,
+            local_files_only=True,
+        )
+    except Exception:  # noqa: BLE001 - not available offline: nothing to check against
+        report.settings.append(("model context", f"not checked ({path} is not available locally)"))
+        return
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    context = getattr(text_config, "max_position_embeddings", None)
+    if context is None:
+        report.settings.append(("model context", "not checked (the model config has no max_position_embeddings)"))
+        return
+    report.settings.append(("model context", f"{context} tokens"))
+    if total > context:
+        what = "max_prompt_length + max_completion_length" if prompt is not None else "max_completion_length"
+        report.problems.append(
+            f"{what} = {total} exceeds the model's context ({context} tokens); lower max_completion_length."
+        )
+    if training_args.use_vllm and vllm_length is not None and vllm_length > context:
+        report.problems.append(f"vllm_max_model_length={vllm_length} exceeds the model's context ({context} tokens).")
+    if prompt is None:
+        report.notes.append(
+            "max_prompt_length is not set: only max_completion_length was checked against the model's context."
+        )
+
+
+def _check_wandb(training_args, report: DryRunReport) -> None:
+    report_to = training_args.report_to or []
+    if "wandb" not in report_to and "all" not in report_to:
+        return
+    if importlib.util.find_spec("wandb") is None:
+        report.problems.append("report_to includes wandb but wandb is not installed: pip install wandb.")
+        return
+    mode = os.environ.get("WANDB_MODE", "").lower()
+    if mode in ("offline", "disabled", "dryrun"):
+        report.notes.append(f"wandb: WANDB_MODE={mode}.")
+    elif not os.environ.get("WANDB_API_KEY") and not (Path.home() / ".netrc").is_file():
+        report.notes.append(
+            "wandb: no API key found (WANDB_API_KEY or `wandb login`); without network set WANDB_MODE=offline and "
+            "upload later with `wandb sync`."
+        )
+
+
+def _parse_for_dry_run(argv: list[str], report: DryRunReport):
+    """``parse_args`` without this machine's checks: no GPU needed for bf16, no batch check at one process.
+
+    ``GRPOConfig`` checks the generation batch against the process count of the process that parses it (one
+    here); the dry run checks it for the launch's count instead, so the parse sees a process count that any
+    group size divides.
+    """
+    from unittest import mock
+
+    from egpo_trl.config import EGPOConfig
+    from egpo_trl.train import parse_args
+
+    any_group = math.lcm(*range(1, 65))
+
+    def parse(args):
+        with mock.patch.object(EGPOConfig, "world_size", property(lambda self: any_group)):
+            return parse_args(args)
+
+    try:
+        return parse(argv)
+    except SystemExit as error:
+        message = str(error)
+        if ("bf16" in message or "fp16" in message) and _visible_gpus() == 0:
+            report.notes.append("bf16/fp16 not checked: this machine sees no GPU (checked again at launch).")
+            report.precision = "bf16" if "--bf16" not in argv and "bf16" in message else None
+            report.precision = f"{report.precision or 'bf16/fp16'} (as the recipe says; not checked without a GPU)"
+            try:
+                return parse([*argv, "--bf16", "false", "--fp16", "false"])
+            except SystemExit as second:
+                message = str(second)
+        report.problems.append(message.removeprefix("egpo-trl train: "))
+        return None
+
+
+def dry_run(argv: Sequence[str]) -> int:
+    """Resolve and check a recipe without training or downloading; print the report.
+
+    Returns:
+        0 when no problem was found, 1 otherwise (every problem is listed).
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    report = DryRunReport()
+    argv = list(argv)
+    plan = None
+    try:
+        plan = plan_launch(argv)
+    except SystemExit as error:
+        report.problems.append(str(error).removeprefix("egpo-trl train: "))
+    parsed = _parse_for_dry_run(argv, report)
+
+    if plan is not None:
+        report.settings.append(("recipe", plan.recipe))
+        if plan.accelerate_config is None:
+            report.settings.append(("launch", "in this process (no accelerate_config)"))
+        else:
+            report.settings.append(
+                ("accelerate config", f"{plan.accelerate_config} ({plan.distributed_type or 'no distributed_type'})")
+            )
+            report.settings.append(("processes", plan.world_size))
+            if plan.uses_deepspeed:
+                report.settings.append(("DeepSpeed ZeRO stage", plan.zero_stage))
+                if importlib.util.find_spec("deepspeed") is None:
+                    report.problems.append(
+                        f"{plan.accelerate_config} uses DeepSpeed, which is not installed: pip install deepspeed (or "
+                        "use recipes/accelerate/ddp.yaml)."
+                    )
+            gpus = _visible_gpus()
+            if not plan.accelerate_settings.get("use_cpu"):
+                if gpus == 0:
+                    report.notes.append(f"this machine sees no GPU; the launch needs {plan.world_size}.")
+                elif gpus < plan.world_size:
+                    report.problems.append(
+                        f"the launch needs {plan.world_size} GPUs but this machine sees {gpus}; set num_processes."
+                    )
+        report.command = _printable(launch_command(plan))
+
+    if parsed is not None:
+        script_args, args, model_args = parsed
+        world = plan.world_size if plan is not None else 1
+        steps_per_generation = args.steps_per_generation or args.gradient_accumulation_steps
+        generation_batch = args.per_device_train_batch_size * world * steps_per_generation
+        optimizer_batch = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
+        report.settings += [
+            ("model", model_args.model_name_or_path),
+            ("dataset", f"{script_args.dataset_name} (split {script_args.dataset_train_split})"),
+            ("method", args.advantage_estimator),
+            ("output_dir", args.output_dir),
+            ("completions per prompt", args.num_generations),
+            (
+                "batch",
+                f"{args.per_device_train_batch_size} per device x {world} processes x {args.gradient_accumulation_steps}"
+                f" accumulation = {optimizer_batch} completions ({optimizer_batch / args.num_generations:g} prompts) "
+                "per optimizer step",
+            ),
+            ("generation batch", f"{generation_batch} completions every {steps_per_generation} step(s)"),
+            ("learning rate", args.learning_rate),
+            ("length", f"epochs {args.num_train_epochs:g}" if args.max_steps <= 0 else f"max_steps {args.max_steps}"),
+            ("max_prompt_length", script_args.max_prompt_length),
+            ("max_completion_length", args.max_completion_length),
+            ("sampling", f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"),
+            ("precision", report.precision or ("bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32"))),
+            ("gradient checkpointing", args.gradient_checkpointing),
+            ("report_to", ", ".join(args.report_to or []) or "none"),
+            ("project / run_name", f"{args.project} / {args.run_name}"),
+        ]
+        if args.advantage_estimator == "egpo":
+            report.settings.append(("egpo lambda min / max", f"{args.egpo_lambda_min} / {args.egpo_lambda_max}"))
+        if generation_batch % args.num_generations != 0:
+            report.problems.append(
+                f"the generation batch ({args.per_device_train_batch_size} per device x {world} processes x "
+                f"{steps_per_generation} steps_per_generation = {generation_batch}) is not divisible into groups of "
+                f"num_generations={args.num_generations}; change per_device_train_batch_size, num_processes or "
+                "gradient_accumulation_steps."
+            )
+        if args.use_vllm:
+            report.settings.append(
+                (
+                    "vLLM",
+                    f"mode {args.vllm_mode}, gpu_memory_utilization {args.vllm_gpu_memory_utilization}, "
+                    f"sleep mode {args.vllm_enable_sleep_mode}, max_model_length {args.vllm_max_model_length}, "
+                    f"tensor_parallel_size {args.vllm_tensor_parallel_size}",
+                )
+            )
+            if importlib.util.find_spec("vllm") is None:
+                report.problems.append(
+                    "use_vllm is true but vLLM is not installed: pip install vllm (or pass --use_vllm false to "
+                    "generate with transformers)."
+                )
+            if args.vllm_mode == "colocate" and world % args.vllm_tensor_parallel_size != 0:
+                report.problems.append(
+                    f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size} does not divide the {world} processes."
+                )
+            if args.vllm_mode == "server":
+                report.notes.append("vllm_mode server: a `trl vllm-serve` server must be running before the launch.")
+        if plan is not None and plan.zero_stage == 3 and script_args.eval_size > 0:
+            report.problems.append(
+                "the held-out check (eval_size > 0) generates on the main process only, which ZeRO-3's sharded "
+                "weights do not allow; set eval_size: 0 and evaluate the saved model with `egpo-trl eval`."
+            )
+        _check_context(script_args, args, model_args, report)
+        _check_dataset(script_args, report)
+        _check_output_dir(script_args, args, report)
+        _check_wandb(args, report)
+
+    print(report.render(), flush=True)
+    return 1 if report.problems else 0

@@ -1,0 +1,160 @@
+"""``egpo-trl train <recipe>``: the accelerate launch, resuming a run, and wandb tracking offline."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from egpo_trl.launch import in_distributed_launch, normalize_argv
+from egpo_trl.train import main, read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+# A short run of the CPU demo recipe on the tiny test model: 2 steps of 2 prompts x 4 completions.
+TINY_RUN = [
+    "--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4",
+    "--max_completion_length", "16", "--eval_size", "0", "--synthetic_train_size", "64", "--plot", "false",
+    "--disable_tqdm", "true",
+]  # fmt: skip
+
+
+def test_positional_recipe_and_dry_run_flag():
+    assert normalize_argv(["recipes/egpo_qwen15b.yaml", "--seed", "1"]) == (
+        ["--config", "recipes/egpo_qwen15b.yaml", "--seed", "1"],
+        False,
+    )
+    assert normalize_argv(["--config", "r.yaml", "--dry-run"]) == (["--config", "r.yaml"], True)
+    with pytest.raises(SystemExit, match="give the recipe once"):
+        normalize_argv(["a.yaml", "--config", "b.yaml"])
+
+
+def test_launched_processes_train_in_process():
+    assert in_distributed_launch({"LOCAL_RANK": "0", "WORLD_SIZE": "2"})
+    assert in_distributed_launch({"ACCELERATE_MIXED_PRECISION": "bf16"})
+    assert not in_distributed_launch({"PATH": "/usr/bin"})
+
+
+def _wandb_records(run_file: str):
+    """The records of an offline wandb run file (a LevelDB-style log of protobuf ``Record`` messages)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(run_file).read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if length == 0 and kind == 0:
+            pos += left
+            continue
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 2:
+            pending = chunk
+            continue
+        if kind == 3:
+            pending += chunk
+            continue
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(pending + chunk if kind == 4 else chunk)
+        pending = b""
+        yield record
+
+
+@pytest.mark.slow
+def test_wandb_offline_run_holds_the_egpo_metrics_and_completions(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_MODE="offline", HF_HUB_OFFLINE="1", WANDB_SILENT="true")
+    command = [sys.executable, "-m", "egpo_trl.train", "recipes/demo_tiny_cpu.yaml", *TINY_RUN]
+    command += ["--model_name_or_path", tiny_model_dir, "--output_dir", str(out), "--save_final_model", "false"]
+    command += ["--report_to", "wandb", "--project", "egpo-tests", "--run_name", "tiny-offline"]
+    command += ["--log_completions", "true"]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+
+    runs = glob.glob(str(out / "wandb" / "offline-run-*"))
+    assert len(runs) == 1, "the offline run lands in <output_dir>/wandb"
+    (run_file,) = glob.glob(f"{runs[0]}/run-*.wandb")
+    keys, names, steps = set(), set(), set()
+    for record in _wandb_records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            names.add((record.run.project, record.run.display_name))
+        elif kind == "history":
+            items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
+            keys |= items.keys()
+            if "train/global_step" in items:
+                steps.add(int(float(items["train/global_step"])))
+    assert ("egpo-tests", "tiny-offline") in names
+    for key in ("train/egpo/frac_all_incorrect", "train/egpo/entropy_mean", "train/egpo/frac_mixed"):
+        assert key in keys  # the egpo/* metrics
+    assert {"train/reward", "train/loss", "train/step_time"} <= keys  # TRL's metrics
+    assert "completions/_type" in keys  # the completions table ...
+    assert glob.glob(f"{runs[0]}/files/media/table/completions_*.table.json")  # ... and its contents
+    assert {1, 2} <= steps and max(steps) == 2
+    # The same numbers land in metrics.jsonl.
+    records = [r for r in read_metrics(out / "metrics.jsonl") if "reward" in r]
+    assert [r["step"] for r in records] == [1, 2] and "egpo/entropy_mean" in records[0]
+
+
+@pytest.mark.slow
+def test_resume_continues_the_same_run(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "run"
+    base = ["recipes/demo_tiny_cpu.yaml", *TINY_RUN, "--model_name_or_path", tiny_model_dir]
+    base += ["--output_dir", str(out), "--save_strategy", "steps", "--save_steps", "1", "--save_final_model", "false"]
+    assert main(base) == 0
+    first = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in first if "reward" in r] == [1, 2]
+    # Without --resume_from_checkpoint the folder is refused: nothing is overwritten.
+    with pytest.raises(SystemExit, match="already holds another run"):
+        main([*base, "--max_steps", "4"])
+    assert main([*base, "--max_steps", "4", "--resume_from_checkpoint", "true"]) == 0
+    records = read_metrics(out / "metrics.jsonl")
+    assert records[: len(first)] == first  # appended, not lost
+    assert [r["step"] for r in records if "reward" in r] == [1, 2, 3, 4]
+    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4
+    # An explicit checkpoint path works too.
+    assert main([*base, "--max_steps", "5", "--resume_from_checkpoint", str(out / "checkpoint-4")]) == 0
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "reward" in r] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+def test_one_command_runs_accelerate_launch_with_two_processes(tiny_model_dir, tmp_path):
+    # The DDP config of the recipes, for 2 processes; without a GPU the processes use gloo on CPU.
+    config = yaml.safe_load((REPO / "recipes/accelerate/ddp.yaml").read_text())
+    config.update(mixed_precision="no", main_process_port=29000 + os.getpid() % 1000)
+    accelerate_config = tmp_path / "ddp2.yaml"
+    accelerate_config.write_text(yaml.safe_dump(config))
+    recipe = yaml.safe_load((REPO / "recipes/demo_tiny_cpu.yaml").read_text())
+    recipe.update(accelerate_config=str(accelerate_config), num_processes=2, model_name_or_path=tiny_model_dir)
+    recipe_path = tmp_path / "recipe.yaml"
+    recipe_path.write_text(yaml.safe_dump(recipe))
+    out = tmp_path / "run"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
+        env.pop(name, None)
+    # 2 per device x 2 processes = one group of 4: a single process could not form it (2 % 4 != 0).
+    overrides = [*TINY_RUN, "--per_device_train_batch_size", "2", "--output_dir", str(out)]
+    command = [sys.executable, "-m", "egpo_trl.train", str(recipe_path), *overrides]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    launched = next(line for line in result.stdout.splitlines() if line.startswith("Launching: "))
+    assert launched.startswith(
+        f"Launching: accelerate launch --config_file {accelerate_config} --num_processes 2 -m egpo_trl.train "
+        f"--config {recipe_path} --max_steps 2"
+    )
+    records = [r for r in read_metrics(out / "metrics.jsonl") if "reward" in r]
+    assert [r["step"] for r in records] == [1, 2]
+    assert "egpo/frac_all_incorrect" in records[0]

@@ -1,0 +1,180 @@
+"""The paper's recipes: every one loads with the paper's values, and ``--dry-run`` checks each without downloading."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import make_prompt_dataset
+
+from egpo_trl.launch import dry_run, launch_command, plan_launch
+from egpo_trl.train import parse_args
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = {
+    "qwen15b": ("Qwen/Qwen2.5-Math-1.5B", 3072, "zero2"),
+    "qwen7b": ("Qwen/Qwen2.5-Math-7B", 3072, "zero3"),
+    "r1_distill_15b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", 15360, "zero2"),
+    "r1_distill_7b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", 15360, "zero3"),
+}
+METHODS = ("egpo", "grpo", "dapo", "edge_grpo")
+RECIPE_KEYS = {f"recipes/{method}_{model}.yaml": (method, model) for method in METHODS for model in MODELS}
+RECIPES = list(RECIPE_KEYS)
+QWEN_MATH_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+# Fields that may differ between the recipes of one model: the method's block and the run's names.
+METHOD_FIELDS = {"output_dir", "run_name"}
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)
+
+
+def _method_fields(path: str) -> set[str]:
+    """Keys of the recipe's last block (the method's fields)."""
+    text = (REPO / path).read_text().rstrip().split("\n\n")[-1]
+    return {line.split(":")[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_has_the_papers_settings(recipe):
+    method, model_key = RECIPE_KEYS[recipe]
+    model, completion, zero = MODELS[model_key]
+    raw = yaml.safe_load((REPO / recipe).read_text())
+    assert raw["bf16"] is True  # checked on the YAML: this machine has no GPU for bf16
+    script_args, args, model_args = parse_args(["--config", recipe, "--bf16", "false"])
+    assert model_args.model_name_or_path == model
+    assert args.num_generations == 16
+    assert args.learning_rate == 1e-6
+    assert args.num_train_epochs == 5
+    assert args.gradient_checkpointing
+    assert args.use_vllm and args.vllm_mode == "colocate" and args.vllm_enable_sleep_mode
+    assert 0.2 <= args.vllm_gpu_memory_utilization <= 0.6
+    assert args.max_completion_length == completion
+    assert script_args.max_prompt_length + args.max_completion_length == args.vllm_max_model_length
+    assert args.vllm_max_model_length == (4096 if model_key.startswith("qwen") else 16384)
+    assert script_args.reward_funcs == ["boxed_accuracy_reward"]
+    assert script_args.system_prompt == QWEN_MATH_PROMPT
+    assert script_args.dataset_name == "outputs/data/openr1_stable_10k/dataset"
+    assert script_args.accelerate_config == f"recipes/accelerate/{zero}.yaml"
+    assert script_args.num_processes == 8
+    assert args.report_to == ["wandb"] and args.project == "egpo" and args.run_name == f"{method}_{model_key}"
+    assert args.log_completions
+    # 64 prompts x 16 rollouts per optimizer step on 8 GPUs: 5 epochs of ~9.9k problems = ~770 steps.
+    assert args.per_device_train_batch_size * 8 * args.gradient_accumulation_steps == 64 * 16
+    expected_estimator = {"egpo": "egpo", "grpo": "grpo", "dapo": "grpo", "edge_grpo": "edge_grpo"}[method]
+    assert args.advantage_estimator == expected_estimator
+    if method == "egpo":
+        assert (args.egpo_lambda_min, args.egpo_lambda_max) == (0.8, 2.0)
+        assert args.egpo_clamp == "asymmetric" and args.egpo_nsr
+    if method == "dapo":
+        assert args.epsilon_high == 0.28 and args.dynamic_sampling and args.overlong_buffer_length > 0
+    if method == "edge_grpo":
+        assert args.edge_gec
+
+
+@pytest.mark.parametrize("model_key", MODELS)
+def test_baseline_recipes_differ_only_in_the_methods_fields(model_key):
+    def settings(method):
+        return yaml.safe_load((REPO / f"recipes/{method}_{model_key}.yaml").read_text())
+
+    egpo = settings("egpo")
+    for method in METHODS[1:]:
+        other = settings(method)
+        allowed = (
+            METHOD_FIELDS
+            | _method_fields(f"recipes/{method}_{model_key}.yaml")
+            | _method_fields(f"recipes/egpo_{model_key}.yaml")
+        )
+        differing = {k for k in egpo.keys() | other.keys() if egpo.get(k) != other.get(k)}
+        assert differing <= allowed, differing - allowed
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_dry_run_on_every_recipe(recipe, capsys):
+    code = dry_run(["--config", recipe])
+    out = capsys.readouterr().out
+    model, _, zero = MODELS[RECIPE_KEYS[recipe][1]]
+    # The Hub model is not on this machine: the context check says so instead of downloading it.
+    assert f"not checked ({model} is not available locally)" in out
+    assert (
+        f"accelerate launch --config_file recipes/accelerate/{zero}.yaml --num_processes 8 -m egpo_trl.train "
+        f"--config {recipe}" in out
+    )
+    expected = ["dataset outputs/data/openr1_stable_10k/dataset does not exist"]
+    if importlib.util.find_spec("vllm") is None:
+        expected.append("use_vllm is true but vLLM is not installed")
+    if importlib.util.find_spec("deepspeed") is None:
+        expected.append("uses DeepSpeed, which is not installed")
+    assert f"{len(expected)} problem(s) found" in out
+    for problem in expected:
+        assert problem in out
+    assert code == 1
+
+
+@pytest.fixture
+def local_dataset(tmp_path):
+    from datasets import DatasetDict
+
+    path = tmp_path / "dataset"
+    DatasetDict({"train": make_prompt_dataset(32), "validation": make_prompt_dataset(8)}).save_to_disk(str(path))
+    return str(path)
+
+
+def _tiny_overrides(model_dir, dataset, output_dir):
+    return [
+        "--model_name_or_path", model_dir, "--dataset_name", dataset, "--output_dir", str(output_dir),
+        "--use_vllm", "false", "--accelerate_config", "recipes/accelerate/ddp.yaml", "--num_processes", "2",
+        "--bf16", "false", "--max_prompt_length", "64", "--max_completion_length", "256",
+        "--vllm_max_model_length", "320",
+    ]  # fmt: skip
+
+
+def test_dry_run_passes_on_a_complete_local_setup(tiny_model_dir, local_dataset, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    code = dry_run(
+        ["--config", "recipes/egpo_qwen15b.yaml", *_tiny_overrides(tiny_model_dir, local_dataset, tmp_path)]
+    )
+    out = capsys.readouterr().out
+    assert "No problems found" in out, out
+    assert code == 0
+    assert "model context           512 tokens" in out
+    assert "4 per device x 2 processes x 32 accumulation = 256 completions (16 prompts)" in out
+    assert "train rows              32" in out
+
+
+def test_dry_run_lists_every_late_failure(tiny_model_dir, local_dataset, tmp_path, capsys):
+    out_dir = tmp_path / "earlier-run"
+    (out_dir / "checkpoint-10").mkdir(parents=True)
+    overrides = _tiny_overrides(tiny_model_dir, local_dataset, out_dir)
+    overrides += ["--max_completion_length", "600", "--per_device_train_batch_size", "1"]
+    overrides += ["--gradient_accumulation_steps", "3", "--accelerate_config", "recipes/accelerate/zero3.yaml"]
+    overrides += ["--eval_size", "4"]
+    code = dry_run(["--config", "recipes/egpo_qwen15b.yaml", *overrides])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "is not divisible into groups of num_generations=16" in out  # 1 x 2 x 3 = 6
+    assert "exceeds the model's context (512 tokens)" in out  # 64 + 600
+    assert "vllm_max_model_length=320 < max_prompt_length + max_completion_length = 664" not in out  # vLLM off
+    assert "already holds another run (checkpoint-10)" in out
+    assert "ZeRO-3's sharded weights" in out
+    # Resuming that folder is fine.
+    code = dry_run(["--config", "recipes/egpo_qwen15b.yaml", *overrides, "--resume_from_checkpoint", "true"])
+    out = capsys.readouterr().out
+    assert "already holds another run" not in out and "resumes from" in out
+
+
+def test_launch_plan_and_command(tmp_path):
+    plan = plan_launch(["--config", "recipes/egpo_qwen7b.yaml", "--num_processes", "4", "--seed", "1"])
+    assert plan.accelerate_config == "recipes/accelerate/zero3.yaml" and plan.zero_stage == 3
+    assert launch_command(plan) == [
+        "accelerate", "launch", "--config_file", "recipes/accelerate/zero3.yaml", "--num_processes", "4",
+        "-m", "egpo_trl.train", "--config", "recipes/egpo_qwen7b.yaml", "--num_processes", "4", "--seed", "1",
+    ]  # fmt: skip
+    assert (
+        plan_launch(["--config", "recipes/egpo_qwen7b.yaml", "--accelerate_config", "none"]).accelerate_config is None
+    )
+    # A CPU recipe names no accelerate config: it trains in its own process.
+    assert plan_launch(["--config", "recipes/demo_tiny_cpu.yaml"]).accelerate_config is None
