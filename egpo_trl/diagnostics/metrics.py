@@ -1,0 +1,288 @@
+"""Entropy of evaluation records per segment, ROC-AUC for predicting incorrect answers, bootstrap intervals.
+
+The entropy proxy is the paper's Eq. 5, the mean negative log-probability of the sampled tokens, taken
+over the whole completion, the thinking segment and the answer segment (:mod:`egpo_trl.segments`).
+"Positive" in the ROC analysis is an **incorrect** answer, as in the paper's Table 3: an AUC above 0.5
+means that higher entropy goes with wrong answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from egpo_trl.segments import DEFAULT_THINK_END, DEFAULT_THINK_START, segment_entropy, segment_masks
+
+__all__ = [
+    "SCOPES",
+    "EntropyTable",
+    "bootstrap_gap_and_auc",
+    "entropy_table",
+    "roc_auc",
+    "roc_curve",
+    "scope_report",
+]
+
+SCOPES = ("completion", "thinking", "answer")
+
+
+@dataclass
+class EntropyTable:
+    """Per-completion entropies and labels, aligned arrays of length ``N``.
+
+    Attributes:
+        completion / thinking / answer: entropy proxy per scope (``NaN`` where the segment is empty).
+        thinking_tokens / answer_tokens: segment lengths in tokens.
+        correct: whether the answer was correct.
+        group: index of the completion's problem (for the bootstrap over problems).
+        benchmark, problem_id, sample: where each completion comes from.
+    """
+
+    completion: np.ndarray
+    thinking: np.ndarray
+    answer: np.ndarray
+    thinking_tokens: np.ndarray
+    answer_tokens: np.ndarray
+    correct: np.ndarray
+    group: np.ndarray
+    benchmark: list[str]
+    problem_id: list[str]
+    sample: list[int]
+
+    def __len__(self) -> int:
+        return len(self.correct)
+
+    def scope(self, name: str) -> np.ndarray:
+        if name not in SCOPES:
+            raise ValueError(f"Unknown scope {name!r}; choose one of {SCOPES}.")
+        return getattr(self, name)
+
+    def subset(self, keep: np.ndarray) -> EntropyTable:
+        index = np.flatnonzero(keep)
+        return EntropyTable(
+            completion=self.completion[index],
+            thinking=self.thinking[index],
+            answer=self.answer[index],
+            thinking_tokens=self.thinking_tokens[index],
+            answer_tokens=self.answer_tokens[index],
+            correct=self.correct[index],
+            group=self.group[index],
+            benchmark=[self.benchmark[i] for i in index],
+            problem_id=[self.problem_id[i] for i in index],
+            sample=[self.sample[i] for i in index],
+        )
+
+
+def _padded(rows: Sequence[Sequence[float]], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max((len(row) for row in rows), default=0)
+    values = torch.zeros((len(rows), width), dtype=dtype)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for index, row in enumerate(rows):
+        if len(row):
+            values[index, : len(row)] = torch.tensor(row, dtype=dtype)
+            mask[index, : len(row)] = 1
+    return values, mask
+
+
+def _span_mask(spans: Sequence[Sequence[int]], width: int) -> torch.Tensor:
+    bounds = torch.tensor([list(span) for span in spans], dtype=torch.long).reshape(-1, 2)
+    positions = torch.arange(width).expand(len(spans), width)
+    return ((positions >= bounds[:, :1]) & (positions < bounds[:, 1:])).long()
+
+
+def entropy_table(
+    records: Iterable[dict[str, Any]],
+    tokenizer: Any = None,
+    think_start: str = DEFAULT_THINK_START,
+    think_end: str = DEFAULT_THINK_END,
+    batch_size: int = 256,
+) -> EntropyTable:
+    """Per-completion entropy over the whole completion and each segment.
+
+    Args:
+        records: evaluation records with ``logprobs`` and ``correct``, plus ``completion_ids`` (when a
+            ``tokenizer`` is given) or the ``thinking_span`` / ``answer_span`` written by ``egpo-trl eval``.
+        tokenizer: when given, segments are recomputed from the token ids with
+            :func:`egpo_trl.segments.segment_masks` (for records of other tools, or other tags).
+        think_start / think_end: the tags (with ``tokenizer`` only).
+        batch_size: completions per vectorised batch.
+
+    Returns:
+        An :class:`EntropyTable`.
+    """
+    # Samples without generated tokens (a prompt longer than the model's context) have no entropy.
+    records = [record for record in records if record.get("logprobs")]
+    if not records:
+        raise ValueError("No records with per-token log-probs (field 'logprobs') to analyse.")
+    columns: dict[str, list[float]] = {name: [] for name in ("completion", "thinking", "answer")}
+    lengths: dict[str, list[int]] = {"thinking": [], "answer": []}
+    for start in range(0, len(records), batch_size):
+        batch = records[start : start + batch_size]
+        logps, mask = _padded([record["logprobs"] for record in batch], torch.float64)
+        if tokenizer is not None:
+            missing = [index for index, record in enumerate(batch) if "completion_ids" not in record]
+            if missing:
+                raise ValueError("Recomputing segments with --tokenizer needs the records' 'completion_ids'.")
+            ids, _ = _padded([record["completion_ids"] for record in batch], torch.long)
+            thinking, answer = segment_masks(ids, mask, tokenizer, think_start, think_end)
+        else:
+            if any("thinking_span" not in record or "answer_span" not in record for record in batch):
+                raise ValueError(
+                    "These records carry no thinking/answer spans; pass --tokenizer MODEL to compute them from "
+                    "their 'completion_ids'."
+                )
+            thinking = _span_mask([record["thinking_span"] for record in batch], mask.shape[1]) * mask
+            answer = _span_mask([record["answer_span"] for record in batch], mask.shape[1]) * mask
+        columns["completion"] += segment_entropy(logps, mask).tolist()
+        columns["thinking"] += segment_entropy(logps, thinking).tolist()
+        columns["answer"] += segment_entropy(logps, answer).tolist()
+        lengths["thinking"] += thinking.sum(dim=1).tolist()
+        lengths["answer"] += answer.sum(dim=1).tolist()
+
+    keys = [
+        (str(record.get("benchmark", "")), str(record.get("problem_id", index)))
+        for index, record in enumerate(records)
+    ]
+    groups = {key: number for number, key in enumerate(dict.fromkeys(keys))}
+    return EntropyTable(
+        completion=np.asarray(columns["completion"], dtype=float),
+        thinking=np.asarray(columns["thinking"], dtype=float),
+        answer=np.asarray(columns["answer"], dtype=float),
+        thinking_tokens=np.asarray(lengths["thinking"], dtype=int),
+        answer_tokens=np.asarray(lengths["answer"], dtype=int),
+        correct=np.asarray([bool(record["correct"]) for record in records]),
+        group=np.asarray([groups[key] for key in keys], dtype=int),
+        benchmark=[key[0] for key in keys],
+        problem_id=[key[1] for key in keys],
+        sample=[int(record.get("sample", 0)) for record in records],
+    )
+
+
+def _weighted_auc(scores: np.ndarray, positive: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """AUC for each row of ``weights`` (``[R, N]``): P(score_pos > score_neg) + 1/2 P(tie), pairs weighted."""
+    order = np.argsort(scores, kind="mergesort")
+    sorted_scores, sorted_positive = scores[order], positive[order].astype(float)
+    weights = weights[:, order]
+    starts = np.flatnonzero(np.r_[True, sorted_scores[1:] != sorted_scores[:-1]])
+    positive_weight = np.add.reduceat(weights * sorted_positive, starts, axis=1)
+    negative_weight = np.add.reduceat(weights * (1.0 - sorted_positive), starts, axis=1)
+    negatives_below = np.cumsum(negative_weight, axis=1) - negative_weight
+    numerator = (positive_weight * (negatives_below + 0.5 * negative_weight)).sum(axis=1)
+    denominator = positive_weight.sum(axis=1) * negative_weight.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(denominator > 0, numerator / denominator, np.nan)
+
+
+def roc_auc(scores: Sequence[float], positive: Sequence[bool]) -> float:
+    """Area under the ROC curve of ``scores`` for the ``positive`` class (Mann-Whitney U / (n_pos n_neg)).
+
+    Ties count one half. ``NaN`` scores are left out; the AUC is ``NaN`` when a class is empty.
+    """
+    scores = np.asarray(scores, dtype=float)
+    positive = np.asarray(positive, dtype=bool)
+    keep = ~np.isnan(scores)
+    if not keep.any():
+        return float("nan")
+    return float(_weighted_auc(scores[keep], positive[keep], np.ones((1, int(keep.sum()))))[0])
+
+
+def roc_curve(scores: Sequence[float], positive: Sequence[bool]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ROC curve points ``(fpr, tpr, thresholds)``, predicting positive when ``score >= threshold``.
+
+    Starts at ``(0, 0)`` (threshold ``+inf``) and ends at ``(1, 1)``; ``NaN`` scores are left out.
+    """
+    scores = np.asarray(scores, dtype=float)
+    positive = np.asarray(positive, dtype=bool)
+    keep = ~np.isnan(scores)
+    scores, positive = scores[keep], positive[keep]
+    order = np.argsort(-scores, kind="mergesort")
+    scores, positive = scores[order], positive[order]
+    last_of_group = np.r_[scores[1:] != scores[:-1], True] if len(scores) else np.array([], dtype=bool)
+    true_positives = np.cumsum(positive)[last_of_group]
+    false_positives = np.cumsum(~positive)[last_of_group]
+    num_positive, num_negative = positive.sum(), (~positive).sum()
+    tpr = np.r_[0.0, true_positives / num_positive] if num_positive else np.r_[0.0, np.zeros(len(true_positives))]
+    fpr = np.r_[0.0, false_positives / num_negative] if num_negative else np.r_[0.0, np.zeros(len(false_positives))]
+    return fpr, tpr, np.r_[np.inf, scores[last_of_group]]
+
+
+def bootstrap_gap_and_auc(
+    scores: np.ndarray,
+    correct: np.ndarray,
+    group: np.ndarray,
+    num_resamples: int = 1000,
+    seed: int = 0,
+    chunk: int = 200,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Bootstrap replicates of the entropy gap (incorrect minus correct mean) and of the AUC.
+
+    Resamples **problems** with replacement and keeps all their completions (a cluster bootstrap): the
+    ``k`` samples of one problem are not independent, and resampling completions would understate the
+    uncertainty.
+
+    Returns:
+        ``(gaps, aucs)``, each ``[num_resamples]`` (``NaN`` for replicates that lack a class).
+    """
+    keep = ~np.isnan(scores)
+    scores, correct, group = scores[keep], correct[keep].astype(bool), group[keep]
+    if len(scores) == 0 or num_resamples < 1:
+        return np.full(max(num_resamples, 0), np.nan), np.full(max(num_resamples, 0), np.nan)
+    _, group = np.unique(group, return_inverse=True)
+    num_groups = int(group.max()) + 1
+    rng = np.random.default_rng(seed)
+    gaps, aucs = [], []
+    incorrect = ~correct
+    for start in range(0, num_resamples, chunk):
+        size = min(chunk, num_resamples - start)
+        counts = rng.multinomial(num_groups, np.full(num_groups, 1.0 / num_groups), size=size).astype(float)
+        weights = counts[:, group]  # [size, N]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean_incorrect = (weights * scores * incorrect).sum(1) / (weights * incorrect).sum(1)
+            mean_correct = (weights * scores * correct).sum(1) / (weights * correct).sum(1)
+        gaps.append(mean_incorrect - mean_correct)
+        aucs.append(_weighted_auc(scores, incorrect, weights))
+    return np.concatenate(gaps), np.concatenate(aucs)
+
+
+def _interval(values: np.ndarray, level: float) -> list[float | None]:
+    values = values[~np.isnan(values)]
+    if len(values) == 0:
+        return [None, None]
+    tail = (1 - level) / 2
+    return [float(np.quantile(values, tail)), float(np.quantile(values, 1 - tail))]
+
+
+def _number(value: float) -> float | None:
+    return None if value is None or np.isnan(value) else float(value)
+
+
+def scope_report(
+    table: EntropyTable, scope: str, num_resamples: int = 1000, seed: int = 0, level: float = 0.95
+) -> dict[str, Any]:
+    """Table 3 and Sec. 5.4 numbers for one scope: AUC for predicting incorrect answers, mean entropy of
+    correct and incorrect completions, their gap (incorrect minus correct), with bootstrap intervals."""
+    scores = table.scope(scope)
+    defined = ~np.isnan(scores)
+    correct = table.correct
+    gaps, aucs = bootstrap_gap_and_auc(scores, correct, table.group, num_resamples, seed)
+    mean_correct = scores[defined & correct].mean() if (defined & correct).any() else np.nan
+    mean_incorrect = scores[defined & ~correct].mean() if (defined & ~correct).any() else np.nan
+    return {
+        "scope": scope,
+        "num_completions": int(defined.sum()),
+        "num_correct": int((defined & correct).sum()),
+        "num_incorrect": int((defined & ~correct).sum()),
+        "num_undefined": int((~defined).sum()),
+        "auc_incorrect": _number(roc_auc(scores, ~correct)),
+        "auc_interval": _interval(aucs, level),
+        "mean_entropy_correct": _number(mean_correct),
+        "mean_entropy_incorrect": _number(mean_incorrect),
+        "gap": _number(mean_incorrect - mean_correct),
+        "gap_interval": _interval(gaps, level),
+        "interval_level": level,
+        "num_resamples": num_resamples,
+    }

@@ -1,0 +1,386 @@
+"""Benchmark registry: where each benchmark's rows come from, how its prompt reads, how its answer is scored.
+
+Built-in benchmarks read the files vendored in ``egpo_trl/data/benchmarks/`` (see its README for sources
+and licences), so evaluation runs offline. Any other benchmark can be given as a local ``.jsonl``,
+``.json`` or ``.parquet`` file or as a Hugging Face Hub dataset name, with configurable fields.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
+from typing import Any
+
+from egpo_trl.evaluation.scoring import ANSWER_FORMATS, CHOICE_LETTERS, gold_answers
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BENCHMARKS",
+    "MATH_INSTRUCTION",
+    "CHOICE_INSTRUCTION",
+    "PAPER_ORDER",
+    "BenchmarkSpec",
+    "Problem",
+    "build_messages",
+    "is_builtin",
+    "load_problems",
+    "resolve_benchmark",
+]
+
+# The MATH-style instruction of the paper's evaluation (and of Qwen2.5-Math's chain-of-thought prompt).
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+CHOICE_INSTRUCTION = (
+    "Please reason step by step, and put your final answer (the letter of the correct choice) within \\boxed{}."
+)
+
+
+@dataclass(frozen=True)
+class BenchmarkSpec:
+    """How to load and score one benchmark.
+
+    Attributes:
+        name: short key, also the name of its records file (``records/<name>.jsonl``).
+        display_name: column title in the summary table.
+        source: ``package:<path>`` (a file vendored under ``egpo_trl/data/benchmarks/``), ``synthetic:<task>``
+            (a held-out split of :mod:`egpo_trl.data.synthetic`), a local file, or a Hub dataset name.
+        question_field: the column with the question text, or with chat messages used as the prompt verbatim.
+        answer_field: the column with the reference answer.
+        answer_format: ``math``, ``gsm8k``, ``minerva`` or ``choice`` (see :mod:`egpo_trl.evaluation.scoring`).
+        choices_field: the column with the choice texts (``choice`` format).
+        id_field: the column with a stable problem id (the row index when absent).
+        split / subset: split and configuration of a Hub dataset (split also picks the synthetic split).
+        instruction: appended to a text question; ``None`` leaves the question as it is.
+    """
+
+    name: str
+    display_name: str
+    source: str
+    question_field: str = "problem"
+    answer_field: str = "answer"
+    answer_format: str = "math"
+    choices_field: str | None = None
+    id_field: str | None = None
+    split: str = "test"
+    subset: str | None = None
+    instruction: str | None = MATH_INSTRUCTION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+BENCHMARKS: dict[str, BenchmarkSpec] = {
+    "math500": BenchmarkSpec("math500", "MATH-500", "package:math500/test.jsonl", id_field="unique_id"),
+    "aime24": BenchmarkSpec("aime24", "AIME24", "package:aime24/test.jsonl", id_field="id"),
+    "amc23": BenchmarkSpec("amc23", "AMC23", "package:amc23/test.jsonl", id_field="id"),
+    "mmlu_stem": BenchmarkSpec(
+        "mmlu_stem",
+        "MMLU-STEM",
+        "package:mmlu_stem/test.jsonl",
+        question_field="question",
+        answer_format="choice",
+        choices_field="choices",
+        instruction=CHOICE_INSTRUCTION,
+    ),
+    "minerva": BenchmarkSpec(
+        "minerva",
+        "Minerva",
+        "package:minerva_math/test.jsonl",
+        answer_field="solution",
+        answer_format="minerva",
+        id_field="idx",
+    ),
+    "gsm8k": BenchmarkSpec(
+        "gsm8k", "GSM8K", "package:gsm8k/test.jsonl", question_field="question", answer_format="gsm8k"
+    ),
+    "synthetic": BenchmarkSpec(
+        "synthetic",
+        "Synthetic",
+        "synthetic:arithmetic",
+        question_field="prompt",
+        id_field="id",
+        instruction=None,
+    ),
+}
+
+# Column order of the paper's Table 1, then the other built-ins.
+PAPER_ORDER = ("math500", "aime24", "mmlu_stem", "minerva", "gsm8k", "amc23", "synthetic")
+
+_ALIASES = {
+    "math-500": "math500",
+    "math_500": "math500",
+    "aime": "aime24",
+    "aime2024": "aime24",
+    "aime_2024": "aime24",
+    "amc": "amc23",
+    "amc2023": "amc23",
+    "mmlu-stem": "mmlu_stem",
+    "mmlustem": "mmlu_stem",
+    "minerva_math": "minerva",
+    "minerva-math": "minerva",
+}
+
+_MINERVA_ALTERNATIVES = "package:minerva_math/test_with_answers.json"
+_QUESTION_CANDIDATES = ("problem", "question", "prompt", "query", "input")
+_ANSWER_CANDIDATES = ("answer", "final_answer", "gold", "target", "solution")
+_CHOICES_CANDIDATES = ("choices", "options")
+
+
+@dataclass
+class Problem:
+    """One benchmark question.
+
+    Attributes:
+        id: stable identifier (records are keyed by ``(id, sample)``).
+        index: position in the benchmark file.
+        question: the question text, or chat messages to use as the prompt verbatim.
+        gold: accepted reference answers (for multiple choice, the correct index as a string).
+        choices: choice texts of a multiple-choice question.
+        meta: other columns worth keeping in the records (level, subject, ...).
+    """
+
+    id: str
+    index: int
+    question: str | list[dict[str, str]]
+    gold: list[str]
+    choices: list[str] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _safe_name(text: str) -> str:
+    keep = "".join(char if char.isalnum() or char in "-_." else "_" for char in text)
+    return keep.strip("._") or "benchmark"
+
+
+def is_builtin(name: str) -> bool:
+    """Whether ``name`` is a built-in benchmark (or one of its aliases)."""
+    return _ALIASES.get(name.lower(), name.lower()) in BENCHMARKS
+
+
+def resolve_benchmark(
+    name_or_path: str,
+    question_field: str | None = None,
+    answer_field: str | None = None,
+    answer_format: str | None = None,
+    choices_field: str | None = None,
+    id_field: str | None = None,
+    split: str | None = None,
+    subset: str | None = None,
+    instruction: str | None = None,
+) -> BenchmarkSpec:
+    """The :class:`BenchmarkSpec` for a built-in name, a local file or a Hub dataset name.
+
+    Field options override the built-in spec (for example ``--split validation`` on ``synthetic``); for a file
+    or a Hub dataset, missing fields are detected from the first row when the data is loaded.
+    """
+    if answer_format is not None and answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"Unknown answer format {answer_format!r}; choose one of {ANSWER_FORMATS}.")
+    key = _ALIASES.get(name_or_path.lower(), name_or_path.lower())
+    overrides = {
+        "question_field": question_field,
+        "answer_field": answer_field,
+        "answer_format": answer_format,
+        "choices_field": choices_field,
+        "id_field": id_field,
+        "split": split,
+        "subset": subset,
+        "instruction": instruction,
+    }
+    overrides = {name: value for name, value in overrides.items() if value is not None}
+    if key in BENCHMARKS:
+        return replace(BENCHMARKS[key], **overrides)
+    if name_or_path.startswith("synthetic:"):
+        task = name_or_path.split(":", 1)[1]
+        spec = replace(BENCHMARKS["synthetic"], source=name_or_path, name=_safe_name(f"synthetic-{task}"))
+        return replace(spec, **overrides)
+    unset = {"question_field": "", "answer_field": "", "answer_format": ""}  # detected from the first row
+    if os.path.exists(name_or_path):
+        stem = os.path.splitext(os.path.basename(name_or_path.rstrip("/")))[0]
+        fields = {**unset, **overrides}
+        return BenchmarkSpec(_safe_name(stem), stem, os.path.abspath(name_or_path), **fields)
+    if name_or_path.startswith(("hub:", "hf:")) or "/" in name_or_path:
+        dataset = name_or_path.split(":", 1)[1] if name_or_path.startswith(("hub:", "hf:")) else name_or_path
+        fields = {**unset, **overrides}
+        return BenchmarkSpec(_safe_name(dataset.replace("/", "__")), dataset, f"hub:{dataset}", **fields)
+    raise ValueError(
+        f"Unknown benchmark {name_or_path!r}. Built-in benchmarks: {sorted(BENCHMARKS)}; otherwise give a local "
+        ".jsonl/.json/.parquet file or a Hub dataset name such as 'hub:openai/gsm8k'."
+    )
+
+
+def _read_package_file(relative: str) -> list[dict[str, Any]]:
+    path = resources.files("egpo_trl.data").joinpath("benchmarks", *relative.split("/"))
+    return _parse_rows(path.read_text(encoding="utf-8"), relative)
+
+
+def _parse_rows(text: str, origin: str) -> list[dict[str, Any]]:
+    if origin.endswith(".jsonl"):
+        rows = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{origin}, line {number}: not valid JSON ({error}).") from None
+        return rows
+    data = json.loads(text)
+    if isinstance(data, dict):  # column-oriented {"field": [values, ...]} or {"data": [...]}
+        if "data" in data and isinstance(data["data"], list):
+            return data["data"]
+        columns = list(data)
+        return [dict(zip(columns, values)) for values in zip(*(data[column] for column in columns))]
+    if not isinstance(data, list):
+        raise ValueError(f"{origin}: expected a JSON list of objects.")
+    return data
+
+
+def _read_local_file(path: str) -> list[dict[str, Any]]:
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if not path.endswith((".jsonl", ".json")):
+        raise ValueError(f"{path}: unsupported file type; give a .jsonl, .json or .parquet file.")
+    with open(path, encoding="utf-8") as handle:
+        return _parse_rows(handle.read(), path)
+
+
+def _load_rows(spec: BenchmarkSpec, limit: int | None) -> list[dict[str, Any]]:
+    source = spec.source
+    if source.startswith("package:"):
+        return _read_package_file(source.split(":", 1)[1])
+    if source.startswith("synthetic:"):
+        from egpo_trl.data.synthetic import load_synthetic_task
+
+        task = source.split(":", 1)[1]
+        return load_synthetic_task(task, split=spec.split, num_problems=limit or 500).to_list()
+    if source.startswith("hub:"):
+        from datasets import load_dataset
+
+        dataset = load_dataset(source.split(":", 1)[1], spec.subset, split=spec.split)
+        if limit is not None:
+            dataset = dataset.select(range(min(limit, len(dataset))))
+        return dataset.to_list()
+    return _read_local_file(source)
+
+
+def _detect_fields(spec: BenchmarkSpec, row: dict[str, Any]) -> BenchmarkSpec:
+    def pick(current: str | None, candidates: Sequence[str], what: str, option: str) -> str:
+        if current:
+            if current not in row:
+                raise ValueError(f"{spec.source}: no field {current!r} (fields: {sorted(row)}); fix {option}.")
+            return current
+        for candidate in candidates:
+            if candidate in row:
+                return candidate
+        raise ValueError(
+            f"{spec.source}: cannot tell which field holds the {what} (fields: {sorted(row)}); pass {option}."
+        )
+
+    question_field = pick(spec.question_field, _QUESTION_CANDIDATES, "question", "--question-field")
+    answer_field = pick(spec.answer_field, _ANSWER_CANDIDATES, "reference answer", "--answer-field")
+    choices_field = spec.choices_field or next((name for name in _CHOICES_CANDIDATES if name in row), None)
+    answer_format = spec.answer_format
+    if not answer_format:
+        answer = row[answer_field]
+        if choices_field and isinstance(row.get(choices_field), list) and not isinstance(answer, float):
+            answer_format = "choice"
+        elif isinstance(answer, str) and "####" in answer:
+            answer_format = "gsm8k"
+        else:
+            answer_format = "math"
+    instruction = CHOICE_INSTRUCTION if answer_format == "choice" and spec.instruction == MATH_INSTRUCTION else None
+    return replace(
+        spec,
+        question_field=question_field,
+        answer_field=answer_field,
+        choices_field=choices_field if answer_format == "choice" else spec.choices_field,
+        answer_format=answer_format,
+        instruction=instruction or spec.instruction,
+    )
+
+
+def _minerva_alternatives() -> dict[str, list[str]]:
+    rows = _read_package_file(_MINERVA_ALTERNATIVES.split(":", 1)[1])
+    return {row["problem"].strip(): [answer.strip() for answer in row.get("answer") or []] for row in rows}
+
+
+def load_problems(spec: BenchmarkSpec, limit: int | None = None) -> tuple[BenchmarkSpec, list[Problem]]:
+    """Load a benchmark's problems, in file order.
+
+    Args:
+        spec: the benchmark (:func:`resolve_benchmark`).
+        limit: keep the first ``limit`` problems (a slice, for quick runs).
+
+    Returns:
+        ``(spec, problems)``: the spec with any detected fields filled in, and the problems.
+    """
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}.")
+    rows = _load_rows(spec, limit)
+    if limit is not None:
+        rows = rows[:limit]
+    if not rows:
+        raise ValueError(f"{spec.source}: no rows to evaluate.")
+    spec = _detect_fields(spec, rows[0])
+    alternatives = _minerva_alternatives() if spec.source == BENCHMARKS["minerva"].source else {}
+
+    problems: list[Problem] = []
+    for index, row in enumerate(rows):
+        question = row.get(spec.question_field)
+        if question is None or (isinstance(question, str) and not question.strip()):
+            raise ValueError(f"{spec.source}, row {index}: empty question in field {spec.question_field!r}.")
+        gold = gold_answers(row, spec.answer_format, spec.answer_field)
+        for extra in alternatives.get(str(question).strip(), []):
+            if extra and extra not in gold:
+                gold.append(extra)
+        choices = None
+        if spec.answer_format == "choice":
+            choices = row.get(spec.choices_field or "")
+            if not isinstance(choices, list) or not choices:
+                raise ValueError(f"{spec.source}, row {index}: no choices in field {spec.choices_field!r}.")
+            if int(gold[0]) >= len(choices):
+                raise ValueError(f"{spec.source}, row {index}: answer index {gold[0]} but {len(choices)} choices.")
+        problem_id = row.get(spec.id_field) if spec.id_field else None
+        meta = {key: row[key] for key in ("level", "subject", "type") if key in row}
+        problems.append(
+            Problem(
+                id=str(problem_id if problem_id is not None else index),
+                index=index,
+                question=question,
+                gold=gold,
+                choices=[str(choice) for choice in choices] if choices else None,
+                meta=meta,
+            )
+        )
+    if len({problem.id for problem in problems}) != len(problems):
+        logger.warning("%s: field %r has duplicate ids; using row indices as problem ids.", spec.name, spec.id_field)
+        for problem in problems:
+            problem.id = str(problem.index)
+    return spec, problems
+
+
+def build_messages(problem: Problem, spec: BenchmarkSpec, system_prompt: str | None = None) -> list[dict[str, str]]:
+    """The chat messages of a problem's prompt.
+
+    A text question gets the benchmark's instruction on a new line (after the lettered choices for multiple
+    choice); chat messages stored in the data are used as they are. ``system_prompt`` is put first unless
+    the messages already have a system message.
+    """
+    if isinstance(problem.question, list):
+        messages = [dict(message) for message in problem.question]
+    else:
+        content = problem.question.strip()
+        if problem.choices:
+            lines = [f"{CHOICE_LETTERS[i]}. {choice}" for i, choice in enumerate(problem.choices)]
+            content = f"{content}\n\n" + "\n".join(lines)
+        if spec.instruction:
+            content = f"{content}\n{spec.instruction}" if not problem.choices else f"{content}\n\n{spec.instruction}"
+        messages = [{"role": "user", "content": content}]
+    if system_prompt and not any(message.get("role") == "system" for message in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages

@@ -1,0 +1,184 @@
+"""``egpo-trl eval``: pass@1 of a model on math benchmarks under the paper's protocol, or a comparison of runs.
+
+Examples::
+
+    # The paper's protocol (k=8, T=0.6, top-p 0.95, top-k 20) on the five benchmarks of Table 1
+    egpo-trl eval --model Qwen/Qwen2.5-Math-1.5B --benchmarks math500,aime24,mmlu_stem,minerva,gsm8k \\
+        --output-dir runs/qwen-math-1.5b-base
+
+    # A local file or a Hub dataset, with its fields
+    egpo-trl eval --model ./my-model --benchmarks data/test.jsonl --question-field query --answer-field gt \\
+        --output-dir runs/my-model
+
+    # Models side by side, with deltas to the first
+    egpo-trl eval --compare runs/qwen-math-1.5b-base runs/qwen-math-1.5b-egpo
+
+An interrupted run continues where it stopped when started again with the same ``--output-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from egpo_trl.evaluation.backends import BACKENDS, SamplingSettings, default_max_new_tokens, load_backend
+from egpo_trl.evaluation.benchmarks import BENCHMARKS, is_builtin, resolve_benchmark
+from egpo_trl.evaluation.runner import evaluate
+from egpo_trl.evaluation.scoring import ANSWER_FORMATS
+from egpo_trl.evaluation.summary import compare_runs, format_summary_markdown, load_summary
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BENCHMARKS = "math500,aime24,mmlu_stem,minerva,gsm8k"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="egpo-trl eval",
+        description="Mean pass@1 over k samples per problem, with per-sample records and entropy log-probs.",
+    )
+    parser.add_argument("--model", help="model name on the Hub or local folder")
+    parser.add_argument(
+        "--benchmarks",
+        default=DEFAULT_BENCHMARKS,
+        help=f"comma-separated built-ins ({', '.join(BENCHMARKS)}), local files or Hub dataset names",
+    )
+    parser.add_argument("--output-dir", help="run folder (records, summary); an existing run there is resumed")
+    parser.add_argument("--name", help="the model's name in summary tables (default: the model folder name)")
+    parser.add_argument(
+        "--compare", nargs="+", metavar="RUN", help="print two or more runs side by side (run folders or summary.json)"
+    )
+    parser.add_argument("--compare-names", nargs="+", metavar="NAME", help="labels of the --compare runs")
+
+    protocol = parser.add_argument_group("protocol (defaults: the paper's)")
+    protocol.add_argument("--num-samples", "-k", type=int, default=8, help="samples per problem (default: 8)")
+    protocol.add_argument("--temperature", type=float, default=0.6, help="default 0.6; 0 for greedy decoding")
+    protocol.add_argument("--top-p", type=float, default=0.95, help="default 0.95")
+    protocol.add_argument("--top-k", type=int, default=20, help="default 20; 0 disables it")
+    protocol.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="generation budget (default by model family: 3072 Qwen2.5-Math, 16384 R1-Distill, else 3072)",
+    )
+    protocol.add_argument("--limit", type=int, default=None, help="only the first N problems of each benchmark")
+    protocol.add_argument("--seed", type=int, default=0, help="run seed (default: 0)")
+    protocol.add_argument(
+        "--chat-template", choices=("auto", "on", "off"), default="auto", help="auto: when the tokenizer has one"
+    )
+    protocol.add_argument("--system-prompt", default=None, help="an optional system message")
+
+    data = parser.add_argument_group("custom benchmarks (local files and Hub datasets; built-ins ignore these)")
+    data.add_argument("--question-field", help="column with the question (or chat messages)")
+    data.add_argument("--answer-field", help="column with the reference answer")
+    data.add_argument("--answer-format", choices=ANSWER_FORMATS, help="how to read and compare answers")
+    data.add_argument("--choices-field", help="column with the choices (multiple choice)")
+    data.add_argument("--id-field", help="column with a stable problem id")
+    data.add_argument("--split", help="dataset split (Hub datasets; 'test' / 'validation' for synthetic)")
+    data.add_argument("--subset", help="dataset configuration (Hub datasets)")
+
+    engine = parser.add_argument_group("backend")
+    engine.add_argument("--backend", choices=BACKENDS, default="auto", help="auto (default): vLLM when installed")
+    engine.add_argument("--batch-size", type=int, default=16, help="sequences per generate call (transformers; 16)")
+    engine.add_argument("--chunk-size", type=int, default=None, help="sequences between two writes of records")
+    engine.add_argument("--device", default=None, help="transformers device (default: cuda when available)")
+    engine.add_argument(
+        "--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"), help="auto: float32 on CPU"
+    )
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM (default: 0.9)")
+    engine.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM (default: 1)")
+    engine.add_argument("--max-model-len", type=int, default=None, help="vLLM context length")
+    engine.add_argument("--trust-remote-code", action="store_true")
+    engine.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    if args.compare:
+        try:
+            summaries = [load_summary(run) for run in args.compare]
+            if args.compare_names and len(args.compare_names) != len(args.compare):
+                parser.error(f"--compare-names got {len(args.compare_names)} names for {len(args.compare)} runs.")
+            print(compare_runs(summaries, args.compare_names))
+        except (FileNotFoundError, ValueError) as error:
+            print(f"egpo-trl eval: {error}", file=sys.stderr)
+            return 2
+        return 0
+
+    if not args.model or not args.output_dir:
+        parser.error("--model and --output-dir are required (or use --compare RUN RUN ...).")
+    model = os.path.abspath(args.model) if os.path.isdir(args.model) else args.model
+    if args.max_new_tokens is None:
+        max_new_tokens, reason = default_max_new_tokens(model)
+        logger.info("max_new_tokens=%d (%s); set --max-new-tokens to change it.", max_new_tokens, reason)
+    else:
+        max_new_tokens = args.max_new_tokens
+    try:
+        settings = SamplingSettings(args.temperature, args.top_p, args.top_k, max_new_tokens)
+        # Field options describe custom data; built-ins keep their own fields (only the split can change).
+        fields = {
+            "question_field": args.question_field,
+            "answer_field": args.answer_field,
+            "answer_format": args.answer_format,
+            "choices_field": args.choices_field,
+            "id_field": args.id_field,
+            "subset": args.subset,
+        }
+        names = [name.strip() for name in args.benchmarks.split(",") if name.strip()]
+        specs = []
+        for name in names:
+            options = {} if is_builtin(name) else dict(fields)
+            spec = resolve_benchmark(name, **options)
+            if args.split and not spec.source.startswith("package:"):  # vendored files have a single split
+                spec = resolve_benchmark(name, split=args.split, **options)
+            specs.append(spec)
+    except ValueError as error:
+        print(f"egpo-trl eval: {error}", file=sys.stderr)
+        return 2
+    if not specs:
+        parser.error("--benchmarks is empty.")
+
+    backend = load_backend(
+        args.backend,
+        model,
+        device=args.device,
+        dtype=args.dtype,
+        batch_size=args.batch_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        trust_remote_code=args.trust_remote_code,
+    )
+    try:
+        summary = evaluate(
+            backend,
+            model,
+            specs,
+            args.output_dir,
+            settings,
+            num_samples=args.num_samples,
+            limit=args.limit,
+            seed=args.seed,
+            chat_template=args.chat_template,
+            system_prompt=args.system_prompt,
+            chunk_size=args.chunk_size,
+            label=args.name,
+            progress=not args.no_progress,
+        )
+    except (ValueError, KeyError) as error:
+        print(f"egpo-trl eval: {error}", file=sys.stderr)
+        return 2
+    print(format_summary_markdown(summary))
+    print(f"Records and summary in {args.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""Run an evaluation: sample ``k`` completions per problem, score them, append records, write the summary.
+
+Output folder layout::
+
+    <output_dir>/
+        run.json              model, protocol and benchmark definitions (checked when the run resumes)
+        records/<name>.jsonl  one line per finished (problem, sample), appended as batches finish
+        summary.json          pass@1 and its standard errors per benchmark
+        summary.md            the same, as a Table 1 style Markdown table
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import platform
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from egpo_trl.evaluation.backends import Generation, SamplingSettings, request_seed
+from egpo_trl.evaluation.benchmarks import BenchmarkSpec, Problem, build_messages, load_problems
+from egpo_trl.evaluation.records import RecordStore
+from egpo_trl.evaluation.scoring import score_completion
+from egpo_trl.evaluation.summary import benchmark_stats, format_summary_markdown
+from egpo_trl.segments import segment_spans
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PROTOCOL_KEYS", "evaluate", "render_prompt"]
+
+# Settings that change what a sample is: a resumed run must use the same ones.
+PROTOCOL_KEYS = ("model", "temperature", "top_p", "top_k", "max_new_tokens", "chat_template", "system_prompt")
+_SPEC_KEYS = ("source", "question_field", "answer_field", "answer_format", "choices_field", "split", "subset")
+_SPEC_KEYS += ("instruction",)
+LOGPROB_DIGITS = 6
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, str]], use_chat_template: bool) -> tuple[str, list[int]]:
+    """The prompt text and its token ids: the chat template with the generation prompt, or the plain text.
+
+    Without a chat template the messages' contents are joined by blank lines and the tokenizer adds its
+    usual special tokens (a BOS token, for tokenizers that have one).
+    """
+    if use_chat_template:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        text = "\n\n".join(message["content"] for message in messages)
+        ids = tokenizer(text)["input_ids"]
+    return text, list(ids)
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _check_or_write_run(path: str, run: dict[str, Any]) -> dict[str, Any]:
+    """Create ``run.json``, or check that an existing one describes the same protocol; returns the merged run."""
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(run, handle, indent=2)
+        return run
+    with open(path, encoding="utf-8") as handle:
+        existing = json.load(handle)
+    folder = os.path.dirname(path)
+    for key in PROTOCOL_KEYS:
+        if existing.get("protocol", {}).get(key) != run["protocol"][key]:
+            raise ValueError(
+                f"{folder} holds a run with {key}={existing.get('protocol', {}).get(key)!r}, but this run asks for "
+                f"{key}={run['protocol'][key]!r}. Resuming would mix two protocols: use another --output-dir, or "
+                "the same settings to continue that run."
+            )
+    for name, spec in run["benchmarks"].items():
+        previous = existing.get("benchmarks", {}).get(name)
+        if previous is None:
+            continue
+        for key in _SPEC_KEYS:
+            if previous.get(key) != spec.get(key):
+                raise ValueError(
+                    f"{folder}: benchmark {name!r} was evaluated with {key}={previous.get(key)!r}, now "
+                    f"{key}={spec.get(key)!r}. Use another --output-dir for a different benchmark definition."
+                )
+    merged = dict(existing)
+    merged["benchmarks"] = {**existing.get("benchmarks", {}), **run["benchmarks"]}
+    merged["protocol"] = {**existing.get("protocol", {}), "num_samples": run["protocol"]["num_samples"]}
+    merged.setdefault("resumed", []).append({"at": _now(), "backend": run["backend"]})
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(merged, handle, indent=2)
+    return merged
+
+
+def _records_for(
+    problems_by_key: dict[tuple[str, int], Problem],
+    keys: Sequence[tuple[str, int]],
+    prompts: dict[str, tuple[str, list[int]]],
+    generations: Sequence[Generation],
+    spec: BenchmarkSpec,
+    tokenizer: Any,
+    backend_name: str,
+    seeds: Sequence[int],
+) -> list[dict[str, Any]]:
+    width = max((len(generation.token_ids) for generation in generations), default=0)
+    ids = torch.zeros((len(generations), width), dtype=torch.long)
+    mask = torch.zeros((len(generations), width), dtype=torch.long)
+    for row, generation in enumerate(generations):
+        ids[row, : len(generation.token_ids)] = torch.tensor(generation.token_ids, dtype=torch.long)
+        mask[row, : len(generation.token_ids)] = 1
+    spans = segment_spans(ids, mask, tokenizer)
+
+    records = []
+    for row, ((problem_id, sample), generation, seed) in enumerate(zip(keys, generations, seeds)):
+        problem = problems_by_key[(problem_id, sample)]
+        extracted, correct = score_completion(generation.text, problem.gold, spec.answer_format, problem.choices)
+        logprobs = [round(value, LOGPROB_DIGITS) for value in generation.logprobs]
+        entropy = -sum(generation.logprobs) / len(generation.logprobs) if generation.logprobs else None
+        prompt_text, prompt_ids = prompts[problem.id]
+        records.append(
+            {
+                "benchmark": spec.name,
+                "problem_id": problem.id,
+                "problem_index": problem.index,
+                "sample": sample,
+                "prompt": prompt_text,
+                "completion": generation.text,
+                "gold": problem.gold,
+                "extracted": extracted,
+                "correct": bool(correct),
+                "finish_reason": generation.finish_reason,
+                "num_prompt_tokens": len(prompt_ids),
+                "num_completion_tokens": len(generation.token_ids),
+                "entropy": entropy,
+                "thinking_span": [int(spans.thinking_start[row]), int(spans.thinking_end[row])],
+                "answer_span": [int(spans.answer_start[row]), int(spans.answer_end[row])],
+                "completion_ids": generation.token_ids,
+                "logprobs": logprobs,
+                "backend": backend_name,
+                "seed": seed,
+                "meta": problem.meta,
+            }
+        )
+    return records
+
+
+def evaluate(
+    backend: Any,
+    model_name: str,
+    benchmarks: Sequence[BenchmarkSpec],
+    output_dir: str,
+    settings: SamplingSettings,
+    num_samples: int = 8,
+    limit: int | None = None,
+    seed: int = 0,
+    chat_template: str = "auto",
+    system_prompt: str | None = None,
+    chunk_size: int | None = None,
+    label: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Evaluate a model on benchmarks with ``num_samples`` samples per problem; resumable.
+
+    Args:
+        backend: a :class:`~egpo_trl.evaluation.backends.TransformersBackend` or ``VLLMBackend``.
+        model_name: the model's name or path (recorded; a resumed run must use the same).
+        benchmarks: the benchmarks (:func:`~egpo_trl.evaluation.benchmarks.resolve_benchmark`).
+        output_dir: the run folder. An existing run there is continued: finished ``(problem, sample)`` pairs
+            are skipped, and the protocol must match.
+        settings: decoding settings.
+        num_samples: ``k``, samples per problem.
+        limit: evaluate only the first ``limit`` problems of each benchmark.
+        seed: run seed; each request's seed derives from it and the request's key.
+        chat_template: ``"auto"`` (use the tokenizer's chat template when it has one), ``"on"`` or ``"off"``.
+        system_prompt: an optional system message.
+        chunk_size: sequences generated between two writes of records (default: the backend's batch size,
+            256 for vLLM).
+        label: the model's name in the summary tables (default: the model's folder name).
+        progress: show progress bars.
+
+    Returns:
+        The summary (also written to ``summary.json`` and ``summary.md``).
+    """
+    from tqdm.auto import tqdm
+
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be at least 1, got {num_samples}.")
+    if chat_template not in ("auto", "on", "off"):
+        raise ValueError(f"chat_template={chat_template!r}: choose 'auto', 'on' or 'off'.")
+    tokenizer = backend.tokenizer
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat_template == "on" and not has_template:
+        raise ValueError("--chat-template on, but the tokenizer has no chat template; use --chat-template off.")
+    use_chat_template = has_template if chat_template == "auto" else chat_template == "on"
+    chunk_size = chunk_size or getattr(backend, "batch_size", 256)
+    given_label = label
+    label = label or os.path.basename(os.path.normpath(model_name)) or model_name
+
+    loaded = [load_problems(spec, limit) for spec in benchmarks]
+    names = [spec.name for spec, _ in loaded]
+    duplicates = {name for name in names if names.count(name) > 1}
+    if duplicates:
+        raise ValueError(f"Benchmarks {sorted(duplicates)} given twice; each needs its own name.")
+    run = {
+        "model": model_name,
+        "label": label,
+        "backend": backend.name,
+        "created": _now(),
+        "protocol": {
+            "model": model_name,
+            **settings.to_dict(),
+            "num_samples": num_samples,
+            "chat_template": use_chat_template,
+            "system_prompt": system_prompt,
+        },
+        "benchmarks": {spec.name: spec.to_dict() for spec, _ in loaded},
+        "environment": {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node()},
+    }
+    run = _check_or_write_run(os.path.join(output_dir, "run.json"), run)
+    label = given_label or run.get("label") or label  # a resumed run keeps its name unless given a new one
+
+    results: dict[str, Any] = {}
+    for spec, problems in loaded:
+        store = RecordStore(os.path.join(output_dir, "records", f"{spec.name}.jsonl"))
+        finished = store.load()
+        prompts = {
+            problem.id: render_prompt(tokenizer, build_messages(problem, spec, system_prompt), use_chat_template)
+            for problem in problems
+        }
+        pending = [
+            (problem, sample)
+            for problem in problems
+            for sample in range(num_samples)
+            if (problem.id, sample) not in finished
+        ]
+        # Longest prompts first, so that batches are padded little and memory peaks early.
+        pending.sort(key=lambda item: (-len(prompts[item[0].id][1]), item[0].index, item[1]))
+        context = getattr(backend, "max_context", None)
+        too_long = [item for item in pending if context and len(prompts[item[0].id][1]) >= context]
+        if too_long:
+            # The model cannot read these questions: they are scored as unanswered, and recorded as such.
+            logger.warning(
+                "%s: %d of %d problems have prompts of at least the model's context (%d tokens); their samples "
+                "are recorded with finish_reason='prompt_too_long' and count as incorrect.",
+                spec.name,
+                len({problem.id for problem, _ in too_long}),
+                len(problems),
+                context,
+            )
+            pending = pending[len(too_long) :]
+        if finished:
+            logger.info("%s: %d samples already finished, %d to go.", spec.name, len(finished), len(pending))
+        total = len(problems) * num_samples
+        bar = tqdm(
+            total=total, initial=total - len(pending), desc=spec.display_name, unit="sample", disable=not progress
+        )
+        try:
+            if too_long:
+                keys = [(problem.id, sample) for problem, sample in too_long]
+                seeds = [request_seed(seed, spec.name, problem_id, sample) for problem_id, sample in keys]
+                empty = [Generation([], [], "", "prompt_too_long") for _ in too_long]
+                by_key = {(problem.id, sample): problem for problem, sample in too_long}
+                records = _records_for(by_key, keys, prompts, empty, spec, tokenizer, backend.name, seeds)
+                store.append(records)
+                for record in records:
+                    finished.setdefault((record["problem_id"], record["sample"]), record)
+                bar.update(len(too_long))
+            for start in range(0, len(pending), chunk_size):
+                chunk = pending[start : start + chunk_size]
+                keys = [(problem.id, sample) for problem, sample in chunk]
+                seeds = [request_seed(seed, spec.name, problem_id, sample) for problem_id, sample in keys]
+                generations = backend.generate([prompts[problem.id][1] for problem, _ in chunk], settings, seeds)
+                by_key = {(problem.id, sample): problem for problem, sample in chunk}
+                records = _records_for(by_key, keys, prompts, generations, spec, tokenizer, backend.name, seeds)
+                store.append(records)
+                for record in records:
+                    finished.setdefault((record["problem_id"], record["sample"]), record)
+                bar.update(len(chunk))
+        finally:
+            bar.close()
+        wanted = {problem.id for problem in problems}
+        kept = [record for (problem_id, _), record in finished.items() if problem_id in wanted]
+        stats = benchmark_stats(kept, num_samples, len(problems))
+        stats["display_name"] = spec.display_name
+        results[spec.name] = stats
+
+    summary = _write_summary(output_dir, run, results, label)
+    return summary
+
+
+def _write_summary(output_dir: str, run: dict[str, Any], results: dict[str, Any], label: str) -> dict[str, Any]:
+    path = os.path.join(output_dir, "summary.json")
+    previous: dict[str, Any] = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as handle:
+            previous = json.load(handle).get("benchmarks", {})
+    summary = {
+        "model": run["model"],
+        "label": label,
+        "backend": run["backend"] if "resumed" not in run else run["resumed"][-1]["backend"],
+        "protocol": run["protocol"],
+        "updated": _now(),
+        # Benchmarks of earlier invocations of this run stay in its summary.
+        "benchmarks": {**previous, **results},
+    }
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(summary, handle, indent=2)
+    with open(os.path.join(output_dir, "summary.md"), "w", encoding="utf-8") as handle:
+        handle.write(format_summary_markdown(summary))
+    return summary

@@ -1,0 +1,207 @@
+"""Reference answers and scoring of completions, per answer format.
+
+Every format reads the prediction from the **last** ``\\boxed{}`` of the completion, as the training reward
+does (:func:`egpo_trl.rewards.extract_last_boxed`), and decides equality with
+:func:`egpo_trl.rewards.answers_match` (string match, then math-verify). What differs between benchmarks is
+how the reference answer is stored and which surface forms count as the same answer:
+
+* ``math`` (MATH-500, AIME, AMC, most custom data): the reference as given. Numbers stored as floats
+  (AMC's ``27.0``) become ``"27"``; zero-padded integers (AIME's ``"025"``) equal ``25``.
+* ``gsm8k``: the reference is the number after the last ``####`` of the worked solution; thousands
+  separators are dropped on both sides.
+* ``minerva``: the reference is the last box of the solution (plus any alternative spellings), and both
+  sides are normalised: trailing units (``\\mathrm{~cm}``, ``\\text{ K}``, ``\\AA``), primes and degree signs
+  are dropped and scientific notation ``1.2e-8`` reads as ``1.2 \\times 10^{-8}``.
+* ``choice`` (MMLU-STEM): the reference is the index of the correct choice; the box may hold the letter
+  (``B``, ``(B)``, ``\\text{B}``, ``B. text``) or the text of the choice.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Sequence
+from typing import Any
+
+from egpo_trl.rewards import answers_match, extract_last_boxed
+
+__all__ = [
+    "ANSWER_FORMATS",
+    "choice_index",
+    "gold_answers",
+    "gsm8k_reference",
+    "normalize_minerva",
+    "score_completion",
+]
+
+ANSWER_FORMATS = ("math", "gsm8k", "minerva", "choice")
+CHOICE_LETTERS = string.ascii_uppercase
+
+
+def gsm8k_reference(solution: str) -> str:
+    """The final number of a GSM8K worked solution (the text after its last ``####``), without commas."""
+    if "####" not in solution:
+        return solution.strip().replace(",", "")
+    return solution.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def _number_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value).strip()
+
+
+_SCIENTIFIC_RE = re.compile(r"(?<![\w.])(-?\d+(?:\.\d+)?)\s*[eE]\s*([+-]?\d+)(?![\w.])")
+_UNIT_RE = re.compile(r"(?:\\[,;:! ]|~|\s)*\\(?:mathrm|text|textrm|mbox|operatorname)\s*\{[^{}]*\}\s*$")
+_TRAILING_SYMBOLS = (r"^\circ", r"^{\circ}", r"\circ", r"^{\prime \prime}", r"^{\prime\prime}", r"^{\prime}")
+_TRAILING_SYMBOLS += (r"\%", "%", r"\AA", r"\mathring{A}", r"\;", r"\,", r"\!", "~", ".")
+
+
+def normalize_minerva(answer: str) -> str:
+    """Normalise a Minerva Math answer so that equal quantities compare equal.
+
+    Drops trailing units, degree signs and primes and ``$`` delimiters, and rewrites scientific notation
+    (``4.46e19``, as the references write it) to ``4.46 \\times 10^{19}`` so that math-verify reads it as a
+    number.
+
+    >>> normalize_minerva(r"1.6 \\mathrm{~cm}")
+    '1.6'
+    >>> normalize_minerva("1.24e-8")
+    '1.24 \\\\times 10^{-8}'
+    """
+    text = answer.replace("$", "").strip()
+    text = re.sub(r"^[a-zA-Z_]\w*\s*=\s*", "", text) if text.count("=") == 1 else text
+    previous = None
+    while previous != text:
+        previous = text
+        text = _UNIT_RE.sub("", text).strip()
+        for symbol in _TRAILING_SYMBOLS:
+            if text.endswith(symbol) and len(text) > len(symbol):
+                text = text[: -len(symbol)].rstrip()
+    return _SCIENTIFIC_RE.sub(lambda m: f"{m.group(1)} \\times 10^{{{int(m.group(2))}}}", text)
+
+
+def gold_answers(row: dict[str, Any], answer_format: str, answer_field: str) -> list[str]:
+    """The accepted reference answers of a benchmark row, as strings (first = canonical).
+
+    For ``choice``, a single string: the index of the correct choice (``"0"``-based).
+    """
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"Unknown answer format {answer_format!r}; choose one of {ANSWER_FORMATS}.")
+    if answer_field not in row:
+        raise KeyError(
+            f"The row has no answer field {answer_field!r} (fields: {sorted(row)}); pass --answer-field NAME."
+        )
+    value = row[answer_field]
+    if answer_format == "choice":
+        return [str(choice_reference(value))]
+    values = value if isinstance(value, (list, tuple)) else [value]
+    answers: list[str] = []
+    for item in values:
+        text = _number_text(item)
+        if answer_format == "gsm8k":
+            text = gsm8k_reference(text)
+        elif answer_format == "minerva" and "\\boxed" in text:
+            text = extract_last_boxed(text) or text
+        text = text.strip()
+        if text and text not in answers:
+            answers.append(text)
+    if not answers:
+        raise ValueError(f"The row has an empty reference answer in field {answer_field!r}.")
+    return answers
+
+
+def choice_reference(value: Any) -> int:
+    """Index of the correct choice from an integer index or a letter (``2`` or ``"C"``)."""
+    if isinstance(value, bool):
+        raise ValueError(f"Cannot read a choice index from {value!r}.")
+    if isinstance(value, (int, float)) and float(value).is_integer():
+        return int(value)
+    text = str(value).strip().strip("()").upper()
+    if len(text) == 1 and text in CHOICE_LETTERS:
+        return CHOICE_LETTERS.index(text)
+    if text.isdigit():
+        return int(text)
+    raise ValueError(f"Cannot read a choice index from {value!r}; give a 0-based index or a letter.")
+
+
+_LETTER_ONLY_RE = re.compile(r"^\(?\s*([A-Z])\s*\)?\s*[.:)]?$")
+_LETTER_PREFIX_RE = re.compile(r"^\(?\s*([A-Z])\s*[).:]\s+\S")
+
+
+def _strip_latex_text(text: str) -> str:
+    text = text.strip().strip("$").strip()
+    previous = None
+    while previous != text:
+        previous = text
+        text = re.sub(r"\\(?:text|textbf|mathrm|mathbf|textit|mbox)\s*\{([^{}]*)\}", r"\1", text).strip()
+    return text
+
+
+def _loose_text(text: str) -> str:
+    text = _strip_latex_text(text).lower()
+    return re.sub(r"[\s.,;:!?'\"`()\[\]{}$\\]+", "", text)
+
+
+def choice_index(prediction: str | None, choices: Sequence[str]) -> int | None:
+    """The choice a boxed prediction names: by letter (``B``, ``(B)``, ``\\text{B}``, ``B. text``) or by text.
+
+    Returns ``None`` when the prediction names no choice or more than one.
+    """
+    if prediction is None:
+        return None
+    text = _strip_latex_text(prediction)
+    letters = CHOICE_LETTERS[: len(choices)]
+    for pattern in (_LETTER_ONLY_RE, _LETTER_PREFIX_RE):
+        match = pattern.match(text)
+        if match and match.group(1) in letters:
+            return letters.index(match.group(1))
+    wanted = _loose_text(text)
+    if not wanted:
+        return None
+    exact = [index for index, choice in enumerate(choices) if _loose_text(str(choice)) == wanted]
+    if len(exact) == 1:
+        return exact[0]
+    if exact:
+        return None
+    equal = [index for index, choice in enumerate(choices) if answers_match(text, str(choice))]
+    return equal[0] if len(equal) == 1 else None
+
+
+def score_completion(
+    completion: str, gold: Sequence[str], answer_format: str, choices: Sequence[str] | None = None
+) -> tuple[str | None, bool]:
+    """Extract the answer of a completion and decide whether it is correct.
+
+    Args:
+        completion: the generated text.
+        gold: accepted reference answers (:func:`gold_answers`); for ``choice``, the correct index as a string.
+        answer_format: one of :data:`ANSWER_FORMATS`.
+        choices: the choice texts (``choice`` format only).
+
+    Returns:
+        ``(extracted, correct)``: the content of the last ``\\boxed{}`` (for ``choice``, the letter of the
+        choice it names, or the raw content when it names none), and whether it matches.
+    """
+    boxed = extract_last_boxed(completion)
+    if answer_format == "choice":
+        if choices is None:
+            raise ValueError("The 'choice' answer format needs the choices of the question.")
+        index = choice_index(boxed, choices)
+        if index is None:
+            return boxed, False
+        return CHOICE_LETTERS[index], index == int(gold[0])
+    if boxed is None:
+        return None, False
+    if answer_format == "gsm8k":
+        prediction = boxed.replace(",", "").replace("\\!", "")
+        return boxed, any(answers_match(prediction, reference) for reference in gold)
+    if answer_format == "minerva":
+        prediction = normalize_minerva(boxed)
+        return boxed, any(
+            answers_match(prediction, normalize_minerva(reference)) or answers_match(boxed, reference)
+            for reference in gold
+        )
+    return boxed, any(answers_match(boxed, reference) for reference in gold)

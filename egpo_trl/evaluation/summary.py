@@ -1,0 +1,226 @@
+"""Pass@1 over ``k`` samples with its standard error, and summary tables laid out like the paper's Table 1."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from egpo_trl.evaluation.benchmarks import BENCHMARKS, PAPER_ORDER
+
+__all__ = ["benchmark_stats", "compare_runs", "format_summary_markdown", "load_summary", "pass_at_1"]
+
+
+def _mean(values: Sequence[float | None]) -> float:
+    values = [value for value in values if not _missing(value)]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _stderr(values: Sequence[float]) -> float:
+    if len(values) < 2:
+        return float("nan")
+    mean = _mean(values)
+    variance = sum((value - mean) ** 2 for value in values) / (len(values) - 1)
+    return math.sqrt(variance / len(values))
+
+
+def pass_at_1(correct: dict[str, dict[int, bool]], num_samples: int) -> dict[str, float]:
+    """Mean pass@1 (%) over problems and samples, and two standard errors.
+
+    Args:
+        correct: ``{problem_id: {sample: correct}}``.
+        num_samples: ``k``, the samples per problem of the protocol (samples ``>= k`` are ignored).
+
+    Returns:
+        ``pass@1``: mean over problems of the fraction of correct samples, in %; equal to the mean of the
+        ``k`` per-trial accuracies when every problem has all ``k`` samples (the paper's "mean pass@1 over
+        8 trials"). ``stderr_trials``: standard error of that mean over the ``k`` trials (trial ``j`` = the
+        ``j``-th sample of every problem), the sampling noise. ``stderr_problems``: standard error over
+        problems, which also counts which problems the benchmark happens to contain.
+    """
+    per_problem = []
+    per_trial: dict[int, list[float]] = defaultdict(list)
+    for samples in correct.values():
+        kept = {sample: bool(value) for sample, value in samples.items() if sample < num_samples}
+        if not kept:
+            continue
+        per_problem.append(_mean([float(value) for value in kept.values()]))
+        for sample, value in kept.items():
+            per_trial[sample].append(float(value))
+    trials = [_mean(values) for _, values in sorted(per_trial.items())]
+    return {
+        "pass@1": 100 * _mean(per_problem),
+        "stderr_trials": 100 * _stderr(trials),
+        "stderr_problems": 100 * _stderr(per_problem),
+    }
+
+
+def benchmark_stats(records: Iterable[dict[str, Any]], num_samples: int, num_problems: int) -> dict[str, Any]:
+    """Summary numbers of one benchmark from its records (only samples ``< num_samples`` count).
+
+    Samples whose prompt did not fit in the model's context count as incorrect in pass@1 and are left out
+    of the mean completion length.
+    """
+    correct: dict[str, dict[int, bool]] = defaultdict(dict)
+    by_level: dict[str, dict[str, dict[int, bool]]] = defaultdict(lambda: defaultdict(dict))
+    lengths: list[int] = []
+    finished = truncated = extracted = unreadable = 0
+    for record in records:
+        if int(record["sample"]) >= num_samples:
+            continue
+        finished += 1
+        correct[str(record["problem_id"])][int(record["sample"])] = bool(record["correct"])
+        level = (record.get("meta") or {}).get("level")
+        if level is not None:
+            by_level[str(level)][str(record["problem_id"])][int(record["sample"])] = bool(record["correct"])
+        extracted += record.get("extracted") is not None
+        if record.get("finish_reason") == "prompt_too_long":
+            unreadable += 1
+            continue
+        truncated += record.get("finish_reason") == "length"
+        lengths.append(int(record.get("num_completion_tokens") or len(record.get("completion_ids") or [])))
+    stats = pass_at_1(correct, num_samples)
+    stats.update(
+        {
+            "num_problems": num_problems,
+            "num_samples": num_samples,
+            "finished_samples": finished,
+            "complete": finished == num_problems * num_samples,
+            "mean_completion_tokens": _mean(lengths),
+            "truncated_percent": 100 * truncated / finished if finished else float("nan"),
+            "answered_percent": 100 * extracted / finished if finished else float("nan"),
+            "prompt_too_long_percent": 100 * unreadable / finished if finished else float("nan"),
+        }
+    )
+    if by_level:  # benchmarks with difficulty levels (MATH-500, the synthetic task)
+        stats["pass@1_by_level"] = {
+            level: pass_at_1(by_level[level], num_samples)["pass@1"]
+            for level in sorted(by_level, key=lambda text: (len(text), text))
+        }
+    return _json_safe(stats)
+
+
+def _display_name(name: str, info: dict[str, Any]) -> str:
+    return info.get("display_name") or (BENCHMARKS[name].display_name if name in BENCHMARKS else name)
+
+
+def _ordered(names: Iterable[str]) -> list[str]:
+    names = list(dict.fromkeys(names))
+    known = [name for name in PAPER_ORDER if name in names]
+    return known + [name for name in names if name not in known]
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _cell(value: float | None, digits: int = 2) -> str:
+    return "n/a" if _missing(value) else f"{value:.{digits}f}"
+
+
+def _json_safe(stats: dict[str, Any]) -> dict[str, Any]:
+    return {key: (None if isinstance(value, float) and math.isnan(value) else value) for key, value in stats.items()}
+
+
+def format_summary_markdown(summary: dict[str, Any]) -> str:
+    """A run's summary as Markdown: a Table 1 style row (pass@1 ± SE over trials) and a detail table."""
+    benchmarks = summary["benchmarks"]
+    names = _ordered(benchmarks)
+    header = ["Model"] + [_display_name(name, benchmarks[name]) for name in names]
+    row = [summary.get("label") or summary.get("model", "model")]
+    for name in names:
+        info = benchmarks[name]
+        se = info["stderr_trials"]
+        cell = _cell(info["pass@1"]) + ("" if _missing(se) else f" ± {_cell(se)}")
+        row.append(cell + ("" if info["complete"] else " (partial)"))
+    if len(names) > 1:
+        header.append("Average")
+        row.append(_cell(_mean([benchmarks[name]["pass@1"] for name in names])))
+    protocol = summary.get("protocol", {})
+    lines = [
+        f"## Pass@1 (%) of {row[0]}",
+        "",
+        "| " + " | ".join(header) + " |",
+        "| " + " | ".join(["---"] + [":---:"] * (len(header) - 1)) + " |",
+        "| " + " | ".join(row) + " |",
+        "",
+        f"Mean pass@1 over k = {protocol.get('num_samples', '?')} samples per problem ± its standard error over "
+        f"the k trials; temperature {protocol.get('temperature')}, top-p {protocol.get('top_p')}, "
+        f"top-k {protocol.get('top_k')}, at most {protocol.get('max_new_tokens')} new tokens, "
+        f"backend {summary.get('backend', '?')}.",
+        "",
+        "| Benchmark | Problems | k | Pass@1 (%) | SE over trials | SE over problems | Boxed answer (%) "
+        "| Truncated (%) | Prompt too long (%) | Mean tokens |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name in names:
+        info = benchmarks[name]
+        lines.append(
+            f"| {_display_name(name, info)} | {info['num_problems']} | {info['num_samples']} | {_cell(info['pass@1'])} "
+            f"| {_cell(info['stderr_trials'])} | {_cell(info['stderr_problems'])} | {_cell(info['answered_percent'], 1)} "
+            f"| {_cell(info['truncated_percent'], 1)} | {_cell(info.get('prompt_too_long_percent'), 1)} "
+            f"| {_cell(info['mean_completion_tokens'], 1)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def load_summary(run: str) -> dict[str, Any]:
+    """The ``summary.json`` of a run folder (or the file itself)."""
+    path = os.path.join(run, "summary.json") if os.path.isdir(run) else run
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"No summary at {path}; give an `egpo-trl eval` output folder or its summary.json.")
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def compare_runs(summaries: Sequence[dict[str, Any]], labels: Sequence[str] | None = None) -> str:
+    """Two or more runs side by side, in Markdown: pass@1 per benchmark with its delta to the first run.
+
+    Cells read like the paper's Table 1: ``74.00 (+50.60)``. Benchmarks missing from a run show ``n/a``; the
+    average is over the benchmarks that every run has.
+    """
+    if len(summaries) < 2:
+        raise ValueError("--compare needs at least two runs.")
+    labels = list(
+        labels or [summary.get("label") or summary.get("model", f"run {i}") for i, summary in enumerate(summaries)]
+    )
+    names = _ordered(name for summary in summaries for name in summary["benchmarks"])
+    display = {}
+    for summary in summaries:
+        for name, info in summary["benchmarks"].items():
+            display.setdefault(name, _display_name(name, info))
+    common = [name for name in names if all(name in summary["benchmarks"] for summary in summaries)]
+    header = ["Model"] + [display[name] for name in names] + ["Average"]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(["---"] + [":---:"] * (len(header) - 1)) + " |"]
+    base = summaries[0]["benchmarks"]
+    base_average = _mean([base[name]["pass@1"] for name in common])
+    for index, (label, summary) in enumerate(zip(labels, summaries)):
+        cells = [label + (" (baseline)" if index == 0 else "")]
+        for name in names:
+            info = summary["benchmarks"].get(name)
+            if info is None:
+                cells.append("n/a")
+                continue
+            cell = _cell(info["pass@1"])
+            if index > 0 and name in base and not _missing(info["pass@1"]) and not _missing(base[name]["pass@1"]):
+                cell += f" ({info['pass@1'] - base[name]['pass@1']:+.2f})"
+            if not info.get("complete", True):
+                cell += " (partial)"
+            cells.append(cell)
+        average = _mean([summary["benchmarks"][name]["pass@1"] for name in common])
+        delta = index > 0 and not _missing(average) and not _missing(base_average)
+        cells.append(_cell(average) + (f" ({average - base_average:+.2f})" if delta else ""))
+        lines.append("| " + " | ".join(cells) + " |")
+    if len(common) < len(names):
+        shared = ", ".join(display[name] for name in common) or "none"
+        lines += ["", f"Average over the benchmarks that every run has: {shared}."]
+    settings = {
+        label: {key: summary.get("protocol", {}).get(key) for key in ("num_samples", "temperature", "top_p", "top_k")}
+        for label, summary in zip(labels, summaries)
+    }
+    if len({json.dumps(value, sort_keys=True) for value in settings.values()}) > 1:
+        lines += ["", "Warning: the runs used different sampling settings: " + json.dumps(settings)]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,318 @@
+"""Thinking / answer segments of a completion, on token positions.
+
+Reasoning models such as DeepSeek-R1-Distill write their reasoning inside ``<think>...</think>`` and the
+final answer after ``</think>``. The paper (Sec. 5.4, Table 3) measures the entropy proxy of Eq. 5 separately
+on the two segments: the **thinking entropy** (TE) over the reasoning trace and the **answer entropy** (AE)
+over the final answer. This module is the one place that decides which completion tokens belong to which
+segment; evaluation, diagnostics and training all use it.
+
+The boundary is found on token ids, not on decoded text, and works for both kinds of tokenizer:
+
+* ``</think>`` is a single (added or special) token, as in DeepSeek-R1-Distill-Qwen and Qwen3;
+* ``</think>`` is spelled with several ordinary tokens (``"</"``, ``"think"``, ``">\\n\\n"``, ...), whose
+  split depends on the surrounding text, so no fixed id sequence can be searched for.
+
+Each token id is decoded once per tokenizer into a transition table of a string-matching automaton
+(Knuth-Morris-Pratt over the characters of the tag, advanced one whole token at a time). Finding the tag
+in a batch is then a handful of vectorised gathers over ``[B, T]``, with no Python loop over rows or
+positions.
+
+Segmentation rule
+-----------------
+For one completion with valid tokens ``0 .. n-1`` (``mask == 1``):
+
+* the **closing tag** is the first occurrence of ``</think>``; the tokens that spell it belong to neither
+  segment (a token that mixes tag characters and text, such as ``".</"``, counts as part of the tag);
+* the **thinking segment** is every token before the closing tag, except a leading ``<think>`` tag and
+  anything before it (when the opening tag is in the completion; chat templates of reasoning models
+  often put it in the prompt instead);
+* the **answer segment** is every valid token after the closing tag (the end-of-sequence token included,
+  as in the training mask);
+* **without a closing tag** the whole completion (after an opening tag, if any) is thinking and the answer
+  segment is empty. A completion cut off by the length limit before ``</think>`` has not answered, and a
+  model that never writes the tags has no separate answer to measure. The answer entropy of such a
+  completion is undefined: :func:`segment_entropy` returns ``NaN`` for it, diagnostics leave it out of
+  the answer-side statistics, and :func:`scope_mask` can fall back to the whole completion for training.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Literal, NamedTuple
+
+import torch
+
+__all__ = [
+    "DEFAULT_THINK_END",
+    "DEFAULT_THINK_START",
+    "ENTROPY_SCOPES",
+    "SegmentSpans",
+    "scope_mask",
+    "segment_entropy",
+    "segment_masks",
+    "segment_spans",
+    "tag_spans",
+]
+
+DEFAULT_THINK_START = "<think>"
+DEFAULT_THINK_END = "</think>"
+ENTROPY_SCOPES = ("completion", "thinking", "answer")
+
+# Zero-length tokens (some special tokens decode to "") may sit inside a tag; allow a few of them.
+_EXTRA_SPAN_TOKENS = 4
+
+_cache_lock = threading.Lock()
+_TABLES: weakref.WeakKeyDictionary[Any, dict[tuple[str, int, str], torch.Tensor]] = weakref.WeakKeyDictionary()
+_TABLES_BY_ID: dict[int, tuple[Any, dict[tuple[str, int, str], torch.Tensor]]] = {}
+
+
+def _advance(tag: str, state: int, text: str) -> int:
+    """KMP state after reading ``text`` from ``state``: ``len(tag)`` on a match, else the longest tag prefix
+    that ends the text read so far."""
+    window = tag[:state] + text
+    if tag in window:
+        return len(tag)
+    for length in range(min(len(tag) - 1, len(window)), 0, -1):
+        if window.endswith(tag[:length]):
+            return length
+    return 0
+
+
+def _token_strings(tokenizer: Any) -> list[str]:
+    """The text of every token id, decoded on its own (special tokens kept)."""
+    ids = [[index] for index in range(len(tokenizer))]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode_batch"):  # fast tokenizers: decode in Rust
+        return backend.decode_batch(ids, skip_special_tokens=False)
+    return tokenizer.batch_decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _build_table(strings: list[str], tag: str) -> torch.Tensor:
+    """``table[s, v]``: the automaton state after token ``v`` read from state ``s`` (``len(tag)`` = match).
+
+    Row ``len(tag)`` is all zeros: a completed match does not continue into the next token.
+    """
+    length = len(tag)
+    rows = [[0] * len(strings) for _ in range(length + 1)]
+    suffixes = tuple(tag[start:] for start in range(1, length))
+    inner = set(tag[1:])
+    for token_id, text in enumerate(strings):
+        if not text:  # a token that decodes to nothing leaves the state as it is
+            for state in range(length):
+                rows[state][token_id] = state
+            continue
+        # A token can only lead to a non-zero state if it contains the tag's first character (a new match
+        # starts inside it), lies inside the tag (it continues a partial match), or starts with a suffix
+        # of the tag (it completes one). Every other token sends every state back to 0.
+        if tag[0] not in text and text not in tag and not (text[0] in inner and text.startswith(suffixes)):
+            continue
+        for state in range(length):
+            rows[state][token_id] = _advance(tag, state, text)
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def _transition_table(tokenizer: Any, tag: str, device: torch.device) -> torch.Tensor:
+    """The tag's transition table for this tokenizer on ``device``, built once and cached per device."""
+    if not tag:
+        raise ValueError("The think tag must be a non-empty string such as '</think>'.")
+    key = (tag, len(tokenizer), str(device))
+    with _cache_lock:
+        try:
+            tables = _TABLES.setdefault(tokenizer, {})
+        except TypeError:  # not weak-referenceable: keep it alive with its tables
+            tables = _TABLES_BY_ID.setdefault(id(tokenizer), (tokenizer, {}))[1]
+        table = tables.get(key)
+        if table is None:
+            cpu_key = (tag, len(tokenizer), "cpu")
+            if cpu_key not in tables:
+                tables[cpu_key] = _build_table(_token_strings(tokenizer), tag)
+            table = tables[cpu_key].to(device)
+            tables[key] = table
+    return table
+
+
+def tag_spans(
+    completion_ids: torch.Tensor, mask: torch.Tensor, tokenizer: Any, tag: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token span of the first occurrence of ``tag`` in each row, whatever the tokenization of the tag.
+
+    Args:
+        completion_ids: ``LongTensor[B, T]`` of token ids.
+        mask: ``Tensor[B, T]``, non-zero on the positions to search (padding excluded).
+        tokenizer: the tokenizer that produced the ids (anything with ``batch_decode`` and ``len``).
+        tag: the text to find, e.g. ``"</think>"``.
+
+    Returns:
+        ``(found, start, end)``: ``BoolTensor[B]`` whether the row contains the tag, and ``LongTensor[B]``
+        positions of the first and last token that spell it (inclusive; ``T`` where not found).
+    """
+    if completion_ids.dim() != 2 or mask.shape != completion_ids.shape:
+        raise ValueError(
+            f"completion_ids and mask must both be [B, T]; got {tuple(completion_ids.shape)} and {tuple(mask.shape)}."
+        )
+    batch, length = completion_ids.shape
+    device = completion_ids.device
+    if length == 0:
+        nowhere = torch.zeros(batch, dtype=torch.long, device=device)
+        return torch.zeros(batch, dtype=torch.bool, device=device), nowhere, nowhere
+    table = _transition_table(tokenizer, tag, device)
+    vocab = table.shape[1]
+    match = len(tag)
+    valid = (mask != 0) & (completion_ids >= 0) & (completion_ids < vocab)
+    ids = torch.where(valid, completion_ids, torch.zeros_like(completion_ids)).long()
+    zero = torch.zeros((), dtype=torch.long, device=device)
+
+    # state_j[:, t]: the automaton run from state 0 over tokens t-j .. t. A match ends at t when some
+    # state_j[:, t] reaches `match`; span_len[:, t] keeps the shortest such window (j + 1 tokens).
+    state = torch.where(valid, table[0, ids], zero)
+    span_len = torch.where(state == match, torch.ones_like(ids), torch.zeros_like(ids))
+    for extra in range(1, match + _EXTRA_SPAN_TOKENS):
+        previous = torch.nn.functional.pad(state[:, :-1], (1, 0))
+        state = torch.where(valid, table[previous, ids], zero)
+        span_len = torch.where((state == match) & (span_len == 0), torch.full_like(ids, extra + 1), span_len)
+
+    hits = span_len > 0
+    found = hits.any(dim=1)
+    first_end = torch.where(found, hits.int().argmax(dim=1), torch.full((batch,), length, device=device))
+    first_len = span_len.gather(1, first_end.clamp(max=length - 1).unsqueeze(1)).squeeze(1)
+    first_start = torch.where(found, first_end - first_len + 1, first_end)
+    return found, first_start, first_end
+
+
+class SegmentSpans(NamedTuple):
+    """Half-open token ranges ``[start, end)`` of the two segments of each row, all ``LongTensor[B]``."""
+
+    thinking_start: torch.Tensor
+    thinking_end: torch.Tensor
+    answer_start: torch.Tensor
+    answer_end: torch.Tensor
+    has_answer: torch.Tensor  # BoolTensor[B]: the row has a closing tag
+
+
+def segment_spans(
+    completion_ids: torch.Tensor,
+    mask: torch.Tensor,
+    tokenizer: Any,
+    think_start: str = DEFAULT_THINK_START,
+    think_end: str = DEFAULT_THINK_END,
+) -> SegmentSpans:
+    """Token ranges ``[start, end)`` of the thinking and answer segments of each row (module rule).
+
+    Args:
+        completion_ids: ``LongTensor[B, T]``, completion token ids (prompt excluded).
+        mask: ``Tensor[B, T]``, 1 on completion tokens and 0 on padding. Valid tokens are expected to
+            form a prefix of each row (right padding), as in TRL's ``completion_mask``.
+        tokenizer: the tokenizer of the ids.
+        think_start / think_end: the tags around the reasoning.
+
+    Returns:
+        :class:`SegmentSpans` of ``LongTensor[B]``: ``thinking_start``, ``thinking_end``, ``answer_start``,
+        ``answer_end`` and ``has_answer`` (``BoolTensor[B]``, whether the row has a closing tag).
+        An empty answer segment has ``answer_start == answer_end``.
+    """
+    valid = mask != 0
+    batch, length = completion_ids.shape
+    positions = torch.arange(length, device=completion_ids.device).expand(batch, length)
+    # One past the last valid position (0 for an empty row).
+    end_of_valid = positions.masked_fill(~valid, -1).amax(dim=1) + 1 if length else positions.new_zeros(batch)
+
+    has_close, close_start, close_end = tag_spans(completion_ids, mask, tokenizer, think_end)
+    before_close = valid & (positions < close_start.unsqueeze(1))
+    has_open, _, open_end = tag_spans(completion_ids, before_close, tokenizer, think_start)
+
+    thinking_start = torch.where(has_open, open_end + 1, torch.zeros_like(open_end))
+    thinking_end = torch.where(has_close, close_start, end_of_valid)
+    answer_start = torch.where(has_close, close_end + 1, end_of_valid)
+    answer_end = end_of_valid
+    thinking_end = torch.maximum(thinking_end, thinking_start)
+    answer_start = torch.minimum(answer_start, answer_end)
+    return SegmentSpans(thinking_start, thinking_end, answer_start, answer_end, has_close)
+
+
+def segment_masks(
+    completion_ids: torch.Tensor,
+    mask: torch.Tensor,
+    tokenizer: Any,
+    think_start: str = DEFAULT_THINK_START,
+    think_end: str = DEFAULT_THINK_END,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masks of the thinking and answer segments of a batch of completions (see the module's rule).
+
+    Args:
+        completion_ids: ``LongTensor[B, T]``, completion token ids (prompt excluded).
+        mask: ``Tensor[B, T]``, 1 on completion tokens and 0 on padding (TRL's ``completion_mask``).
+        tokenizer: the tokenizer of the ids; ``</think>`` may be one token or several.
+        think_start / think_end: the tags around the reasoning.
+
+    Returns:
+        ``(thinking_mask, answer_mask)``, both ``[B, T]`` with the dtype of ``mask``, disjoint, and zero
+        wherever ``mask`` is zero. Tag tokens belong to neither. A row without ``</think>`` has an all-zero
+        answer mask and its whole completion as thinking.
+
+    Example:
+        >>> thinking, answer = segment_masks(ids, completion_mask, tokenizer)  # doctest: +SKIP
+        >>> answer_entropy = segment_entropy(per_token_logps, answer)  # doctest: +SKIP
+    """
+    spans = segment_spans(completion_ids, mask, tokenizer, think_start, think_end)
+    batch, length = completion_ids.shape
+    positions = torch.arange(length, device=completion_ids.device).expand(batch, length)
+    valid = mask != 0
+    thinking = valid & (positions >= spans.thinking_start.unsqueeze(1)) & (positions < spans.thinking_end.unsqueeze(1))
+    answer = valid & (positions >= spans.answer_start.unsqueeze(1)) & (positions < spans.answer_end.unsqueeze(1))
+    return thinking.to(mask.dtype), answer.to(mask.dtype)
+
+
+def segment_entropy(per_token_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Entropy proxy (paper Eq. 5) of each row over the positions of a segment mask: mean of ``-log p``.
+
+    The same computation as :func:`egpo_trl.advantages.sequence_entropy`, which it calls.
+
+    Args:
+        per_token_logps: ``Tensor[B, T]``, log-probabilities of the sampled tokens.
+        mask: ``Tensor[B, T]``, the positions to average over (a segment mask or the completion mask).
+
+    Returns:
+        ``Tensor[B]`` (float32), ``NaN`` for rows whose mask is empty.
+    """
+    from egpo_trl.advantages import sequence_entropy
+
+    return sequence_entropy(per_token_logps, mask)
+
+
+def scope_mask(
+    completion_ids: torch.Tensor,
+    mask: torch.Tensor,
+    tokenizer: Any,
+    scope: Literal["completion", "thinking", "answer"] = "completion",
+    empty: Literal["completion", "keep"] = "completion",
+    think_start: str = DEFAULT_THINK_START,
+    think_end: str = DEFAULT_THINK_END,
+) -> torch.Tensor:
+    """The mask to average the entropy proxy over for an entropy ``scope`` (the ``egpo_entropy_scope`` option).
+
+    Args:
+        completion_ids: ``LongTensor[B, T]``.
+        mask: ``Tensor[B, T]``, the completion mask.
+        tokenizer: the tokenizer of the ids.
+        scope: ``"completion"`` (paper Eq. 5, the whole completion), ``"thinking"`` (inside
+            ``<think>...</think>``) or ``"answer"`` (after ``</think>``, the paper's RQ4 suggestion).
+        empty: what a row whose segment is empty gets. ``"completion"`` (default) falls back to its whole
+            completion, so every row keeps a finite entropy (EGPO's group weights need one per rollout);
+            ``"keep"`` returns the empty mask, so :func:`segment_entropy` gives ``NaN`` for that row.
+
+    Returns:
+        ``Tensor[B, T]`` with the dtype of ``mask``.
+    """
+    if scope not in ENTROPY_SCOPES:
+        raise ValueError(f"Unknown entropy scope {scope!r}; choose one of {ENTROPY_SCOPES}.")
+    if empty not in ("completion", "keep"):
+        raise ValueError(f"empty={empty!r}: choose 'completion' (fall back to the whole completion) or 'keep'.")
+    if scope == "completion":
+        return mask
+    thinking, answer = segment_masks(completion_ids, mask, tokenizer, think_start, think_end)
+    chosen = thinking if scope == "thinking" else answer
+    if empty == "completion":
+        is_empty = (chosen != 0).sum(dim=1, keepdim=True) == 0
+        chosen = torch.where(is_empty, mask, chosen)
+    return chosen
