@@ -51,7 +51,7 @@ def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-").replace("--", "-")
 
 
-def run_one(method: str, seed: int, args) -> dict:
+def run_one(method: str, seed: int, args, gpu: int | None = None) -> dict:
     recipe, overrides = METHODS[method]
     out = Path(args.output) / f"{slug(method)}-seed{seed}"
     if (out / "heldout.json").exists() and not args.rerun:
@@ -66,6 +66,8 @@ def run_one(method: str, seed: int, args) -> dict:
         command += ["--max_steps", str(args.max_steps)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     env.setdefault("HF_HUB_OFFLINE", "1")
+    if gpu is not None:  # one process must see one GPU (several make Trainer wrap the model in DataParallel)
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     start = time.time()
     with open(out / "log.txt", "w") as log:
         result = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -115,10 +117,17 @@ def main() -> None:
     args = parser.parse_args()
 
     jobs = [(m, s) for s in args.seeds for m in args.methods]
+    gpus = 0
+    if args.device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus == 0:
+            raise SystemExit("--device cuda but no GPU is visible.")
     print(f"{len(jobs)} runs, {args.parallel} at a time, on {args.device}", flush=True)
     start = time.time()
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        records = list(pool.map(lambda job: run_one(job[0], job[1], args), jobs))
+        records = list(pool.map(lambda i: run_one(*jobs[i], args, gpu=i % gpus if gpus else None), range(len(jobs))))
     Path(args.output).mkdir(parents=True, exist_ok=True)
     (Path(args.output) / "summary.json").write_text(json.dumps(records, indent=2) + "\n")
 
