@@ -12,8 +12,18 @@ RL Reasoning" (the EGPO paper):
   optional renormalisation, the base advantage by group type (NSR on entirely-incorrect groups) and
   the calibrated advantage :math:`\tilde A_i = w_i A_i`.
 
+The baselines the paper compares against live here too, under the same signature:
+
+* :func:`grpo_advantages`: GRPO exactly as TRL computes it (DAPO uses it as well; DAPO's other parts are
+  recipe settings and dynamic sampling in the trainer).
+* :func:`nsr_advantages`: negative sample reinforcement alone (Zhu et al. 2025, "The Surprising
+  Effectiveness of Negative Reinforcement in LLM Reasoning").
+* :func:`edge_grpo_advantages`: EDGE-GRPO's entropy-driven advantage (Zhang et al. 2025, arXiv 2507.21848).
+
 Estimators are registered by name in :data:`ADVANTAGE_ESTIMATORS` so that the trainer selects one
-from its config; adding an estimator is one function and one registry line.
+from its config; adding an estimator is one function and one registry line. An estimator states which
+per-completion entropy it reads with :func:`entropy_input` (default ``"nll"``, the proxy of Eq. 5), so
+that the trainer computes only what is needed.
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ import torch
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "CLAMP_MODES",
+    "ENTROPY_INPUTS",
+    "ENTROPY_NORMALIZATIONS",
     "GROUP_ALL_CORRECT",
     "GROUP_ALL_INCORRECT",
     "GROUP_MIXED",
@@ -34,11 +46,16 @@ __all__ = [
     "RENORM_MODES",
     "SCALE_REWARDS_MODES",
     "AdvantageOutput",
+    "edge_grpo_advantages",
     "egpo_advantages",
+    "entropy_input",
     "get_advantage_estimator",
+    "get_entropy_input",
     "grpo_advantages",
+    "nsr_advantages",
     "register_advantage_estimator",
     "sequence_entropy",
+    "sequence_mean",
 ]
 
 ClampMode = Literal["asymmetric", "symmetric", "negative_only", "positive_only", "none"]
@@ -50,6 +67,11 @@ CLAMP_MODES: tuple[str, ...] = ("asymmetric", "symmetric", "negative_only", "pos
 RENORM_MODES: tuple[str, ...] = ("none", "after_clamp", "before_clamp")
 NSR_WEIGHTINGS: tuple[str, ...] = ("entropy", "unit")
 SCALE_REWARDS_MODES: tuple[str, ...] = ("group", "batch", "none")
+#: Per-completion entropies an estimator may read: ``"nll"`` (Eq. 5, mean negative log-probability of the
+#: sampled tokens), ``"shannon"`` (mean full-distribution Shannon entropy of the policy's next-token
+#: distributions) or ``"none"``.
+ENTROPY_INPUTS: tuple[str, ...] = ("nll", "shannon", "none")
+ENTROPY_NORMALIZATIONS: tuple[str, ...] = ("group", "batch")
 
 # Group types, one value per row (every row of a group carries its group's type).
 GROUP_UNSCORED = -1  # no completion of the group was scored (every reward was None/NaN)
@@ -106,6 +128,26 @@ def sequence_entropy(per_token_logps: torch.Tensor, mask: torch.Tensor) -> torch
     total = -logps.sum(dim=-1)
     count = scored.sum(dim=-1).to(total.dtype)
     return total / count  # 0 / 0 = NaN for rows without scored tokens
+
+
+def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    r"""Per-completion mean of per-token ``values`` over the scored tokens: :math:`\sum_t v_{i,t} m_{i,t} / \sum_t m_{i,t}`.
+
+    With per-token Shannon entropies :math:`-\sum_v \pi(v \mid x, y_{<t}) \log \pi(v \mid x, y_{<t})` this is
+    EDGE-GRPO's response entropy :math:`P_i`; with negated log-probabilities it is :func:`sequence_entropy`.
+
+    Args:
+        values: ``Tensor[B, T]``; values at unscored positions (``mask == 0``) are ignored, even when NaN.
+        mask: ``Tensor[B, T]`` (bool, int or float) marking the scored tokens.
+
+    Returns:
+        ``Tensor[B]`` in float32. A row with no scored token gives NaN.
+    """
+    if values.shape != mask.shape:
+        raise ValueError(f"values {tuple(values.shape)} and mask {tuple(mask.shape)} differ in shape.")
+    scored = mask.bool()
+    kept = torch.where(scored, values.float(), torch.zeros((), device=values.device))
+    return kept.sum(dim=-1) / scored.sum(dim=-1).to(torch.float32)
 
 
 def _nanstd(tensor: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -198,6 +240,32 @@ def _clamp_weights(raw: torch.Tensor, correct: torch.Tensor, clamp: str, lo: flo
     raise ValueError(f"Unknown clamp {clamp!r}; expected one of {CLAMP_MODES}.")
 
 
+AdvantageEstimator = Callable[..., AdvantageOutput]
+
+
+def entropy_input(kind: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Decorator that declares which per-completion entropy an estimator reads as its ``entropies`` argument.
+
+    ``"nll"`` (the default for an undecorated estimator): the proxy of Eq. 5 from :func:`sequence_entropy`;
+    ``"shannon"``: the mean full-distribution Shannon entropy from :func:`sequence_mean` over per-token
+    entropies; ``"none"``: the estimator ignores ``entropies`` (the trainer may pass ``None``).
+    """
+    if kind not in ENTROPY_INPUTS:
+        raise ValueError(f"Unknown entropy input {kind!r}; expected one of {ENTROPY_INPUTS}.")
+
+    def decorator(func: AdvantageEstimator) -> AdvantageEstimator:
+        func.entropy_input = kind
+        return func
+
+    return decorator
+
+
+def get_entropy_input(estimator: AdvantageEstimator) -> str:
+    """The entropy ``estimator`` reads (see :func:`entropy_input`); ``"nll"`` when it does not say."""
+    return getattr(estimator, "entropy_input", "nll")
+
+
+@entropy_input("nll")
 def egpo_advantages(
     rewards: torch.Tensor,
     entropies: torch.Tensor,
@@ -315,6 +383,7 @@ def egpo_advantages(
     )
 
 
+@entropy_input("none")
 def grpo_advantages(
     rewards: torch.Tensor,
     entropies: torch.Tensor | None,
@@ -349,13 +418,129 @@ def grpo_advantages(
     )
 
 
-AdvantageEstimator = Callable[..., AdvantageOutput]
+@entropy_input("none")
+def nsr_advantages(
+    rewards: torch.Tensor,
+    entropies: torch.Tensor | None,
+    num_generations: int,
+    *,
+    positive_weight: float = 0.0,
+    correct: torch.Tensor | None = None,
+    **_: object,
+) -> AdvantageOutput:
+    r"""Negative sample reinforcement (NSR, Zhu et al. 2025): only incorrect completions carry a learning signal.
 
-#: Estimators by name. Each takes ``(rewards, entropies, num_generations, **options)`` and returns an
-#: :class:`AdvantageOutput`; the trainer passes the options its config names.
+    The NSR objective minimises the likelihood of incorrect samples under a binary verifier; as a
+    per-completion advantage in the clipped objective:
+
+    .. math:: A_i = \begin{cases} -1 & \text{incorrect} \\ \lambda_{+} & \text{correct} \end{cases}
+
+    with :math:`\lambda_{+} = 0` for NSR. No group baseline and no std scaling: every incorrect completion gets
+    -1 whatever the rest of its group did, so NSR also learns from entirely-incorrect groups (the case EGPO
+    handles with its NSR branch, Eq. 11) and ignores entirely-correct ones. ``positive_weight`` > 0 gives the same
+    paper's Weighted-REINFORCE (it recommends :math:`\lambda_{+} = 0.1`). The paper averages the loss over all
+    tokens of the batch, which is TRL's ``loss_type="dapo"`` (its default).
+
+    Correctness is ``rewards > 0`` unless ``correct`` is given (the trainer passes the correctness reward
+    function's decision, so shaping rewards do not change NSR's advantages). Unscored rows (NaN reward) get 0.
+    ``entropies`` is accepted for a uniform estimator signature and unused.
+
+    Returns:
+        :class:`AdvantageOutput`; ``weights`` and ``raw_weights`` are 1, ``base_advantages`` equal ``advantages``.
+    """
+    _check_layout(rewards, num_generations, correct=correct)
+    if not isinstance(positive_weight, (int, float)) or isinstance(positive_weight, bool) or positive_weight < 0:
+        raise ValueError(
+            f"positive_weight must be a number >= 0 (0 is NSR, 0.1 Weighted-REINFORCE), got {positive_weight!r}."
+        )
+    rewards = rewards.float()
+    n = num_generations
+    r = rewards.view(-1, n)
+    scored = ~torch.isnan(r)
+    is_correct = ((r > 0) if correct is None else correct.view(-1, n).bool()) & scored
+    advantages = torch.where(is_correct, torch.full_like(r, float(positive_weight)), torch.full_like(r, -1.0))
+    advantages = torch.where(scored, advantages, torch.zeros_like(r)).view(-1)
+    ones = torch.ones_like(rewards)
+    return AdvantageOutput(
+        advantages=advantages,
+        weights=ones,
+        base_advantages=advantages,
+        raw_weights=ones,
+        group_type=_group_types(is_correct, scored).repeat_interleave(n),
+        correct=is_correct.view(-1),
+    )
+
+
+@entropy_input("shannon")
+def edge_grpo_advantages(
+    rewards: torch.Tensor,
+    entropies: torch.Tensor,
+    num_generations: int,
+    *,
+    entropy_normalization: str = "group",
+    entropy_eps: float = 1e-6,
+    scale_rewards: ScaleRewards = "group",
+    correct: torch.Tensor | None = None,
+    **_: object,
+) -> AdvantageOutput:
+    r"""EDGE-GRPO's entropy-driven advantage (EDA; Zhang et al. 2025, arXiv 2507.21848), vectorised over groups.
+
+    .. math:: \hat A_i = A_i \, \frac{\bar P}{P_i + \varepsilon}, \qquad \bar P = \mathrm{mean}_j P_j
+
+    :math:`A_i` is GRPO's group-relative advantage (exactly :func:`grpo_advantages`, so uniform-reward groups stay
+    at 0) and :math:`P_i` the completion's mean full-distribution Shannon token entropy under the policy
+    (``entropies``, from :func:`sequence_mean`). Confident completions get larger updates, uncertain ones smaller,
+    on both the correct and the incorrect side: unlike EGPO there is no clamp and no asymmetry.
+
+    Choices the paper leaves open, as implemented here:
+
+    * :math:`\bar P` is the mean over the completion's group (``entropy_normalization="group"``, the paper's
+      :math:`\frac{1}{G}\sum_j`) or over the whole batch (``"batch"``, what the public code's micro-batch mean
+      amounts to when a micro-batch holds several groups).
+    * Entries with a non-finite entropy (no scored token) or an unscored reward are left out of :math:`\bar P` and
+      keep weight 1, as in :func:`egpo_advantages`; so does every entry of a group with :math:`\bar P = 0`.
+    * :math:`\varepsilon` (``entropy_eps``) only guards a zero entropy; the paper has none.
+    * :math:`P_i` is a constant of the objective here (the trainer computes it without gradient, under the
+      policy that sampled the batch); see the trainer's documentation.
+
+    Returns:
+        :class:`AdvantageOutput` with ``weights`` = ``raw_weights`` = :math:`\bar P / (P_i + \varepsilon)` and
+        ``base_advantages`` = :math:`A_i`.
+    """
+    _check_layout(rewards, num_generations, entropies=entropies, correct=correct)
+    if entropy_normalization not in ENTROPY_NORMALIZATIONS:
+        raise ValueError(
+            f"Unknown entropy_normalization {entropy_normalization!r}; expected one of {ENTROPY_NORMALIZATIONS}."
+        )
+    base = grpo_advantages(rewards, None, num_generations, scale_rewards=scale_rewards, correct=correct)
+    n = num_generations
+    scored = ~torch.isnan(rewards.float().view(-1, n))
+    p = entropies.float().view(-1, n)
+    valid = torch.isfinite(p) & scored
+    if entropy_normalization == "group":
+        mean_p, count = _masked_group_mean(p, valid)
+    else:
+        flat_mean, flat_count = _masked_group_mean(p.reshape(1, -1), valid.reshape(1, -1))
+        mean_p, count = flat_mean.expand(p.size(0), 1), flat_count.expand(p.size(0), 1)
+    valid = valid & (count > 0) & (mean_p != 0)
+    weights = torch.where(valid, mean_p / (torch.nan_to_num(p, nan=0.0) + entropy_eps), torch.ones_like(p)).view(-1)
+    return AdvantageOutput(
+        advantages=weights * base.advantages,
+        weights=weights,
+        base_advantages=base.advantages,
+        raw_weights=weights,
+        group_type=base.group_type,
+        correct=base.correct,
+    )
+
+
+#: Estimators by name. Each takes ``(rewards, entropies, num_generations, *, correct=None, **options)`` and returns an
+#: :class:`AdvantageOutput`; the trainer passes the options its config names that the estimator's signature accepts.
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "egpo": egpo_advantages,
     "grpo": grpo_advantages,
+    "nsr": nsr_advantages,
+    "edge_grpo": edge_grpo_advantages,
 }
 
 

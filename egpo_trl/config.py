@@ -7,9 +7,21 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from egpo_trl.advantages import ADVANTAGE_ESTIMATORS, CLAMP_MODES, NSR_WEIGHTINGS, RENORM_MODES
+from egpo_trl.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    CLAMP_MODES,
+    ENTROPY_NORMALIZATIONS,
+    NSR_WEIGHTINGS,
+    RENORM_MODES,
+)
 
 ENTROPY_SCOPES: tuple[str, ...] = ("completion", "thinking", "answer")
+DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = ("correctness", "reward")
+GEC_SCOPES: tuple[str, ...] = ("incorrect", "all_incorrect_groups")
+DEFAULT_GEC_REFLECTION_CUE = " Hold on, something in this solution is wrong. Let me check it again."
+DEFAULT_GEC_ANSWER_TEMPLATE = (
+    "\nHold on, something in this solution is wrong. Checking it again, the answer is \\boxed{{answer}}."
+)
 
 
 @dataclass
@@ -51,6 +63,61 @@ class EGPOConfig(GRPOConfig):
         egpo_entropy_scope (`str`, *optional*, defaults to `"completion"`):
             Tokens the entropy proxy averages over: the whole `"completion"` (paper Eq. 5), the `"thinking"` segment
             inside `<think>...</think>`, or the `"answer"` segment after `</think>` (the paper's RQ4 suggestion).
+        egpo_entropy_metrics (`bool`, *optional*, defaults to `True`):
+            Compute the entropy proxy (and the `egpo/entropy_*` metrics) even when the advantage estimator does not
+            use it (`grpo`, `nsr`). It costs one no-grad forward pass per generation batch when TRL has not computed
+            the old log-probs anyway; `False` skips it.
+
+        > Parameters of the baselines (see `docs/baselines.md`)
+
+        nsr_positive_weight (`float`, *optional*, defaults to `0.0`):
+            `advantage_estimator="nsr"`: the advantage of a correct completion. `0` is negative sample reinforcement
+            alone (every incorrect completion gets -1, correct ones 0); `0.1` is the same paper's Weighted-REINFORCE.
+        edge_grpo_entropy_normalization (`str`, *optional*, defaults to `"group"`):
+            `advantage_estimator="edge_grpo"`: the mean entropy that normalises each completion's entropy, over its
+            `"group"` (EDGE-GRPO paper) or over the whole generation `"batch"`.
+        dynamic_sampling (`bool`, *optional*, defaults to `False`):
+            DAPO's dynamic sampling: groups that carry no learning signal under GRPO (see `dynamic_sampling_metric`)
+            are dropped and more prompts are generated until the generation batch is made of informative groups
+            only, or `dynamic_sampling_max_rounds` is reached.
+        dynamic_sampling_max_rounds (`int`, *optional*, defaults to `10`):
+            Most generation rounds for one generation batch, the first included (DAPO's `max_num_gen_batches`).
+            When they do not yield enough informative groups, a warning is logged and the batch is completed with
+            uninformative groups.
+        dynamic_sampling_metric (`str`, *optional*, defaults to `"correctness"`):
+            What makes a group uninformative: `"correctness"`, every scored completion correct or every one incorrect
+            according to the correctness reward function (DAPO's `acc` filter, unaffected by shaping rewards such as
+            the overlong penalty); `"reward"`, every scored completion with the same total reward.
+        overlong_buffer_length (`int` or `None`, *optional*, defaults to `None`):
+            DAPO's soft overlong punishment: the length of the buffer \\(L_{cache}\\) before `max_completion_length`.
+            When set, the trainer adds the reward function
+            [`~egpo_trl.rewards.overlong_penalty_reward`]: 0 up to `max_completion_length - overlong_buffer_length`
+            tokens, then falling linearly to `-overlong_penalty_factor` at `max_completion_length`.
+        overlong_penalty_factor (`float`, *optional*, defaults to `1.0`):
+            The largest overlong penalty (at `max_completion_length`).
+        edge_gec (`bool`, *optional*, defaults to `False`):
+            EDGE-GRPO's Guided Error Correction: before scoring, an incorrect completion is, at random, continued after
+            a reflection cue (probability `edge_gec_reflect_prob`), given the reference answer after the cue
+            (`edge_gec_answer_prob`), or replaced by the reference solution (`edge_gec_solution_prob`, the dataset's
+            `solution` column; the answer is injected when a row has none). Needs an `answer` column.
+        edge_gec_scope (`str`, *optional*, defaults to `"incorrect"`):
+            Which completions Guided Error Correction may change: every `"incorrect"` one (the public EDGE-GRPO code)
+            or only those of `"all_incorrect_groups"` (the groups whose GRPO advantage collapses to 0).
+        edge_gec_reflect_prob (`float`, *optional*, defaults to `0.5`):
+            Probability that an eligible completion is continued by the policy after `edge_gec_reflection_cue`.
+        edge_gec_answer_prob (`float`, *optional*, defaults to `0.25`):
+            Probability that `edge_gec_answer_template` (with the reference answer) is appended to it.
+        edge_gec_solution_prob (`float`, *optional*, defaults to `0.25`):
+            Probability that it is replaced by the reference solution. The three probabilities sum to at most 1; the
+            rest of the mass leaves the completion unchanged.
+        edge_gec_reflection_cue (`str`, *optional*):
+            Text appended to an incorrect completion before the policy continues it.
+        edge_gec_answer_template (`str`, *optional*):
+            Text appended to an incorrect completion to give it the reference answer; `{answer}` is replaced by it.
+        edge_gec_max_new_tokens (`int`, *optional*, defaults to `256`):
+            Most tokens the policy generates after the reflection cue. A corrected completion never exceeds
+            `max_completion_length`: the original part is shortened to leave room for the injected text and, for a
+            continuation, at least `min(edge_gec_max_new_tokens, half of the room the cue leaves)` tokens.
     """
 
     advantage_estimator: str = field(
@@ -120,6 +187,104 @@ class EGPOConfig(GRPOConfig):
         },
     )
 
+    egpo_entropy_metrics: bool = field(
+        default=True,
+        metadata={
+            "help": "Compute the entropy proxy and the egpo/entropy_* metrics even when the advantage estimator does "
+            "not use it (grpo, nsr); may cost one no-grad forward pass per generation batch."
+        },
+    )
+    nsr_positive_weight: float = field(
+        default=0.0,
+        metadata={
+            "help": "advantage_estimator='nsr': the advantage of a correct completion. 0 is negative sample "
+            "reinforcement alone; 0.1 is Weighted-REINFORCE from the same paper. Must be >= 0."
+        },
+    )
+    edge_grpo_entropy_normalization: str = field(
+        default="group",
+        metadata={
+            "help": "advantage_estimator='edge_grpo': normalise each completion's entropy by the mean over its 'group' "
+            "(EDGE-GRPO paper) or over the whole generation 'batch'.",
+            "choices": list(ENTROPY_NORMALIZATIONS),
+        },
+    )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO's dynamic sampling: drop uninformative groups (see dynamic_sampling_metric) and generate for "
+            "more prompts until the generation batch holds only informative groups, or dynamic_sampling_max_rounds."
+        },
+    )
+    dynamic_sampling_max_rounds: int = field(
+        default=10,
+        metadata={
+            "help": "Most generation rounds for one generation batch, the first included. When they do not yield "
+            "enough informative groups, a warning is logged and uninformative groups complete the batch. Must be >= 1."
+        },
+    )
+    dynamic_sampling_metric: str = field(
+        default="correctness",
+        metadata={
+            "help": "What makes a group uninformative: 'correctness' (all completions correct or all incorrect per "
+            "the correctness reward function, DAPO's acc filter) or 'reward' (all with the same total reward).",
+            "choices": list(DYNAMIC_SAMPLING_METRICS),
+        },
+    )
+    overlong_buffer_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "DAPO's soft overlong punishment: buffer length before max_completion_length over which a length "
+            "penalty grows linearly from 0 to -overlong_penalty_factor. None (default) adds no penalty."
+        },
+    )
+    overlong_penalty_factor: float = field(
+        default=1.0,
+        metadata={"help": "The largest overlong penalty, reached at max_completion_length. Must be >= 0."},
+    )
+    edge_gec: bool = field(
+        default=False,
+        metadata={
+            "help": "EDGE-GRPO's Guided Error Correction: before scoring, incorrect completions are at random continued "
+            "after a reflection cue, given the reference answer, or replaced by the reference solution."
+        },
+    )
+    edge_gec_scope: str = field(
+        default="incorrect",
+        metadata={
+            "help": "Which completions Guided Error Correction may change: every 'incorrect' one (public EDGE-GRPO "
+            "code) or only those of 'all_incorrect_groups'.",
+            "choices": list(GEC_SCOPES),
+        },
+    )
+    edge_gec_reflect_prob: float = field(
+        default=0.5,
+        metadata={"help": "Probability that an eligible completion is continued after the reflection cue."},
+    )
+    edge_gec_answer_prob: float = field(
+        default=0.25,
+        metadata={"help": "Probability that the reference answer is appended to an eligible completion."},
+    )
+    edge_gec_solution_prob: float = field(
+        default=0.25,
+        metadata={
+            "help": "Probability that an eligible completion is replaced by the reference solution (the 'solution' "
+            "column). The three edge_gec_*_prob sum to at most 1."
+        },
+    )
+    edge_gec_reflection_cue: str = field(
+        default=DEFAULT_GEC_REFLECTION_CUE,
+        metadata={"help": "Text appended to an incorrect completion before the policy continues it."},
+    )
+    edge_gec_answer_template: str = field(
+        default=DEFAULT_GEC_ANSWER_TEMPLATE,
+        metadata={"help": "Text appended to give the reference answer; '{answer}' is replaced by it."},
+    )
+    edge_gec_max_new_tokens: int = field(
+        default=256,
+        metadata={"help": "Most tokens the policy generates after the reflection cue. Must be >= 1."},
+    )
+
     def __post_init__(self):
         super().__post_init__()
         self._validate_egpo()
@@ -155,8 +320,52 @@ class EGPOConfig(GRPOConfig):
             )
         if self.egpo_entropy_eps <= 0:
             raise ValueError(f"egpo_entropy_eps must be > 0 (default 1e-6), got {self.egpo_entropy_eps}.")
-        if self.advantage_estimator == "egpo" and self.multi_objective_aggregation != "sum_then_normalize":
+        choose("edge_grpo_entropy_normalization", self.edge_grpo_entropy_normalization, ENTROPY_NORMALIZATIONS)
+        choose("dynamic_sampling_metric", self.dynamic_sampling_metric, DYNAMIC_SAMPLING_METRICS)
+        choose("edge_gec_scope", self.edge_gec_scope, GEC_SCOPES)
+        self._validate_baselines()
+        if self.advantage_estimator != "grpo" and self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
-                "advantage_estimator='egpo' needs multi_objective_aggregation='sum_then_normalize' (EGPO's mixed-group "
-                "advantage is GRPO's over the weighted reward sum); set it, or use advantage_estimator='grpo'."
+                f"advantage_estimator={self.advantage_estimator!r} needs multi_objective_aggregation="
+                "'sum_then_normalize' (its advantages are computed from the weighted reward sum); set it, or use "
+                "advantage_estimator='grpo'."
+            )
+
+    def _validate_baselines(self) -> None:
+        def number(name: str, minimum: float, maximum: float | None = None) -> None:
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or value < minimum or (maximum is not None and value > maximum):
+                bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+                raise ValueError(f"{name} must be a number {bounds}, got {value!r}.")
+
+        def integer(name: str, minimum: int) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+
+        number("nsr_positive_weight", 0.0)
+        integer("dynamic_sampling_max_rounds", 1)
+        number("overlong_penalty_factor", 0.0)
+        if self.overlong_buffer_length is not None:
+            integer("overlong_buffer_length", 1)
+            if self.overlong_buffer_length > self.max_completion_length:
+                raise ValueError(
+                    f"overlong_buffer_length ({self.overlong_buffer_length}) is longer than max_completion_length "
+                    f"({self.max_completion_length}); set it to at most max_completion_length (DAPO uses a quarter of "
+                    "it) or leave it unset to add no length penalty."
+                )
+        for name in ("edge_gec_reflect_prob", "edge_gec_answer_prob", "edge_gec_solution_prob"):
+            number(name, 0.0, 1.0)
+        total = self.edge_gec_reflect_prob + self.edge_gec_answer_prob + self.edge_gec_solution_prob
+        if total > 1.0 + 1e-9:
+            raise ValueError(
+                f"edge_gec_reflect_prob + edge_gec_answer_prob + edge_gec_solution_prob = {total:g} > 1; lower them so "
+                "that they sum to at most 1 (the rest leaves a completion unchanged)."
+            )
+        integer("edge_gec_max_new_tokens", 1)
+        if "{answer}" not in self.edge_gec_answer_template:
+            raise ValueError(
+                "edge_gec_answer_template must contain '{answer}', where the reference answer goes; got "
+                f"{self.edge_gec_answer_template!r}."
             )

@@ -29,6 +29,9 @@ __all__ = [
     "boxed_accuracy_reward",
     "completion_text",
     "extract_last_boxed",
+    "make_overlong_penalty_reward",
+    "overlong_penalty",
+    "overlong_penalty_reward",
     "think_format_reward",
 ]
 
@@ -189,3 +192,73 @@ def think_format_reward(completions: list[Any], **kwargs: Any) -> list[float]:
     never turns a wrong answer into a "correct" one.
     """
     return [1.0 if _THINK_RE.match(completion_text(c)) else 0.0 for c in completions]
+
+
+def overlong_penalty(length: int, max_length: int, buffer_length: int, penalty_factor: float = 1.0) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, Eq. 13) for one completion of ``length`` tokens.
+
+    With :math:`L_{max}` = ``max_length`` and :math:`L_{cache}` = ``buffer_length``: ``0`` while
+    ``length <= max_length - buffer_length``; then :math:`((L_{max} - L_{cache}) - |y|) / L_{cache}`, falling
+    linearly to ``-1`` at ``max_length``; ``-1`` beyond. The result is multiplied by ``penalty_factor``.
+
+    >>> overlong_penalty(90, max_length=100, buffer_length=20)
+    -0.5
+    """
+    if buffer_length < 1 or buffer_length > max_length:
+        raise ValueError(
+            f"buffer_length must be in [1, max_length={max_length}], got {buffer_length}; DAPO uses a buffer of a "
+            "quarter of the maximum length."
+        )
+    expected = max_length - buffer_length
+    if length <= expected:
+        return 0.0
+    return penalty_factor * max(-1.0, (expected - length) / buffer_length)
+
+
+def overlong_penalty_reward(
+    completions: list[Any],
+    completion_ids: list[list[int]] | None = None,
+    *,
+    max_length: int,
+    buffer_length: int,
+    penalty_factor: float = 1.0,
+    **kwargs: Any,
+) -> list[float]:
+    """DAPO's length-aware reward shaping as a TRL reward function: :func:`overlong_penalty` of each completion.
+
+    The length is the number of completion tokens (TRL passes ``completion_ids``). Add it beside the outcome reward;
+    it is a shaping term, so leave the correctness decision to the outcome reward (``egpo_correctness_reward``).
+    Use :func:`make_overlong_penalty_reward` to bind the lengths, or set ``overlong_buffer_length`` in
+    :class:`~egpo_trl.EGPOConfig` to have the trainer add it.
+    """
+    if completion_ids is None:
+        raise ValueError(
+            "overlong_penalty_reward needs the completions' token ids (`completion_ids`, which TRL's trainers pass); "
+            "call it with completion_ids=..."
+        )
+    if len(completion_ids) != len(completions):
+        raise ValueError(f"Got {len(completions)} completions but {len(completion_ids)} completion_ids.")
+    return [overlong_penalty(len(ids), max_length, buffer_length, penalty_factor) for ids in completion_ids]
+
+
+def make_overlong_penalty_reward(max_length: int, buffer_length: int, penalty_factor: float = 1.0):
+    """:func:`overlong_penalty_reward` with its lengths bound, named ``overlong_penalty`` for TRL's reward logs.
+
+    >>> reward = make_overlong_penalty_reward(max_length=100, buffer_length=20)
+    >>> reward(["a", "b"], completion_ids=[[0] * 50, [0] * 100])
+    [0.0, -1.0]
+    """
+    overlong_penalty(0, max_length, buffer_length)  # validate the lengths now, not at the first step
+
+    def overlong_penalty_fn(completions: list[Any], completion_ids: list[list[int]] | None = None, **kwargs: Any):
+        return overlong_penalty_reward(
+            completions,
+            completion_ids,
+            max_length=max_length,
+            buffer_length=buffer_length,
+            penalty_factor=penalty_factor,
+        )
+
+    overlong_penalty_fn.__name__ = "overlong_penalty"
+    overlong_penalty_fn.__qualname__ = "overlong_penalty"
+    return overlong_penalty_fn

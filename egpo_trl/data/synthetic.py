@@ -1,0 +1,247 @@
+"""Synthetic multi-step arithmetic with verifiable answers, for demos, tests and the shipped tiny model.
+
+A problem is a left-to-right chain of additions and subtractions of whole numbers, such as
+``Compute 23 + 8 - 15 + 40.`` Its worked solution, in the paper's format, reasons one operation at a
+time inside ``<think>...</think>`` and then gives the final answer in ``\\boxed{}``::
+
+    <think>23+8=31, 31-15=16, 16+40=56</think> \\boxed{56}
+
+Difficulty grows with the level: level *n* chains *n* operations on numbers from 0 to 30 (see
+:data:`LEVELS`), so it takes *n* reasoning steps, each a chance to slip. Every intermediate result
+stays between 0 and 999, so answers are non-negative integers.
+
+**Splits never overlap.** Which split a problem belongs to is a function of the problem itself (a
+stable hash of its canonical expression), not of the seed or of the order of generation. The
+``test`` split therefore never contains a problem of ``train`` or ``validation``, whatever seeds and
+sizes were used to build them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+__all__ = [
+    "DEFAULT_INSTRUCTION",
+    "LEVELS",
+    "SPLITS",
+    "SYNTHETIC_TASKS",
+    "ArithmeticProblem",
+    "LevelSpec",
+    "QUESTION_TEMPLATES",
+    "format_prompt",
+    "load_synthetic_task",
+    "make_arithmetic_dataset",
+    "sample_problem",
+    "split_of",
+]
+
+DEFAULT_INSTRUCTION = "Think step by step inside <think></think>, then put the final answer in \\boxed{}."
+
+# Buckets of a stable 0-99 hash: test 0-9, validation 10-19, train 20-99.
+SPLITS: dict[str, range] = {"test": range(0, 10), "validation": range(10, 20), "train": range(20, 100)}
+
+QUESTION_TEMPLATES = ("Compute {expr}.", "What is {expr}?", "Calculate {expr}.", "Evaluate {expr}.")
+_MAX_VALUE = 999
+_MAX_MISSES = 5000
+
+
+@dataclass(frozen=True)
+class LevelSpec:
+    """The shape of the problems of one difficulty level.
+
+    Attributes:
+        num_operations: how many additions/subtractions the chain has (the number of reasoning steps).
+        max_operand: operands are drawn from ``[0, max_operand]`` (the first one from ``[1, max_operand]``).
+    """
+
+    num_operations: int
+    max_operand: int
+
+
+LEVELS: dict[int, LevelSpec] = {level: LevelSpec(num_operations=level, max_operand=30) for level in range(1, 7)}
+
+
+@dataclass(frozen=True)
+class ArithmeticProblem:
+    """One chain ``operands[0] op[0] operands[1] op[1] ...`` evaluated left to right."""
+
+    operands: tuple[int, ...]
+    operators: tuple[str, ...]
+    level: int
+
+    @property
+    def expression(self) -> str:
+        """The chain as written in the question, e.g. ``"23 + 8 - 15"``."""
+        parts = [str(self.operands[0])]
+        for operator, operand in zip(self.operators, self.operands[1:]):
+            parts += [operator, str(operand)]
+        return " ".join(parts)
+
+    def steps(self) -> list[tuple[int, str, int, int]]:
+        """The reasoning steps ``(left, operator, right, result)``, one per operation."""
+        total, steps = self.operands[0], []
+        for operator, operand in zip(self.operators, self.operands[1:]):
+            result = total + operand if operator == "+" else total - operand
+            steps.append((total, operator, operand, result))
+            total = result
+        return steps
+
+    @property
+    def answer(self) -> int:
+        """The value of the chain."""
+        steps = self.steps()
+        return steps[-1][3] if steps else self.operands[0]
+
+    @property
+    def uid(self) -> str:
+        """A stable identifier derived from the expression (the same problem always gets the same id)."""
+        return hashlib.blake2b(self.expression.encode(), digest_size=8).hexdigest()
+
+    def solution(self) -> str:
+        """The worked solution in the paper's format: steps inside ``<think>...</think>``, then ``\\boxed{answer}``."""
+        thoughts = ", ".join(f"{left}{operator}{right}={result}" for left, operator, right, result in self.steps())
+        return f"<think>{thoughts}</think> \\boxed{{{self.answer}}}"
+
+
+def split_of(problem: ArithmeticProblem) -> str:
+    """The split (``train``, ``validation`` or ``test``) a problem belongs to, from a stable hash of its expression."""
+    bucket = int.from_bytes(hashlib.sha256(problem.expression.encode()).digest()[:8], "big") % 100
+    for name, buckets in SPLITS.items():
+        if bucket in buckets:
+            return name
+    raise AssertionError("the split buckets cover 0-99")
+
+
+def sample_problem(level: int, rng: random.Random) -> ArithmeticProblem:
+    """Draw one problem of ``level`` with ``rng``; subtractions never take the running total below zero."""
+    if level not in LEVELS:
+        raise ValueError(f"Unknown level {level}; the arithmetic task has levels {sorted(LEVELS)}.")
+    spec = LEVELS[level]
+    total = rng.randint(1, spec.max_operand)
+    operands, operators = [total], []
+    for _ in range(spec.num_operations):
+        if total > 0 and (total + spec.max_operand > _MAX_VALUE or rng.random() < 0.5):
+            operand = rng.randint(0, min(total, spec.max_operand))
+            operators.append("-")
+            total -= operand
+        else:
+            operand = rng.randint(0, spec.max_operand)
+            operators.append("+")
+            total += operand
+        operands.append(operand)
+    return ArithmeticProblem(operands=tuple(operands), operators=tuple(operators), level=level)
+
+
+def format_prompt(
+    question: str, system_prompt: str | None = None, instruction: str | None = DEFAULT_INSTRUCTION
+) -> list[dict[str, str]]:
+    """A conversational prompt (TRL's format): an optional system message, then the user's question.
+
+    The ``instruction`` (how to format the answer) is appended to the question after a space.
+    """
+    content = question if not instruction else f"{question} {instruction}"
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": content})
+    return messages
+
+
+def _parse_levels(levels: int | str | Iterable[int]) -> list[int]:
+    if isinstance(levels, int):
+        levels = [levels]
+    elif isinstance(levels, str):
+        try:
+            levels = [int(part) for part in levels.replace(" ", "").split(",") if part]
+        except ValueError:
+            raise ValueError(f"levels={levels!r}: give comma-separated integers such as '1,2,3'.") from None
+    levels = sorted(set(int(level) for level in levels))
+    unknown = [level for level in levels if level not in LEVELS]
+    if not levels or unknown:
+        raise ValueError(f"levels={levels}: choose among {sorted(LEVELS)}.")
+    return levels
+
+
+def make_arithmetic_dataset(
+    split: str = "train",
+    num_problems: int = 1000,
+    levels: int | str | Sequence[int] = (1, 2, 3, 4, 5),
+    seed: int = 0,
+    system_prompt: str | None = None,
+    instruction: str | None = DEFAULT_INSTRUCTION,
+) -> Dataset:
+    """Build ``num_problems`` distinct arithmetic problems of one split, spread evenly over ``levels``.
+
+    Args:
+        split: ``"train"``, ``"validation"`` or ``"test"``. Problems are assigned to splits by a hash of
+            the problem (see :func:`split_of`), so splits never share a problem.
+        num_problems: rows to return; level ``levels[i]`` gets ``num_problems // len(levels)`` rows, the
+            first ``num_problems % len(levels)`` levels one more.
+        levels: difficulty levels (keys of :data:`LEVELS`), as integers or a string such as ``"1,2,3"``.
+        seed: seed of the problem sampler. Rows come in a shuffled order that depends only on the seed.
+        system_prompt: optional system message put before the question.
+        instruction: text appended to every question (how to lay out the answer); ``None`` for none.
+
+    Returns:
+        A :class:`datasets.Dataset` with columns ``prompt`` (chat messages), ``answer`` (string),
+        ``level`` (int), ``id`` (string), ``problem`` (the question text) and ``solution`` (a worked
+        solution in the ``<think>...</think> \\boxed{}`` format).
+
+    Raises:
+        ValueError: on an unknown split or level, or when a level has fewer distinct problems in the
+            split than requested.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"Unknown split {split!r}; choose one of {list(SPLITS)}.")
+    if num_problems < 1:
+        raise ValueError(f"num_problems must be at least 1, got {num_problems}.")
+    levels = _parse_levels(levels)
+    rng = random.Random(f"egpo-arithmetic/{split}/{seed}")
+    rows: list[dict[str, Any]] = []
+    for index, level in enumerate(levels):
+        wanted = num_problems // len(levels) + (1 if index < num_problems % len(levels) else 0)
+        seen: set[str] = set()
+        misses = 0  # draws in a row that gave no new problem of this split
+        while len(seen) < wanted:
+            problem = sample_problem(level, rng)
+            if problem.expression in seen or split_of(problem) != split:
+                misses += 1
+                if misses > _MAX_MISSES:
+                    raise ValueError(
+                        f"Level {level} has too few distinct problems in the {split!r} split for {wanted} rows (found "
+                        f"{len(seen)}); ask for fewer problems or include higher levels."
+                    )
+                continue
+            misses = 0
+            seen.add(problem.expression)
+            question = rng.choice(QUESTION_TEMPLATES).format(expr=problem.expression)
+            rows.append(
+                {
+                    "prompt": format_prompt(question, system_prompt=system_prompt, instruction=instruction),
+                    "answer": str(problem.answer),
+                    "level": level,
+                    "id": f"arith-{problem.uid}",
+                    "problem": question,
+                    "solution": problem.solution(),
+                }
+            )
+    rng.shuffle(rows)
+    from datasets import Dataset
+
+    return Dataset.from_list(rows)
+
+
+# Built-in synthetic tasks, by the name recipes use (``dataset_name: synthetic:<name>``).
+SYNTHETIC_TASKS = {"arithmetic": make_arithmetic_dataset}
+
+
+def load_synthetic_task(name: str, **kwargs: Any) -> Dataset:
+    """Build the built-in synthetic task ``name`` (see :data:`SYNTHETIC_TASKS`) with the given options."""
+    if name not in SYNTHETIC_TASKS:
+        raise ValueError(f"Unknown synthetic task {name!r}; built-in tasks: {sorted(SYNTHETIC_TASKS)}.")
+    return SYNTHETIC_TASKS[name](**kwargs)

@@ -1,0 +1,547 @@
+"""Build the tiny math reasoning model: tokenizer, Qwen2 architecture, supervised fine-tuning, model card.
+
+Usage::
+
+    python -m egpo_trl.tiny_model.build --output egpo_trl/assets/tiny-math-qwen2 [--seed 0] [--sft-steps N]
+
+Steps:
+
+1. **Tokenizer.** A byte-level BPE trained with the ``tokenizers`` library on the rendered training
+   conversations. Digits are always split into single characters, so numbers have one spelling.
+   ``<|endoftext|>`` (padding), ``<|im_start|>`` and ``<|im_end|>`` (end of turn, the EOS token) are
+   special tokens; ``<think>`` and ``</think>`` are ordinary added tokens, so they survive decoding
+   with ``skip_special_tokens=True``. The chat template renders ChatML, as Qwen2 chat models do.
+2. **Model.** A ``Qwen2ForCausalLM`` of about a million parameters with ``tie_word_embeddings=False``
+   (the CPU build of vLLM wants untied input and output embeddings).
+3. **Supervised fine-tuning** on worked solutions of the ``train`` split of the synthetic arithmetic
+   task (:mod:`egpo_trl.data.synthetic`), loss on the assistant tokens only. The number of steps is
+   chosen so that the model is a *partial* reasoner: it always answers in the
+   ``<think>...</think> \\boxed{}`` format but often slips on a step, which leaves room for RL.
+4. **Evaluation** on the ``test`` split (never seen in training) by sampling, and a model card that
+   records how the model was made and what it scores.
+
+Everything is seeded and the build runs on a fixed number of threads (``--num-threads``, default 2):
+two builds with the same arguments and torch version on the same kind of CPU give the same weights.
+On a machine busy with other work ``--num-threads 1`` is faster; its weights differ in the last bits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from egpo_trl.data.synthetic import (
+    LEVELS,
+    QUESTION_TEMPLATES,
+    SPLITS,
+    ArithmeticProblem,
+    format_prompt,
+    make_arithmetic_dataset,
+    sample_problem,
+    split_of,
+)
+
+__all__ = ["BuildConfig", "CHAT_TEMPLATE", "build_model", "build_tokenizer", "main", "supervised_finetune"]
+
+# ChatML, as used by Qwen2 chat models. The generation prompt opens the assistant turn.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+PAD_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN]
+THINK_TOKENS = ["<think>", "</think>"]
+BUILD_INFO_FILE = "build_info.json"
+
+
+@dataclass
+class BuildConfig:
+    """Every knob of the build. The defaults make the shipped model."""
+
+    seed: int = 0
+    num_threads: int = 2
+    levels: str = "1,2,3,4,5"
+    slip_prob: float = 0.2
+    vocab_size: int = 320
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 256
+    sft_steps: int = 1500
+    batch_size: int = 64
+    learning_rate: float = 3e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    eval_problems: int = 500
+    eval_samples: int = 4
+    eval_temperature: float = 1.0
+    max_new_tokens: int = 96
+    tokenizer_corpus_size: int = 5000
+
+
+def _set_threads(num_threads: int) -> None:
+    # A fixed thread count makes the floating-point sums, and so the weights, the same on every machine
+    # with the same CPU kind.
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# The slips of the imperfect teacher: how far a slipped result lands from the right one.
+SLIP_OFFSETS = (-10, -2, -1, 1, 2, 10)
+
+
+def slipped_solution(problem: ArithmeticProblem, rng: random.Random, slip_prob: float) -> str:
+    """A worked solution in which each step's result is, with probability ``slip_prob``, off by a small amount.
+
+    Later steps carry on from the slipped value, so a slip makes the final answer wrong, as a real
+    arithmetic mistake does. With ``slip_prob=0`` this is ``problem.solution()``.
+    """
+    total, thoughts = problem.operands[0], []
+    for operator, operand in zip(problem.operators, problem.operands[1:]):
+        result = total + operand if operator == "+" else total - operand
+        if slip_prob > 0 and rng.random() < slip_prob:
+            offset = rng.choice(SLIP_OFFSETS)
+            if result + offset >= 0:
+                result += offset
+        thoughts.append(f"{total}{operator}{operand}={result}")
+        total = result
+    return f"<think>{', '.join(thoughts)}</think> \\boxed{{{total}}}"
+
+
+def _sample_train_example(level: int, rng: random.Random, slip_prob: float = 0.0) -> tuple[list[dict[str, str]], str]:
+    """One (prompt messages, worked solution with slips) of ``level`` from the ``train`` split."""
+    while True:
+        problem = sample_problem(level, rng)
+        if split_of(problem) == "train":
+            question = rng.choice(QUESTION_TEMPLATES).format(expr=problem.expression)
+            return format_prompt(question), slipped_solution(problem, rng, slip_prob)
+
+
+def _iter_train_problems(
+    levels: Sequence[int], rng: random.Random, slip_prob: float = 0.0
+) -> Iterator[tuple[list[dict[str, str]], str]]:
+    """An endless stream of (prompt messages, solution) from the ``train`` split, levels drawn uniformly."""
+    while True:
+        yield _sample_train_example(rng.choice(levels), rng, slip_prob)
+
+
+def build_tokenizer(corpus: Sequence[str], vocab_size: int) -> Any:
+    """Train a byte-level BPE on ``corpus`` and wrap it as a transformers fast tokenizer with a chat template.
+
+    Returns:
+        A ``PreTrainedTokenizerFast`` whose pad token is ``<|endoftext|>`` (id 0) and EOS ``<|im_end|>``.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in THINK_TOKENS])
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=["<|im_start|>"],
+        padding_side="left",
+        model_max_length=256,
+        clean_up_tokenization_spaces=False,
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def build_model(tokenizer: Any, config: BuildConfig) -> torch.nn.Module:
+    """A freshly initialised ``Qwen2ForCausalLM`` sized by ``config``, untied embeddings, vocabulary of ``tokenizer``."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    model_config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        use_cache=True,
+    )
+    model = Qwen2ForCausalLM(model_config)
+    model.generation_config = GenerationConfig(
+        do_sample=True,
+        temperature=config.eval_temperature,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=config.max_new_tokens,
+        eos_token_id=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return model
+
+
+def _encode_example(tokenizer: Any, prompt: list[dict[str, str]], solution: str) -> tuple[list[int], list[int]]:
+    prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+    completion_ids = tokenizer(solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return list(prompt_ids) + completion_ids, [-100] * len(prompt_ids) + completion_ids
+
+
+def _collate(encoded: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    length = max(len(ids) for ids, _ in encoded)
+    input_ids = torch.full((len(encoded), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(encoded), length), -100, dtype=torch.long)
+    attention_mask = torch.zeros((len(encoded), length), dtype=torch.long)
+    for row, (ids, labs) in enumerate(encoded):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        labels[row, : len(labs)] = torch.tensor(labs)
+        attention_mask[row, : len(ids)] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+def supervised_finetune(
+    model: torch.nn.Module, tokenizer: Any, config: BuildConfig, log_every: int = 100
+) -> list[dict[str, float]]:
+    """Fine-tune ``model`` on a stream of worked solutions (completion tokens only), AdamW + cosine schedule.
+
+    Returns:
+        The training log: one ``{"step", "loss", "lr"}`` record every ``log_every`` steps.
+    """
+    levels = [int(level) for level in config.levels.split(",")]
+    rng = random.Random(f"sft/{config.seed}")
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay, betas=(0.9, 0.98)
+    )
+
+    def lr_at(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        progress = (step - config.warmup_steps) / max(1, config.sft_steps - config.warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    model.train()
+    history, running = [], 0.0
+    start = time.time()
+    for step in range(config.sft_steps):
+        # One level per batch: its sequences have similar lengths, so little compute goes to padding.
+        level = rng.choice(levels)
+        examples = [_sample_train_example(level, rng, config.slip_prob) for _ in range(config.batch_size)]
+        batch = _collate([_encode_example(tokenizer, *example) for example in examples], tokenizer.pad_token_id)
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        running += loss.item()
+        if (step + 1) % log_every == 0 or step + 1 == config.sft_steps:
+            count = (step % log_every) + 1
+            record = {
+                "step": step + 1,
+                "loss": running / count,
+                "lr": scheduler.get_last_lr()[0],
+                "time_s": round(time.time() - start, 1),
+            }
+            history.append(record)
+            print(
+                f"  sft step {step + 1}/{config.sft_steps}  loss {record['loss']:.4f}  ({time.time() - start:.0f}s)",
+                flush=True,
+            )
+            running = 0.0
+    model.eval()
+    return history
+
+
+def evaluate(model: torch.nn.Module, tokenizer: Any, config: BuildConfig) -> dict[str, Any]:
+    """Accuracy on the ``test`` split, sampled at ``eval_temperature`` and greedy, overall and per level."""
+    from egpo_trl.heldout import heldout_accuracy
+
+    test = make_arithmetic_dataset("test", config.eval_problems, levels=config.levels, seed=config.seed)
+    results = {}
+    for name, temperature, samples in (
+        (f"temperature_{config.eval_temperature:g}", config.eval_temperature, config.eval_samples),
+        ("greedy", 0.0, 1),
+    ):
+        result = heldout_accuracy(
+            model,
+            tokenizer,
+            test,
+            max_new_tokens=config.max_new_tokens,
+            num_samples=samples,
+            temperature=temperature,
+            batch_size=200,
+            seed=config.seed,
+        )
+        results[name] = result.to_dict()
+    results["example_completion"] = {
+        "prompt": tokenizer.apply_chat_template(test[0]["prompt"], add_generation_prompt=True, tokenize=False),
+        "completion": result.completions[0],
+    }
+    return results
+
+
+MODEL_CARD = """---
+license: apache-2.0
+library_name: transformers
+pipeline_tag: text-generation
+tags:
+- egpo
+- grpo
+- reasoning
+- tiny
+---
+
+# tiny-math-qwen2
+
+A {num_params_m:.2f}M-parameter Qwen2 causal language model that solves chains of additions and
+subtractions, reasoning inside `<think>...</think>` and answering in `\\boxed{{}}`. It ships with
+egpo_trl so that `make demo` can train a real policy with EGPO on a laptop CPU, offline.
+
+It is **imperfect on purpose**. It was fine-tuned on worked solutions from a sloppy teacher that
+slips on {slip_percent:.0f}% of the steps (a result off by 1, 2 or 10), so it knows the procedure (greedy
+decoding is right {greedy_all:.0%} of the time) but, sampled at temperature {eval_temperature:g}, it repeats the
+teacher's slips and is right only {sampled_all:.0%} of the time, less on longer chains. Sampled groups
+therefore hold correct and incorrect answers in useful proportions, and a slip is exactly the kind
+of mistake that outcome-reward RL can remove: the reward says which completions went wrong, and the
+policy learns to stop slipping.
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from egpo_trl.tiny_model import tiny_model_path
+
+model = AutoModelForCausalLM.from_pretrained(tiny_model_path())
+tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+messages = [{{"role": "user", "content": "Compute 23 + 8 - 15. {instruction}"}}]
+inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+output = model.generate(**inputs, max_new_tokens=96, do_sample=True, temperature=1.0)
+print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+# <think>23+8=31, 31-15=16</think> \\boxed{{16}}
+```
+
+## Prompt format
+
+ChatML (as Qwen2 chat models); the user turn is the question followed by the instruction, and the
+generation prompt opens the assistant turn:
+
+```
+{example_prompt}```
+
+A sampled completion (temperature {eval_temperature:g}): `{example_completion}`
+
+## How it was made
+
+`make tiny-model`, i.e. `python -m egpo_trl.tiny_model.build --output egpo_trl/assets/tiny-math-qwen2`
+(seed {seed}), on {machine}. The build took {build_minutes:.1f} minutes{load_note}.
+
+- **Tokenizer**: byte-level BPE trained with the `tokenizers` library on {tokenizer_corpus_size} rendered
+  training conversations, {vocab} tokens. Digits are always single tokens. Special tokens:
+  `<|endoftext|>` (padding), `<|im_start|>`, `<|im_end|>` (EOS). `<think>` and `</think>` are
+  ordinary added tokens (they survive `skip_special_tokens=True`).
+- **Architecture**: `Qwen2ForCausalLM`, hidden size {hidden_size}, {num_hidden_layers} layers,
+  {num_attention_heads} attention heads ({num_key_value_heads} key/value heads), MLP size {intermediate_size},
+  `tie_word_embeddings=False`, float32, {num_params} parameters.
+- **Data**: the synthetic arithmetic task of `egpo_trl.data.synthetic`, levels {levels} (level *n*
+  chains *n* operations on numbers from 0 to 30). Only the `train` split is used; a problem's split
+  is fixed by a hash of the problem, so the `test` split below is unseen.
+- **Supervised fine-tuning**: {sft_steps} steps of {batch_size} freshly sampled worked solutions
+  (`<think>a+b=c, c-d=e</think> \\boxed{{e}}`), each step's result slipped with probability {slip_prob:g};
+  one level per batch; loss on the assistant tokens only; AdamW (lr {learning_rate:g}, {warmup_steps} warm-up
+  steps, cosine decay, weight decay {weight_decay:g}). Final training loss {final_loss:.4f}.
+
+## What it scores
+
+{eval_problems} problems of the `test` split ({per_level} per level), {eval_samples} samples each at
+temperature {eval_temperature:g} (top-p 1, no top-k: the sampling `egpo-trl train` uses by default), and
+greedy decoding. A completion is correct when its last `\\boxed{{}}` matches the answer
+(`egpo_trl.rewards.boxed_accuracy_reward`).
+
+| level | {level_header} | all |
+| --- | {level_rule} | --- |
+| sampled, T={eval_temperature:g} | {sampled_row} | **{sampled_all:.1%}** |
+| greedy | {greedy_row} | {greedy_all:.1%} |
+
+`make demo` trains this model with EGPO on the same task and reports the held-out accuracy before
+and after (see the project README for measured numbers).
+
+Reproducibility: the build is seeded and runs on {num_threads} thread(s) (`--num-threads`), so the same
+arguments and torch version on the same kind of CPU give the same weights. Another CPU kind or torch
+version can change the last bits of floating-point sums: a rebuild there gives a model of the same
+architecture, tokenizer and recipe whose weights and scores may differ slightly.
+
+## Limitations
+
+A toy: it knows nothing but this task and this prompt format. It exists to exercise RL training
+code end to end, not to be evaluated on real benchmarks.
+"""
+
+
+def _write_model_card(output: Path, config: BuildConfig, info: dict[str, Any], tokenizer: Any) -> None:
+    levels = [int(level) for level in config.levels.split(",")]
+    evaluation = info["evaluation"]
+    sampled = evaluation[f"temperature_{config.eval_temperature:g}"]
+    greedy = evaluation["greedy"]
+    example = evaluation["example_completion"]
+    card = MODEL_CARD.format(
+        num_params_m=info["num_parameters"] / 1e6,
+        num_params=f"{info['num_parameters']:,}",
+        instruction="Think step by step inside <think></think>, then put the final answer in \\\\boxed{}.",
+        example_prompt=example["prompt"],
+        example_completion=example["completion"],
+        machine=info["machine"],
+        build_minutes=info["build_seconds"] / 60,
+        load_note=(
+            f" on a machine shared with other jobs (15-minute load average {info['load_average']:.1f} at the end)"
+            if (info.get("load_average") or 0) > 1.5
+            else ""
+        ),
+        slip_percent=100 * config.slip_prob,
+        vocab=len(tokenizer),
+        final_loss=info["sft_history"][-1]["loss"],
+        per_level=config.eval_problems // len(levels),
+        level_header=" | ".join(str(level) for level in levels),
+        level_rule=" | ".join("---" for _ in levels),
+        sampled_row=" | ".join(f"{sampled['by_level'][str(level)]:.1%}" for level in levels),
+        greedy_row=" | ".join(f"{greedy['by_level'][str(level)]:.1%}" for level in levels),
+        sampled_all=sampled["accuracy"],
+        greedy_all=greedy["accuracy"],
+        **{key: value for key, value in asdict(config).items()},
+    )
+    (output / "README.md").write_text(card)
+
+
+def _check_output(output: Path, overwrite: bool) -> None:
+    if not output.exists() or not any(output.iterdir()):
+        return
+    if (output / BUILD_INFO_FILE).exists() or overwrite:
+        return  # a previous build of this script (or an explicit overwrite): replace it
+    raise SystemExit(
+        f"{output} exists and does not hold a previous tiny-model build ({BUILD_INFO_FILE} is missing). "
+        "Choose another --output, or pass --overwrite to replace its contents."
+    )
+
+
+def build(config: BuildConfig, output: Path) -> dict[str, Any]:
+    """Run the whole build and save the model, tokenizer, build record and model card in ``output``."""
+    start, cpu_start = time.time(), time.process_time()
+    _set_threads(config.num_threads)
+    _seed_everything(config.seed)
+    levels = [int(level) for level in config.levels.split(",")]
+    unknown = [level for level in levels if level not in LEVELS]
+    if unknown:
+        raise SystemExit(f"--levels {config.levels}: unknown levels {unknown}; choose among {sorted(LEVELS)}.")
+
+    print(f"[1/4] training the tokenizer on {config.tokenizer_corpus_size} conversations", flush=True)
+    corpus_stream = _iter_train_problems(levels, random.Random(f"tokenizer/{config.seed}"), config.slip_prob)
+    corpus = []
+    for _ in range(config.tokenizer_corpus_size):
+        prompt, solution = next(corpus_stream)
+        rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in prompt)
+        corpus.append(f"{rendered}<|im_start|>assistant\n{solution}<|im_end|>\n")
+    tokenizer = build_tokenizer(corpus, config.vocab_size)
+
+    print("[2/4] building the model", flush=True)
+    _seed_everything(config.seed)
+    model = build_model(tokenizer, config)
+    num_parameters = sum(p.numel() for p in model.parameters())
+    print(f"  Qwen2ForCausalLM with {num_parameters:,} parameters, vocabulary {len(tokenizer)}", flush=True)
+
+    print(f"[3/4] supervised fine-tuning for {config.sft_steps} steps of {config.batch_size}", flush=True)
+    history = supervised_finetune(model, tokenizer, config)
+
+    print(f"[4/4] evaluating on {config.eval_problems} held-out problems", flush=True)
+    evaluation = evaluate(model, tokenizer, config)
+    build_seconds = time.time() - start
+    info = {
+        "config": asdict(config),
+        "num_parameters": num_parameters,
+        "sft_history": history,
+        "evaluation": evaluation,
+        "build_seconds": round(build_seconds, 1),
+        "build_cpu_seconds": round(time.process_time() - cpu_start, 1),
+        "load_average": os.getloadavg()[2] if hasattr(os, "getloadavg") else None,
+        "machine": f"{platform.machine()} CPU ({os.cpu_count()} cores), {torch.get_num_threads()} torch thread(s), "
+        f"torch {torch.__version__}",
+        "splits": {name: [bucket.start, bucket.stop] for name, bucket in SPLITS.items()},
+    }
+    with tempfile.TemporaryDirectory(dir=output.parent) as staging:
+        staging_path = Path(staging)
+        model.save_pretrained(staging_path, safe_serialization=True)
+        tokenizer.save_pretrained(staging_path)
+        (staging_path / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        _write_model_card(staging_path, config, info, tokenizer)
+        if output.exists():
+            shutil.rmtree(output)
+        shutil.copytree(staging_path, output, copy_function=shutil.copyfile)
+    output.chmod(0o755)  # the staging folder was private; the model is not
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point of the build (see the module docstring)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m egpo_trl.tiny_model.build",
+        description="Build the tiny math reasoning model (tokenizer, Qwen2 model, SFT, evaluation, model card).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--output", required=True, help="directory to write the model to")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace --output even if it is not a previous tiny-model build"
+    )
+    defaults = BuildConfig()
+    for name, value in asdict(defaults).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, help=f"build {name}")
+    args = parser.parse_args(argv)
+    config = BuildConfig(**{name: getattr(args, name) for name in asdict(defaults)})
+    output = Path(args.output)
+    _check_output(output, args.overwrite)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    info = build(config, output)
+    sampled = info["evaluation"][f"temperature_{config.eval_temperature:g}"]
+    print(
+        f"Saved to {output} in {info['build_seconds'] / 60:.1f} min. Held-out accuracy "
+        f"{sampled['accuracy']:.1%} sampled at T={config.eval_temperature:g} "
+        f"(greedy {info['evaluation']['greedy']['accuracy']:.1%}); per level {sampled['by_level']}."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Train EDGE-GRPO with Guided Error Correction for one step with vLLM colocate mode on a CPU build of vLLM.
+
+Used by tests/test_baselines_vllm.py: ``python tests/scripts/vllm_colocate_gec.py MODEL_DIR OUT.json``. Every
+completion is incorrect (the reward is the boxed answer and the tiny random model never writes it), so Guided Error
+Correction rewrites all of them: half are continued by vLLM after the cue, half get the reference answer. The JSON
+holds, per row, what the batch handed to the loss contains.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from conftest import make_prompt_dataset  # noqa: E402
+
+from egpo_trl import EGPOConfig, EGPOTrainer  # noqa: E402
+from egpo_trl.rewards import boxed_accuracy_reward  # noqa: E402
+
+
+class Recorder(EGPOTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.records = []
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        tokenizer = self.processing_class
+        for ids, mask, logps in zip(
+            output["completion_ids"], output["completion_mask"], output["sampling_per_token_logps"]
+        ):
+            kept = mask.bool()
+            self.records.append(
+                {
+                    "text": tokenizer.decode(ids[kept], skip_special_tokens=True),
+                    "length": int(kept.sum()),
+                    "nan_logps": sum(math.isnan(v) for v in logps[kept].tolist()),
+                }
+            )
+        self.records_rewards = self.egpo_last_batch["rewards_per_func"][:, 0].tolist()
+        return output
+
+
+def main(model_dir: str, out: str) -> None:
+    args = EGPOConfig(
+        output_dir=str(Path(out).parent / "trainer"),
+        use_cpu=True,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.25,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=24,
+        max_steps=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        advantage_estimator="edge_grpo",
+        edge_gec=True,
+        edge_gec_reflect_prob=0.5,
+        edge_gec_answer_prob=0.5,
+        edge_gec_solution_prob=0.0,
+        edge_gec_reflection_cue=" Wait.",
+        edge_gec_answer_template=" \\boxed{{answer}}",
+        edge_gec_max_new_tokens=6,
+    )
+    trainer = Recorder(model_dir, boxed_accuracy_reward, args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    metrics = trainer.state.log_history[0]
+    result = {
+        "records": trainer.records,
+        "rewards": trainer.records_rewards,
+        "gec": {key: value for key, value in metrics.items() if key.startswith("gec/")},
+    }
+    Path(out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,247 @@
+"""`egpo-trl train`: recipe + command-line parsing, clear errors, data loading, output folder, and a real run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from egpo_trl.rewards import boxed_accuracy_reward, think_format_reward
+from egpo_trl.train import (
+    METRICS_FILE,
+    PLOT_FILE,
+    TrainScriptArguments,
+    load_datasets,
+    main,
+    make_parser,
+    parse_args,
+    prepare_output_dir,
+    resolve_model_path,
+    resolve_reward_funcs,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_RECIPE = REPO / "recipes" / "demo_tiny_cpu.yaml"
+
+
+def write_recipe(path: Path, **fields) -> Path:
+    path.write_text(yaml.safe_dump(fields))
+    return path
+
+
+def test_recipe_values_and_command_line_overrides(tmp_path):
+    script_args, training_args, model_args = parse_args(
+        ["--config", str(DEMO_RECIPE), "--seed", "3", "--learning_rate", "2e-4", "--synthetic_levels", "1,2"]
+    )
+    recipe = yaml.safe_load(DEMO_RECIPE.read_text())
+    # From the command line
+    assert training_args.seed == 3
+    assert training_args.learning_rate == 2e-4
+    assert script_args.synthetic_levels == "1,2"
+    # From the file
+    assert training_args.num_generations == recipe["num_generations"]
+    assert training_args.advantage_estimator == "egpo"
+    assert training_args.egpo_lambda_min == recipe["egpo_lambda_min"]
+    assert model_args.model_name_or_path == "builtin:tiny-math-qwen2"
+    assert script_args.dataset_name == "synthetic:arithmetic"
+    # {timestamp} is filled in
+    assert "{timestamp}" not in training_args.output_dir
+    assert training_args.output_dir.startswith("outputs/demo-tiny-cpu-")
+
+
+def test_unknown_field_in_the_recipe_names_it_and_suggests_the_fix(tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml", model_name_or_path="m", use_cpu=True, bf16=False, learning_rat=1e-4)
+    with pytest.raises(SystemExit) as error:
+        parse_args(["--config", str(recipe)])
+    message = str(error.value)
+    assert "unknown field" in message and str(recipe) in message
+    assert "learning_rat (did you mean learning_rate?)" in message
+
+
+def test_unknown_flag_is_an_error_not_an_abbreviation():
+    with pytest.raises(SystemExit) as error:
+        parse_args(["--config", str(DEMO_RECIPE), "--num_generation", "4"])
+    assert "num_generation (did you mean num_generations" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--config", "does/not/exist.yaml"], "does not exist"),
+        (["--config"], "needs a path"),
+        (["--config", str(DEMO_RECIPE), "--egpo_clamp", "bogus"], "invalid choice"),
+        (["--config", str(DEMO_RECIPE), "--max_steps", "many"], "invalid int value"),
+        (["--config", str(DEMO_RECIPE), "--egpo_lambda_min", "3"], "egpo_lambda_min"),
+        (["--config", str(DEMO_RECIPE), "--use_cpu", "false", "--bf16", "true"], "use_cpu: true"),
+    ],
+)
+def test_bad_input_gives_a_clear_error(argv, message):
+    if "--use_cpu" in argv:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("bf16 is supported on this machine")
+    with pytest.raises(SystemExit) as error:
+        parse_args(argv)
+    assert message in str(error.value)
+
+
+def test_missing_model_is_reported(tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml", use_cpu=True, bf16=False)
+    with pytest.raises(SystemExit, match="model_name_or_path"):
+        parse_args(["--config", str(recipe)])
+
+
+def test_help_lists_every_field_with_its_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for name in (
+        "dataset_name",
+        "synthetic_levels",
+        "prompt_template",
+        "reward_funcs",
+        "eval_size",
+        "overwrite_output_dir",
+        "model_name_or_path",
+        "egpo_lambda_min",
+        "egpo_nsr",
+        "egpo_entropy_scope",
+        "num_generations",
+        "learning_rate",
+    ):
+        assert f"--{name}" in text, name
+    assert "builtin:tiny-math-qwen2" in text
+    parser = make_parser()
+    undocumented = [a.dest for a in parser._actions if a.dest != "help" and not (a.help or "").strip()]
+    assert not undocumented
+
+
+def test_output_dir_with_another_run_is_refused_unless_overwrite_or_resume(tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoint-10").mkdir(parents=True)
+    (out / METRICS_FILE).write_text("{}\n")
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(SystemExit, match="overwrite_output_dir"):
+        prepare_output_dir(str(out), overwrite=False, resuming=False)
+    prepare_output_dir(str(out), overwrite=False, resuming=True)  # resuming keeps everything
+    assert (out / "checkpoint-10").is_dir()
+    prepare_output_dir(str(out), overwrite=True, resuming=False)
+    assert not (out / "checkpoint-10").exists() and not (out / METRICS_FILE).exists()
+    assert (out / "notes.txt").read_text() == "keep me"
+    prepare_output_dir(str(tmp_path / "fresh"), overwrite=False, resuming=False)  # a new folder is fine
+
+
+def test_reward_functions_by_name_or_import_path():
+    assert resolve_reward_funcs(["boxed_accuracy_reward", "think_format_reward"]) == [
+        boxed_accuracy_reward,
+        think_format_reward,
+    ]
+    assert resolve_reward_funcs(["egpo_trl.rewards:think_format_reward"]) == [think_format_reward]
+    with pytest.raises(SystemExit, match="unknown reward function 'accuracy'"):
+        resolve_reward_funcs(["accuracy"])
+    with pytest.raises(SystemExit, match="cannot import"):
+        resolve_reward_funcs(["egpo_trl.rewards:nope"])
+
+
+def test_builtin_model_paths():
+    path = Path(resolve_model_path("builtin:tiny-math-qwen2"))
+    assert (path / "config.json").is_file()
+    assert resolve_model_path("Qwen/Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"
+    with pytest.raises(SystemExit, match="tiny-math-qwen2"):
+        resolve_model_path("builtin:huge-model")
+
+
+def test_synthetic_dataset_and_held_out_split_are_disjoint():
+    args = TrainScriptArguments(synthetic_train_size=300, synthetic_levels="1,2,3", eval_size=60, system_prompt="Hi.")
+    train, heldout = load_datasets(args)
+    assert len(train) == 300 and len(heldout) == 60
+    assert not set(train["id"]) & set(heldout["id"])
+    assert train[0]["prompt"][0] == {"role": "system", "content": "Hi."}
+    with pytest.raises(SystemExit, match="synthetic:arithmetic"):
+        load_datasets(TrainScriptArguments(dataset_name="synthetic:geometry"))
+
+
+def test_local_file_with_prompt_template_holds_out_problems(tmp_path):
+    rows = [{"question": f"What is {i} + {i}?", "final": str(2 * i)} for i in range(40)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = TrainScriptArguments(
+        dataset_name=str(data),
+        prompt_template="{question} Put the answer in \\boxed{{}}.",
+        answer_column="final",
+        eval_size=10,
+    )
+    train, heldout = load_datasets(args, seed=0)
+    assert len(train) == 30 and len(heldout) == 10
+    assert not set(train["question"]) & set(heldout["question"])
+    assert train[0]["prompt"][-1]["content"].endswith("Put the answer in \\boxed{}.")
+    assert train[0]["answer"] == str(2 * int(train[0]["question"].split()[2]))
+    with pytest.raises(SystemExit, match="no 'prompt' column"):
+        load_datasets(TrainScriptArguments(dataset_name=str(data), answer_column="final"))
+    with pytest.raises(SystemExit, match="not a column"):
+        load_datasets(TrainScriptArguments(dataset_name=str(data), answer_column="final", prompt_template="{nope}"))
+
+
+@pytest.mark.slow
+def test_a_short_real_run_writes_metrics_plot_and_model(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = [
+        "--config",
+        str(DEMO_RECIPE),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "8",
+        "--num_generations",
+        "4",
+        "--max_completion_length",
+        "48",
+        "--synthetic_train_size",
+        "40",
+        "--eval_size",
+        "6",
+        "--eval_num_samples",
+        "1",
+        "--disable_tqdm",
+        "true",
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "Held-out accuracy before training" in printed and "after training" in printed
+    assert str(out) in printed
+
+    records = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
+    steps = [r for r in records if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for key in ("egpo/frac_all_correct", "egpo/frac_mixed", "egpo/frac_all_incorrect", "accuracy", "loss"):
+        assert key in steps[0], key
+    assert abs(steps[0]["accuracy"] - (steps[0]["rewards/boxed_accuracy_reward/mean"] + 1) / 2) < 1e-9
+    heldout = [r for r in records if "heldout/accuracy" in r]
+    assert [r["heldout/stage"] for r in heldout] == ["before", "after"]
+    assert (out / PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((out / "heldout.json").read_text())
+    assert set(summary) == {"before", "after"} and summary["after"]["step"] == 2
+    assert (out / "model.safetensors").is_file()
+
+    # The same output folder again: refused, nothing touched.
+    before = (out / METRICS_FILE).read_text()
+    with pytest.raises(SystemExit, match="already holds another run"):
+        main(argv)
+    assert (out / METRICS_FILE).read_text() == before
+
+
+@pytest.mark.slow
+def test_module_entry_point_runs():
+    result = subprocess.run(
+        [sys.executable, "-m", "egpo_trl.train", "--help"], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--egpo_lambda_max" in result.stdout
