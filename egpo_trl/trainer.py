@@ -133,6 +133,13 @@ class EGPOTrainer(GRPOTrainer):
                 f"EGPOTrainer needs an EGPOConfig, got {type(args).__name__}. Build one with the same fields, e.g. "
                 "`EGPOConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init})`."
             )
+        if args.n_gpu > 1:
+            raise ValueError(
+                f"This process sees {args.n_gpu} GPUs, so Trainer would wrap the model in nn.DataParallel, which GRPO "
+                "and EGPO cannot use (groups and rewards are laid out per process). Run one process per GPU "
+                "(`accelerate launch`, or a recipe with `accelerate_config`), or make one GPU visible: "
+                "CUDA_VISIBLE_DEVICES=0."
+            )
         reward_funcs = self._with_overlong_reward(reward_funcs, args)
         # vLLM colocate mode on a CPU build of vLLM needs its own weight sync (a no-op otherwise): see vllm_cpu.py.
         from egpo_trl.vllm_cpu import colocate_on_cpu
