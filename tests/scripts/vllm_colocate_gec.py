@@ -1,9 +1,14 @@
-"""Train EDGE-GRPO with Guided Error Correction for one step with vLLM colocate mode on a CPU build of vLLM.
+"""The baselines' sampling features with vLLM colocate mode on a CPU build of vLLM.
 
-Used by tests/test_baselines_vllm.py: ``python tests/scripts/vllm_colocate_gec.py MODEL_DIR OUT.json``. Every
-completion is incorrect (the reward is the boxed answer and the tiny random model never writes it), so Guided Error
-Correction rewrites all of them: half are continued by vLLM after the cue, half get the reference answer. The JSON
-holds, per row, what the batch handed to the loss contains.
+Used by tests/test_baselines_vllm.py: ``python tests/scripts/vllm_colocate_gec.py MODEL_DIR OUT.json [--dapo]``.
+
+Default: EDGE-GRPO with Guided Error Correction for one step. Every completion is incorrect (the reward is the boxed
+answer and the tiny random model never writes it), so Guided Error Correction rewrites all of them: half are
+continued by vLLM after the cue, half get the reference answer. The JSON holds, per row, what the batch handed to
+the loss contains.
+
+``--dapo``: DAPO's dynamic sampling for two steps, with a reward that makes half the prompts uninformative; the JSON
+holds, per generation batch, the rounds it needed, the kept groups' correctness and the vLLM tensors' shapes.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conftest import make_prompt_dataset  # noqa: E402
+from conftest import make_prompt_dataset, parity_reward  # noqa: E402
 
 from egpo_trl import EGPOConfig, EGPOTrainer  # noqa: E402
 from egpo_trl.rewards import boxed_accuracy_reward  # noqa: E402
@@ -42,6 +47,59 @@ class Recorder(EGPOTrainer):
             )
         self.records_rewards = self.egpo_last_batch["rewards_per_func"][:, 0].tolist()
         return output
+
+
+def half_informative_reward(completions, answer, **kwargs):
+    """Uninformative (-1 throughout) on prompts with an even answer; the parity reward on the others."""
+    return [-1.0 if int(a) % 2 == 0 else p for a, p in zip(answer, parity_reward(completions))]
+
+
+class DynamicSamplingRecorder(EGPOTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.records = []
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        batch = self.egpo_last_batch
+        correct = (batch["rewards_per_func"][:, 0] > 0).view(-1, 4)
+        self.records.append(
+            {
+                "rounds": batch["dynamic_sampling"]["rounds"],
+                "kept_mixed": (correct.any(dim=1) & ~correct.all(dim=1)).tolist(),
+                "shapes": {
+                    key: list(output[key].shape)
+                    for key in ("completion_ids", "old_per_token_logps", "sampling_per_token_logps")
+                },
+                "ratio_shape": list(output["importance_sampling_ratio"].shape),
+            }
+        )
+        return output
+
+
+def dapo(model_dir: str, out: str) -> None:
+    args = EGPOConfig(
+        output_dir=str(Path(out).parent / "trainer"),
+        use_cpu=True,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.25,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=12,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        advantage_estimator="grpo",
+        epsilon_high=0.28,
+        dynamic_sampling=True,
+        dynamic_sampling_max_rounds=8,
+    )
+    trainer = DynamicSamplingRecorder(model_dir, half_informative_reward, args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    Path(out).write_text(json.dumps({"records": trainer.records}, indent=2))
 
 
 def main(model_dir: str, out: str) -> None:
@@ -80,4 +138,4 @@ def main(model_dir: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    (dapo if "--dapo" in sys.argv[3:] else main)(sys.argv[1], sys.argv[2])
