@@ -66,7 +66,7 @@ def test_tokenizer_special_tokens_and_round_trip(tokenizer):
 def test_greedy_answers_are_in_the_paper_format_and_mostly_right(model, tokenizer):
     problems = make_arithmetic_dataset("test", 8, levels=(1, 2), seed=0)
     inputs = tokenizer.apply_chat_template(
-        problems["prompt"], add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
+        list(problems["prompt"]), add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
     )
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=64, do_sample=False)
