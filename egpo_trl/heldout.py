@@ -171,7 +171,8 @@ def heldout_accuracy(
         buckets: dict[str, list[bool]] = defaultdict(list)
         for level, ok in zip((lvl for lvl in dataset["level"] for _ in range(num_samples)), correct):
             buckets[str(level)].append(ok)
-        by_level = {level: sum(oks) / len(oks) for level, oks in sorted(buckets.items())}
+        order = sorted(buckets, key=lambda level: (0, int(level), "") if level.isdigit() else (1, 0, level))
+        by_level = {level: sum(buckets[level]) / len(buckets[level]) for level in order}
     return HeldoutResult(
         accuracy=sum(correct) / len(correct),
         num_problems=len(dataset),

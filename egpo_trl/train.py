@@ -176,6 +176,14 @@ class TrainScriptArguments:
             "Without it, a run refuses an output_dir that holds them, unless it resumes from a checkpoint."
         },
     )
+    torch_num_threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "Threads torch uses for CPU work (torch.set_num_threads). Unset or 0 keeps torch's default (one "
+            "per core). On a small CPU model 1 is about as fast and does not slow to a crawl when other programs "
+            "compete for the cores."
+        },
+    )
     save_final_model: bool = field(
         default=True, metadata={"help": "Save the trained model and tokenizer into output_dir at the end."}
     )
@@ -323,6 +331,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
             "egpo-trl train: no model given; set model_name_or_path in the recipe or pass --model_name_or_path "
             "(a Hub id, a local folder, or builtin:tiny-math-qwen2)."
         )
+    if script_args.torch_num_threads is not None and script_args.torch_num_threads < 0:
+        raise SystemExit("egpo-trl train: torch_num_threads must be >= 0 (0 or unset keeps torch's default).")
     if script_args.eval_size < 0 or script_args.eval_num_samples < 1:
         raise SystemExit("egpo-trl train: eval_size must be >= 0 and eval_num_samples >= 1.")
     return script_args, training_args, model_args
@@ -813,10 +823,24 @@ def _heldout(trainer, script_args, training_args, heldout, label: str):
 def run(script_args: TrainScriptArguments, training_args, model_args) -> dict[str, Any]:
     """Train with resolved arguments: held-out accuracy, training, held-out accuracy, metrics, plot, model.
 
+    ``torch_num_threads`` applies for the duration of the run; torch's thread count is restored after.
+
     Returns:
         A summary: ``output_dir``, ``heldout_before``/``heldout_after`` (accuracies or ``None``),
         ``train_runtime_s``, ``wall_time_s`` and the paths of the files written.
     """
+    import torch
+
+    threads = torch.get_num_threads()
+    if script_args.torch_num_threads:
+        torch.set_num_threads(script_args.torch_num_threads)
+    try:
+        return _run(script_args, training_args, model_args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[str, Any]:
     from transformers.trainer_utils import get_last_checkpoint
 
     wall_start = time.time()

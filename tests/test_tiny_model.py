@@ -68,8 +68,13 @@ def test_greedy_answers_are_in_the_paper_format_and_mostly_right(model, tokenize
     inputs = tokenizer.apply_chat_template(
         list(problems["prompt"]), add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
     )
-    with torch.no_grad():
-        output = model.generate(**inputs, max_new_tokens=64, do_sample=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many tiny ops: one thread is as fast, and immune to other jobs on the cores
+    try:
+        with torch.no_grad():
+            output = model.generate(**inputs, max_new_tokens=64, do_sample=False)
+    finally:
+        torch.set_num_threads(threads)
     texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     completions = [[{"role": "assistant", "content": text}] for text in texts]
     assert think_format_reward(completions) == [1.0] * len(texts), texts

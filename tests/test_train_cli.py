@@ -213,7 +213,11 @@ def test_a_short_real_run_writes_metrics_plot_and_model(tmp_path, capsys):
         "--disable_tqdm",
         "true",
     ]
+    import torch
+
+    threads = torch.get_num_threads()
     assert main(argv) == 0
+    assert torch.get_num_threads() == threads  # the recipe's torch_num_threads holds for the run only
     printed = capsys.readouterr().out
     assert "Held-out accuracy before training" in printed and "after training" in printed
     assert str(out) in printed
