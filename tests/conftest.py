@@ -9,8 +9,15 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The tests run tiny models: one CPU thread is about as fast as several and does not slow to a crawl when other
+# programs share the cores. Child processes (notebook kernels, torch.distributed workers) inherit the setting.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 from egpo_trl.testing import build_tiny_model  # noqa: E402,F401  (re-exported for the tests)
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
