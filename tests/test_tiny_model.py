@@ -129,10 +129,28 @@ def test_build_is_deterministic_and_loads_with_plain_transformers(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(first)
     assert model.config.tie_word_embeddings is False and model.config.hidden_size == 16
     assert tokenizer.chat_template == CHAT_TEMPLATE
-    assert (first / "README.md").read_text().startswith("---")
+    card = (first / "README.md").read_text()
+    assert card.startswith("---") and "\n# first\n" in card  # a variant is named after its folder
+    assert "`python -m egpo_trl.tiny_model.build --output first --hidden-size 16" in card  # and says how it was made
     # A rebuild replaces an earlier build in place.
     assert build_main(["--output", str(first), *TINY_BUILD, "--seed", "1"]) == 0
     assert (first / "model.safetensors").read_bytes() != (second / "model.safetensors").read_bytes()
+
+
+def test_shipped_model_card_is_what_the_build_writes(tmp_path):
+    from egpo_trl.tiny_model.build import BuildConfig, _write_model_card
+
+    info = json.loads((MODEL_DIR / BUILD_INFO_FILE).read_text())
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    _write_model_card(tmp_path, BuildConfig(**info["config"]), info, tokenizer, name=MODEL_DIR.name)
+    assert (tmp_path / "README.md").read_text() == (MODEL_DIR / "README.md").read_text()
+
+
+def test_build_refuses_a_gpu_it_does_not_have(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(SystemExit, match="--device cpu"):
+        build_main(["--output", str(tmp_path / "model"), *TINY_BUILD, "--device", "cuda"])
 
 
 def test_build_refuses_a_folder_that_is_not_an_earlier_build(tmp_path):

@@ -23,6 +23,13 @@ Steps:
 Everything is seeded and the build runs on a fixed number of threads (``--num-threads``, default 2):
 two builds with the same arguments and torch version on the same kind of CPU give the same weights.
 On a machine busy with other work ``--num-threads 1`` is faster; its weights differ in the last bits.
+
+Larger variants come from the same recipe with other sizes, on a GPU with ``--device cuda``; for example
+a 25M-parameter model (used for the GPU run of the quickstart notebook)::
+
+    python -m egpo_trl.tiny_model.build --output models/small-math-qwen2 --device cuda \
+        --hidden-size 512 --intermediate-size 1536 --num-hidden-layers 8 --num-attention-heads 8 \
+        --learning-rate 1e-3
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN]
 THINK_TOKENS = ["<think>", "</think>"]
 BUILD_INFO_FILE = "build_info.json"
+SHIPPED_NAME = "tiny-math-qwen2"
 
 
 @dataclass
@@ -77,6 +85,7 @@ class BuildConfig:
 
     seed: int = 0
     num_threads: int = 2
+    device: str = "cpu"
     levels: str = "1,2,3,4,5"
     slip_prob: float = 0.2
     vocab_size: int = 320
@@ -264,7 +273,8 @@ def supervised_finetune(
         level = rng.choice(levels)
         examples = [_sample_train_example(level, rng, config.slip_prob) for _ in range(config.batch_size)]
         batch = _collate([_encode_example(tokenizer, *example) for example in examples], tokenizer.pad_token_id)
-        loss = model(**batch).loss
+        device = next(model.parameters()).device
+        loss = model(**{key: value.to(device) for key, value in batch.items()}).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -328,11 +338,10 @@ tags:
 - tiny
 ---
 
-# tiny-math-qwen2
+# {name}
 
 A {num_params_m:.2f}M-parameter Qwen2 causal language model that solves chains of additions and
-subtractions, reasoning inside `<think>...</think>` and answering in `\\boxed{{}}`. It ships with
-egpo_trl so that `make demo` can train a real policy with EGPO on a laptop CPU, offline.
+subtractions, reasoning inside `<think>...</think>` and answering in `\\boxed{{}}`. {purpose}
 
 It is **imperfect on purpose**. It was fine-tuned on worked solutions from a sloppy teacher that
 slips on {slip_percent:.0f}% of the steps (a result off by 1, 2 or 10), so it knows the procedure (greedy
@@ -367,7 +376,7 @@ A sampled completion (temperature {eval_temperature:g}): `{example_completion}`
 
 ## How it was made
 
-`make tiny-model`, i.e. `python -m egpo_trl.tiny_model.build --output egpo_trl/assets/tiny-math-qwen2`
+{command}
 (seed {seed}), on {machine}. The build took {build_minutes:.1f} minutes{load_note}.
 
 - **Tokenizer**: byte-level BPE trained with the `tokenizers` library on {tokenizer_corpus_size} rendered
@@ -397,13 +406,9 @@ greedy decoding. A completion is correct when its last `\\boxed{{}}` matches the
 | sampled, T={eval_temperature:g} | {sampled_row} | **{sampled_all:.1%}** |
 | greedy | {greedy_row} | {greedy_all:.1%} |
 
-`make demo` trains this model with EGPO on the same task and reports the held-out accuracy before
-and after (see the project README for measured numbers).
+{trained_by}
 
-Reproducibility: the build is seeded and runs on {num_threads} thread(s) (`--num-threads`), so the same
-arguments and torch version on the same kind of CPU give the same weights. Another CPU kind or torch
-version can change the last bits of floating-point sums: a rebuild there gives a model of the same
-architecture, tokenizer and recipe whose weights and scores may differ slightly.
+{reproducibility}
 
 ## Limitations
 
@@ -412,13 +417,47 @@ code end to end, not to be evaluated on real benchmarks.
 """
 
 
-def _write_model_card(output: Path, config: BuildConfig, info: dict[str, Any], tokenizer: Any) -> None:
+def _write_model_card(output: Path, config: BuildConfig, info: dict[str, Any], tokenizer: Any, name: str) -> None:
     levels = [int(level) for level in config.levels.split(",")]
     evaluation = info["evaluation"]
     sampled = evaluation[f"temperature_{config.eval_temperature:g}"]
     greedy = evaluation["greedy"]
     example = evaluation["example_completion"]
+    shipped = name == SHIPPED_NAME and config == BuildConfig(num_threads=config.num_threads)
+    changed = [
+        f"--{name.replace('_', '-')} {value}"
+        for name, value in asdict(config).items()
+        if value != getattr(BuildConfig(), name) and name != "num_threads"
+    ]
     card = MODEL_CARD.format(
+        name=name,
+        purpose=(
+            "It ships with\negpo_trl so that `make demo` can train a real policy with EGPO on a laptop CPU, offline."
+            if shipped
+            else f"It is built by\nthe recipe of `{SHIPPED_NAME}`, the tiny model shipped with egpo_trl, with other settings."
+        ),
+        command=(
+            f"`make tiny-model`, i.e. `python -m egpo_trl.tiny_model.build --output egpo_trl/assets/{SHIPPED_NAME}`"
+            if shipped
+            else f"`python -m egpo_trl.tiny_model.build --output {name} {' '.join(changed)}`"
+        ),
+        trained_by=(
+            "`make demo` trains this model with EGPO on the same task and reports the held-out accuracy before\n"
+            "and after (see the project README for measured numbers)."
+            if shipped
+            else "Train it with EGPO like the shipped model: `egpo-trl train --config recipes/demo_tiny_cpu.yaml\n"
+            f"--model_name_or_path {name}` (add `--use_cpu false` on a GPU)."
+        ),
+        reproducibility=(
+            f"Reproducibility: the build is seeded and runs on {config.num_threads} thread(s) (`--num-threads`), so "
+            "the same\narguments and torch version on the same kind of CPU give the same weights. Another CPU kind "
+            "or torch\nversion can change the last bits of floating-point sums: a rebuild there gives a model of the "
+            "same\narchitecture, tokenizer and recipe whose weights and scores may differ slightly."
+            if config.device == "cpu"
+            else "Reproducibility: the build is seeded, but GPU kernels do not promise bit-identical sums from run "
+            "to run:\na rebuild gives a model of the same architecture, tokenizer and recipe whose weights and "
+            "scores may\ndiffer slightly."
+        ),
         num_params_m=info["num_parameters"] / 1e6,
         num_params=f"{info['num_parameters']:,}",
         instruction="Think step by step inside <think></think>, then put the final answer in \\\\boxed{}.",
@@ -461,6 +500,11 @@ def build(config: BuildConfig, output: Path) -> dict[str, Any]:
     """Run the whole build and save the model, tokenizer, build record and model card in ``output``."""
     start, cpu_start = time.time(), time.process_time()
     _set_threads(config.num_threads)
+    if config.device not in ("cpu", "cuda") and not config.device.startswith("cuda:"):
+        raise SystemExit(f"--device {config.device}: expected cpu, cuda or cuda:N.")
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {config.device}: no CUDA GPU is visible; build on the CPU with --device cpu.")
+    device = torch.device(config.device)
     _seed_everything(config.seed)
     levels = [int(level) for level in config.levels.split(",")]
     unknown = [level for level in levels if level not in LEVELS]
@@ -478,7 +522,7 @@ def build(config: BuildConfig, output: Path) -> dict[str, Any]:
 
     print("[2/4] building the model", flush=True)
     _seed_everything(config.seed)
-    model = build_model(tokenizer, config)
+    model = build_model(tokenizer, config).to(device)
     num_parameters = sum(p.numel() for p in model.parameters())
     print(f"  Qwen2ForCausalLM with {num_parameters:,} parameters, vocabulary {len(tokenizer)}", flush=True)
 
@@ -496,16 +540,20 @@ def build(config: BuildConfig, output: Path) -> dict[str, Any]:
         "build_seconds": round(build_seconds, 1),
         "build_cpu_seconds": round(time.process_time() - cpu_start, 1),
         "load_average": os.getloadavg()[2] if hasattr(os, "getloadavg") else None,
-        "machine": f"{platform.machine()} CPU ({os.cpu_count()} cores), {torch.get_num_threads()} torch thread(s), "
-        f"torch {torch.__version__}",
+        "machine": (
+            f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+            if device.type == "cuda"
+            else f"{platform.machine()} CPU ({os.cpu_count()} cores), {torch.get_num_threads()} torch thread(s), "
+            f"torch {torch.__version__}"
+        ),
         "splits": {name: [bucket.start, bucket.stop] for name, bucket in SPLITS.items()},
     }
     with tempfile.TemporaryDirectory(dir=output.parent) as staging:
         staging_path = Path(staging)
-        model.save_pretrained(staging_path, safe_serialization=True)
+        model.to("cpu").save_pretrained(staging_path, safe_serialization=True)
         tokenizer.save_pretrained(staging_path)
         (staging_path / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-        _write_model_card(staging_path, config, info, tokenizer)
+        _write_model_card(staging_path, config, info, tokenizer, name=output.name)
         if output.exists():
             shutil.rmtree(output)
         shutil.copytree(staging_path, output, copy_function=shutil.copyfile)
