@@ -4,17 +4,24 @@ Usage::
 
     python benchmarks/advantage_math.py                      # CPU, and CUDA when available
     python benchmarks/advantage_math.py --sizes 1024 16384 --devices cpu
+    python benchmarks/advantage_math.py --devices cpu --threads 1 2   # CPU rows with 1 and with 2 intra-op threads
 
 For each size (completions, in groups of 16) it draws random ±1 rewards and entropies (with a few NaN
 entropies and some all-correct / all-incorrect groups), checks that the vectorised function and the loop
 agree, and prints the median time of each. The loop is the reference for both speed and results: it
 walks every group and every sample with plain Python floats, as a first implementation would.
+
+The vectorised function runs about 50 small tensor operations, so on CPU its time is mostly per-operation
+overhead, which intra-op threads (``--threads``, ``torch.set_num_threads``) can raise as well as lower; the
+loop is plain Python and uses one thread whatever the setting. The header gives the load average: time on a
+quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -101,9 +108,22 @@ def main() -> None:
     parser.add_argument("--devices", nargs="+", default=["cpu", "cuda"])
     parser.add_argument("--loop-max", type=int, default=65536, help="largest size the Python loop is timed at")
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=None,
+        help="intra-op threads for the CPU rows (torch.set_num_threads); several values give one row each "
+        "(default: torch's default)",
+    )
     args = parser.parse_args()
     n = args.num_generations
     devices = [d for d in args.devices if d == "cpu" or torch.cuda.is_available()]
+    default_threads = torch.get_num_threads()
+    if args.threads is not None and any(t < 1 for t in args.threads):
+        parser.error(f"--threads takes positive integers, got {args.threads}")
+    cpu_threads = args.threads or [default_threads]
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
 
     rows = []
     for size in args.sizes:
@@ -122,25 +142,36 @@ def main() -> None:
             def run(r=r, h=h):
                 return egpo_advantages(r, h, n, lambda_min=LAMBDA_MIN, lambda_max=LAMBDA_MAX, entropy_eps=EPS)
 
-            out = run().advantages.cpu()
-            if loop_ms is not None:
-                error = (out.double() - expected.double()).abs().max().item()
-                assert error < 1e-5, f"vectorised and loop results differ by {error} at size {size} on {device}"
-            else:
-                error = float("nan")
-            ms = time_cuda(run, args.repeats) if device == "cuda" else time_it(run, args.repeats)
-            rows.append((size, device, ms, loop_ms, error))
+            for threads in cpu_threads if device == "cpu" else [default_threads]:
+                torch.set_num_threads(threads)
+                out = run().advantages.cpu()
+                if loop_ms is not None:
+                    error = (out.double() - expected.double()).abs().max().item()
+                    assert error < 1e-5, f"vectorised and loop results differ by {error} at size {size} on {device}"
+                else:
+                    error = float("nan")
+                ms = time_cuda(run, args.repeats) if device == "cuda" else time_it(run, args.repeats)
+                rows.append((size, device, threads if device == "cpu" else "-", ms, loop_ms, error))
+            torch.set_num_threads(default_threads)
 
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     print(f"\negpo_advantages vs per-group Python loop (groups of {n}); torch {torch.__version__}; GPU: {name}")
-    print(f"CPU threads: {torch.get_num_threads()}\n")
-    print("| completions | device | vectorised (ms, median) | Python loop (ms, median) | speed-up | max abs diff |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: |")
-    for size, device, ms, loop_ms, error in rows:
+    threads = ", ".join(str(t) for t in cpu_threads)
+    print(
+        f"CPU: {os.cpu_count()} logical cores; intra-op threads for the CPU rows: {threads} (default {default_threads})"
+    )
+    if load is not None:
+        print(f"load average at start (1, 5, 15 min): {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}")
+    print()
+    print(
+        "| completions | device | threads | vectorised (ms, median) | Python loop (ms, median) | speed-up | max abs diff |"
+    )
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    for size, device, threads, ms, loop_ms, error in rows:
         loop = f"{loop_ms:.2f}" if loop_ms is not None else "-"
         speedup = f"{loop_ms / ms:.0f}x" if loop_ms is not None else "-"
         diff = f"{error:.1e}" if math.isfinite(error) else "-"
-        print(f"| {size:,} | {device} | {ms:.3f} | {loop} | {speedup} | {diff} |")
+        print(f"| {size:,} | {device} | {threads} | {ms:.3f} | {loop} | {speedup} | {diff} |")
 
 
 if __name__ == "__main__":

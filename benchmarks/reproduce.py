@@ -36,6 +36,7 @@ METHODS: dict[str, tuple[str, list[str]]] = {
     "GRPO": ("tiny_cpu_grpo.yaml", []),
     "DAPO": ("tiny_cpu_dapo.yaml", []),
     "EDGE-GRPO": ("tiny_cpu_edge_grpo.yaml", []),
+    "EDGE-GRPO no GEC": ("tiny_cpu_edge_grpo.yaml", ["--edge_gec", "false"]),
     "NSR": ("tiny_cpu_nsr.yaml", []),
     "EGPO": (EGPO, []),
     "C1 symmetric": (EGPO, ["--egpo_clamp", "symmetric"]),

@@ -28,6 +28,7 @@ that the trainer computes only what is needed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
@@ -183,36 +184,65 @@ def _check_layout(rewards: torch.Tensor, num_generations: int, **others: torch.T
             )
 
 
-def _group_types(correct: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
-    """``Tensor[G]`` of group types from ``[G, N]`` correctness and scored masks."""
-    n_scored = scored.sum(dim=1)
-    n_correct = (correct & scored).sum(dim=1)
-    group_type = torch.full_like(n_scored, GROUP_MIXED)
-    group_type = torch.where(n_correct == n_scored, GROUP_ALL_CORRECT, group_type)
-    group_type = torch.where(n_correct == 0, GROUP_ALL_INCORRECT, group_type)
-    group_type = torch.where(n_scored == 0, GROUP_UNSCORED, group_type)
-    return group_type
+def _scored_and_correct(r: torch.Tensor, correct: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[G, N]`` masks of the scored rows (reward not NaN) and of the correct ones, as 1.0 / 0.0 floats.
 
-
-def _grpo_base(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> torch.Tensor:
-    """GRPO's group-relative advantage (Eq. 2) exactly as TRL's GRPOTrainer computes it, ``Tensor[B]``.
-
-    ``scale_rewards="group"``: (r - mean_group) / (std_group + 1e-4) with the unbiased std;
-    ``"batch"``: the std of the whole batch instead; ``"none"``: r - mean_group.
+    Float masks keep the comparisons vectorised on CPU and let later steps select with exact arithmetic (products
+    with 0.0 / 1.0, divisions by 0.0 that give NaN, ``nan_to_num``) instead of ``torch.where``.
     """
-    grouped = rewards.view(-1, num_generations)
-    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations, dim=0)
-    advantages = rewards - mean
-    if scale_rewards == "group":
-        if num_generations > 1:
-            std = _nanstd(grouped, dim=1).repeat_interleave(num_generations, dim=0)
-        else:
-            std = torch.zeros_like(rewards)
-        advantages = advantages / (std + STD_EPS)
-    elif scale_rewards == "batch":
-        std = _nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-        advantages = advantages / (std + STD_EPS)
-    return advantages
+    scored = torch.eq(r, r, out=torch.empty_like(r))  # NaN != NaN
+    if correct is None:
+        is_correct = torch.gt(r, 0, out=torch.empty_like(r))  # NaN > 0 is False
+    else:
+        is_correct = correct.view(r.shape).bool().to(r.dtype).mul_(scored)
+    return scored, is_correct
+
+
+def _group_types(
+    scored_count: torch.Tensor, correct_count: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group types from the ``[G, 1]`` float counts of scored and of correct completions.
+
+    Returns ``(group_type, mixed, all_incorrect)``: the ``[G, 1]`` int64 group type and two ``[G, 1]`` 1.0 / 0.0 masks.
+    """
+    has_correct = correct_count.sign()
+    has_incorrect = (scored_count - correct_count).sign_()
+    mixed = has_correct * has_incorrect
+    # (has_correct, has_incorrect) = (a, b): (0, 0) unscored -1, (0, 1) all incorrect 0, (1, 1) mixed 1,
+    # (1, 0) all correct 2; that is 3a + b - 2ab - 1.
+    group_type = torch.add(has_incorrect, has_correct, alpha=3).sub_(mixed, alpha=2).sub_(1).long()
+    return group_type, mixed, has_incorrect.sub_(mixed)
+
+
+def _grpo_parts(
+    r: torch.Tensor, scored_count: torch.Tensor, scale_rewards: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """GRPO's group-relative advantage (Eq. 2) as ``centered / denominator``, op for op as TRL's GRPOTrainer.
+
+    Args:
+        r: ``[G, N]`` rewards, NaN for unscored rows.
+        scored_count: ``[G, 1]`` float count of the non-NaN rewards of each group.
+        scale_rewards: ``"group"``: the denominator is std_group + 1e-4 with the unbiased std (``[G, 1]``);
+            ``"batch"``: the std of the whole batch + 1e-4 (0-dim); ``"none"``: no denominator (``None``).
+
+    Returns:
+        ``centered = r - mean_group`` (``[G, N]``, a fresh tensor) and the denominator.
+    """
+    # torch.nanmean and TRL's nanstd divide the NaN-ignoring sum by the count of non-NaN entries: the same ops here,
+    # with the mean and the count computed once.
+    mean = r.nansum(dim=1, keepdim=True).div_(scored_count)
+    centered = r - mean
+    if scale_rewards == "none":
+        return centered, None
+    if scale_rewards == "batch":
+        std = _nanstd(r.reshape(-1)) if r.numel() > 1 else r.new_zeros(())
+        return centered, std + STD_EPS
+    if r.size(1) == 1:
+        return centered, torch.zeros_like(mean).add_(STD_EPS)
+    variance = (centered**2).nansum(dim=1, keepdim=True).div_(scored_count)
+    # Bessel's correction count / (count - 1). TRL writes NaN where count <= 1; so does this (0 * inf or 0 / 0).
+    std = variance.mul_(scored_count / (scored_count - 1)).sqrt_()
+    return centered, std.add_(STD_EPS)
 
 
 def _masked_group_mean(values: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,21 +253,20 @@ def _masked_group_mean(values: torch.Tensor, valid: torch.Tensor) -> tuple[torch
 
 
 def _clamp_weights(raw: torch.Tensor, correct: torch.Tensor, clamp: str, lo: float, hi: float) -> torch.Tensor:
-    """Eq. 9 and the ablations C1-C3 applied to raw weights ``w^``."""
+    """Eq. 9 and the ablations C1-C3 applied to raw weights ``w^``; ``correct`` is a 1.0 / 0.0 float mask."""
     if clamp == "none":
         return torch.ones_like(raw)
     clipped = raw.clamp(min=lo, max=hi)
     if clamp == "symmetric":  # C1: clip only
         return clipped
-    at_least_one = clipped.clamp(min=1.0)  # correct side: never down-weighted
-    at_most_one = clipped.clamp(max=1.0)  # incorrect side: never up-weighted
-    if clamp == "asymmetric":  # Eq. 9
-        return torch.where(correct, at_least_one, at_most_one)
-    if clamp == "negative_only":  # C2: only the incorrect side is capped at 1
-        return torch.where(correct, clipped, at_most_one)
-    if clamp == "positive_only":  # C3: only the correct side is floored at 1
-        return torch.where(correct, at_least_one, clipped)
-    raise ValueError(f"Unknown clamp {clamp!r}; expected one of {CLAMP_MODES}.")
+    if clamp not in ("asymmetric", "negative_only", "positive_only"):
+        raise ValueError(f"Unknown clamp {clamp!r}; expected one of {CLAMP_MODES}.")
+    # The correct side is floored at 1 (never down-weighted), the incorrect side capped at 1 (never up-weighted):
+    # one clamp with per-row bounds. Floor: 1 if correct else 0 (a no-op, as w >= lo > 0); cap: 1 if incorrect else
+    # hi + 1 (a no-op, as w <= max(hi, 1)).
+    floor = correct if clamp in ("asymmetric", "positive_only") else None  # Eq. 9 / C3
+    cap = correct.mul(hi).add_(1.0) if clamp in ("asymmetric", "negative_only") else None  # Eq. 9 / C2
+    return clipped.clamp_(min=floor, max=cap)
 
 
 AdvantageEstimator = Callable[..., AdvantageOutput]
@@ -310,6 +339,9 @@ def egpo_advantages(
     With ``clamp="none"`` and ``nsr=False`` the advantages are GRPO's (bit for bit for binary rewards,
     where a uniform group's GRPO advantage is exactly 0).
 
+    The outputs are constants of the objective, as in the paper: no gradient flows back into ``rewards`` or
+    ``entropies``.
+
     Args:
         rewards: ``Tensor[B]`` rewards (the weighted sum of the reward functions, as GRPO uses).
         entropies: ``Tensor[B]`` entropy proxies from :func:`sequence_entropy` (NaN allowed).
@@ -335,51 +367,61 @@ def egpo_advantages(
     if not 0 < lambda_min <= lambda_max:
         raise ValueError(f"Need 0 < lambda_min <= lambda_max, got lambda_min={lambda_min}, lambda_max={lambda_max}.")
 
-    rewards = rewards.float()
+    rewards = rewards.detach().float()
     n = num_generations
     r = rewards.view(-1, n)
-    scored = ~torch.isnan(r)
-    is_correct = (r > 0) if correct is None else correct.view(-1, n).bool()
-    is_correct = is_correct & scored
+    scored, is_correct = _scored_and_correct(r, correct)  # [G, N], 1.0 / 0.0
+    scored_count = scored.sum(dim=1, keepdim=True)
+    group_type, mixed, all_incorrect = _group_types(scored_count, is_correct.sum(dim=1, keepdim=True))
 
-    group_type = _group_types(is_correct, scored)  # [G]
-    group_type_rows = group_type.repeat_interleave(n)
+    # Base advantage, Eq. 11: GRPO's on mixed groups, -1 (NSR) on the scored rows of entirely-incorrect groups,
+    # 0 elsewhere. Dividing by NaN outside mixed groups (mixed / mixed is 0 / 0 there) and nan_to_num select
+    # the mixed rows; nan_to_num also zeroes unscored rows (NaN reward) and caps infinities, as GRPO's does.
+    centered, denominator = _grpo_parts(r, scored_count, scale_rewards)
+    mixed_only = mixed / mixed  # 1.0 on mixed groups, NaN elsewhere
+    base = centered.div_(mixed_only if denominator is None else denominator * mixed_only).nan_to_num_(nan=0.0)
+    if nsr:
+        base.addcmul_(all_incorrect, scored, value=-1.0)
 
-    # Base advantage, Eq. 11.
-    mixed_adv = _grpo_base(rewards, n, scale_rewards)
-    base = torch.where(group_type_rows == GROUP_MIXED, mixed_adv, 0.0)
-    base = torch.where(group_type_rows == GROUP_ALL_INCORRECT, -1.0 if nsr else 0.0, base)
-    base = torch.nan_to_num(torch.where(scored.view(-1), base, 0.0), nan=0.0)
-
-    # Raw weights, Eq. 8.
-    h = entropies.float().view(-1, n)
-    valid = torch.isfinite(h) & scored
-    mean_h, count = _masked_group_mean(h, valid)
-    usable = (count > 0) & (mean_h != 0)
-    valid = valid & usable
-    raw = torch.where(valid, mean_h / (torch.nan_to_num(h, nan=0.0) + entropy_eps), 1.0)
+    # Raw weights, Eq. 8, with NaN marking the invalid entries until the end: h - h is NaN for a NaN or infinite
+    # entropy, and dividing by the scored mask (0 / 0) marks unscored rows.
+    h = entropies.detach().float().view(-1, n)
+    valid = (h - h).div_(scored).add_(1.0)  # 1.0 where valid, NaN elsewhere
+    h_valid = h * valid
+    # nansum adds exactly what sum adds over the entries with NaN replaced by 0, in the same order. A group without a
+    # valid entry gets 0 / 0 = NaN, one with mean entropy 0 gets 0 / 0 on the next line (|sign| is 1 for any nonzero
+    # mean, 0 for 0): raw weights 1 throughout.
+    mean_h = h_valid.nansum(dim=1, keepdim=True).div_(valid.nansum(dim=1, keepdim=True))
+    mean_h = mean_h / mean_h.abs().sign()
+    denominator_h = h_valid.add_(entropy_eps)
+    raw = mean_h / denominator_h  # NaN where invalid
+    valid_mask = None
+    if renorm != "none" or not lambda_min <= 1.0 <= lambda_max:
+        valid_mask = ~torch.isnan(raw)
+    raw = raw.nan_to_num_(nan=1.0, posinf=math.inf, neginf=-math.inf)
 
     if renorm == "before_clamp":  # C6
-        mean_raw, _ = _masked_group_mean(raw, valid)
-        raw = torch.where(valid, raw / mean_raw, raw)
+        mean_raw, _ = _masked_group_mean(raw, valid_mask)
+        raw = torch.where(valid_mask, raw / mean_raw, raw)
 
-    weights = torch.where(valid, _clamp_weights(raw, is_correct, clamp, lambda_min, lambda_max), 1.0)
+    weights = _clamp_weights(raw, is_correct, clamp, lambda_min, lambda_max)
+    if valid_mask is not None and not lambda_min <= 1.0 <= lambda_max:
+        weights = torch.where(valid_mask, weights, 1.0)  # the clip moved the weight 1 of invalid entries
 
     if renorm == "after_clamp":  # C5, Eq. 10
-        mean_w, _ = _masked_group_mean(weights, valid)
-        weights = torch.where(valid, weights / mean_w, weights)
+        mean_w, _ = _masked_group_mean(weights, valid_mask)
+        weights = torch.where(valid_mask, weights / mean_w, weights)
 
     if nsr_weighting == "unit":  # C4
-        weights = torch.where((group_type == GROUP_ALL_INCORRECT).unsqueeze(1), 1.0, weights)
+        weights = torch.where(all_incorrect.bool(), 1.0, weights)
 
-    weights = weights.view(-1)
     return AdvantageOutput(
-        advantages=weights * base,
-        weights=weights,
-        base_advantages=base,
+        advantages=(weights * base).view(-1),
+        weights=weights.view(-1),
+        base_advantages=base.view(-1),
         raw_weights=raw.view(-1),
-        group_type=group_type_rows,
-        correct=is_correct.view(-1),
+        group_type=group_type.expand(-1, n).reshape(-1),
+        correct=is_correct.bool().view(-1),
     )
 
 
@@ -396,25 +438,29 @@ def grpo_advantages(
     """GRPO's advantages (paper Eq. 2) exactly as TRL's GRPOTrainer computes them; weights are 1.
 
     Uniform-reward groups get 0 (advantage collapse); unscored rows (NaN reward) get 0. ``entropies``
-    is accepted for a uniform estimator signature and unused.
+    is accepted for a uniform estimator signature and unused. The advantages carry no gradient.
     """
     _check_layout(rewards, num_generations, correct=correct)
     if scale_rewards not in SCALE_REWARDS_MODES:
         raise ValueError(f"Unknown scale_rewards {scale_rewards!r}; expected one of {SCALE_REWARDS_MODES}.")
-    rewards = rewards.float()
+    rewards = rewards.detach().float()
     n = num_generations
     r = rewards.view(-1, n)
-    scored = ~torch.isnan(r)
-    is_correct = ((r > 0) if correct is None else correct.view(-1, n).bool()) & scored
-    advantages = torch.nan_to_num(_grpo_base(rewards, n, scale_rewards), nan=0.0)
+    scored, is_correct = _scored_and_correct(r, correct)
+    scored_count = scored.sum(dim=1, keepdim=True)
+    advantages, denominator = _grpo_parts(r, scored_count, scale_rewards)
+    if denominator is not None:
+        advantages.div_(denominator)
+    advantages = advantages.nan_to_num_(nan=0.0).view(-1)
+    group_type, _, _ = _group_types(scored_count, is_correct.sum(dim=1, keepdim=True))
     ones = torch.ones_like(rewards)
     return AdvantageOutput(
         advantages=advantages,
         weights=ones,
         base_advantages=advantages,
         raw_weights=ones,
-        group_type=_group_types(is_correct, scored).repeat_interleave(n),
-        correct=is_correct.view(-1),
+        group_type=group_type.expand(-1, n).reshape(-1),
+        correct=is_correct.bool().view(-1),
     )
 
 
@@ -456,8 +502,9 @@ def nsr_advantages(
     rewards = rewards.float()
     n = num_generations
     r = rewards.view(-1, n)
-    scored = ~torch.isnan(r)
-    is_correct = ((r > 0) if correct is None else correct.view(-1, n).bool()) & scored
+    scored, is_correct = _scored_and_correct(r, correct)
+    group_type, _, _ = _group_types(scored.sum(dim=1, keepdim=True), is_correct.sum(dim=1, keepdim=True))
+    scored, is_correct = scored.bool(), is_correct.bool()
     advantages = torch.where(is_correct, torch.full_like(r, float(positive_weight)), torch.full_like(r, -1.0))
     advantages = torch.where(scored, advantages, torch.zeros_like(r)).view(-1)
     ones = torch.ones_like(rewards)
@@ -466,7 +513,7 @@ def nsr_advantages(
         weights=ones,
         base_advantages=advantages,
         raw_weights=ones,
-        group_type=_group_types(is_correct, scored).repeat_interleave(n),
+        group_type=group_type.expand(-1, n).reshape(-1),
         correct=is_correct.view(-1),
     )
 
