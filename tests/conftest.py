@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -51,3 +52,42 @@ def parity_reward(completions, **kwargs):
     from egpo_trl.rewards import completion_text
 
     return [1.0 if len(set(completion_text(c))) % 2 == 0 else -1.0 for c in completions]
+
+
+# ----------------------------------------------------------------------------- shared test helpers
+NAN = float("nan")
+# Mixed group [+1, -1, +1, -1]: mean 0, unbiased std sqrt(4/3); TRL adds 1e-4 to the std.
+A_MIXED = 1.0 / (math.sqrt(4.0 / 3.0) + 1e-4)
+
+
+def t(*values):
+    """A float32 tensor of the values."""
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def close(actual, expected, atol=1e-5):
+    """``actual`` equals ``expected`` (float32) to ``atol``."""
+    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=torch.float32), atol=atol, rtol=0)
+
+
+# The settings the trainer tests share: 2 prompts x 4 completions of 12 tokens per step, on CPU.
+TRAINER_TEST_SETTINGS = dict(
+    per_device_train_batch_size=8,
+    num_generations=4,
+    max_completion_length=12,
+    logging_steps=1,
+    report_to=[],
+    use_cpu=True,
+    save_strategy="no",
+    seed=0,
+    data_seed=0,
+    learning_rate=1e-3,
+    log_completions=False,
+)
+
+
+def trainer_config(tmp_path, cls=None, **overrides):
+    """An ``EGPOConfig`` (or ``cls``, e.g. TRL's ``GRPOConfig``) with the shared settings and ``overrides``."""
+    from egpo_trl import EGPOConfig
+
+    return (cls or EGPOConfig)(output_dir=str(tmp_path / "out"), **{**TRAINER_TEST_SETTINGS, **overrides})

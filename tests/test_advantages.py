@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import A_MIXED, NAN, close, t
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,18 +21,6 @@ from egpo_trl.advantages import (
     grpo_advantages,
     sequence_entropy,
 )
-
-NAN = float("nan")
-# Mixed group [+1, -1, +1, -1]: mean 0, unbiased std sqrt(4/3); TRL adds 1e-4 to the std.
-A_MIXED = 1.0 / (math.sqrt(4.0 / 3.0) + 1e-4)
-
-
-def t(*values):
-    return torch.tensor(values, dtype=torch.float32)
-
-
-def close(actual, expected, atol=1e-5):
-    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=torch.float32), atol=atol, rtol=0)
 
 
 # ----------------------------------------------------------------------------- Eq. 5

@@ -12,31 +12,14 @@ import logging
 import pytest
 import torch
 from conftest import make_prompt_dataset, parity_reward
+from conftest import trainer_config as config
 from trl import GRPOConfig, GRPOTrainer
 
-from egpo_trl import EGPOConfig, EGPOTrainer
+from egpo_trl import EGPOTrainer
 from egpo_trl.advantages import edge_grpo_advantages, nsr_advantages, sequence_mean
 from egpo_trl.rewards import boxed_accuracy_reward, completion_text, overlong_penalty
 
 pytestmark = pytest.mark.slow
-
-COMMON = dict(
-    per_device_train_batch_size=8,
-    num_generations=4,
-    max_completion_length=12,
-    logging_steps=1,
-    report_to=[],
-    use_cpu=True,
-    save_strategy="no",
-    seed=0,
-    data_seed=0,
-    learning_rate=1e-3,
-    log_completions=False,
-)
-
-
-def config(tmp_path, cls=EGPOConfig, **overrides):
-    return cls(output_dir=str(tmp_path / "out"), **{**COMMON, **overrides})
 
 
 def half_informative_reward(completions, answer, **kwargs):

@@ -5,29 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_prompt_dataset, parity_reward
+from conftest import trainer_config as config
 from trl import GRPOConfig, GRPOTrainer
 
 from egpo_trl import EGPOConfig, EGPOTrainer, egpo_advantages, sequence_entropy
 
 pytestmark = pytest.mark.slow
-
-COMMON = dict(
-    per_device_train_batch_size=8,
-    num_generations=4,
-    max_completion_length=12,
-    logging_steps=1,
-    report_to=[],
-    use_cpu=True,
-    save_strategy="no",
-    seed=0,
-    data_seed=0,
-    learning_rate=1e-3,
-    log_completions=False,
-)
-
-
-def config(tmp_path, cls=EGPOConfig, **overrides):
-    return cls(output_dir=str(tmp_path / "out"), **{**COMMON, **overrides})
 
 
 class RecordingEGPOTrainer(EGPOTrainer):
