@@ -87,6 +87,36 @@ _LEFT_PADDED_KEYS = ("prompt_ids", "prompt_mask")
 _TOKEN_ENTROPY_KEY = "egpo_token_entropies"
 
 
+_BOXED = "\\boxed{"
+
+
+def _ends_inside_boxed(text: str) -> bool:
+    """Whether ``text`` stops inside a ``\\boxed{...}`` (or inside the command itself, e.g. ``... \\box``)."""
+    start = text.rfind(_BOXED)
+    if start >= 0:
+        depth = 1
+        for char in text[start + len(_BOXED) :]:
+            depth += 1 if char == "{" else -1 if char == "}" else 0
+            if depth == 0:
+                break
+        if depth > 0:
+            return True
+    return any(text.endswith(_BOXED[:k]) for k in range(1, len(_BOXED)))
+
+
+def boxed_safe_prefix(ids: list[int], decode) -> list[int]:
+    """The longest prefix of ``ids`` whose text (``decode(ids)``) does not stop inside a ``\\boxed{}``.
+
+    Guided Error Correction shortens a completion to make room for the injected text. Cutting inside the
+    completion's own ``\\boxed{`` would leave the injected answer inside an unclosed box: the prefix is cut back
+    to before it instead.
+    """
+    n = len(ids)
+    while n > 0 and _ends_inside_boxed(decode(ids[:n])):
+        n -= 1
+    return ids[:n]
+
+
 class EGPOTrainer(GRPOTrainer):
     """Trainer for Entropy-Guided Policy Optimization (EGPO), a drop-in replacement for TRL's ``GRPOTrainer``.
 
@@ -775,7 +805,10 @@ class EGPOTrainer(GRPOTrainer):
                 reflect_prompts.append(list(prompt_ids[i]) + new_ids[i])
             elif choice == "answer":
                 injected = encode(args.edge_gec_answer_template.replace("{answer}", str(answer)))[: max_length - 1]
-                kept = body(completion_ids[i])[: max(0, max_length - 1 - len(injected))]
+                original = body(completion_ids[i])
+                kept = original[: max(0, max_length - 1 - len(injected))]
+                if len(kept) < len(original):  # shortened: never leave the injected answer inside an open box
+                    kept = boxed_safe_prefix(kept, tokenizer.decode)
                 new_ids[i] = kept + injected + [eos]
                 kept_tokens[i] = len(kept)
             elif choice == "solution":
