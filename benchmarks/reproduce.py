@@ -148,6 +148,38 @@ def main() -> None:
         gaps = [r["gap"] for r in ok if r["gap"] == r["gap"]]
         gap = fmt(gaps, pct=False) if gaps else "-"
         print(f"| {method} | {fmt(before)} | {fmt(after)} | {fmt(delta)} | {gap} |")
+    paired_differences(records, args.methods)
+
+
+def paired_differences(records: list[dict], methods: list[str], baseline: str = "GRPO") -> None:
+    """Print each method's held-out accuracy after training minus the baseline's, seed by seed.
+
+    A seed fixes the held-out samples' draw and the rollouts' random stream, so runs of two methods with the same
+    seed start from the same accuracy: the paired difference removes that share of the seed-to-seed spread.
+    """
+    base = {r["seed"]: r["after"] for r in records if r["method"] == baseline and not r.get("failed")}
+    if not base or len(methods) < 2:
+        return
+    print(f"\nPaired difference in held-out accuracy after training, each method minus {baseline}, same seeds:\n")
+    print("| method | seeds | mean difference (points) | std | seeds ahead / behind / tied |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    for method in methods:
+        if method == baseline:
+            continue
+        diffs = [
+            r["after"] - base[r["seed"]]
+            for r in records
+            if r["method"] == method and r["seed"] in base and not r.get("failed")
+        ]
+        diffs = [d for d in diffs if d == d]
+        if not diffs:
+            continue
+        std = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+        ahead, behind = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+        print(
+            f"| {method} | {len(diffs)} | {100 * statistics.mean(diffs):+.1f} | {100 * std:.1f} | "
+            f"{ahead} / {behind} / {len(diffs) - ahead - behind} |"
+        )
 
 
 if __name__ == "__main__":
