@@ -65,6 +65,8 @@ def run_one(method: str, seed: int, args, gpu: int | None = None) -> dict:
         command += ["--use_cpu", "false"]
     if args.max_steps:
         command += ["--max_steps", str(args.max_steps)]
+    if args.eval_size is not None:
+        command += ["--eval_size", str(args.eval_size)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     env.setdefault("HF_HUB_OFFLINE", "1")
     if gpu is not None:  # one process must see one GPU (several make Trainer wrap the model in DataParallel)
@@ -113,6 +115,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per run")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--max-steps", type=int, default=None, help="override the recipes' max_steps")
+    parser.add_argument("--eval-size", type=int, default=None, help="override the recipes' held-out problems")
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "reproduce"))
     parser.add_argument("--rerun", action="store_true", help="rerun runs whose results already exist")
     args = parser.parse_args()
