@@ -49,9 +49,14 @@ def _ranks(values: np.ndarray) -> np.ndarray:
     return (starts + (counts - 1) / 2)[inverse]
 
 
-def _footer(fig, note: str | None) -> None:
+def _save(plt, fig, path: str, note: str | None) -> str:
+    """Add the footer ``note``, lay out, write ``path`` and close ``fig``; returns ``path``."""
     if note:
         fig.text(0.01, 0.005, note, fontsize=7, color="0.4", ha="left", va="bottom")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
 
 
 def _density_panel(axis, values: np.ndarray, correct: np.ndarray, title: str) -> None:
@@ -118,11 +123,7 @@ def plot_density(table: EntropyTable, path: str, title: str = "", note: str | No
         _density_panel(axis, values[defined], table.correct[defined], SCOPE_TITLES[scope])
     if title:
         fig.suptitle(title, fontsize=11)
-    _footer(fig, note)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, note)
 
 
 def plot_roc(table: EntropyTable, path: str, title: str = "", note: str | None = None) -> str:
@@ -148,11 +149,7 @@ def plot_roc(table: EntropyTable, path: str, title: str = "", note: str | None =
         axis.legend(fontsize=7, loc="lower right")
     else:
         axis.text(0.5, 0.5, "needs correct and incorrect\ncompletions", ha="center", va="center")
-    _footer(fig, note)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, note)
 
 
 def _spans_decades(values: np.ndarray) -> bool:
@@ -210,11 +207,7 @@ def plot_length_vs_entropy(table: EntropyTable, path: str, title: str = "", note
 
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     axis.set_ylabel("answer entropy")
-    _footer(fig, note)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, note)
 
 
 def plot_thinking_vs_answer(table: EntropyTable, path: str, title: str = "", note: str | None = None) -> str:
@@ -226,11 +219,7 @@ def plot_thinking_vs_answer(table: EntropyTable, path: str, title: str = "", not
     axis.set_ylabel("answer entropy")
     if title:
         axis.set_title(title, fontsize=10)
-    _footer(fig, note)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, note)
 
 
 def plot_all(table: EntropyTable, output_dir: str, title: str = "", note: str | None = None) -> dict[str, str]:
