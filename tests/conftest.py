@@ -91,3 +91,12 @@ def trainer_config(tmp_path, cls=None, **overrides):
     from egpo_trl import EGPOConfig
 
     return (cls or EGPOConfig)(output_dir=str(tmp_path / "out"), **{**TRAINER_TEST_SETTINGS, **overrides})
+
+
+def save_rank_records(trainer, out_dir) -> None:
+    """Write ``trainer.records`` of this process to ``out_dir/records_rank{rank}.pt`` (multi-process test scripts)."""
+    rank = trainer.accelerator.process_index
+    torch.save(
+        {"rank": rank, "world_size": trainer.accelerator.num_processes, "records": trainer.records},
+        f"{out_dir}/records_rank{rank}.pt",
+    )

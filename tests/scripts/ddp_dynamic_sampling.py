@@ -9,11 +9,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conftest import make_prompt_dataset, parity_reward  # noqa: E402
+from conftest import TRAINER_TEST_SETTINGS, make_prompt_dataset, parity_reward, save_rank_records  # noqa: E402
 
 from egpo_trl import EGPOConfig, EGPOTrainer  # noqa: E402
 
@@ -54,28 +52,18 @@ class Recorder(EGPOTrainer):
 def main(model_dir: str, out_dir: str) -> None:
     args = EGPOConfig(
         output_dir=out_dir,
-        per_device_train_batch_size=2,
-        num_generations=4,
-        max_completion_length=12,
-        max_steps=3,
-        learning_rate=1e-3,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        seed=0,
-        logging_steps=1,
-        log_completions=False,
-        advantage_estimator="grpo",
-        dynamic_sampling=True,
-        dynamic_sampling_max_rounds=8,
+        **{
+            **TRAINER_TEST_SETTINGS,
+            "per_device_train_batch_size": 2,
+            "max_steps": 3,
+            "advantage_estimator": "grpo",
+            "dynamic_sampling": True,
+            "dynamic_sampling_max_rounds": 8,
+        },
     )
     trainer = Recorder(model_dir, half_informative_reward, args, train_dataset=make_prompt_dataset())
     trainer.train()
-    rank = trainer.accelerator.process_index
-    torch.save(
-        {"rank": rank, "world_size": trainer.accelerator.num_processes, "records": trainer.records},
-        Path(out_dir) / f"records_rank{rank}.pt",
-    )
+    save_rank_records(trainer, out_dir)
 
 
 if __name__ == "__main__":

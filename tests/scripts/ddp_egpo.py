@@ -8,11 +8,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conftest import make_prompt_dataset, parity_reward  # noqa: E402
+from conftest import TRAINER_TEST_SETTINGS, make_prompt_dataset, parity_reward, save_rank_records  # noqa: E402
 
 from egpo_trl import EGPOConfig, EGPOTrainer  # noqa: E402
 
@@ -43,26 +41,11 @@ class Recorder(EGPOTrainer):
 
 def main(model_dir: str, out_dir: str, per_device: int) -> None:
     args = EGPOConfig(
-        output_dir=out_dir,
-        per_device_train_batch_size=per_device,
-        num_generations=4,
-        max_completion_length=12,
-        max_steps=2,
-        learning_rate=1e-3,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        seed=0,
-        logging_steps=1,
-        log_completions=False,
+        output_dir=out_dir, **{**TRAINER_TEST_SETTINGS, "per_device_train_batch_size": per_device, "max_steps": 2}
     )
     trainer = Recorder(model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
     trainer.train()
-    rank = trainer.accelerator.process_index
-    torch.save(
-        {"rank": rank, "world_size": trainer.accelerator.num_processes, "records": trainer.records},
-        Path(out_dir) / f"records_rank{rank}.pt",
-    )
+    save_rank_records(trainer, out_dir)
 
 
 if __name__ == "__main__":

@@ -77,8 +77,9 @@ class DynamicSamplingRecorder(EGPOTrainer):
         return output
 
 
-def dapo(model_dir: str, out: str) -> None:
-    args = EGPOConfig(
+def colocate_config(out: str, **overrides) -> EGPOConfig:
+    """The settings both runs share: vLLM colocate on CPU, 2 prompts x 4 completions per step."""
+    return EGPOConfig(
         output_dir=str(Path(out).parent / "trainer"),
         use_cpu=True,
         use_vllm=True,
@@ -86,12 +87,19 @@ def dapo(model_dir: str, out: str) -> None:
         vllm_gpu_memory_utilization=0.25,
         per_device_train_batch_size=8,
         num_generations=4,
-        max_completion_length=12,
-        max_steps=2,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
         seed=0,
+        **overrides,
+    )
+
+
+def dapo(model_dir: str, out: str) -> None:
+    args = colocate_config(
+        out,
+        max_completion_length=12,
+        max_steps=2,
         advantage_estimator="grpo",
         epsilon_high=0.28,
         dynamic_sampling=True,
@@ -103,20 +111,10 @@ def dapo(model_dir: str, out: str) -> None:
 
 
 def main(model_dir: str, out: str) -> None:
-    args = EGPOConfig(
-        output_dir=str(Path(out).parent / "trainer"),
-        use_cpu=True,
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_gpu_memory_utilization=0.25,
-        per_device_train_batch_size=8,
-        num_generations=4,
+    args = colocate_config(
+        out,
         max_completion_length=24,
         max_steps=1,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        seed=0,
         advantage_estimator="edge_grpo",
         edge_gec=True,
         edge_gec_reflect_prob=0.5,
