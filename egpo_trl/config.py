@@ -19,6 +19,62 @@ ENTROPY_SCOPES: tuple[str, ...] = ("completion", "thinking", "answer")
 DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = ("correctness", "reward")
 GEC_SCOPES: tuple[str, ...] = ("incorrect", "all_incorrect_groups")
 DEFAULT_GEC_REFLECTION_CUE = " Hold on, something in this solution is wrong. Let me check it again."
+# Keys of ``generation_kwargs`` that change the distribution vLLM samples from (and reports log-probs of) beyond the
+# temperature: TRL's trainer-side log-probs apply the temperature only, so these make the two disagree.
+_DISTRIBUTION_CHANGING_KWARGS: tuple[str, ...] = (
+    "top_p",
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "guided_decoding",
+    "structured_outputs",
+    "logits_processors",
+)
+
+
+def distribution_changing_sampling_options(config) -> dict[str, object]:
+    """The sampling options of ``config`` that make vLLM sample from a distribution other than the policy's at
+    ``temperature`` (``{name: value}``, empty for plain sampling).
+
+    TRL's trainer-side log-probs (``old_per_token_logps``) divide the logits by the temperature and apply nothing
+    else, while vLLM (``logprobs_mode="processed_logprobs"``) reports the log-probs of the distribution it sampled
+    from, after top-p, top-k, min-p, penalties and ``min_tokens``. With any of these set, the two disagree on every
+    token: TRL's importance-sampling ratios drift towards 0 over a long completion, and vLLM's log-probs are no
+    longer the policy's (EGPO's entropy proxy).
+    """
+    found: dict[str, object] = {}
+    if getattr(config, "top_p", 1.0) is not None and config.top_p < 1.0:
+        found["top_p"] = config.top_p
+    if getattr(config, "top_k", 0) not in (None, 0, -1):
+        found["top_k"] = config.top_k
+    if getattr(config, "min_p", None) not in (None, 0, 0.0):
+        found["min_p"] = config.min_p
+    if getattr(config, "repetition_penalty", 1.0) not in (None, 1, 1.0):
+        found["repetition_penalty"] = config.repetition_penalty
+    generation_kwargs = getattr(config, "generation_kwargs", None)
+    if isinstance(generation_kwargs, dict):
+        neutral = {
+            "top_p": (1, 1.0),
+            "top_k": (0, -1),
+            "min_p": (0, 0.0),
+            "min_tokens": (0,),
+            "repetition_penalty": (1, 1.0),
+            "presence_penalty": (0, 0.0),
+            "frequency_penalty": (0, 0.0),
+        }
+        for key in _DISTRIBUTION_CHANGING_KWARGS:
+            value = generation_kwargs.get(key)
+            if value is not None and value not in neutral.get(key, ()) and value not in ({}, [], ()):
+                found[f"generation_kwargs.{key}"] = value
+    return found
+
+
 DEFAULT_GEC_ANSWER_TEMPLATE = (
     "\nHold on, something in this solution is wrong. Checking it again, the answer is \\boxed{{answer}}."
 )
@@ -325,11 +381,28 @@ class EGPOConfig(GRPOConfig):
         choose("dynamic_sampling_metric", self.dynamic_sampling_metric, DYNAMIC_SAMPLING_METRICS)
         choose("edge_gec_scope", self.edge_gec_scope, GEC_SCOPES)
         self._validate_baselines()
+        self._validate_importance_sampling()
         if self.advantage_estimator != "grpo" and self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 f"advantage_estimator={self.advantage_estimator!r} needs multi_objective_aggregation="
                 "'sum_then_normalize' (its advantages are computed from the weighted reward sum); set it, or use "
                 "advantage_estimator='grpo'."
+            )
+
+    def _validate_importance_sampling(self) -> None:
+        """Refuse vLLM sampling options that TRL's importance-sampling correction would silently turn into a
+        vanishing loss (see :func:`distribution_changing_sampling_options`)."""
+        if not (self.use_vllm and self.vllm_importance_sampling_correction):
+            return
+        options = distribution_changing_sampling_options(self)
+        if options:
+            listed = ", ".join(f"{name}={value!r}" for name, value in options.items())
+            raise ValueError(
+                f"{listed} with use_vllm and vllm_importance_sampling_correction=True: vLLM samples from the processed "
+                "distribution while TRL's trainer-side log-probs apply only the temperature, so the importance-sampling "
+                "ratios fall towards 0 over a long completion and scale the loss to nearly nothing. Either sample "
+                "plainly (top_p: 1.0, top_k: 0, min_p: null, repetition_penalty: 1.0, no such generation_kwargs), or "
+                "set vllm_importance_sampling_correction: false (the paper's setup; see docs/multi_gpu.md)."
             )
 
     def _validate_baselines(self) -> None:

@@ -6,6 +6,7 @@ import pytest
 from trl import GRPOConfig, TrlParser
 
 from egpo_trl import EGPOConfig
+from egpo_trl.config import distribution_changing_sampling_options
 
 
 def make(tmp_path, **kwargs):
@@ -70,3 +71,30 @@ def test_every_egpo_field_has_help():
     for field in dataclasses.fields(EGPOConfig):
         if field.name.startswith("egpo_") or field.name == "advantage_estimator":
             assert field.metadata.get("help"), field.name
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"top_p": 0.95},
+        {"top_k": 20},
+        {"min_p": 0.05},
+        {"repetition_penalty": 1.1},
+        {"generation_kwargs": {"min_tokens": 1024}},
+        {"generation_kwargs": {"presence_penalty": 0.5}},
+    ],
+)
+def test_vllm_importance_sampling_with_a_processed_distribution_is_refused(tmp_path, kwargs):
+    with pytest.raises(ValueError, match="vllm_importance_sampling_correction: false"):
+        EGPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, **kwargs)
+    # The same options without the correction, or without vLLM, are fine.
+    EGPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, use_vllm=True, vllm_importance_sampling_correction=False, **kwargs
+    )
+    EGPOConfig(output_dir=str(tmp_path), use_cpu=True, **kwargs)
+
+
+def test_plain_sampling_passes_with_vllm_importance_sampling(tmp_path):
+    neutral = {"top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0, "generation_kwargs": {"min_tokens": 0}}
+    config = EGPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, temperature=0.7, **neutral)
+    assert distribution_changing_sampling_options(config) == {}
