@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -85,6 +87,8 @@ _FORWARD_KEYS = (
 _LEFT_PADDED_KEYS = ("prompt_ids", "prompt_mask")
 # Per-token entropies captured from TRL's old-log-prob pass travel in the batch under this key until used.
 _TOKEN_ENTROPY_KEY = "egpo_token_entropies"
+# TRL's importance-sampling correction multiplies the loss by its ratios: below this mean, the run is told.
+IS_RATIO_WARNING_THRESHOLD = 0.5
 
 
 _BOXED = "\\boxed{"
@@ -260,8 +264,27 @@ class EGPOTrainer(GRPOTrainer):
         self._egpo_rewards_per_func = rewards_per_func  # gathered over processes, [B_global, num_funcs]
         return rewards_per_func
 
+    @contextmanager
+    def _egpo_timed(self, name: str):
+        """Add the wall time of the block (after the device's queued work) to ``timing/<name>`` of this batch."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            timings = getattr(self, "_egpo_timings", None)
+            if timings is not None:
+                timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+
     def _get_per_token_logps_and_entropies(self, model, *args, compute_entropy=False, **kwargs):
-        if getattr(self, "_egpo_capture_entropy", False) and not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():  # an old-policy (or reference) pass, not the loss's forward
+            with self._egpo_timed("old_logps_s"):
+                return self._egpo_no_grad_logps(model, *args, compute_entropy=compute_entropy, **kwargs)
+        return super()._get_per_token_logps_and_entropies(model, *args, compute_entropy=compute_entropy, **kwargs)
+
+    def _egpo_no_grad_logps(self, model, *args, compute_entropy=False, **kwargs):
+        if getattr(self, "_egpo_capture_entropy", False):
             # TRL's old-log-prob pass of this generation batch: have it return the Shannon entropies too.
             self._egpo_capture_entropy = False
             logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
@@ -272,7 +295,8 @@ class EGPOTrainer(GRPOTrainer):
         return super()._get_per_token_logps_and_entropies(model, *args, compute_entropy=compute_entropy, **kwargs)
 
     def _generate(self, prompts: list):
-        result = super()._generate(prompts)
+        with self._egpo_timed("generation_s"):
+            result = super()._generate(prompts)
         if self.args.edge_gec and self.model.training and getattr(self, "_egpo_round_inputs", None) is not None:
             result = self._guided_error_correction(prompts, result)
         return result
@@ -281,11 +305,42 @@ class EGPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         sampling = None
+        self._egpo_timings = {}
+        start = time.perf_counter()
         if mode == "train" and self.args.dynamic_sampling:
             output, rewards_per_func, sampling = self._dynamic_sampling(inputs, num_generations)
         else:
             output, rewards_per_func = self._generate_round(inputs)
-        return self._egpo_finish(output, rewards_per_func, mode, num_generations, sampling)
+        output = self._egpo_finish(output, rewards_per_func, mode, num_generations, sampling)
+        timings, self._egpo_timings = self._egpo_timings, None
+        timings["generate_and_score_s"] = time.perf_counter() - start
+        for name, seconds in timings.items():
+            self._metrics[mode][f"timing/{name}"].append(seconds)
+        self._egpo_check_importance_sampling(mode)
+        return output
+
+    def _egpo_check_importance_sampling(self, mode: str) -> None:
+        """Warn when TRL's vLLM importance-sampling correction scales this batch's loss far below 1.
+
+        With ``vllm_importance_sampling_correction`` TRL multiplies the loss by ``exp(trainer - vLLM log-probs)``
+        (per token or per sequence, truncated or masked). When vLLM samples from another distribution than the
+        trainer's (processed logits) or the two disagree numerically over long completions, these ratios fall
+        towards 0 and the run learns nothing while every other metric looks normal.
+        """
+        values = self._metrics[mode].get("sampling/importance_sampling_ratio/mean")
+        if not values or not values[-1] < IS_RATIO_WARNING_THRESHOLD:
+            return
+        self._egpo_low_is_batches = getattr(self, "_egpo_low_is_batches", 0) + 1
+        if self._egpo_low_is_batches in (1, 10) or self._egpo_low_is_batches % 100 == 0:
+            logger.warning(
+                "The vLLM importance-sampling ratios of this batch average %.3g (batch %d with a mean below %.2g): TRL "
+                "multiplies the loss by them, so the update is scaled towards zero. Check that the sampling options "
+                "leave the policy's distribution unchanged (top_p 1, top_k 0, no min_p, penalties or min_tokens), or "
+                "set vllm_importance_sampling_correction: false (the paper's recipes do; docs/multi_gpu.md).",
+                values[-1],
+                self._egpo_low_is_batches,
+                IS_RATIO_WARNING_THRESHOLD,
+            )
 
     # ------------------------------------------------------------------ one generation round
     def _trl_computes_old_logps(self) -> bool:
