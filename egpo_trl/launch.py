@@ -121,6 +121,7 @@ class LaunchPlan:
         accelerate_config: the accelerate config file, or ``None`` to train in this process.
         accelerate_settings: that file's contents.
         num_processes: processes of the launch (``None``: the accelerate config's own value).
+        main_process_port: the launch's rendezvous port (``None``: accelerate's default).
         argv: the arguments forwarded to ``egpo_trl.train``.
     """
 
@@ -128,6 +129,7 @@ class LaunchPlan:
     accelerate_config: str | None
     accelerate_settings: dict[str, Any] = field(default_factory=dict)
     num_processes: int | None = None
+    main_process_port: int | None = None
     argv: list[str] = field(default_factory=list)
 
     @property
@@ -174,6 +176,16 @@ def plan_launch(argv: Sequence[str]) -> LaunchPlan:
             raise SystemExit(f"egpo-trl train: num_processes must be an integer, got {num_processes!r}.") from None
         if num_processes < 1:
             raise SystemExit(f"egpo-trl train: num_processes must be >= 1, got {num_processes}.")
+    main_process_port = _option(argv, "main_process_port") or data.get("main_process_port")
+    if main_process_port is not None and str(main_process_port).lower() in _NONE_VALUES:
+        main_process_port = None
+    if main_process_port is not None:
+        try:
+            main_process_port = int(main_process_port)
+        except ValueError:
+            raise SystemExit(
+                f"egpo-trl train: main_process_port must be an integer, got {main_process_port!r}."
+            ) from None
     settings: dict[str, Any] = {}
     if accelerate_config is not None:
         settings = _read_yaml(accelerate_config, "accelerate config")
@@ -184,6 +196,7 @@ def plan_launch(argv: Sequence[str]) -> LaunchPlan:
         accelerate_config=str(accelerate_config) if accelerate_config is not None else None,
         accelerate_settings=settings,
         num_processes=num_processes,
+        main_process_port=main_process_port,
         argv=argv,
     )
 
@@ -195,6 +208,8 @@ def launch_command(plan: LaunchPlan, executable: Sequence[str] = ("accelerate", 
     command = [*executable, "--config_file", plan.accelerate_config]
     if plan.num_processes is not None:
         command += ["--num_processes", str(plan.num_processes)]
+    if plan.main_process_port is not None:
+        command += ["--main_process_port", str(plan.main_process_port)]
     return [*command, "-m", "egpo_trl.train", *plan.argv]
 
 

@@ -203,6 +203,13 @@ class TrainScriptArguments:
             "config's num_processes."
         },
     )
+    main_process_port: int | None = field(
+        default=None,
+        metadata={
+            "help": "Port of that launch's rendezvous (accelerate's --main_process_port; default 29500). Give each of "
+            "several launches on one machine its own, e.g. two 4-GPU runs on an 8-GPU node."
+        },
+    )
     max_prompt_length: int | None = field(
         default=None,
         metadata={

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from egpo_trl.launch import in_distributed_launch, normalize_argv
+from egpo_trl.launch import in_distributed_launch, launch_command, normalize_argv, plan_launch
 from egpo_trl.train import main, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,6 +39,18 @@ def test_launched_processes_train_in_process():
     assert in_distributed_launch({"LOCAL_RANK": "0", "WORLD_SIZE": "2"})
     assert in_distributed_launch({"ACCELERATE_MIXED_PRECISION": "bf16"})
     assert not in_distributed_launch({"PATH": "/usr/bin"})
+
+
+def test_launch_port_is_passed_to_accelerate():
+    argv = ["--config", "recipes/egpo_qwen7b.yaml", "--num_processes", "4", "--main_process_port", "29611"]
+    command = launch_command(plan_launch(argv))
+    assert command[:8] == [
+        "accelerate", "launch", "--config_file", "recipes/accelerate/zero3.yaml",
+        "--num_processes", "4", "--main_process_port", "29611",
+    ]  # fmt: skip
+    assert "--main_process_port" not in launch_command(plan_launch(argv[:4]))
+    with pytest.raises(SystemExit, match="main_process_port must be an integer"):
+        plan_launch([*argv[:4], "--main_process_port", "x"])
 
 
 def _wandb_records(run_file: str):
