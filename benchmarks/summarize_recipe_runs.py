@@ -1,0 +1,171 @@
+"""A Markdown table of the runs of ``benchmarks/gpu_recipes.sh``, one row per recipe and optimizer step.
+
+    python benchmarks/summarize_recipe_runs.py OUT_DIR [RECIPE ...]
+
+Reads, per recipe, ``OUT_DIR/RECIPE/{command.txt,exit_status,gpu_memory.csv,run/metrics.jsonl}`` and the recipe
+itself. Columns: the card and the number of GPUs, the DeepSpeed stage, completions per optimizer step, the peak GPU
+memory of any GPU of the run as the driver reports it (vLLM's memory pool included), then per step: its seconds
+(TRL's ``step_time``), of which generation (``timing/generation_s``: vLLM's wake-up, weight sync and sampling),
+the old-policy log-prob pass (``timing/old_logps_s``) and the rest (scoring, advantages and the
+forward/backward/optimizer step); completion tokens per second over the step; TRL's importance-sampling ratio
+(mean and min, when the correction is on), loss and gradient norm. Standard library plus PyYAML.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+
+def _card() -> str:
+    try:
+        names = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, check=True
+        ).stdout.split("\n")
+        return names[0].strip() or "?"
+    except (OSError, subprocess.CalledProcessError):
+        return "no GPU"
+
+
+def _option(argv: list[str], name: str, default=None):
+    value = default
+    for index, item in enumerate(argv):
+        if item == f"--{name}" and index + 1 < len(argv):
+            value = argv[index + 1]
+    return value
+
+
+def peak_memory(path: Path) -> tuple[float | None, float | None]:
+    """The highest ``memory.used`` of any GPU in the sampler's CSV, and that GPU's total, in GiB."""
+    peak, total = None, None
+    if not path.is_file():
+        return peak, total
+    for line in path.read_text().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 4:
+            continue
+        try:
+            used, capacity = float(parts[2]) / 1024, float(parts[3]) / 1024
+        except ValueError:
+            continue
+        if peak is None or used > peak:
+            peak, total = used, capacity
+    return peak, total
+
+
+def summarize(folder: Path) -> list[dict]:
+    """One dict per logged optimizer step of the run in ``folder`` (one dict with the exit status if none)."""
+    argv = shlex.split((folder / "command.txt").read_text()) if (folder / "command.txt").is_file() else []
+    recipe_path = next((a for a in argv if a.endswith(".yaml") and a.startswith("recipes/")), None)
+    recipe = yaml.safe_load(Path(recipe_path).read_text()) if recipe_path and Path(recipe_path).is_file() else {}
+    processes = int(_option(argv, "num_processes", recipe.get("num_processes", 1)))
+    accumulation = int(_option(argv, "gradient_accumulation_steps", recipe.get("gradient_accumulation_steps", 1)))
+    per_device = int(_option(argv, "per_device_train_batch_size", recipe.get("per_device_train_batch_size", 1)))
+    completions = processes * accumulation * per_device
+    accelerate = (
+        yaml.safe_load(Path(recipe["accelerate_config"]).read_text()) if recipe.get("accelerate_config") else {}
+    )
+    zero = (accelerate.get("deepspeed_config") or {}).get("zero_stage")
+    status = (folder / "exit_status").read_text().split() if (folder / "exit_status").is_file() else ["?", "?"]
+    peak, total = peak_memory(folder / "gpu_memory.csv")
+    base = {
+        "recipe": folder.name,
+        "gpus": processes,
+        "zero": f"ZeRO-{zero}" if zero else accelerate.get("distributed_type", "-"),
+        "completions": completions,
+        "length": _option(argv, "max_completion_length", recipe.get("max_completion_length")),
+        "peak_gib": peak,
+        "total_gib": total,
+        "exit": status[0],
+        "wall_s": status[1] if len(status) > 1 else "?",
+    }
+    metrics = folder / "run" / "metrics.jsonl"
+    records = (
+        [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    )
+    steps = [r for r in records if isinstance(r.get("step_time"), (int, float))]
+    rows = []
+    for record in steps:
+        step_time = record["step_time"]
+        generation = record.get("timing/generation_s")
+        old_logps = record.get("timing/old_logps_s", 0.0)
+        scored = record.get("timing/generate_and_score_s")
+        mean_length = record.get("completions/mean_length")
+        rows.append(
+            dict(
+                base,
+                step=record.get("step"),
+                step_s=step_time,
+                generation_s=generation,
+                old_logps_s=old_logps,
+                rest_s=step_time - scored if scored is not None else None,
+                mean_length=mean_length,
+                tokens_per_s=completions * mean_length / step_time if mean_length else None,
+                is_mean=record.get("sampling/importance_sampling_ratio/mean"),
+                is_min=record.get("sampling/importance_sampling_ratio/min"),
+                loss=record.get("loss"),
+                grad_norm=record.get("grad_norm"),
+                all_incorrect=record.get("egpo/frac_all_incorrect"),
+            )
+        )
+    return rows or [dict(base, step="-")]
+
+
+COLUMNS = [
+    ("recipe", "recipe", "{}"),
+    ("gpus", "GPUs", "{}"),
+    ("zero", "DeepSpeed", "{}"),
+    ("completions", "completions/step", "{}"),
+    ("length", "max completion", "{}"),
+    ("peak_gib", "peak GiB/GPU", "{:.1f}"),
+    ("step", "step", "{}"),
+    ("step_s", "step s", "{:.1f}"),
+    ("generation_s", "generation s", "{:.1f}"),
+    ("old_logps_s", "old log-probs s", "{:.2f}"),
+    ("rest_s", "scoring + training s", "{:.1f}"),
+    ("mean_length", "mean length", "{:.0f}"),
+    ("tokens_per_s", "completion tok/s", "{:.0f}"),
+    ("is_mean", "IS ratio mean", "{:.3g}"),
+    ("is_min", "IS ratio min", "{:.3g}"),
+    ("loss", "loss", "{:.4g}"),
+    ("grad_norm", "grad norm", "{:.3g}"),
+    ("exit", "exit", "{}"),
+]
+
+
+def markdown(rows: list[dict]) -> str:
+    def cell(row, key, fmt):
+        value = row.get(key)
+        if value is None:
+            return "-"
+        try:
+            return fmt.format(value)
+        except (ValueError, TypeError):
+            return str(value)
+
+    lines = ["| " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(row, key, fmt) for key, _, fmt in COLUMNS) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print(__doc__)
+        return 2
+    out = Path(argv[0])
+    names = argv[1:] or sorted(p.name for p in out.iterdir() if (p / "command.txt").is_file())
+    rows = [row for name in names for row in summarize(out / name)]
+    print(f"Card: {_card()}")
+    print(markdown(rows))
+    (out / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
