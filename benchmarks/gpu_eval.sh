@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu_eval.sh OUT_DIR MODEL
 #
-# Environment: VLLM_LIMIT (64 problems), HF_LIMIT (2 problems), KILL_AFTER (records written before the kill: 128),
+# Environment: VLLM_LIMIT (64 problems), HF_LIMIT (2 problems; 0 skips it), KILL_AFTER (records written before the kill: 128),
 # CHUNK (sequences between two writes of records with vLLM: 128), MAX_NEW_TOKENS (3072), PYTHON (python3),
 # GPU_MEMORY_UTILIZATION (vLLM, 0.9; on a CPU build of vLLM a share of RAM such as 0.25).
 # The protocol is the paper's: k = 8 samples, temperature 0.6, top-p 0.95, top-k 20.
@@ -36,23 +36,28 @@ run_vllm=("$PY" -m egpo_trl.cli eval "${COMMON[@]}" --backend vllm --limit "$VLL
     --output-dir "$OUT/vllm")
 records=$OUT/vllm/records/math500.jsonl
 t0=$(date +%s.%N)
-"${run_vllm[@]}" > "$OUT/vllm_first.log" 2>&1 &
+# In a session of its own, so that the kill takes vLLM's engine process too (as a lost node or job would).
+setsid "${run_vllm[@]}" > "$OUT/vllm_first.log" 2>&1 &
 pid=$!
 while kill -0 "$pid" 2>/dev/null && (( $(count "$records") < KILL_AFTER )); do sleep 1; done
 sleep 5
-kill -9 "$pid" 2>/dev/null && killed=yes || killed=no
+kill -9 -- "-$pid" 2>/dev/null && killed=yes || killed=no
 wait "$pid" 2>/dev/null
+sleep 3
 before=$(count "$records")
 first=$(date +%s.%N)
 "${run_vllm[@]}" > "$OUT/vllm_resume.log" 2>&1
 rc_vllm=$?
 second=$(date +%s.%N)
 
-# 2. transformers on the first HF_LIMIT problems.
+# 2. transformers on the first HF_LIMIT problems (0: skipped).
 start=$(date +%s.%N)
-"$PY" -m egpo_trl.cli eval "${COMMON[@]}" --backend transformers --limit "$HF_LIMIT" --batch-size 16 \
-    --output-dir "$OUT/transformers" > "$OUT/transformers.log" 2>&1
-rc_hf=$?
+rc_hf=skipped
+if (( HF_LIMIT > 0 )); then
+    "$PY" -m egpo_trl.cli eval "${COMMON[@]}" --backend transformers --limit "$HF_LIMIT" --batch-size 16 \
+        --output-dir "$OUT/transformers" > "$OUT/transformers.log" 2>&1
+    rc_hf=$?
+fi
 hf=$(date +%s.%N)
 
 "$PY" - "$OUT" "$killed" "$before" "$t0" "$first" "$second" "$rc_vllm" "$start" "$hf" "$rc_hf" "$VLLM_LIMIT" "$HF_LIMIT" <<'EOF'
@@ -81,7 +86,8 @@ print("| backend | problems x k | completions | completion tokens | wall s | com
 print("| --- | --- | --- | --- | --- | --- | --- |")
 wall = float(first) + float(second)
 print(f"| vllm (killed, resumed) | {vllm_limit} x 8 | {len(vllm)} | {tokens} | {wall:.0f} ({float(first):.0f} + {float(second):.0f}) | {tokens / wall:.0f} | {rc_vllm} |")
-print(f"| transformers | {hf_limit} x 8 | {len(hf_rows)} | {hf_tokens} | {float(hf):.0f} | {hf_tokens / float(hf):.0f} | {rc_hf} |")
+if hf_rows:
+    print(f"| transformers | {hf_limit} x 8 | {len(hf_rows)} | {hf_tokens} | {hf:.0f} | {hf_tokens / hf:.0f} | {rc_hf} |")
 print()
 duplicates = sum(1 for c in keys.values() if c > 1)
 print(f"kill: {killed}, records before the resume {before}; after: {len(vllm)} records, {len(keys)} distinct of "
