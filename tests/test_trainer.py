@@ -111,6 +111,10 @@ def test_extra_forward_pass_gives_the_old_policy_entropy(tmp_path, tiny_model_di
     batch = generated["batch"]
     assert batch["entropy_source"] == "forward"
     assert trainer.state.log_history[0]["egpo/entropy_extra_pass"] == 1.0
+    # The step's time is split: generation, the no-grad log-prob pass, and the whole generate-and-score call.
+    logged = trainer.state.log_history[0]
+    assert 0 < logged["timing/generation_s"] < logged["timing/generate_and_score_s"] <= logged["step_time"]
+    assert logged["timing/old_logps_s"] > 0
     # Recompute with the initial weights (the old policy of step 1), independently of TRL's helper.
     consumed = trainer.consumed[0]
     ids = torch.cat([consumed["prompt_ids"], consumed["completion_ids"]], dim=1)
@@ -234,3 +238,19 @@ def test_truncated_completions_are_left_out_of_the_weights(tmp_path, tiny_model_
     nan = torch.isnan(batch["entropies"])
     assert nan.any(), "with 4 tokens most completions are truncated"
     assert (batch["result"].weights[nan] == 1).all()
+
+
+def test_importance_sampling_ratios_far_below_one_are_reported(tmp_path, tiny_model_dir, caplog):
+    args = config(tmp_path, max_steps=1)
+    trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    metrics = trainer._metrics["train"]["sampling/importance_sampling_ratio/mean"]
+    with caplog.at_level("WARNING", logger="egpo_trl.trainer"):
+        metrics.append(0.9)
+        trainer._egpo_check_importance_sampling("train")
+        assert not caplog.records  # a healthy ratio says nothing
+        for _ in range(10):
+            metrics.append(0.0013)
+            trainer._egpo_check_importance_sampling("train")
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2  # the 1st and the 10th low batch, not every one
+    assert "0.0013" in warnings[0] and "vllm_importance_sampling_correction: false" in warnings[0]
