@@ -423,6 +423,89 @@ def _check_context(script_args, training_args, model_args, report: DryRunReport)
         )
 
 
+def _check_importance_sampling(training_args, report: DryRunReport) -> None:
+    """Say whether TRL's vLLM importance-sampling correction is on (the paper recipes turn it off)."""
+    if not training_args.use_vllm:
+        return
+    if training_args.vllm_importance_sampling_correction:
+        mode = training_args.vllm_importance_sampling_mode
+        report.settings.append(("vLLM importance sampling", f"on ({mode}, ratios capped at 3)"))
+        if mode.startswith("sequence") and training_args.max_completion_length >= 1024:
+            report.notes.append(
+                f"vllm_importance_sampling_mode={mode} weights the loss by a ratio summed over up to "
+                f"{training_args.max_completion_length} tokens, which drifts far below 1 from bf16 differences alone "
+                "(docs/multi_gpu.md); prefer token_truncate, or turn the correction off as the paper recipes do."
+            )
+    else:
+        report.settings.append(("vLLM importance sampling", "off (the paper's setup)"))
+
+
+# Bytes a checkpoint holds per parameter: bf16 weights plus fp32 master weights and Adam's two moments.
+_CHECKPOINT_BYTES_PER_PARAMETER = 14
+
+
+def _model_parameters(name_or_path: str, model_args, training_args) -> int | None:
+    """Parameter count of a locally available model, from its config alone (no weights are read)."""
+    from egpo_trl.train import resolve_model_path
+
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(
+            resolve_model_path(name_or_path),
+            revision=model_args.model_revision,
+            trust_remote_code=training_args.trust_remote_code,
+            local_files_only=True,
+        )
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=training_args.trust_remote_code)
+        return sum(p.numel() for p in model.parameters())
+    except (Exception, SystemExit):  # noqa: BLE001 - not available offline or not a causal LM: nothing to estimate
+        return None
+
+
+def _check_disk(training_args, model_args, report: DryRunReport) -> None:
+    """How much disk the run's checkpoints take, against the free space where they go."""
+    import shutil
+
+    parameters = _model_parameters(model_args.model_name_or_path, model_args, training_args)
+    if parameters is None:
+        report.settings.append(("checkpoint size", "not estimated (the model's config is not available locally)"))
+        return
+    checkpoint = parameters * _CHECKPOINT_BYTES_PER_PARAMETER
+    final = parameters * 2
+    saves = training_args.save_strategy not in ("no", None) and str(training_args.save_strategy) != "SaveStrategy.NO"
+    kept = training_args.save_total_limit
+    needed = final + (checkpoint * ((kept or 1) + 1) if saves else 0)  # one more while the oldest is rotated out
+    folder = Path(training_args.output_dir).resolve()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    gb = 1e9
+    kept_text = (
+        f"save_total_limit {kept} keeps" if kept else "every checkpoint is kept (no save_total_limit), at least"
+    )
+    report.settings.append(
+        (
+            "checkpoint size",
+            f"~{checkpoint / gb:.0f} GB each ({parameters / 1e9:.2f}B parameters x {_CHECKPOINT_BYTES_PER_PARAMETER} "
+            f"bytes: weights, fp32 master weights and Adam moments); {kept_text} ~{needed / gb:.0f} GB with the final "
+            f"model; {free / gb:.0f} GB free in {folder}",
+        )
+    )
+    if saves and free < checkpoint + final:
+        report.problems.append(
+            f"{folder} has {free / gb:.0f} GB free but one checkpoint takes ~{checkpoint / gb:.0f} GB (the Trainer also "
+            "saves one at the last step): point output_dir at a larger disk, or set save_strategy: no."
+        )
+    elif free < needed:
+        report.notes.append(
+            f"{folder} has {free / gb:.0f} GB free, less than the ~{needed / gb:.0f} GB the kept checkpoints and the "
+            "final model can take: lower save_total_limit or free some space."
+        )
+
+
 def _check_wandb(training_args, report: DryRunReport) -> None:
     report_to = training_args.report_to or []
     if "wandb" not in report_to and "all" not in report_to:
@@ -583,6 +666,8 @@ def dry_run(argv: Sequence[str]) -> int:
         _check_dataset(script_args, report)
         _check_output_dir(script_args, args, report)
         _check_wandb(args, report)
+        _check_importance_sampling(args, report)
+        _check_disk(args, model_args, report)
 
     print(report.render(), flush=True)
     return 1 if report.problems else 0

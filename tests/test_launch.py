@@ -170,3 +170,26 @@ def test_one_command_runs_accelerate_launch_with_two_processes(tiny_model_dir, t
     records = [r for r in read_metrics(out / "metrics.jsonl") if "reward" in r]
     assert [r["step"] for r in records] == [1, 2]
     assert "egpo/frac_all_incorrect" in records[0]
+
+
+def test_dry_run_sizes_the_checkpoints_and_names_the_importance_sampling_setting(tmp_path, monkeypatch, capsys):
+    import shutil
+    from collections import namedtuple
+
+    from transformers import Qwen2Config
+
+    from egpo_trl.launch import dry_run
+
+    # A config-only copy of DeepSeek-R1-Distill-Qwen-7B's architecture: no weights are read.
+    Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                num_key_value_heads=4, vocab_size=152064, max_position_embeddings=131072,
+                tie_word_embeddings=False).save_pretrained(tmp_path / "r1-7b")  # fmt: skip
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 60 * 10**9))
+    argv = ["--config", "recipes/egpo_r1_distill_7b.yaml", "--model_name_or_path", str(tmp_path / "r1-7b"),
+            "--output_dir", str(tmp_path / "run")]  # fmt: skip
+    assert dry_run(argv) == 1
+    out = capsys.readouterr().out
+    assert "vLLM importance sampling  off (the paper's setup)" in out
+    assert "~107 GB each (7.62B parameters" in out and "save_total_limit 3 keeps ~442 GB" in out
+    assert "has 60 GB free but one checkpoint takes ~107 GB" in out
