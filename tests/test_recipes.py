@@ -155,7 +155,12 @@ def test_dry_run_lists_every_late_failure(tiny_model_dir, local_dataset, tmp_pat
     code = dry_run(["--config", "recipes/egpo_qwen15b.yaml", *overrides])
     out = capsys.readouterr().out
     assert code == 1
-    assert "is not divisible into groups of num_generations=16" in out  # 1 x 2 x 3 = 6
+    # Reported in the fields the user sets, with a value that works: 1 x 2 x 3 = 6
+    assert (
+        "per_device_train_batch_size 1 x 2 process(es) x gradient_accumulation_steps 3 = 6 completions per "
+        "generation, not a multiple of num_generations=16" in out
+    )
+    assert "--per_device_train_batch_size 8" in out
     assert "exceeds the model's context (512 tokens)" in out  # 64 + 600
     assert "vllm_max_model_length=320 < max_prompt_length + max_completion_length = 664" not in out  # vLLM off
     assert "already holds another run (checkpoint-10)" in out
