@@ -329,6 +329,8 @@ def test_a_missing_model_is_one_line_in_train_and_eval(tmp_path):
     result = egpo_trl("train", str(DEMO_RECIPE), "--model_name_or_path", "someone/no-such-model", cwd=tmp_path)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert last_line(result.stderr).startswith("egpo-trl train: cannot find the model someone/no-such-model: it is")
+    result = egpo_trl("train", str(DEMO_RECIPE), "--model_name_or_path", "./no-such-model", "--dry-run", cwd=tmp_path)
+    assert result.returncode == 1 and "  - the model ./no-such-model does not exist" in result.stdout
     out = tmp_path / "eval"
     result = egpo_trl("eval", "--model", "./no-such-model", "--benchmarks", "gsm8k", "--output-dir", str(out))
     assert result.returncode == 1 and "Traceback" not in result.stderr
