@@ -30,6 +30,8 @@ install: $(STAMP)
 
 demo: install
 	$(VENV)/bin/egpo-trl train --config recipes/demo_tiny_cpu.yaml
+	@echo ""
+	@echo "egpo-trl is installed in $(VENV): run \`source $(VENV)/bin/activate\` to put it on your PATH (see the README)."
 
 test: install
 	$(PY) -m pytest -q tests

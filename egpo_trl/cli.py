@@ -38,8 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"egpo-trl: unknown command {command!r}.\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[command][0])
-    result = module.main(rest)
+    try:
+        module = importlib.import_module(COMMANDS[command][0])
+        result = module.main(rest)
+    except KeyboardInterrupt:
+        again = " Run the same command again to continue where it stopped." if command == "eval" else ""
+        print(f"\negpo-trl {command}: interrupted.{again}", file=sys.stderr)
+        return 130
     return int(result or 0)
 
 

@@ -233,7 +233,15 @@ def launch_if_requested(argv: Sequence[str]) -> int | None:
     print(f"Launching: {_printable(launch_command(plan))}", flush=True)
     # `python -m accelerate.commands.launch` is `accelerate launch` without relying on the console script.
     command = launch_command(plan, executable=(sys.executable, "-m", "accelerate.commands.launch"))
-    return subprocess.run(command, check=False).returncode
+    process = subprocess.Popen(command)
+    try:
+        return process.wait()
+    except KeyboardInterrupt:  # the launched processes got the Ctrl-C too: let them save and say how to resume
+        try:
+            process.wait(timeout=120)
+        except (KeyboardInterrupt, subprocess.TimeoutExpired):
+            process.kill()
+        return 130
 
 
 def configure_tracking(training_args) -> None:
@@ -292,7 +300,7 @@ def _looks_local(name: str) -> bool:
 
 
 def _check_dataset(script_args, report: DryRunReport) -> None:
-    from egpo_trl.train import SYNTHETIC_DATASET_PREFIX
+    from egpo_trl.train import SYNTHETIC_DATASET_PREFIX, column_problem
 
     name = script_args.dataset_name
     if name.startswith(SYNTHETIC_DATASET_PREFIX):
@@ -316,15 +324,9 @@ def _check_dataset(script_args, report: DryRunReport) -> None:
                 )
                 return
             train = splits[script_args.dataset_train_split]
-            columns = train.column_names
-            if script_args.prompt_template is None and "prompt" not in columns:
-                report.problems.append(
-                    f"dataset {path} has no 'prompt' column (columns: {columns}); set prompt_template."
-                )
-            if script_args.answer_column not in columns:
-                report.problems.append(
-                    f"dataset {path} has no {script_args.answer_column!r} column for the reward (columns: {columns})."
-                )
+            problem = column_problem(train.column_names, script_args)
+            if problem:
+                report.problems.append(problem.replace("the dataset", f"dataset {path}", 1))
             report.settings.append(("train rows", len(train)))
         return
     if _looks_local(name):
@@ -376,7 +378,7 @@ def _check_output_dir(script_args, training_args, report: DryRunReport) -> None:
 
 
 def _check_context(script_args, training_args, model_args, report: DryRunReport) -> None:
-    from egpo_trl.train import resolve_model_path
+    from egpo_trl.train import _is_local_path, resolve_model_path
 
     completion = training_args.max_completion_length
     prompt = script_args.max_prompt_length
@@ -391,6 +393,11 @@ def _check_context(script_args, training_args, model_args, report: DryRunReport)
         path = resolve_model_path(model_args.model_name_or_path)
     except SystemExit as error:
         report.problems.append(str(error).removeprefix("egpo-trl train: "))
+        return
+    if not Path(path).expanduser().exists() and _is_local_path(path):
+        report.problems.append(
+            f"the model {path} does not exist; check the path, or give a Hub id or builtin:tiny-math-qwen2."
+        )
         return
     try:
         from transformers import AutoConfig
@@ -600,6 +607,8 @@ def dry_run(argv: Sequence[str]) -> int:
         report.command = _printable(launch_command(plan))
 
     if parsed is not None:
+        from egpo_trl.train import batch_shape_problem
+
         script_args, args, model_args = parsed
         world = plan.world_size if plan is not None else 1
         steps_per_generation = args.steps_per_generation or args.gradient_accumulation_steps
@@ -630,13 +639,15 @@ def dry_run(argv: Sequence[str]) -> int:
         ]
         if args.advantage_estimator == "egpo":
             report.settings.append(("egpo lambda min / max", f"{args.egpo_lambda_min} / {args.egpo_lambda_max}"))
-        if generation_batch % args.num_generations != 0:
-            report.problems.append(
-                f"the generation batch ({args.per_device_train_batch_size} per device x {world} processes x "
-                f"{steps_per_generation} steps_per_generation = {generation_batch}) is not divisible into groups of "
-                f"num_generations={args.num_generations}; change per_device_train_batch_size, num_processes or "
-                "gradient_accumulation_steps."
-            )
+        batch_problem = batch_shape_problem(
+            args.per_device_train_batch_size,
+            world,
+            args.gradient_accumulation_steps,
+            args.num_generations,
+            steps_per_generation if steps_per_generation != args.gradient_accumulation_steps else None,
+        )
+        if batch_problem:
+            report.problems.append(batch_problem)
         if args.use_vllm:
             report.settings.append(
                 (

@@ -11,7 +11,10 @@ Usage::
 The YAML keys are the fields of :class:`TrainScriptArguments` (model, dataset, prompt, rewards,
 held-out evaluation), of :class:`~egpo_trl.EGPOConfig` (every ``GRPOConfig`` and ``TrainingArguments``
 field plus the ``egpo_*`` ones) and of TRL's ``ModelConfig`` (dtype, attention, LoRA). Flags on the
-command line override the file, as with TRL's own scripts. ``--help`` lists every field.
+command line override the file, as with TRL's own scripts. ``--help`` shows the usual ones, ``--help-all``
+every field.
+
+Ctrl-C saves a checkpoint of the last finished step (one process) and prints the command that resumes the run.
 
 A run prints the held-out accuracy before and after training and writes into ``output_dir``:
 
@@ -251,11 +254,12 @@ def make_parser():
 
     class _TrainParser(TrlParser):
         def error(self, message: str):  # argparse's error prints the whole (very long) usage first
-            raise SystemExit(f"egpo-trl train: {message}. Run `egpo-trl train --help` for the list of fields.")
+            raise SystemExit(f"egpo-trl train: {message}. Run `egpo-trl train --help-all` for the list of fields.")
 
     return _TrainParser(
         (TrainScriptArguments, EGPOConfig, _model_config_class()),
         prog="egpo-trl train",
+        usage="egpo-trl train RECIPE.yaml [--dry-run] [--FIELD VALUE ...]",
         description="Train a policy with EGPO (or a baseline advantage estimator) from a YAML recipe. Fields are "
         "YAML keys or --flags; flags override the file.",
         epilog="Example: egpo-trl train --config recipes/demo_tiny_cpu.yaml --seed 1 --max_steps 20",
@@ -276,8 +280,8 @@ def _unknown_field_error(parser, unknown: Sequence[str], where: str) -> SystemEx
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         lines.append(f"  {name}{hint}")
     return SystemExit(
-        f"egpo-trl train: unknown field(s) {where}:\n" + "\n".join(lines) + "\nRun `egpo-trl train --help` for the "
-        "list of fields."
+        f"egpo-trl train: unknown field(s) {where}:\n" + "\n".join(lines) + "\nRun `egpo-trl train --help-all` for "
+        "the list of fields."
     )
 
 
@@ -321,6 +325,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
             args, return_remaining_strings=True, separate_remaining_strings=True
         )
     except ValueError as error:
+        if "generation_batch_size" in str(error):
+            problem = _batch_problem_from_argv(args)
+            if problem:
+                raise SystemExit(f"egpo-trl train: {problem}") from None
         hint = ""
         if "bf16" in str(error) or "use_cpu" in str(error):
             hint = (
@@ -343,6 +351,77 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
     if script_args.eval_size < 0 or script_args.eval_num_samples < 1:
         raise SystemExit("egpo-trl train: eval_size must be >= 0 and eval_num_samples >= 1.")
     return script_args, training_args, model_args
+
+
+def batch_shape_problem(
+    per_device_train_batch_size: int,
+    processes: int,
+    gradient_accumulation_steps: int,
+    num_generations: int,
+    steps_per_generation: int | None = None,
+    generation_batch_size: int | None = None,
+) -> str | None:
+    """What is wrong with a batch that cannot be cut into groups of ``num_generations``, in the fields users set.
+
+    TRL checks ``generation_batch_size`` (per_device_train_batch_size x processes x steps_per_generation, where
+    steps_per_generation defaults to gradient_accumulation_steps); this names those fields instead and suggests a
+    per_device_train_batch_size that works. ``None`` when the batch is fine.
+    """
+    steps_name, steps = "gradient_accumulation_steps", gradient_accumulation_steps
+    if steps_per_generation:
+        steps_name, steps = "steps_per_generation", steps_per_generation
+    if generation_batch_size:
+        if generation_batch_size % num_generations == 0:
+            return None
+        return (
+            f"generation_batch_size={generation_batch_size} is not a multiple of num_generations={num_generations}; "
+            "set it to a multiple (or leave it unset)."
+        )
+    total = per_device_train_batch_size * processes * steps
+    if total % num_generations == 0:
+        return None
+    unit = num_generations // math.gcd(num_generations, processes * steps)
+    suggestion = max(unit, math.ceil(per_device_train_batch_size / unit) * unit)
+    return (
+        f"per_device_train_batch_size {per_device_train_batch_size} x {processes} process(es) x {steps_name} {steps} = "
+        f"{total} completions per generation, not a multiple of num_generations={num_generations} (every prompt needs "
+        f"a whole group); set per_device_train_batch_size to a multiple of {unit}, e.g. --per_device_train_batch_size "
+        f"{suggestion}."
+    )
+
+
+def _batch_problem_from_argv(argv: Sequence[str]) -> str | None:
+    """:func:`batch_shape_problem` for the values of the recipe and the command line (the latter wins)."""
+    import yaml
+
+    from egpo_trl.config import EGPOConfig
+    from egpo_trl.launch import _option
+
+    recipe: dict[str, Any] = {}
+    path = _option(argv, "config")
+    if path and Path(path).is_file():
+        recipe = yaml.safe_load(Path(path).read_text()) or {}
+    defaults = {f.name: f.default for f in EGPOConfig.__dataclass_fields__.values()}
+
+    def value(name: str):
+        raw = _option(argv, name)
+        raw = recipe.get(name, defaults.get(name)) if raw is None else raw
+        try:
+            return int(raw) if raw is not None and str(raw).lower() not in ("none", "null", "") else None
+        except (TypeError, ValueError):
+            return None
+
+    per_device, accumulation, groups = (
+        value("per_device_train_batch_size"),
+        value("gradient_accumulation_steps"),
+        value("num_generations"),
+    )
+    if not per_device or not accumulation or not groups:
+        return None
+    processes = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return batch_shape_problem(
+        per_device, processes, accumulation, groups, value("steps_per_generation"), value("generation_batch_size")
+    )
 
 
 # ---------------------------------------------------------------------------------------------- model and data
@@ -420,17 +499,70 @@ def _load_any(script_args: TrainScriptArguments):
     return load_dataset(name, name=script_args.dataset_config)
 
 
+_QUESTION_COLUMNS = ("problem", "question", "query", "instruction", "input", "text", "prompt_text")
+_ANSWER_COLUMNS = ("answer", "final_answer", "solution", "ground_truth", "gt", "target", "label", "output")
+
+
+def _reward_columns(reward_funcs: Sequence[str]) -> dict[str, str]:
+    """Dataset columns the reward functions require (parameters without a default), mapped to a function name."""
+    import inspect
+
+    passed = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "kwargs"}
+    needed: dict[str, str] = {}
+    try:
+        funcs = resolve_reward_funcs(reward_funcs)
+    except SystemExit:
+        return needed  # reported where the reward functions are built
+    for func in funcs:
+        try:
+            parameters = inspect.signature(func).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        for parameter in parameters:
+            required = parameter.default is inspect.Parameter.empty and parameter.kind in (
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                inspect.Parameter.KEYWORD_ONLY,
+            )
+            if required and parameter.name not in passed:
+                needed.setdefault(parameter.name, getattr(func, "__name__", str(func)))
+    return needed
+
+
+def column_problem(columns: Sequence[str], script_args: TrainScriptArguments) -> str | None:
+    """One line naming what the dataset lacks (a prompt, the answer column the reward needs) and the flags that fix
+    it, from the dataset's actual columns; ``None`` when nothing is missing.
+    """
+    columns = list(columns)
+    problems, fixes = [], []
+    if script_args.prompt_template is None and "prompt" not in columns:
+        question = next((c for c in _QUESTION_COLUMNS if c in columns), None)
+        question = question or next((c for c in columns if c not in _ANSWER_COLUMNS), columns[0] if columns else "x")
+        problems.append("no 'prompt' column")
+        fixes.append(f"--prompt_template '{{{question}}} Put the final answer in \\boxed{{{{}}}}.'")
+    answer = script_args.answer_column
+    renamed = answer != "answer"
+    needs_answer = "answer" in _reward_columns(script_args.reward_funcs)
+    if (renamed or needs_answer) and answer not in columns:
+        candidates = [c for c in _ANSWER_COLUMNS if c in columns and c != answer]
+        what = f"no {answer!r} column" + (
+            "" if renamed else f" (the ground truth that {_reward_columns(script_args.reward_funcs)['answer']} needs)"
+        )
+        problems.append(what)
+        fixes.append(f"--answer_column {candidates[0] if candidates else '<the column with the final answers>'}")
+    if not problems:
+        return None
+    return f"the dataset has {' and '.join(problems)} (its columns: {', '.join(columns)}); pass {' '.join(fixes)}."
+
+
 def _prepare_columns(dataset, script_args: TrainScriptArguments):
     """Build/normalise the ``prompt`` and ``answer`` columns the trainer and the rewards use."""
     from egpo_trl.data.synthetic import format_prompt
 
     columns = dataset.column_names
+    problem = column_problem(columns, script_args)
+    if problem:
+        raise SystemExit(f"egpo-trl train: {problem}")
     if script_args.answer_column != "answer":
-        if script_args.answer_column not in columns:
-            raise SystemExit(
-                f"egpo-trl train: answer_column={script_args.answer_column!r} is not a column of the dataset "
-                f"(columns: {columns})."
-            )
         if "answer" in columns:
             dataset = dataset.remove_columns("answer")
         dataset = dataset.rename_column(script_args.answer_column, "answer")
@@ -448,11 +580,6 @@ def _prepare_columns(dataset, script_args: TrainScriptArguments):
             return {"prompt": format_prompt(text, system_prompt=system, instruction=None)}
 
         dataset = dataset.map(render, desc="Rendering prompts")
-    elif "prompt" not in columns:
-        raise SystemExit(
-            f"egpo-trl train: the dataset has no 'prompt' column (columns: {columns}); set prompt_template, e.g. "
-            "'{problem} Put the final answer in \\boxed{{}}.'"
-        )
     elif system:
 
         def add_system(row):
@@ -531,6 +658,71 @@ def load_datasets(script_args: TrainScriptArguments, seed: int = 0):
             split = train.train_test_split(test_size=script_args.eval_size, seed=seed, shuffle=True)
             train, heldout = split["train"], split["test"]
     return train, heldout
+
+
+def _is_local_path(name: str) -> bool:
+    """Whether a model name can only mean a local folder (a Hub id is ``owner/name``)."""
+    return (
+        name.startswith((".", "/", "~"))
+        or name.count("/") != 1
+        or name.endswith("/")
+        or "\\" in name
+        or Path(name.split("/", 1)[0]).is_dir()  # outputs/run-1 where outputs/ exists
+    )
+
+
+def check_model_exists(
+    name_or_path: str, revision: str | None = None, trust_remote_code: bool = False, prog: str = "egpo-trl train"
+) -> str:
+    """Fail in one line, before anything loads, when the model is neither a local folder nor on the Hub.
+
+    Local folders (and ``builtin:`` names) are checked on disk; other names are looked up as Hub ids by fetching
+    their config only (from the local cache when offline).
+
+    Returns:
+        The resolved path or Hub id.
+
+    Raises:
+        SystemExit: naming the model and what to give instead.
+    """
+    try:
+        path = resolve_model_path(name_or_path)
+    except SystemExit as error:
+        raise SystemExit(str(error).replace("egpo-trl train:", f"{prog}:", 1)) from None
+    local = Path(path).expanduser()
+    if local.exists():
+        if local.is_dir() and not any((local / name).is_file() for name in ("config.json", "adapter_config.json")):
+            raise SystemExit(
+                f"{prog}: {path} has no config.json, so it is not a saved model; give the folder that save_pretrained "
+                "wrote (a trained run's output_dir, or one of its checkpoint-* folders)."
+            )
+        return path
+    fix = "give a local model folder, a Hub id such as Qwen/Qwen2.5-Math-1.5B, or builtin:tiny-math-qwen2"
+    if _is_local_path(path):
+        raise SystemExit(f"{prog}: the model {path} does not exist; check the path, or {fix}.")
+    from transformers import AutoConfig
+
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
+    hub_logger.setLevel(logging.ERROR)  # its retry warnings would bury the one line below
+    try:
+        AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        text = str(error)
+        if "couldn't connect" in text or "offline" in text.lower() or "cached files" in text:
+            reason = "no network (or HF_HUB_OFFLINE=1) and it is not in the local Hugging Face cache"
+        elif "gated" in text.lower():
+            reason = "it is a gated model: accept its licence on the Hub and log in with `hf auth login`"
+        elif "not a valid model identifier" in text or "Repository Not Found" in text or "404" in text:
+            reason = "no such model on the Hugging Face Hub"
+        else:
+            reason = " ".join(text.split())[:200]
+        raise SystemExit(
+            f"{prog}: cannot find the model {path}: it is not a local folder, and {reason}. To fix it, {fix}."
+        ) from None
+    finally:
+        hub_logger.setLevel(level)
+    return path
 
 
 # ---------------------------------------------------------------------------------------------- output folder
@@ -635,6 +827,27 @@ class CompactProgressCallback(ProgressCallback):
         self.training_bar.set_postfix(postfix, refresh=False)
 
 
+def _checkpoint_step(checkpoint: str | Path) -> int:
+    """The training step a ``checkpoint-*`` folder was saved at (its ``trainer_state.json``, else its name)."""
+    state = Path(checkpoint) / "trainer_state.json"
+    if state.is_file():
+        return int(json.loads(state.read_text()).get("global_step", 0))
+    return int(Path(checkpoint).name.rsplit("-", 1)[-1])
+
+
+def _truncate_metrics(path: Path, step: int) -> int:
+    """Drop the records a resumed run will write again: training steps after ``step`` and the final evaluation.
+
+    Resuming from ``checkpoint-N`` replays the steps after N, so without this ``metrics.jsonl`` would hold them
+    twice (and the curves would run back in time). Returns the number of records dropped.
+    """
+    records = read_metrics(path)
+    kept = [r for r in records if r.get("step", 0) <= step and r.get("heldout/stage") != "after"]
+    if len(kept) != len(records):
+        path.write_text("".join(json.dumps(r, default=float) + "\n" for r in kept))
+    return len(records) - len(kept)
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl`` file."""
     with Path(path).open() as handle:
@@ -672,10 +885,30 @@ def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path, title: str
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    fig = metrics_figure(records, title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def metrics_figure(records: Sequence[dict[str, Any]], title: str = ""):
+    """The matplotlib figure :func:`plot_metrics` saves (four panels, labelled axes, one point per step)."""
+    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    train = [r for r in records if "reward" in r and "heldout/accuracy" not in r]
-    heldout = [r for r in records if "heldout/accuracy" in r]
+    # One point per step: the last record of a step wins (a resumed run's file may repeat the replayed steps).
+    train = sorted(
+        {r["step"]: r for r in records if "reward" in r and "heldout/accuracy" not in r}.values(),
+        key=lambda r: r["step"],
+    )
+    heldout = sorted(
+        {r.get("heldout/stage", r["step"]): r for r in records if "heldout/accuracy" in r}.values(),
+        key=lambda r: r["step"],
+    )
     window = max(1, len(train) // 12)
 
     def series(key: str, rows=train):
@@ -694,6 +927,7 @@ def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path, title: str
     steps, values = series("reward")
     draw(ax, steps, values, "tab:blue")
     ax.set_title("Mean reward of the training batches")
+    ax.set_ylabel("mean reward")
 
     ax = axes[0][1]
     steps, values = series("accuracy")
@@ -705,6 +939,7 @@ def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path, title: str
         for step, value in zip(steps, values):
             ax.annotate(f"{value:.1%}", (step, value), textcoords="offset points", xytext=(4, 6))
     ax.set_title("Accuracy")
+    ax.set_ylabel("fraction of correct completions")
     ax.set_ylim(0, 1)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="lower right")
@@ -723,6 +958,7 @@ def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path, title: str
     else:
         ax.text(0.5, 0.5, "no egpo/entropy_* metrics logged", ha="center", va="center", transform=ax.transAxes)
     ax.set_title("Entropy gap: incorrect minus correct completions")
+    ax.set_ylabel("entropy gap (nats per token)")
 
     ax = axes[1][1]
     drawn = False
@@ -741,19 +977,15 @@ def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path, title: str
     else:
         ax.text(0.5, 0.5, "no egpo/frac_* metrics logged", ha="center", va="center", transform=ax.transAxes)
     ax.set_title("Group types (fraction of prompts)")
+    ax.set_ylabel("fraction of prompts")
 
     for ax in (a for row in axes for a in row):
-        ax.set_xlabel("step")
+        ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -863,6 +1095,7 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         resume = None
     prepare_output_dir(training_args.output_dir, script_args.overwrite_output_dir, resuming=resume is not None)
 
+    check_model_exists(model_args.model_name_or_path, model_args.model_revision, training_args.trust_remote_code)
     train_dataset, heldout = load_datasets(script_args, seed=training_args.seed)
     trainer = build_trainer(script_args, training_args, model_args, train_dataset)
     is_main = trainer.accelerator.is_main_process
@@ -874,6 +1107,8 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     )
     correctness_name = _correctness_name(trainer)
     metrics = MetricsCallback(metrics_path, correctness_name, accuracy_from_reward=correctness_name in _PLUS_MINUS_ONE)
+    if resume is not None and metrics_path.is_file() and trainer.accelerator.is_main_process:
+        _truncate_metrics(metrics_path, _checkpoint_step(resume))
     trainer.add_callback(metrics)
     if not training_args.disable_tqdm:
         trainer.remove_callback(ProgressCallback)
@@ -905,7 +1140,11 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
             metrics.write({"step": 0, "heldout/accuracy": result.accuracy, "heldout/stage": "before"})
     trainer.accelerator.wait_for_everyone()
 
-    train_output = trainer.train(resume_from_checkpoint=resume)
+    try:
+        train_output = trainer.train(resume_from_checkpoint=resume)
+    except KeyboardInterrupt:
+        _save_interrupted(trainer)
+        raise
     summary["train_runtime_s"] = train_output.metrics.get("train_runtime")
 
     if heldout is not None and is_main:
@@ -932,7 +1171,10 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         before, after = summary["heldout_before"], summary["heldout_after"]
         print("")
         if before is not None and after is not None:
-            print(f"Held-out accuracy: {before:.1%} before -> {after:.1%} after training ({after - before:+.1%}).")
+            print(
+                f"Held-out accuracy: {before:.1%} before -> {after:.1%} after training "
+                f"({100 * (after - before):+.1f} points)."
+            )
         print(f"Done in {summary['wall_time_s']:.0f}s. Outputs in {output_dir}/:")
         for path in files:
             print(f"  {path}")
@@ -942,20 +1184,216 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     return summary
 
 
+def _save_interrupted(trainer) -> None:
+    """On Ctrl-C, save a checkpoint of the last finished step so that the run can resume (one process only).
+
+    The weights, optimizer and scheduler are those of the last finished optimizer step (a step cut short has not
+    changed them). With several processes nothing is saved: the run resumes from its last regular checkpoint.
+    """
+    step = trainer.state.global_step
+    output_dir = Path(trainer.args.output_dir)
+    if trainer.accelerator.num_processes != 1 or step == 0 or (output_dir / f"checkpoint-{step}").is_dir():
+        return
+    print(
+        f"\nInterrupted: saving a checkpoint of step {step} (Ctrl-C again to skip it)...", file=sys.stderr, flush=True
+    )
+    try:
+        trainer._save_checkpoint(trainer.model, trial=None)
+    except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - a failed save must not hide the interruption
+        shutil.rmtree(output_dir / f"checkpoint-{step}", ignore_errors=True)
+        print(f"Checkpoint not saved ({type(error).__name__}).", file=sys.stderr, flush=True)
+
+
+def _command_line(argv: Sequence[str], drop: Sequence[str] = (), add: Sequence[str] = ()) -> str:
+    """``egpo-trl train ...`` for ``argv``, without the flags in ``drop`` (and their values), then ``add``."""
+    import shlex
+
+    args, index = [], 0
+    argv = list(argv)
+    while index < len(argv):
+        item = argv[index]
+        name = item[2:].split("=", 1)[0] if item.startswith("--") else None
+        if name in drop:
+            index += 1 if "=" in item else 2
+            continue
+        args.append(item)
+        index += 1
+    if args[:1] == ["--config"] and len(args) > 1:
+        args = args[1:]
+    return " ".join(shlex.quote(part) for part in ["egpo-trl", "train", *args, *add])
+
+
+def _interrupted_message(argv: Sequence[str], training_args) -> str:
+    """What to run after Ctrl-C: the resume command when a checkpoint exists, else the command to start again."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    output_dir = str(training_args.output_dir)
+    checkpoint = get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
+    if checkpoint is None:
+        again = _command_line(argv)
+        return f"Interrupted before any checkpoint was saved; nothing to resume. Start again with:\n  {again}"
+    command = _command_line(
+        argv,
+        drop=("output_dir", "resume_from_checkpoint", "overwrite_output_dir"),
+        add=("--output_dir", output_dir, "--resume_from_checkpoint", "true"),
+    )
+    return f"Interrupted; the last checkpoint is {checkpoint}. Resume the run with:\n  {command}"
+
+
+def _remove_if_empty(path: Path) -> None:
+    """Remove ``path`` when it holds no file at all (only empty folders): what a run that failed early leaves."""
+    if not path.is_dir() or any(p.is_file() or p.is_symlink() for p in path.rglob("*")):
+        return
+    shutil.rmtree(path, ignore_errors=True)
+
+
+SHORT_HELP_FIELDS = (
+    "model_name_or_path",
+    "dataset_name",
+    "prompt_template",
+    "answer_column",
+    "reward_funcs",
+    "output_dir",
+    "max_steps",
+    "num_train_epochs",
+    "learning_rate",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "seed",
+    "advantage_estimator",
+    "egpo_lambda_min",
+    "egpo_lambda_max",
+    "egpo_clamp",
+    "egpo_nsr",
+    "eval_size",
+    "resume_from_checkpoint",
+    "overwrite_output_dir",
+    "use_cpu",
+    "bf16",
+    "accelerate_config",
+    "num_processes",
+)
+
+
+_SHORT_HELP_TEXT = {
+    "output_dir": "Where the run's metrics, plot, checkpoints and model go; '{timestamp}' in it is replaced by the "
+    "start time.",
+    "resume_from_checkpoint": "'true' continues the run from the last checkpoint-* in output_dir; or a checkpoint "
+    "path.",
+    "use_cpu": "Train on the CPU (with bf16 false).",
+    "bf16": "bf16 mixed precision; needs a GPU that supports it.",
+}
+
+
+def short_help() -> str:
+    """``egpo-trl train --help``: how to run a recipe and the fields most runs change (``--help-all``: every field)."""
+    import dataclasses
+    import re
+    import textwrap
+
+    from egpo_trl.config import EGPOConfig
+
+    parser = make_parser()
+    actions = {action.dest: action for action in parser._actions}
+    defaults = {}
+    for cls in (_model_config_class(), EGPOConfig, TrainScriptArguments):
+        for item in dataclasses.fields(cls):
+            if item.default is not dataclasses.MISSING:
+                defaults[item.name] = item.default
+            elif item.default_factory is not dataclasses.MISSING:
+                defaults[item.name] = item.default_factory()
+
+    def first_sentence(text: str) -> str:
+        text = " ".join((text or "").split()).replace("%%", "%")
+        match = re.search(r"(?<!e\.g)(?<!i\.e)(?<!Eq)(?<!Sec)\. (?=[A-Z`(])", text)
+        return text if match is None else text[: match.start() + 1]
+
+    lines = [
+        "usage: egpo-trl train RECIPE.yaml [--dry-run] [--FIELD VALUE ...]",
+        "",
+        "Train a policy with EGPO (or a baseline advantage estimator) from a YAML recipe. Every field is a YAML key",
+        "of the recipe or a --flag; flags override the recipe.",
+        "",
+        "examples:",
+        "  egpo-trl train recipes/demo_tiny_cpu.yaml                    the CPU demo (what `make demo` runs)",
+        "  egpo-trl train recipes/demo_tiny_cpu.yaml --max_steps 20 --seed 1",
+        "  egpo-trl train recipes/egpo_qwen15b.yaml --dry-run           check a GPU recipe, print its launch",
+        "  egpo-trl train recipes/egpo_qwen15b.yaml                     run it (prints, then runs, accelerate launch)",
+        "",
+        "arguments:",
+        "  RECIPE.yaml, --config RECIPE.yaml",
+        "                        the YAML recipe (see recipes/)",
+        "  --dry-run             check the recipe and print the resolved settings and launch command; trains nothing",
+        "  -h, --help            this help",
+        f"  --help-all            all {len(_known_fields(parser))} fields (TRL's GRPOConfig, TrainingArguments, "
+        "ModelConfig, egpo_*)",
+        "",
+        "fields most runs change [default]:",
+    ]
+    for name in SHORT_HELP_FIELDS:
+        action = actions.get(name)
+        if action is None:
+            continue
+        default = defaults.get(name)
+        shown = (
+            ""
+            if default in (None, "", [], ())
+            else f" [{', '.join(default) if isinstance(default, list) else default}]"
+        )
+        lines.append(f"  --{name}{shown}")
+        lines += textwrap.wrap(
+            _SHORT_HELP_TEXT.get(name) or first_sentence(action.help),
+            width=110,
+            initial_indent=" " * 6,
+            subsequent_indent=" " * 6,
+        )
+    lines += ["", "Every field, with its full help: egpo-trl train --help-all"]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``egpo-trl train`` and ``python -m egpo_trl.train``."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from egpo_trl.launch import configure_tracking, dry_run, launch_if_requested, normalize_argv
 
-    argv, is_dry_run = normalize_argv(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help-all" in argv:
+        make_parser().print_help()
+        return 0
+    if "-h" in argv or "--help" in argv:
+        print(short_help())
+        return 0
+    if not argv:
+        raise SystemExit(
+            "egpo-trl train: give a recipe, e.g. `egpo-trl train recipes/demo_tiny_cpu.yaml` (the CPU demo; recipes/ "
+            "has the others), or see `egpo-trl train --help`."
+        )
+    argv, is_dry_run = normalize_argv(argv)
     if is_dry_run:
         return dry_run(argv)
     returncode = launch_if_requested(argv)
     if returncode is not None:
         return returncode
     script_args, training_args, model_args = parse_args(argv)
-    configure_tracking(training_args)
-    run(script_args, training_args, model_args)
+    output_dir = Path(training_args.output_dir)
+    created = not output_dir.exists()
+    main_process = os.environ.get("RANK", "0") == "0"
+    try:
+        configure_tracking(training_args)
+        run(script_args, training_args, model_args)
+    except KeyboardInterrupt:
+        if created:
+            _remove_if_empty(output_dir)
+        if main_process:
+            print(f"\n{_interrupted_message(argv, training_args)}", file=sys.stderr, flush=True)
+        return 130
+    except BaseException:
+        if created:
+            _remove_if_empty(output_dir)
+        raise
     return 0
 
 

@@ -16,7 +16,9 @@ named after its cell. Execution uses a Jupyter kernel running this same Python i
 ipykernel); where those are not installed, the code cells run in this process instead, one namespace
 for the whole notebook, with IPython magics (``%...``) and shell lines (``!...``) skipped.
 
-The exit status is 1 when a cell fails; the notebook executed up to the failure is still saved.
+The exit status is 1 when a cell fails; the notebook executed up to the failure is still saved. Run with a
+Python that cannot import egpo_trl (``python3`` outside the virtual environment), it re-runs itself with the
+repository's ``.venv/bin/python`` (what ``make install`` creates) when there is one.
 """
 
 from __future__ import annotations
@@ -348,7 +350,31 @@ def execute_notebook(
     return {"notebook": str(target), "figures": [str(p) for p in figures], "engine": engine, "error": error}
 
 
+_REEXEC_GUARD = "EGPO_RUN_NOTEBOOK_REEXEC"
+
+
+def _python_with_egpo_trl() -> str | None:
+    """The repository's ``.venv`` Python when this interpreter cannot import egpo_trl (``None``: use this one).
+
+    ``make install`` installs egpo_trl into ``.venv``; ``python3 notebooks/run_notebook.py`` run from outside it would
+    otherwise execute the notebooks with a Python that has no egpo_trl.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("egpo_trl") is not None or os.environ.get(_REEXEC_GUARD):
+        return None
+    venv_python = Path(__file__).resolve().parent.parent / ".venv" / "bin" / "python"
+    return str(venv_python) if venv_python.is_file() else None
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        venv_python = _python_with_egpo_trl()
+        if venv_python is not None:
+            print(f"run_notebook: egpo_trl is installed in .venv, not in {sys.executable}: running with {venv_python}")
+            sys.stdout.flush()
+            os.environ[_REEXEC_GUARD] = "1"
+            os.execv(venv_python, [venv_python, str(Path(__file__).resolve()), *sys.argv[1:]])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("notebook", help="the .ipynb file to execute")
     parser.add_argument("--out", required=True, help="folder for the executed notebook and its figures")
@@ -360,6 +386,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=None, help="seconds per cell (nbclient; default: none)")
     parser.add_argument("--overwrite", action="store_true", help="replace an executed notebook already in --out")
     args = parser.parse_args(argv)
+    import importlib.util
+
+    if importlib.util.find_spec("egpo_trl") is None:
+        print(
+            f"run_notebook: egpo_trl is not importable by {sys.executable}. In the repository, run `make install` (it "
+            "creates .venv) and then `source .venv/bin/activate`, or `pip install -e '.[dev]'` with this Python.",
+            file=sys.stderr,
+        )
+        return 2
     try:
         parameters = dict(parse_parameter(item) for item in args.parameter)
         result = execute_notebook(

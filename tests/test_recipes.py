@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -155,7 +157,12 @@ def test_dry_run_lists_every_late_failure(tiny_model_dir, local_dataset, tmp_pat
     code = dry_run(["--config", "recipes/egpo_qwen15b.yaml", *overrides])
     out = capsys.readouterr().out
     assert code == 1
-    assert "is not divisible into groups of num_generations=16" in out  # 1 x 2 x 3 = 6
+    # Reported in the fields the user sets, with a value that works: 1 x 2 x 3 = 6
+    assert (
+        "per_device_train_batch_size 1 x 2 process(es) x gradient_accumulation_steps 3 = 6 completions per "
+        "generation, not a multiple of num_generations=16" in out
+    )
+    assert "--per_device_train_batch_size 8" in out
     assert "exceeds the model's context (512 tokens)" in out  # 64 + 600
     assert "vllm_max_model_length=320 < max_prompt_length + max_completion_length = 664" not in out  # vLLM off
     assert "already holds another run (checkpoint-10)" in out
@@ -178,3 +185,29 @@ def test_launch_plan_and_command(tmp_path):
     )
     # A CPU recipe names no accelerate config: it trains in its own process.
     assert plan_launch(["--config", "recipes/demo_tiny_cpu.yaml"]).accelerate_config is None
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "recipes").glob("*.yaml")))
+def test_running_a_recipe_as_a_script_prints_the_right_command(recipe):
+    """`python recipe.yaml` (what `accelerate launch recipe.yaml` runs) says how to run it, not a SyntaxError."""
+    result = subprocess.run(
+        [sys.executable, f"recipes/{recipe}"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert result.returncode == 1
+    assert "SyntaxError" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert "is an egpo-trl recipe, not a Python script" in result.stderr
+    assert f"    egpo-trl train recipes/{recipe}\n" in result.stderr
+
+
+@pytest.mark.slow
+def test_accelerate_launch_of_a_recipe_shows_the_egpo_trl_command():
+    result = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "recipes/egpo_qwen15b.yaml"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert result.returncode != 0
+    assert "SyntaxError" not in result.stderr
+    assert "    egpo-trl train recipes/egpo_qwen15b.yaml\n" in result.stderr

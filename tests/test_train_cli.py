@@ -96,10 +96,8 @@ def test_missing_model_is_reported(tmp_path):
         parse_args(["--config", str(recipe)])
 
 
-def test_help_lists_every_field_with_its_help(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--help"])
-    assert exit_info.value.code == 0
+def test_help_all_lists_every_field_with_its_help(capsys):
+    assert main(["--help-all"]) == 0
     text = capsys.readouterr().out
     for name in (
         "dataset_name",
@@ -220,6 +218,7 @@ def test_a_short_real_run_writes_metrics_plot_and_model(tmp_path, capsys):
     assert torch.get_num_threads() == threads  # the recipe's torch_num_threads holds for the run only
     printed = capsys.readouterr().out
     assert "Held-out accuracy before training" in printed and "after training" in printed
+    assert "points)." in printed and "%)." not in printed  # a change of accuracy is in percentage points
     assert str(out) in printed
 
     records = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
@@ -248,4 +247,169 @@ def test_module_entry_point_runs():
         [sys.executable, "-m", "egpo_trl.train", "--help"], capture_output=True, text=True, timeout=300, cwd=REPO
     )
     assert result.returncode == 0, result.stderr
-    assert "--egpo_lambda_max" in result.stdout
+    assert "--egpo_lambda_max" in result.stdout and "--help-all" in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------- first-run experience
+def egpo_trl(*args, cwd=REPO, timeout=300, **env):
+    """Run the `egpo-trl` command line as a user would, in a child process."""
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-m", "egpo_trl.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+    )
+
+
+def last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
+def test_help_leads_with_what_users_type(capsys):
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert len(lines) < 120
+    assert lines[0] == "usage: egpo-trl train RECIPE.yaml [--dry-run] [--FIELD VALUE ...]"
+    for needle in ("--config RECIPE.yaml", "--dry-run", "--help-all", "recipes/demo_tiny_cpu.yaml", "--max_steps"):
+        assert needle in text, needle
+    assert "--egpo_nsr [True]" in text  # dataclass defaults, not argparse's
+
+
+def test_no_recipe_says_what_to_give():
+    with pytest.raises(SystemExit) as error:
+        main([])
+    assert "give a recipe, e.g. `egpo-trl train recipes/demo_tiny_cpu.yaml`" in str(error.value)
+
+
+def test_bad_batch_is_reported_in_the_fields_the_user_sets():
+    with pytest.raises(SystemExit) as error:
+        parse_args(["--config", str(DEMO_RECIPE), "--per_device_train_batch_size", "60"])
+    message = str(error.value)
+    assert "generation_batch_size" not in message
+    assert (
+        "per_device_train_batch_size 60 x 1 process(es) x gradient_accumulation_steps 1 = 60 completions per "
+        "generation, not a multiple of num_generations=8" in message
+    )
+    assert "--per_device_train_batch_size 64" in message
+    with pytest.raises(SystemExit, match="gradient_accumulation_steps 3 = 18 completions"):
+        parse_args(
+            ["--config", str(DEMO_RECIPE), "--per_device_train_batch_size", "6", "--gradient_accumulation_steps", "3"]
+        )
+
+
+def test_dataset_without_prompt_or_answer_fails_in_one_line_before_the_model_loads(tmp_path):
+    data = tmp_path / "questions.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i} + 1?", "solution": str(i + 1)}) + "\n" for i in range(20)))
+    out = tmp_path / "run"
+    # wandb (disabled) creates the output folder early: a failed run must not leave it behind, empty.
+    common = ["train", str(DEMO_RECIPE), "--dataset_name", str(data), "--output_dir", str(out), "--report_to", "wandb"]
+    result = egpo_trl(*common, WANDB_MODE="disabled")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and "Loading weights" not in result.stderr
+    assert last_line(result.stderr) == (
+        "egpo-trl train: the dataset has no 'prompt' column and no 'answer' column (the ground truth that "
+        "boxed_accuracy_reward needs) (its columns: question, solution); pass --prompt_template '{question} Put the "
+        "final answer in \\boxed{{}}.' --answer_column solution."
+    )
+    assert not out.exists()
+    result = egpo_trl(*common, "--prompt_template", "{question}", WANDB_MODE="disabled")
+    assert last_line(result.stderr).endswith("(its columns: question, solution); pass --answer_column solution.")
+    assert not out.exists()
+
+
+def test_a_missing_model_is_one_line_in_train_and_eval(tmp_path):
+    result = egpo_trl("train", str(DEMO_RECIPE), "--model_name_or_path", "./no-such-model", cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert last_line(result.stderr).startswith("egpo-trl train: the model ./no-such-model does not exist; check the")
+    result = egpo_trl("train", str(DEMO_RECIPE), "--model_name_or_path", "someone/no-such-model", cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert last_line(result.stderr).startswith("egpo-trl train: cannot find the model someone/no-such-model: it is")
+    result = egpo_trl("train", str(DEMO_RECIPE), "--model_name_or_path", "./no-such-model", "--dry-run", cwd=tmp_path)
+    assert result.returncode == 1 and "  - the model ./no-such-model does not exist" in result.stdout
+    out = tmp_path / "eval"
+    result = egpo_trl("eval", "--model", "./no-such-model", "--benchmarks", "gsm8k", "--output-dir", str(out))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert last_line(result.stderr).startswith("egpo-trl eval: the model ./no-such-model does not exist")
+    assert not out.exists() and not list(tmp_path.iterdir())  # nothing left behind
+
+
+def test_training_curves_have_labelled_axes_and_one_point_per_step():
+    from egpo_trl.train import metrics_figure
+
+    rows = [{"step": s, "reward": 0.1 * s, "accuracy": 0.5, "egpo/entropy_gap": 0.1} for s in (1, 2, 3, 4, 3, 4, 5)]
+    rows += [{"step": 0, "heldout/accuracy": 0.4, "heldout/stage": "before"}]
+    figure = metrics_figure(rows)
+    for axis in figure.axes:
+        assert axis.get_xlabel() == "training step" and axis.get_ylabel(), axis.get_title()
+    steps = list(figure.axes[0].lines[0].get_xdata())
+    assert steps == [1, 2, 3, 4, 5]
+
+
+TINY_TRAIN = [
+    "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "24",
+    "--synthetic_train_size", "64", "--eval_size", "0", "--disable_tqdm", "true", "--save_final_model", "false",
+]  # fmt: skip
+
+
+def _train_steps(out: Path) -> list[int]:
+    return [
+        r["step"]
+        for r in (json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines())
+        if "reward" in r
+    ]
+
+
+@pytest.mark.slow
+def test_resuming_keeps_one_metrics_row_per_step(tmp_path):
+    out = tmp_path / "run"
+    argv = ["--config", str(DEMO_RECIPE), *TINY_TRAIN, "--output_dir", str(out), "--max_steps", "4"]
+    assert main([*argv, "--save_strategy", "steps", "--save_steps", "2"]) == 0
+    assert _train_steps(out) == [1, 2, 3, 4]
+    # As after a crash at step 4: resuming from checkpoint-2 replays steps 3 and 4.
+    assert main([*argv, "--resume_from_checkpoint", str(out / "checkpoint-2")]) == 0
+    assert _train_steps(out) == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_and_prints_the_resume_command(tmp_path):
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    args = ["train", str(DEMO_RECIPE), *TINY_TRAIN, "--max_steps", "30", "--output_dir", str(out)]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "egpo_trl.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline and process.poll() is None:
+        if (out / METRICS_FILE).is_file() and len((out / METRICS_FILE).read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=240)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    checkpoints = sorted(out.glob("checkpoint-*"))
+    assert len(checkpoints) == 1
+    lines = stderr.strip().splitlines()
+    assert lines[-2] == f"Interrupted; the last checkpoint is {checkpoints[0]}. Resume the run with:"
+    resume = lines[-1].strip()
+    assert resume.startswith("egpo-trl train ") and resume.endswith(
+        f"--output_dir {out} --resume_from_checkpoint true"
+    )
+    import shlex
+
+    result = egpo_trl(*shlex.split(resume)[1:], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert _train_steps(out) == list(range(1, 31))

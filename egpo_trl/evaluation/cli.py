@@ -113,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.model or not args.output_dir:
         parser.error("--model and --output-dir are required (or use --compare RUN RUN ...).")
-    model = os.path.abspath(args.model) if os.path.isdir(args.model) else args.model
+    from egpo_trl.train import check_model_exists
+
+    model = check_model_exists(args.model, trust_remote_code=args.trust_remote_code, prog="egpo-trl eval")
+    model = os.path.abspath(model) if os.path.isdir(model) else model
     if args.max_new_tokens is None:
         max_new_tokens, reason = default_max_new_tokens(model)
         logger.info("max_new_tokens=%d (%s); set --max-new-tokens to change it.", max_new_tokens, reason)
