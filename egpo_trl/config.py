@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -382,11 +383,24 @@ class EGPOConfig(GRPOConfig):
         choose("edge_gec_scope", self.edge_gec_scope, GEC_SCOPES)
         self._validate_baselines()
         self._validate_importance_sampling()
-        if self.advantage_estimator != "grpo" and self.multi_objective_aggregation != "sum_then_normalize":
+        self._validate_aggregation()
+
+    def _validate_aggregation(self) -> None:
+        """``normalize_then_sum`` needs an estimator that takes the aggregated GRPO advantages (``group_advantages``):
+        ``grpo`` (TRL's, exactly), ``egpo`` and ``edge_grpo`` (on top of them). ``nsr`` has no group baseline."""
+        if self.multi_objective_aggregation != "normalize_then_sum":
+            return
+        estimator = ADVANTAGE_ESTIMATORS.get(self.advantage_estimator)
+        if estimator is not None and "group_advantages" not in inspect.signature(estimator).parameters:
+            accepting = [
+                name
+                for name, func in ADVANTAGE_ESTIMATORS.items()
+                if "group_advantages" in inspect.signature(func).parameters
+            ]
             raise ValueError(
-                f"advantage_estimator={self.advantage_estimator!r} needs multi_objective_aggregation="
-                "'sum_then_normalize' (its advantages are computed from the weighted reward sum); set it, or use "
-                "advantage_estimator='grpo'."
+                f"advantage_estimator={self.advantage_estimator!r} does not use GRPO's group-normalised advantages, so "
+                "multi_objective_aggregation='normalize_then_sum' has no meaning for it; set multi_objective_aggregation"
+                f"='sum_then_normalize', or use one of {accepting}."
             )
 
     def _validate_importance_sampling(self) -> None:

@@ -50,6 +50,7 @@ import torch
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import get_config_model_id
 
 from egpo_trl.advantages import (
     GROUP_ALL_CORRECT,
@@ -58,6 +59,7 @@ from egpo_trl.advantages import (
     AdvantageOutput,
     get_advantage_estimator,
     get_entropy_input,
+    normalize_then_sum_advantages,
     sequence_entropy,
     sequence_mean,
 )
@@ -153,9 +155,7 @@ class EGPOTrainer(GRPOTrainer):
     _name = "EGPO"
 
     def __init__(self, model, reward_funcs=None, args: EGPOConfig | None = None, *pos_args: Any, **kwargs: Any):
-        if args is None:
-            from trl.models.utils import get_config_model_id
-
+        if args is None:  # as GRPOTrainer: an output folder named after the model
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = EGPOConfig(f"{model_name.split('/')[-1]}-EGPO")
         elif not isinstance(args, EGPOConfig):
@@ -179,6 +179,22 @@ class EGPOTrainer(GRPOTrainer):
 
         self._egpo_estimator = get_advantage_estimator(args.advantage_estimator)
         self._egpo_entropy_input = get_entropy_input(self._egpo_estimator)
+        #: What needs a binary correctness reward (see _egpo_correct), as named in the error.
+        self._egpo_binary_features = [
+            name
+            for name, needed in (
+                (
+                    f"advantage_estimator={args.advantage_estimator!r}",
+                    getattr(self._egpo_estimator, "binary_correctness", False),
+                ),
+                (
+                    "dynamic_sampling_metric='correctness'",
+                    args.dynamic_sampling and args.dynamic_sampling_metric == "correctness",
+                ),
+                ("edge_gec", args.edge_gec),
+            )
+            if needed
+        ]
         if args.egpo_correctness_reward is None:
             self._egpo_correctness_index = 0
         elif args.egpo_correctness_reward in self.reward_func_names:
@@ -436,6 +452,7 @@ class EGPOTrainer(GRPOTrainer):
             "nsr": args.egpo_nsr,
             "nsr_weighting": args.egpo_nsr_weighting,
             "scale_rewards": self.scale_rewards,
+            "nsr_scale": 1.0,
             "positive_weight": args.nsr_positive_weight,
             "entropy_normalization": args.edge_grpo_entropy_normalization,
         }
@@ -457,14 +474,52 @@ class EGPOTrainer(GRPOTrainer):
         # The weighted reward sum, exactly as GRPOTrainer forms it.
         rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
         rewards[unscorable] = torch.nan
-        correct = rewards_per_func[:, self._egpo_correctness_index] > 0
+        correct, incorrect_value = self._egpo_correct(rewards_per_func)
+        kwargs = self._estimator_kwargs()
+        if self.args.multi_objective_aggregation == "normalize_then_sum":
+            kwargs["group_advantages"] = normalize_then_sum_advantages(
+                rewards_per_func, self.reward_weights.to(device), num_generations
+            )
+        if "nsr_scale" in kwargs:
+            # Half the gap between a correct and an incorrect reward of the correctness function, weighted as in
+            # the reward sum: 1 for the paper's +1/-1 reward, 0.5 for a 1/0 reward.
+            weight = float(self.reward_weights[self._egpo_correctness_index])
+            kwargs["nsr_scale"] = weight * (1.0 - incorrect_value) / 2
         return self._egpo_estimator(
             rewards,
             entropies.to(device) if entropies is not None else None,
             num_generations,
             correct=correct,
-            **self._estimator_kwargs(),
+            **kwargs,
         )
+
+    def _egpo_correct(self, rewards_per_func: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Which completions are correct (the correctness reward function's value > 0), and the reward value of an
+        incorrect one (-1 or 0).
+
+        The group types of EGPO and NSR, dynamic sampling's ``correctness`` filter and Guided Error Correction need
+        a binary verifier: a correctness reward whose values are those of a +1/-1 or a 1/0 reward. Any other value
+        (a length, a score, a reward model's logit) would make every positive reward "correct", every group
+        entirely-correct and every advantage 0, a run that trains nothing: it is refused with the fix.
+        """
+        values = rewards_per_func[:, self._egpo_correctness_index]
+        scored = values[~torch.isnan(values)]
+        distinct = set(scored.unique().tolist())
+        binary = distinct <= {-1.0, 1.0} or distinct <= {0.0, 1.0}
+        if not binary and self._egpo_binary_features:
+            name = self.reward_func_names[self._egpo_correctness_index]
+            shown = ", ".join(f"{v:g}" for v in sorted(distinct)[:6]) + (", ..." if len(distinct) > 6 else "")
+            features = ", ".join(self._egpo_binary_features)
+            raise ValueError(
+                f"{features} need(s) a binary correctness reward (the paper's +1/-1, or 1/0), but the reward function "
+                f"{name!r}, which decides correct (> 0) versus incorrect, returned {len(distinct)} distinct values in "
+                f"this batch ({shown}). With such rewards every positive completion would count as correct and every "
+                "group as entirely-correct, with advantage 0: nothing would train. Either add a binary verifier (such "
+                "as egpo_trl.rewards.boxed_accuracy_reward) and name it in egpo_correctness_reward (the other reward "
+                "functions still shape the mixed groups' advantages), or use advantage_estimator='grpo' (TRL's GRPO, "
+                "which takes any reward)."
+            )
+        return values > 0, (0.0 if 0.0 in distinct else -1.0)
 
     def _egpo_log_metrics(
         self, mode: str, result: AdvantageOutput, entropies: dict[str, Any], num_generations: int
@@ -519,7 +574,7 @@ class EGPOTrainer(GRPOTrainer):
         if self.args.dynamic_sampling_metric == "correctness":
             values = rewards_per_func[:, self._egpo_correctness_index].view(-1, num_generations)
             scored = ~torch.isnan(values)
-            n_correct = ((values > 0) & scored).sum(dim=1)
+            n_correct = (self._egpo_correct(rewards_per_func)[0].view(-1, num_generations) & scored).sum(dim=1)
             return (n_correct > 0) & (n_correct < scored.sum(dim=1))
         unscorable = torch.isnan(rewards_per_func).all(dim=1)
         rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
@@ -748,9 +803,10 @@ class EGPOTrainer(GRPOTrainer):
         rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids)
         values = rewards_per_func[:, self._egpo_correctness_index]
         scored = ~torch.isnan(values)
-        eligible = scored & ~(values > 0)
+        is_correct = self._egpo_correct(rewards_per_func)[0]
+        eligible = scored & ~is_correct
         if args.edge_gec_scope == "all_incorrect_groups":
-            grouped = (values > 0).view(-1, num_generations).any(dim=1, keepdim=True)
+            grouped = is_correct.view(-1, num_generations).any(dim=1, keepdim=True)
             eligible = eligible & ~grouped.expand(-1, num_generations).reshape(-1)
         start = self.accelerator.process_index * local_rows
         eligible = eligible[start : start + local_rows].cpu()
