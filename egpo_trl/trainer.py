@@ -63,7 +63,7 @@ from egpo_trl.advantages import (
     sequence_entropy,
     sequence_mean,
 )
-from egpo_trl.config import EGPOConfig
+from egpo_trl.config import EGPOConfig, distribution_changing_sampling_options
 from egpo_trl.rewards import make_overlong_penalty_reward
 
 logger = logging.getLogger(__name__)
@@ -371,16 +371,27 @@ class EGPOTrainer(GRPOTrainer):
         return output
 
     # ------------------------------------------------------------------ entropies
-    def _egpo_loss_mask(self, output: dict[str, Any]) -> torch.Tensor:
+    def _egpo_loss_mask(self, output: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tokens the entropy proxy averages over, and (for a ``thinking``/``answer`` scope) which rows fell back
+        to their whole completion because their segment is empty (``None`` for the ``completion`` scope).
+
+        A completion without ``</think>`` (cut off by the length limit, or a model that does not write the tags) has
+        no answer segment, and one that closes the tag at once has no thinking segment. Their segment entropy is
+        undefined; rather than leave them out of the group mean (weight 1, as if unscored), the proxy falls back to
+        the whole completion, as :func:`egpo_trl.segments.scope_mask` does, and ``egpo/frac_entropy_scope_fallback``
+        logs how often.
+        """
         mask = output["completion_mask"]
         if output.get("tool_mask") is not None:
             mask = mask * output["tool_mask"]
-        if self.args.egpo_entropy_scope != "completion":
-            from egpo_trl.segments import segment_masks
+        if self.args.egpo_entropy_scope == "completion":
+            return mask, None
+        from egpo_trl.segments import segment_masks
 
-            thinking, answer = segment_masks(output["completion_ids"], mask, self.processing_class)
-            mask = thinking if self.args.egpo_entropy_scope == "thinking" else answer
-        return mask
+        thinking, answer = segment_masks(output["completion_ids"], mask, self.processing_class)
+        chosen = thinking if self.args.egpo_entropy_scope == "thinking" else answer
+        fallback = ((chosen != 0).sum(dim=1) == 0) & ((mask != 0).sum(dim=1) > 0)
+        return torch.where(fallback.unsqueeze(1), mask, chosen), fallback
 
     def _egpo_entropies(self, output: dict[str, Any]) -> dict[str, Any]:
         """Global per-completion entropies of this generation batch.
@@ -398,7 +409,12 @@ class EGPOTrainer(GRPOTrainer):
         if need_nll:
             if output.get("old_per_token_logps") is not None:
                 logps, source = output["old_per_token_logps"], "old_per_token_logps"
-            elif output.get("sampling_per_token_logps") is not None:
+            elif output.get("sampling_per_token_logps") is not None and not distribution_changing_sampling_options(
+                self.args
+            ):
+                # Plain sampling: vLLM's processed log-probs are the policy's at the temperature. With top-p, top-k,
+                # min-p, penalties or min_tokens they are those of another distribution, so the proxy comes from the
+                # policy's own pass below instead, and is the same whichever importance-sampling setting is used.
                 logps, source = output["sampling_per_token_logps"], "sampling_per_token_logps"
         extra_pass = (need_nll and logps is None) or (need_shannon and token_entropies is None)
         if extra_pass:
@@ -409,10 +425,39 @@ class EGPOTrainer(GRPOTrainer):
                 logps, source = forward_logps, "forward"
             if need_shannon and token_entropies is None:
                 token_entropies = forward_entropies
-        mask = self._egpo_loss_mask(output)
+        mask, fallback = self._egpo_loss_mask(output)
         nll = self.accelerator.gather(sequence_entropy(logps, mask)) if need_nll else None
         shannon = self.accelerator.gather(sequence_mean(token_entropies, mask)) if need_shannon else None
-        return {"nll": nll, "shannon": shannon, "source": source, "extra_pass": extra_pass}
+        if fallback is not None:
+            fallback = self.accelerator.gather(fallback)
+            self._egpo_warn_scope_fallback(fallback)
+        return {
+            "nll": nll,
+            "shannon": shannon,
+            "source": source,
+            "extra_pass": extra_pass,
+            "scope_fallback": fallback,
+        }
+
+    def _egpo_warn_scope_fallback(self, fallback: torch.Tensor) -> None:
+        """Warn once per run when completions of a ``thinking``/``answer`` entropy scope fall back to the whole
+        completion."""
+        if not fallback.any() or getattr(self, "_egpo_scope_fallback_warned", False):
+            return
+        self._egpo_scope_fallback_warned = True
+        if self.accelerator.is_main_process:
+            scope = self.args.egpo_entropy_scope
+            reason = "no `</think>`" if scope == "answer" else "an empty thinking segment"
+            logger.warning(
+                "egpo_entropy_scope=%r: %d of %d completions of this batch have %s (cut off by max_completion_length, "
+                "or the model does not write the tags), so their entropy proxy is taken over the whole completion "
+                "instead; egpo/frac_entropy_scope_fallback logs the fraction at every step. Raise "
+                "max_completion_length, or use egpo_entropy_scope='completion'.",
+                scope,
+                int(fallback.sum()),
+                fallback.numel(),
+                reason,
+            )
 
     @torch.no_grad()
     def _egpo_forward(self, output: dict[str, Any], compute_entropy: bool = False):
@@ -559,6 +604,8 @@ class EGPOTrainer(GRPOTrainer):
             shannon = entropies["shannon"].float()
             values["token_entropy_mean"] = mean_of(shannon, torch.isfinite(shannon))
         values["entropy_extra_pass"] = float(entropies["extra_pass"])
+        if entropies.get("scope_fallback") is not None:
+            values["frac_entropy_scope_fallback"] = entropies["scope_fallback"].float().mean().item()
         for name, value in values.items():
             if value is not None:  # an undefined mean (no correct completion, say) is left out, not logged as NaN
                 metrics[f"egpo/{name}"].append(value)

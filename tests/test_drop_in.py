@@ -137,3 +137,49 @@ def test_nsr_advantage_follows_the_configured_scaling(tmp_path, tiny_model_dir, 
         expected = {"group": -1.0, "batch": -0.5 / (rewards.std() + 1e-4), "none": -0.5}[scale_rewards]
         torch.testing.assert_close(result.base_advantages[rows], torch.full_like(rewards[rows], float(expected)))
     assert incorrect_groups > 0
+
+
+@pytest.mark.parametrize("scope", ["answer", "thinking"])
+def test_entropy_scope_without_segment_falls_back_to_the_whole_completion(tmp_path, tiny_model_dir, scope, caplog):
+    # The random tiny model never writes </think>: no completion has an answer segment; with "thinking" the whole
+    # completion is thinking, so nothing falls back.
+    completion = EGPOTrainer(
+        tiny_model_dir, parity_reward, config(tmp_path / "c", max_steps=1), train_dataset=make_prompt_dataset()
+    )
+    completion.train()
+    args = config(tmp_path / scope, max_steps=1, egpo_entropy_scope=scope)
+    trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    with caplog.at_level("WARNING", logger="egpo_trl.trainer"):
+        trainer.train()
+    entropies = trainer.egpo_last_batch["entropies"]
+    assert torch.isfinite(entropies).all()
+    logged = trainer.state.log_history[0]["egpo/frac_entropy_scope_fallback"]
+    if scope == "answer":
+        torch.testing.assert_close(entropies, completion.egpo_last_batch["entropies"])
+        assert logged == 1.0
+        assert "entropy proxy is taken over the whole completion" in caplog.text
+    else:
+        assert logged == 0.0 and "whole completion" not in caplog.text
+
+
+class SamplingLogpsEGPOTrainer(EGPOTrainer):
+    """Adds a batch's ``sampling_per_token_logps`` (as vLLM returns them) of 0: an entropy proxy of exactly 0."""
+
+    def _generate_round(self, inputs):
+        output, rewards_per_func = super()._generate_round(inputs)
+        output["sampling_per_token_logps"] = torch.zeros_like(output["completion_mask"], dtype=torch.float32)
+        return output, rewards_per_func
+
+
+@pytest.mark.parametrize("sampling", [{}, {"top_k": 5}, {"top_p": 0.9}, {"generation_kwargs": {"min_p": 0.1}}])
+def test_sampling_logps_give_the_proxy_only_for_plain_sampling(tmp_path, tiny_model_dir, sampling):
+    args = config(tmp_path, max_steps=1, **sampling)
+    trainer = SamplingLogpsEGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    batch = trainer.egpo_last_batch
+    if not sampling:
+        assert batch["entropy_source"] == "sampling_per_token_logps"
+        assert (batch["entropies"] == 0).all()
+    else:  # processed log-probs of another distribution: the policy's own pass gives H
+        assert batch["entropy_source"] == "forward"
+        assert (batch["entropies"] > 0).all()
