@@ -156,7 +156,9 @@ class EGPOConfig(GRPOConfig):
             EDGE-GRPO's Guided Error Correction: before scoring, an incorrect completion is, at random, continued after
             a reflection cue (probability `edge_gec_reflect_prob`), given the reference answer after the cue
             (`edge_gec_answer_prob`), or replaced by the reference solution (`edge_gec_solution_prob`, the dataset's
-            `solution` column; the answer is injected when a row has none). Needs an `answer` column. Works with
+            `solution` column; the answer is injected when a row has none, with a warning at start-up when the
+            column is missing and `gec/frac_solution_as_answer`; a solution whose last box does not give the answer
+            gets `\boxed{answer}` appended, `gec/frac_solution_boxed`). Needs an `answer` column. Works with
             transformers generation and with vLLM (injected tokens get a NaN sampling log-prob: no IS correction).
         edge_gec_scope (`str`, *optional*, defaults to `"incorrect"`):
             Which completions Guided Error Correction may change: every `"incorrect"` one (the public EDGE-GRPO code)

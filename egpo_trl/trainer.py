@@ -64,7 +64,7 @@ from egpo_trl.advantages import (
     sequence_mean,
 )
 from egpo_trl.config import EGPOConfig, distribution_changing_sampling_options
-from egpo_trl.rewards import make_overlong_penalty_reward
+from egpo_trl.rewards import answers_match, extract_last_boxed, make_overlong_penalty_reward
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,8 @@ _TOKEN_ENTROPY_KEY = "egpo_token_entropies"
 
 
 _BOXED = "\\boxed{"
+# Appended to a reference solution (Guided Error Correction) whose last box does not give the reference answer.
+SOLUTION_ANSWER_SUFFIX = "\n\nThe final answer is \\boxed{{answer}}."
 
 
 def _ends_inside_boxed(text: str) -> bool:
@@ -268,6 +270,14 @@ class EGPOTrainer(GRPOTrainer):
             if "answer" not in columns:
                 raise ValueError(
                     f"edge_gec needs the reference answers in an `answer` column of train_dataset; it has {columns}."
+                )
+            if args.edge_gec_solution_prob > 0 and "solution" not in columns and self.accelerator.is_main_process:
+                logger.warning(
+                    "edge_gec_solution_prob=%g but train_dataset has no `solution` column: that share of the incorrect "
+                    "completions gets the reference answer injected (as edge_gec_answer_prob does) instead of being "
+                    "replaced by a reference solution; gec/frac_solution_as_answer logs it. Add a `solution` column, "
+                    "or set edge_gec_solution_prob=0 (and give its probability to edge_gec_answer_prob) to say so.",
+                    args.edge_gec_solution_prob,
                 )
 
     # ------------------------------------------------------------------ TRL hooks
@@ -835,7 +845,9 @@ class EGPOTrainer(GRPOTrainer):
         ``edge_gec_scope="all_incorrect_groups"``, belongs to a group without a correct completion) is, with the
         configured probabilities: continued by the policy after ``edge_gec_reflection_cue`` (``reflect``); given the
         reference answer with ``edge_gec_answer_template`` (``answer``); replaced by the reference solution
-        (``solution``, the row's ``solution`` column, else ``answer``). The rewritten completion keeps the
+        (``solution``, the row's ``solution`` column, else ``answer``, counted in ``gec/frac_solution_as_answer``;
+        a solution whose last box does not give the reference answer, or that must be shortened, ends with
+        ``SOLUTION_ANSWER_SUFFIX``, counted in ``gec/frac_solution_boxed``). The rewritten completion keeps the
         original's tokens (shortened when needed, so that it fits ``max_completion_length``) and ends with EOS,
         except a continuation that runs out of tokens. TRL then scores and trains on the rewritten completions.
         """
@@ -878,6 +890,8 @@ class EGPOTrainer(GRPOTrainer):
 
         new_ids = [list(ids) for ids in completion_ids]
         strategy = [None] * local_rows
+        solution_as_answer = [False] * local_rows  # the solution share, for a row without a solution
+        solution_boxed = [False] * local_rows  # a solution that got the answer's box appended
         kept_tokens = [0] * local_rows  # leading tokens of the sampled completion that a rewrite keeps
         cue = encode(args.edge_gec_reflection_cue)
         # Room kept for a continuation: up to edge_gec_max_new_tokens, at least half of what the cue leaves free;
@@ -897,8 +911,10 @@ class EGPOTrainer(GRPOTrainer):
                 choice = "answer"
             elif u < solution_below:
                 choice = "solution" if solution else "answer"
-            if choice == "answer" and (answer is None or str(answer) == ""):
+                solution_as_answer[i] = not solution
+            if choice in ("answer", "solution") and (answer is None or str(answer) == ""):
                 choice = None
+                solution_as_answer[i] = False
             if choice == "reflect":
                 kept = body(completion_ids[i])[: max_length - len(cue) - room]
                 new_ids[i] = kept + cue
@@ -915,8 +931,18 @@ class EGPOTrainer(GRPOTrainer):
                 new_ids[i] = kept + injected + [eos]
                 kept_tokens[i] = len(kept)
             elif choice == "solution":
-                text = encode(str(solution))
-                new_ids[i] = text[: max_length - 1] + [eos] if len(text) < max_length else text[:max_length]
+                # The reference solution, scored by its last box: when that box does not give the reference answer
+                # (no box, another box last), or the solution must be shortened to fit, it ends with the answer's
+                # box, so that the replaced completion is the correct one it stands for.
+                text = str(solution)
+                body_ids = encode(text)
+                suffix = []
+                if not answers_match(extract_last_boxed(text), answer) or len(body_ids) > max_length - 1:
+                    suffix = encode(SOLUTION_ANSWER_SUFFIX.replace("{answer}", str(answer)))[: max_length - 1]
+                    solution_boxed[i] = True
+                if len(body_ids) > max_length - 1 - len(suffix):
+                    body_ids = boxed_safe_prefix(body_ids[: max(0, max_length - 1 - len(suffix))], tokenizer.decode)
+                new_ids[i] = body_ids + suffix + [eos]
             strategy[i] = choice
 
         # Continuations: every process generates together when any needs to (generation may be collective).
@@ -954,13 +980,22 @@ class EGPOTrainer(GRPOTrainer):
 
         counts = torch.tensor(
             [float(eligible.sum())]
-            + [float(sum(s == name for s in strategy)) for name in ("reflect", "answer", "solution")],
+            + [float(sum(s == name for s in strategy)) for name in ("reflect", "answer", "solution")]
+            + [float(sum(solution_as_answer)), float(sum(solution_boxed))],
             device=device,
         )
         totals = self.accelerator.gather(counts.unsqueeze(0)).sum(dim=0) / (
             local_rows * self.accelerator.num_processes
         )
-        for name, value in zip(("frac_eligible", "frac_reflect", "frac_answer", "frac_solution"), totals.tolist()):
+        names = (
+            "frac_eligible",
+            "frac_reflect",
+            "frac_answer",
+            "frac_solution",
+            "frac_solution_as_answer",
+            "frac_solution_boxed",
+        )
+        for name, value in zip(names, totals.tolist()):
             self._metrics["train"][f"gec/{name}"].append(value)
         return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images
 

@@ -183,3 +183,44 @@ def test_sampling_logps_give_the_proxy_only_for_plain_sampling(tmp_path, tiny_mo
     else:  # processed log-probs of another distribution: the policy's own pass gives H
         assert batch["entropy_source"] == "forward"
         assert (batch["entropies"] > 0).all()
+
+
+def gec_config(tmp_path, **overrides):
+    return config(
+        tmp_path,
+        max_steps=1,
+        max_completion_length=40,
+        edge_gec=True,
+        edge_gec_reflect_prob=0.0,
+        edge_gec_answer_prob=0.0,
+        edge_gec_solution_prob=1.0,
+        edge_gec_answer_template=" \\boxed{{answer}}",
+        **overrides,
+    )
+
+
+def test_guided_error_correction_without_solutions_says_it_injects_the_answer(tmp_path, tiny_model_dir, caplog):
+    from egpo_trl.rewards import boxed_accuracy_reward
+
+    with caplog.at_level("WARNING", logger="egpo_trl.trainer"):
+        trainer = EGPOTrainer(
+            tiny_model_dir, boxed_accuracy_reward, gec_config(tmp_path), train_dataset=make_prompt_dataset()
+        )
+    assert "no `solution` column" in caplog.text and "edge_gec_solution_prob=0" in caplog.text
+    trainer.train()
+    metrics = trainer.state.log_history[0]
+    assert metrics["gec/frac_solution_as_answer"] == 1.0 and metrics["gec/frac_solution"] == 0.0
+    assert trainer.egpo_last_batch["rewards_per_func"].eq(1.0).all()
+
+
+@pytest.mark.parametrize("solution", ["S", "S \\boxed{0}", "S" * 60])
+def test_replaced_solution_ends_with_the_reference_answer(tmp_path, tiny_model_dir, solution):
+    from egpo_trl.rewards import boxed_accuracy_reward
+
+    dataset = make_prompt_dataset().map(lambda row: {"solution": solution})
+    trainer = EGPOTrainer(tiny_model_dir, boxed_accuracy_reward, gec_config(tmp_path), train_dataset=dataset)
+    trainer.train()
+    metrics = trainer.state.log_history[0]
+    assert metrics["gec/frac_solution"] == 1.0 and metrics["gec/frac_solution_boxed"] == 1.0
+    # Every replaced completion is the reference solution with the answer's box: scored correct.
+    assert trainer.egpo_last_batch["rewards_per_func"].eq(1.0).all()
