@@ -116,10 +116,14 @@ class EGPOConfig(GRPOConfig):
             Weights on entirely-incorrect groups: `"entropy"` (paper) or `"unit"` (ablation C4, \\(w \\equiv 1\\)).
         egpo_correctness_reward (`str` or `None`, *optional*, defaults to `None`):
             Name of the reward function whose value decides correct (> 0) versus incorrect. `None` uses the first
-            reward function. Mixed-group advantages still use the weighted sum of all rewards, as GRPO does.
+            reward function. Mixed-group advantages still use the weighted sum of all rewards, as GRPO does. It must
+            be binary (+1/-1 or 1/0 values) for `egpo`, `nsr`, dynamic sampling on correctness and `edge_gec`: other
+            values stop training with an error that names the fix.
         egpo_entropy_scope (`str`, *optional*, defaults to `"completion"`):
             Tokens the entropy proxy averages over: the whole `"completion"` (paper Eq. 5), the `"thinking"` segment
-            inside `<think>...</think>`, or the `"answer"` segment after `</think>` (the paper's RQ4 suggestion).
+            inside `<think>...</think>`, or the `"answer"` segment after `</think>` (the paper's RQ4 suggestion). A
+            completion without that segment (no `</think>`) falls back to its whole completion, with a warning and
+            the `egpo/frac_entropy_scope_fallback` metric.
         egpo_entropy_metrics (`bool`, *optional*, defaults to `True`):
             Compute the entropy proxy (and the `egpo/entropy_*` metrics) even when the advantage estimator does not
             use it (`grpo`, `nsr`). It costs one no-grad forward pass per generation batch when TRL has not computed

@@ -1,7 +1,8 @@
 """Outcome rewards for verifiable math (paper Eq. 1) and the answer-extraction helpers they use.
 
 The paper's reward is binary: ``+1`` when the content of the **last** ``\\boxed{...}`` of a completion
-equals the ground truth, ``-1`` otherwise. Equality is decided by `math-verify`_. We extract the last
+equals the ground truth, ``-1`` otherwise (also when that last box is cut off by the length limit). Scoring
+returns within a bounded time on any input, in any thread: see :func:`answers_match`. Equality is decided by `math-verify`_. We extract the last
 box ourselves: math-verify, given a whole text, gathers *every* box into one set, so a completion
 that writes ``\\boxed{3}`` and later ``\\boxed{5}`` would match a gold answer of ``3``.
 

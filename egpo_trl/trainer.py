@@ -20,7 +20,9 @@ Where the log-probs come from (the paper's "zero-overhead" proxy):
   optimisation steps are misaligned, and with vLLM importance-sampling correction (on by default).
   No extra cost.
 * otherwise the sampling log-probs vLLM returned (``use_vllm`` without importance-sampling
-  correction). No extra cost.
+  correction), when sampling is plain (no top-p, top-k, min-p, penalties or ``min_tokens``: see
+  :func:`~egpo_trl.config.distribution_changing_sampling_options`), so that they are the policy's at the
+  temperature. No extra cost.
 * otherwise one extra no-grad forward pass of the policy over the generation batch (plain
   transformers generation with ``num_iterations = 1``). It costs about a third of a training
   step's forward+backward; ``benchmarks/`` measures it.
@@ -142,7 +144,9 @@ class EGPOTrainer(GRPOTrainer):
     Correctness rule with several reward functions: a completion is correct when the reward function
     named by ``args.egpo_correctness_reward`` (the first one by default) gives it a reward > 0. Group
     types (entirely-correct, mixed, entirely-incorrect) follow from that; mixed-group advantages use
-    the weighted sum of all rewards, as GRPO does.
+    the weighted sum of all rewards, as GRPO does. That function must be a binary verifier (+1/-1 or
+    1/0 values) for the estimators and features that use group types; any other values stop training
+    with an error naming the fix (see the README, "Where EGPOTrainer differs from GRPOTrainer").
 
     Metrics logged beside TRL's, per generation batch (``egpo/*``): the fraction of entirely-correct,
     mixed and entirely-incorrect groups, the mean weight on correct and on incorrect completions, the
