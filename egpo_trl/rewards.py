@@ -159,6 +159,11 @@ def _too_costly(answer: str) -> bool:
     return bool(re.search(r"\d{5,}\s*!", compact))  # the factorial of a large number
 
 
+_WORKER_BOOT = (
+    "import runpy, sys; sys.path[:] = [p for p in sys.path if p]; runpy.run_path(sys.argv[1], run_name='__main__')"
+)
+
+
 class _VerifyWorker:
     """One math-verify worker process (``python -m egpo_trl.verify_worker``) per process using it, shared by its
     threads, killed and restarted when a comparison overruns ``VERIFY_TIMEOUT_S``."""
@@ -172,7 +177,13 @@ class _VerifyWorker:
 
     def _start(self) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "egpo_trl.verify_worker"],
+            # The worker file alone, not the package (whose import pulls in torch and TRL), nor the current folder.
+            [
+                sys.executable,
+                "-c",
+                _WORKER_BOOT,
+                os.path.join(os.path.dirname(os.path.abspath(__file__)), "verify_worker.py"),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -183,7 +194,7 @@ class _VerifyWorker:
         if self._read_line(WORKER_START_TIMEOUT_S) != b"ready":
             self.close()
             raise RuntimeError(
-                f"The math-verify worker process ({sys.executable} -m egpo_trl.verify_worker) did not start; check "
+                f"The math-verify worker process (egpo_trl/verify_worker.py, run by {sys.executable}) did not start; check "
                 "that math-verify is installed in this environment (pip install 'math-verify[antlr4_13_2]')."
             )
 

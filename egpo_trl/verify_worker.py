@@ -6,7 +6,8 @@ that works only in the main thread. So the comparison runs here, in a separate i
 when it overruns its deadline.
 
 Protocol: one JSON line per request on stdin, ``[predicted, gold]``; one line per answer on stdout, ``1`` (equal) or
-``0``. The process ends when stdin closes. Run as ``python -m egpo_trl.verify_worker``.
+``0``. The process ends when stdin closes. :mod:`egpo_trl.rewards` runs this file by its path (not as part of the
+package, whose import would pull in torch and TRL).
 """
 
 from __future__ import annotations
