@@ -53,6 +53,7 @@ __all__ = [
     "get_advantage_estimator",
     "get_entropy_input",
     "grpo_advantages",
+    "normalize_then_sum_advantages",
     "nsr_advantages",
     "register_advantage_estimator",
     "sequence_entropy",
@@ -309,6 +310,8 @@ def egpo_advantages(
     nsr_weighting: NSRWeighting = "entropy",
     scale_rewards: ScaleRewards = "group",
     correct: torch.Tensor | None = None,
+    nsr_scale: float = 1.0,
+    group_advantages: torch.Tensor | None = None,
 ) -> AdvantageOutput:
     r"""EGPO's calibrated advantages (paper Eq. 8-12, Algorithm 1), vectorised over all groups.
 
@@ -332,8 +335,13 @@ def egpo_advantages(
     6. ``nsr_weighting="unit"`` (C4): :math:`w = 1` on entirely-incorrect groups.
     7. Base advantage (Eq. 11): entirely-correct 0; mixed: GRPO's (r - mean) / (std + 1e-4) with the
        unbiased std, exactly as TRL's GRPOTrainer computes it for ``scale_rewards`` ("group", or
-       "batch" for the batch std, or "none" for r - mean); entirely-incorrect: -1 when ``nsr``
-       (Sec. 3.2, NSR) else 0.
+       "batch" for the batch std, or "none" for r - mean), or ``group_advantages`` when given;
+       entirely-incorrect: the NSR advantage when ``nsr`` (Sec. 3.2) else 0. The NSR advantage is scaled the way
+       mixed groups are: -1 with ``scale_rewards="group"`` (the paper: one group std, as a uniform group has
+       none of its own), ``-nsr_scale / (std_batch + 1e-4)`` with ``"batch"`` and ``-nsr_scale`` with ``"none"``,
+       where ``nsr_scale`` is half the reward gap between a correct and an incorrect completion (1 for the
+       paper's +1/-1 reward, 0.5 for a 1/0 reward). So the NSR-to-mixed balance does not change with the scaling:
+       an incorrect completion of an evenly split group gets about -1 under each.
     8. :math:`\tilde A_i = w_i A_i` (Eq. 12).
 
     With ``clamp="none"`` and ``nsr=False`` the advantages are GRPO's (bit for bit for binary rewards,
@@ -351,11 +359,16 @@ def egpo_advantages(
         clamp, renorm, nsr, nsr_weighting: the paper's switches and ablations C1-C6.
         scale_rewards: how mixed-group advantages are scaled, as TRL's ``scale_rewards``.
         correct: optional ``bool Tensor[B]`` overriding ``rewards > 0`` as the correctness signal.
+        nsr_scale: half the reward gap between a correct and an incorrect completion, in reward units (see
+            step 7); used with ``scale_rewards`` "batch" and "none".
+        group_advantages: optional ``Tensor[B]`` of GRPO advantages computed elsewhere (TRL's
+            ``multi_objective_aggregation="normalize_then_sum"``, :func:`normalize_then_sum_advantages`), used on
+            mixed groups instead of the ones computed from ``rewards``.
 
     Returns:
         :class:`AdvantageOutput` with ``advantages`` and ``weights`` first (``Tensor[B]``, float32).
     """
-    _check_layout(rewards, num_generations, entropies=entropies, correct=correct)
+    _check_layout(rewards, num_generations, entropies=entropies, correct=correct, group_advantages=group_advantages)
     if clamp not in CLAMP_MODES:
         raise ValueError(f"Unknown clamp {clamp!r}; expected one of {CLAMP_MODES}.")
     if renorm not in RENORM_MODES:
@@ -379,9 +392,18 @@ def egpo_advantages(
     # the mixed rows; nan_to_num also zeroes unscored rows (NaN reward) and caps infinities, as GRPO's does.
     centered, denominator = _grpo_parts(r, scored_count, scale_rewards)
     mixed_only = mixed / mixed  # 1.0 on mixed groups, NaN elsewhere
-    base = centered.div_(mixed_only if denominator is None else denominator * mixed_only).nan_to_num_(nan=0.0)
+    if group_advantages is not None:
+        base = (group_advantages.detach().float().view(-1, n) * mixed_only).nan_to_num_(nan=0.0)
+    else:
+        base = centered.div_(mixed_only if denominator is None else denominator * mixed_only).nan_to_num_(nan=0.0)
     if nsr:
-        base.addcmul_(all_incorrect, scored, value=-1.0)
+        if scale_rewards == "group":
+            nsr_value = -1.0
+        elif scale_rewards == "batch":
+            nsr_value = -nsr_scale / denominator  # 0-dim tensor: the batch std + 1e-4
+        else:
+            nsr_value = -float(nsr_scale)
+        base = base + all_incorrect * scored * nsr_value
 
     # Raw weights, Eq. 8, with NaN marking the invalid entries until the end: h - h is NaN for a NaN or infinite
     # entropy, and dividing by the scored mask (0 / 0) marks unscored rows.
@@ -433,14 +455,18 @@ def grpo_advantages(
     *,
     scale_rewards: ScaleRewards = "group",
     correct: torch.Tensor | None = None,
+    group_advantages: torch.Tensor | None = None,
     **_: object,
 ) -> AdvantageOutput:
     """GRPO's advantages (paper Eq. 2) exactly as TRL's GRPOTrainer computes them; weights are 1.
 
     Uniform-reward groups get 0 (advantage collapse); unscored rows (NaN reward) get 0. ``entropies``
     is accepted for a uniform estimator signature and unused. The advantages carry no gradient.
+    ``group_advantages``, when given (TRL's ``normalize_then_sum`` aggregation, from
+    :func:`normalize_then_sum_advantages`), are returned as the advantages; ``rewards`` then only set the
+    group types.
     """
-    _check_layout(rewards, num_generations, correct=correct)
+    _check_layout(rewards, num_generations, correct=correct, group_advantages=group_advantages)
     if scale_rewards not in SCALE_REWARDS_MODES:
         raise ValueError(f"Unknown scale_rewards {scale_rewards!r}; expected one of {SCALE_REWARDS_MODES}.")
     rewards = rewards.detach().float()
@@ -448,10 +474,13 @@ def grpo_advantages(
     r = rewards.view(-1, n)
     scored, is_correct = _scored_and_correct(r, correct)
     scored_count = scored.sum(dim=1, keepdim=True)
-    advantages, denominator = _grpo_parts(r, scored_count, scale_rewards)
-    if denominator is not None:
-        advantages.div_(denominator)
-    advantages = advantages.nan_to_num_(nan=0.0).view(-1)
+    if group_advantages is not None:
+        advantages = group_advantages.detach().float().clone().nan_to_num_(nan=0.0).view(-1)
+    else:
+        advantages, denominator = _grpo_parts(r, scored_count, scale_rewards)
+        if denominator is not None:
+            advantages.div_(denominator)
+        advantages = advantages.nan_to_num_(nan=0.0).view(-1)
     group_type, _, _ = _group_types(scored_count, is_correct.sum(dim=1, keepdim=True))
     ones = torch.ones_like(rewards)
     return AdvantageOutput(
@@ -528,6 +557,7 @@ def edge_grpo_advantages(
     entropy_eps: float = 1e-6,
     scale_rewards: ScaleRewards = "group",
     correct: torch.Tensor | None = None,
+    group_advantages: torch.Tensor | None = None,
     **_: object,
 ) -> AdvantageOutput:
     r"""EDGE-GRPO's entropy-driven advantage (EDA; Zhang et al. 2025, arXiv 2507.21848), vectorised over groups.
@@ -559,7 +589,9 @@ def edge_grpo_advantages(
         raise ValueError(
             f"Unknown entropy_normalization {entropy_normalization!r}; expected one of {ENTROPY_NORMALIZATIONS}."
         )
-    base = grpo_advantages(rewards, None, num_generations, scale_rewards=scale_rewards, correct=correct)
+    base = grpo_advantages(
+        rewards, None, num_generations, scale_rewards=scale_rewards, correct=correct, group_advantages=group_advantages
+    )
     n = num_generations
     scored = ~torch.isnan(rewards.float().view(-1, n))
     p = entropies.float().view(-1, n)
@@ -580,6 +612,48 @@ def edge_grpo_advantages(
         correct=base.correct,
     )
 
+
+def normalize_then_sum_advantages(
+    rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, num_generations: int
+) -> torch.Tensor:
+    """GRPO advantages under TRL's ``multi_objective_aggregation="normalize_then_sum"``, op for op as GRPOTrainer.
+
+    Each reward function's rewards are normalised within the group ((r - mean) / (std + 1e-4), unbiased std), the
+    normalised rewards are summed with ``reward_weights``, and the sums are normalised over the whole batch (mean
+    and std of the batch; ``scale_rewards`` plays no part, as in TRL). Rows every reward function left unscored
+    (NaN) get 0.
+
+    Args:
+        rewards_per_func: ``Tensor[B, K]``, NaN where a function did not score a completion.
+        reward_weights: ``Tensor[K]``.
+        num_generations: the group size; ``B`` must be a multiple of it.
+
+    Returns:
+        ``Tensor[B]``, the advantages (no gradient).
+    """
+    rewards_per_func = rewards_per_func.detach().float()
+    if rewards_per_func.dim() != 2 or rewards_per_func.size(1) != reward_weights.numel():
+        raise ValueError(
+            f"rewards_per_func must be [B, {reward_weights.numel()}] (one column per reward function), got "
+            f"{tuple(rewards_per_func.shape)}."
+        )
+    _check_layout(rewards_per_func[:, 0], num_generations)
+    num_funcs = rewards_per_func.size(1)
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    grouped = rewards_per_func.view(-1, num_generations, num_funcs)
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = _nanstd(grouped, dim=1).unsqueeze(1) if num_generations > 1 else torch.zeros_like(mean_k)
+    reward_k = ((grouped - mean_k) / (std_k + STD_EPS)).view(-1, num_funcs)
+    rewards = (reward_k * reward_weights.to(reward_k.device).unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    std = _nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    advantages = (rewards - torch.nanmean(rewards)) / (std + STD_EPS)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+# Estimators whose group types need a binary correctness signal (the paper's +1/-1 or 1/0 verifier): see the trainer.
+egpo_advantages.binary_correctness = True
+nsr_advantages.binary_correctness = True
 
 #: Estimators by name. Each takes ``(rewards, entropies, num_generations, *, correct=None, **options)`` and returns an
 #: :class:`AdvantageOutput`; the trainer passes the options its config names that the estimator's signature accepts.

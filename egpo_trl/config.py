@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -115,10 +116,14 @@ class EGPOConfig(GRPOConfig):
             Weights on entirely-incorrect groups: `"entropy"` (paper) or `"unit"` (ablation C4, \\(w \\equiv 1\\)).
         egpo_correctness_reward (`str` or `None`, *optional*, defaults to `None`):
             Name of the reward function whose value decides correct (> 0) versus incorrect. `None` uses the first
-            reward function. Mixed-group advantages still use the weighted sum of all rewards, as GRPO does.
+            reward function. Mixed-group advantages still use the weighted sum of all rewards, as GRPO does. It must
+            be binary (+1/-1 or 1/0 values) for `egpo`, `nsr`, dynamic sampling on correctness and `edge_gec`: other
+            values stop training with an error that names the fix.
         egpo_entropy_scope (`str`, *optional*, defaults to `"completion"`):
             Tokens the entropy proxy averages over: the whole `"completion"` (paper Eq. 5), the `"thinking"` segment
-            inside `<think>...</think>`, or the `"answer"` segment after `</think>` (the paper's RQ4 suggestion).
+            inside `<think>...</think>`, or the `"answer"` segment after `</think>` (the paper's RQ4 suggestion). A
+            completion without that segment (no `</think>`) falls back to its whole completion, with a warning and
+            the `egpo/frac_entropy_scope_fallback` metric.
         egpo_entropy_metrics (`bool`, *optional*, defaults to `True`):
             Compute the entropy proxy (and the `egpo/entropy_*` metrics) even when the advantage estimator does not
             use it (`grpo`, `nsr`). It costs one no-grad forward pass per generation batch when TRL has not computed
@@ -155,7 +160,9 @@ class EGPOConfig(GRPOConfig):
             EDGE-GRPO's Guided Error Correction: before scoring, an incorrect completion is, at random, continued after
             a reflection cue (probability `edge_gec_reflect_prob`), given the reference answer after the cue
             (`edge_gec_answer_prob`), or replaced by the reference solution (`edge_gec_solution_prob`, the dataset's
-            `solution` column; the answer is injected when a row has none). Needs an `answer` column. Works with
+            `solution` column; the answer is injected when a row has none, with a warning at start-up when the
+            column is missing and `gec/frac_solution_as_answer`; a solution whose last box does not give the answer
+            gets `\boxed{answer}` appended, `gec/frac_solution_boxed`). Needs an `answer` column. Works with
             transformers generation and with vLLM (injected tokens get a NaN sampling log-prob: no IS correction).
         edge_gec_scope (`str`, *optional*, defaults to `"incorrect"`):
             Which completions Guided Error Correction may change: every `"incorrect"` one (the public EDGE-GRPO code)
@@ -382,11 +389,24 @@ class EGPOConfig(GRPOConfig):
         choose("edge_gec_scope", self.edge_gec_scope, GEC_SCOPES)
         self._validate_baselines()
         self._validate_importance_sampling()
-        if self.advantage_estimator != "grpo" and self.multi_objective_aggregation != "sum_then_normalize":
+        self._validate_aggregation()
+
+    def _validate_aggregation(self) -> None:
+        """``normalize_then_sum`` needs an estimator that takes the aggregated GRPO advantages (``group_advantages``):
+        ``grpo`` (TRL's, exactly), ``egpo`` and ``edge_grpo`` (on top of them). ``nsr`` has no group baseline."""
+        if self.multi_objective_aggregation != "normalize_then_sum":
+            return
+        estimator = ADVANTAGE_ESTIMATORS.get(self.advantage_estimator)
+        if estimator is not None and "group_advantages" not in inspect.signature(estimator).parameters:
+            accepting = [
+                name
+                for name, func in ADVANTAGE_ESTIMATORS.items()
+                if "group_advantages" in inspect.signature(func).parameters
+            ]
             raise ValueError(
-                f"advantage_estimator={self.advantage_estimator!r} needs multi_objective_aggregation="
-                "'sum_then_normalize' (its advantages are computed from the weighted reward sum); set it, or use "
-                "advantage_estimator='grpo'."
+                f"advantage_estimator={self.advantage_estimator!r} does not use GRPO's group-normalised advantages, so "
+                "multi_objective_aggregation='normalize_then_sum' has no meaning for it; set multi_objective_aggregation"
+                f"='sum_then_normalize', or use one of {accepting}."
             )
 
     def _validate_importance_sampling(self) -> None:

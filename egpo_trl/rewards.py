@@ -1,7 +1,8 @@
 """Outcome rewards for verifiable math (paper Eq. 1) and the answer-extraction helpers they use.
 
 The paper's reward is binary: ``+1`` when the content of the **last** ``\\boxed{...}`` of a completion
-equals the ground truth, ``-1`` otherwise. Equality is decided by `math-verify`_. We extract the last
+equals the ground truth, ``-1`` otherwise (also when that last box is cut off by the length limit). Scoring
+returns within a bounded time on any input, in any thread: see :func:`answers_match`. Equality is decided by `math-verify`_. We extract the last
 box ourselves: math-verify, given a whole text, gathers *every* box into one set, so a completion
 that writes ``\\boxed{3}`` and later ``\\boxed{5}`` would match a gold answer of ``3``.
 
@@ -13,9 +14,16 @@ accept plain strings or chat messages (``[{"role": "assistant", "content": ...}]
 
 from __future__ import annotations
 
+import atexit
+import json
 import logging
+import os
 import re
+import select
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
@@ -38,11 +46,18 @@ __all__ = [
 CORRECT_REWARD = 1.0
 INCORRECT_REWARD = -1.0
 
-# Boxed contents longer than this are not handed to the symbolic verifier (they are never a final
-# answer, and sympy can take unbounded time on them outside the main thread, where math-verify's
-# signal-based timeout cannot run).
+# Boxed contents longer than this, or nested deeper than MAX_NESTING braces, are not handed to the symbolic
+# verifier: they are never a final answer, and parsing them can take long.
 MAX_ANSWER_CHARS = 1000
-VERIFY_TIMEOUT_S = 3
+MAX_NESTING = 12
+# A power whose exponent is a power (a tower, 9^{9^{9}}) or a number of more than MAX_EXPONENT_DIGITS digits
+# (9^{387420489}) asks for an integer of millions of digits: not handed to the symbolic verifier either.
+MAX_EXPONENT_DIGITS = 4
+# Wall-clock bound of one symbolic comparison, in the worker process (see egpo_trl.verify_worker): when it runs
+# over, the worker is killed and restarted, and the answer counts as wrong.
+VERIFY_TIMEOUT_S = 8.0
+# Seconds a fresh worker may take to start (importing sympy and math-verify).
+WORKER_START_TIMEOUT_S = 120.0
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
 
@@ -67,7 +82,8 @@ def extract_last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, with balanced braces.
 
     ``\\boxed 5`` (a single token after a space, as some models write) is accepted too. Returns
-    ``None`` when the text has no complete box (for example a box cut off by the length limit).
+    ``None`` when the text has no box, or when its last box is not closed (cut off by the length limit):
+    the paper scores the last box, so an earlier complete box does not stand in for it.
 
     >>> extract_last_boxed(r"first \\boxed{1}, then \\boxed{\\frac{1}{2}}")
     '\\\\frac{1}{2}'
@@ -89,7 +105,7 @@ def extract_last_boxed(text: str) -> str | None:
                     depth -= 1
                     if depth == 0:
                         return text[open_at + 1 : pos].strip()
-            continue  # unbalanced: look at an earlier box
+            return None  # the last box is not closed: no answer
         if rest.startswith(" "):
             token = re.match(r"\s+([^\s$]+)", rest)
             if token:
@@ -108,24 +124,142 @@ def _normalize(answer: str) -> str:
     return answer
 
 
-@lru_cache(maxsize=65536)
-def _parse(expression: str, timeout: int | None):
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+def _too_costly(answer: str) -> bool:
+    """Whether ``answer`` is refused before symbolic parsing (size, nesting, power towers, huge exponents)."""
+    if len(answer) > MAX_ANSWER_CHARS:
+        return True
+    depth = deepest = 0
+    for char in answer:
+        if char == "{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == "}":
+            depth -= 1
+    if deepest > MAX_NESTING:
+        return True
+    compact = answer.replace(" ", "")
+    for match in re.finditer(r"(\^|\*\*)", compact):
+        exponent = compact[match.end() :]
+        if exponent.startswith("{"):
+            depth, end = 0, len(exponent)
+            for pos, char in enumerate(exponent):
+                depth += 1 if char == "{" else -1 if char == "}" else 0
+                if depth == 0:
+                    end = pos
+                    break
+            exponent_text, rest = exponent[1:end], exponent[end + 1 :]
+        else:
+            token = re.match(r"[^\^*+\-=/(){}\[\],]*", exponent)
+            exponent_text, rest = token.group(0), exponent[token.end() :]
+        if "^" in exponent_text or "**" in exponent_text or rest.startswith(("^", "**")):
+            return True  # a tower: a^{b^c}, a^b^c
+        digits = re.sub(r"[^0-9]", "", exponent_text)
+        if len(digits) > MAX_EXPONENT_DIGITS or "!" in exponent_text:
+            return True
+    return bool(re.search(r"\d{5,}\s*!", compact))  # the factorial of a large number
 
-    # Wrapping in \boxed{} makes math-verify read the whole expression as one answer.
-    return parse(
-        "\\boxed{" + expression + "}",
-        extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()],
-        parsing_timeout=timeout,
-    )
+
+_WORKER_BOOT = (
+    "import runpy, sys; sys.path[:] = [p for p in sys.path if p]; runpy.run_path(sys.argv[1], run_name='__main__')"
+)
+
+
+class _VerifyWorker:
+    """One math-verify worker process (``python -m egpo_trl.verify_worker``) per process using it, shared by its
+    threads, killed and restarted when a comparison overruns ``VERIFY_TIMEOUT_S``."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._owner = None
+        self._buffer = b""
+        atexit.register(self.close)
+
+    def _start(self) -> None:
+        self._proc = subprocess.Popen(
+            # The worker file alone, not the package (whose import pulls in torch and TRL), nor the current folder.
+            [
+                sys.executable,
+                "-c",
+                _WORKER_BOOT,
+                os.path.join(os.path.dirname(os.path.abspath(__file__)), "verify_worker.py"),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+        )
+        self._owner = os.getpid()
+        self._buffer = b""
+        if self._read_line(WORKER_START_TIMEOUT_S) != b"ready":
+            self.close()
+            raise RuntimeError(
+                f"The math-verify worker process (egpo_trl/verify_worker.py, run by {sys.executable}) did not start; check "
+                "that math-verify is installed in this environment (pip install 'math-verify[antlr4_13_2]')."
+            )
+
+    def _read_line(self, timeout: float) -> bytes | None:
+        deadline = time.monotonic() + timeout
+        fd = self._proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return None
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and self._owner == os.getpid():
+            proc.kill()
+            proc.wait()
+            for stream in (proc.stdin, proc.stdout):
+                stream.close()
+
+    def match(self, predicted: str, gold: str, timeout: float) -> bool:
+        with self._lock:
+            if self._proc is None or self._owner != os.getpid() or self._proc.poll() is not None:
+                if self._owner != os.getpid():
+                    self._proc = None  # a forked child: the parent's worker is not ours to use
+                self.close()
+                self._start()
+            try:
+                self._proc.stdin.write((json.dumps([predicted, gold]) + "\n").encode())
+                self._proc.stdin.flush()
+                reply = self._read_line(timeout)
+            except (BrokenPipeError, OSError):
+                reply = None
+            if reply is None:  # overran its deadline, or died: kill it, the next call starts a fresh one
+                logger.warning(
+                    "math-verify took longer than %.0f s comparing %.80r with %.80r; scored as no match.",
+                    timeout,
+                    predicted,
+                    gold,
+                )
+                self.close()
+                return False
+            return reply == b"1"
+
+
+_WORKER = _VerifyWorker()
+
+
+@lru_cache(maxsize=65536)
+def _symbolic_match(predicted: str, gold: str) -> bool:
+    return _WORKER.match(predicted, gold, VERIFY_TIMEOUT_S)
 
 
 def answers_match(predicted: str | None, gold: Any) -> bool:
     """Whether an extracted answer equals the ground truth, by string match then math-verify.
 
-    Never raises: any failure (parse error, timeout) counts as no match. In the main thread each
-    parse and comparison is bounded by ``VERIFY_TIMEOUT_S`` seconds (math-verify's signal alarm);
-    elsewhere overly long answers are refused up front instead.
+    Never raises, and returns within a bounded time on any input, in any thread or process: answers that are
+    too long, too deeply nested, power towers or powers with huge exponents get the string match only (see
+    :func:`_too_costly`); math-verify runs in a worker process (:mod:`egpo_trl.verify_worker`) that is killed
+    when one comparison takes longer than ``VERIFY_TIMEOUT_S`` seconds. Any failure counts as no match.
     """
     if predicted is None or gold is None:
         return False
@@ -134,20 +268,9 @@ def answers_match(predicted: str | None, gold: Any) -> bool:
         return False
     if _normalize(predicted) == _normalize(gold_text):
         return True
-    if len(predicted) > MAX_ANSWER_CHARS:
+    if _too_costly(predicted) or _too_costly(gold_text):
         return False
-    timeout = VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-    try:
-        from math_verify import verify
-
-        gold_parsed = _parse(gold_text, timeout)
-        pred_parsed = _parse(predicted, timeout)
-        if not gold_parsed or not pred_parsed:
-            return False
-        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
-    except Exception as error:  # noqa: BLE001 - a reward must never crash a training step
-        logger.debug("math-verify failed on %r vs %r: %s", predicted, gold_text, error)
-        return False
+    return _symbolic_match(predicted, gold_text)
 
 
 def _gold_to_text(gold: Any) -> str:

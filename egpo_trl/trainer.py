@@ -20,7 +20,9 @@ Where the log-probs come from (the paper's "zero-overhead" proxy):
   optimisation steps are misaligned, and with vLLM importance-sampling correction (on by default).
   No extra cost.
 * otherwise the sampling log-probs vLLM returned (``use_vllm`` without importance-sampling
-  correction). No extra cost.
+  correction), when sampling is plain (no top-p, top-k, min-p, penalties or ``min_tokens``: see
+  :func:`~egpo_trl.config.distribution_changing_sampling_options`), so that they are the policy's at the
+  temperature. No extra cost.
 * otherwise one extra no-grad forward pass of the policy over the generation batch (plain
   transformers generation with ``num_iterations = 1``). It costs about a third of a training
   step's forward+backward; ``benchmarks/`` measures it.
@@ -52,6 +54,7 @@ import torch
 from trl import GRPOTrainer
 from trl.data_utils import is_conversational
 from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import get_config_model_id
 
 from egpo_trl.advantages import (
     GROUP_ALL_CORRECT,
@@ -60,11 +63,12 @@ from egpo_trl.advantages import (
     AdvantageOutput,
     get_advantage_estimator,
     get_entropy_input,
+    normalize_then_sum_advantages,
     sequence_entropy,
     sequence_mean,
 )
-from egpo_trl.config import EGPOConfig
-from egpo_trl.rewards import make_overlong_penalty_reward
+from egpo_trl.config import EGPOConfig, distribution_changing_sampling_options
+from egpo_trl.rewards import answers_match, extract_last_boxed, make_overlong_penalty_reward
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +96,8 @@ IS_RATIO_WARNING_THRESHOLD = 0.5
 
 
 _BOXED = "\\boxed{"
+# Appended to a reference solution (Guided Error Correction) whose last box does not give the reference answer.
+SOLUTION_ANSWER_SUFFIX = "\n\nThe final answer is \\boxed{{answer}}."
 
 
 def _ends_inside_boxed(text: str) -> bool:
@@ -142,7 +148,9 @@ class EGPOTrainer(GRPOTrainer):
     Correctness rule with several reward functions: a completion is correct when the reward function
     named by ``args.egpo_correctness_reward`` (the first one by default) gives it a reward > 0. Group
     types (entirely-correct, mixed, entirely-incorrect) follow from that; mixed-group advantages use
-    the weighted sum of all rewards, as GRPO does.
+    the weighted sum of all rewards, as GRPO does. That function must be a binary verifier (+1/-1 or
+    1/0 values) for the estimators and features that use group types; any other values stop training
+    with an error naming the fix (see the README, "Where EGPOTrainer differs from GRPOTrainer").
 
     Metrics logged beside TRL's, per generation batch (``egpo/*``): the fraction of entirely-correct,
     mixed and entirely-incorrect groups, the mean weight on correct and on incorrect completions, the
@@ -157,9 +165,7 @@ class EGPOTrainer(GRPOTrainer):
     _name = "EGPO"
 
     def __init__(self, model, reward_funcs=None, args: EGPOConfig | None = None, *pos_args: Any, **kwargs: Any):
-        if args is None:
-            from trl.models.utils import get_config_model_id
-
+        if args is None:  # as GRPOTrainer: an output folder named after the model
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = EGPOConfig(f"{model_name.split('/')[-1]}-EGPO")
         elif not isinstance(args, EGPOConfig):
@@ -183,6 +189,22 @@ class EGPOTrainer(GRPOTrainer):
 
         self._egpo_estimator = get_advantage_estimator(args.advantage_estimator)
         self._egpo_entropy_input = get_entropy_input(self._egpo_estimator)
+        #: What needs a binary correctness reward (see _egpo_correct), as named in the error.
+        self._egpo_binary_features = [
+            name
+            for name, needed in (
+                (
+                    f"advantage_estimator={args.advantage_estimator!r}",
+                    getattr(self._egpo_estimator, "binary_correctness", False),
+                ),
+                (
+                    "dynamic_sampling_metric='correctness'",
+                    args.dynamic_sampling and args.dynamic_sampling_metric == "correctness",
+                ),
+                ("edge_gec", args.edge_gec),
+            )
+            if needed
+        ]
         if args.egpo_correctness_reward is None:
             self._egpo_correctness_index = 0
         elif args.egpo_correctness_reward in self.reward_func_names:
@@ -256,6 +278,14 @@ class EGPOTrainer(GRPOTrainer):
             if "answer" not in columns:
                 raise ValueError(
                     f"edge_gec needs the reference answers in an `answer` column of train_dataset; it has {columns}."
+                )
+            if args.edge_gec_solution_prob > 0 and "solution" not in columns and self.accelerator.is_main_process:
+                logger.warning(
+                    "edge_gec_solution_prob=%g but train_dataset has no `solution` column: that share of the incorrect "
+                    "completions gets the reference answer injected (as edge_gec_answer_prob does) instead of being "
+                    "replaced by a reference solution; gec/frac_solution_as_answer logs it. Add a `solution` column, "
+                    "or set edge_gec_solution_prob=0 (and give its probability to edge_gec_answer_prob) to say so.",
+                    args.edge_gec_solution_prob,
                 )
 
     # ------------------------------------------------------------------ TRL hooks
@@ -410,16 +440,27 @@ class EGPOTrainer(GRPOTrainer):
         return output
 
     # ------------------------------------------------------------------ entropies
-    def _egpo_loss_mask(self, output: dict[str, Any]) -> torch.Tensor:
+    def _egpo_loss_mask(self, output: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tokens the entropy proxy averages over, and (for a ``thinking``/``answer`` scope) which rows fell back
+        to their whole completion because their segment is empty (``None`` for the ``completion`` scope).
+
+        A completion without ``</think>`` (cut off by the length limit, or a model that does not write the tags) has
+        no answer segment, and one that closes the tag at once has no thinking segment. Their segment entropy is
+        undefined; rather than leave them out of the group mean (weight 1, as if unscored), the proxy falls back to
+        the whole completion, as :func:`egpo_trl.segments.scope_mask` does, and ``egpo/frac_entropy_scope_fallback``
+        logs how often.
+        """
         mask = output["completion_mask"]
         if output.get("tool_mask") is not None:
             mask = mask * output["tool_mask"]
-        if self.args.egpo_entropy_scope != "completion":
-            from egpo_trl.segments import segment_masks
+        if self.args.egpo_entropy_scope == "completion":
+            return mask, None
+        from egpo_trl.segments import segment_masks
 
-            thinking, answer = segment_masks(output["completion_ids"], mask, self.processing_class)
-            mask = thinking if self.args.egpo_entropy_scope == "thinking" else answer
-        return mask
+        thinking, answer = segment_masks(output["completion_ids"], mask, self.processing_class)
+        chosen = thinking if self.args.egpo_entropy_scope == "thinking" else answer
+        fallback = ((chosen != 0).sum(dim=1) == 0) & ((mask != 0).sum(dim=1) > 0)
+        return torch.where(fallback.unsqueeze(1), mask, chosen), fallback
 
     def _egpo_entropies(self, output: dict[str, Any]) -> dict[str, Any]:
         """Global per-completion entropies of this generation batch.
@@ -437,7 +478,12 @@ class EGPOTrainer(GRPOTrainer):
         if need_nll:
             if output.get("old_per_token_logps") is not None:
                 logps, source = output["old_per_token_logps"], "old_per_token_logps"
-            elif output.get("sampling_per_token_logps") is not None:
+            elif output.get("sampling_per_token_logps") is not None and not distribution_changing_sampling_options(
+                self.args
+            ):
+                # Plain sampling: vLLM's processed log-probs are the policy's at the temperature. With top-p, top-k,
+                # min-p, penalties or min_tokens they are those of another distribution, so the proxy comes from the
+                # policy's own pass below instead, and is the same whichever importance-sampling setting is used.
                 logps, source = output["sampling_per_token_logps"], "sampling_per_token_logps"
         extra_pass = (need_nll and logps is None) or (need_shannon and token_entropies is None)
         if extra_pass:
@@ -448,10 +494,39 @@ class EGPOTrainer(GRPOTrainer):
                 logps, source = forward_logps, "forward"
             if need_shannon and token_entropies is None:
                 token_entropies = forward_entropies
-        mask = self._egpo_loss_mask(output)
+        mask, fallback = self._egpo_loss_mask(output)
         nll = self.accelerator.gather(sequence_entropy(logps, mask)) if need_nll else None
         shannon = self.accelerator.gather(sequence_mean(token_entropies, mask)) if need_shannon else None
-        return {"nll": nll, "shannon": shannon, "source": source, "extra_pass": extra_pass}
+        if fallback is not None:
+            fallback = self.accelerator.gather(fallback)
+            self._egpo_warn_scope_fallback(fallback)
+        return {
+            "nll": nll,
+            "shannon": shannon,
+            "source": source,
+            "extra_pass": extra_pass,
+            "scope_fallback": fallback,
+        }
+
+    def _egpo_warn_scope_fallback(self, fallback: torch.Tensor) -> None:
+        """Warn once per run when completions of a ``thinking``/``answer`` entropy scope fall back to the whole
+        completion."""
+        if not fallback.any() or getattr(self, "_egpo_scope_fallback_warned", False):
+            return
+        self._egpo_scope_fallback_warned = True
+        if self.accelerator.is_main_process:
+            scope = self.args.egpo_entropy_scope
+            reason = "no `</think>`" if scope == "answer" else "an empty thinking segment"
+            logger.warning(
+                "egpo_entropy_scope=%r: %d of %d completions of this batch have %s (cut off by max_completion_length, "
+                "or the model does not write the tags), so their entropy proxy is taken over the whole completion "
+                "instead; egpo/frac_entropy_scope_fallback logs the fraction at every step. Raise "
+                "max_completion_length, or use egpo_entropy_scope='completion'.",
+                scope,
+                int(fallback.sum()),
+                fallback.numel(),
+                reason,
+            )
 
     @torch.no_grad()
     def _egpo_forward(self, output: dict[str, Any], compute_entropy: bool = False):
@@ -491,6 +566,7 @@ class EGPOTrainer(GRPOTrainer):
             "nsr": args.egpo_nsr,
             "nsr_weighting": args.egpo_nsr_weighting,
             "scale_rewards": self.scale_rewards,
+            "nsr_scale": 1.0,
             "positive_weight": args.nsr_positive_weight,
             "entropy_normalization": args.edge_grpo_entropy_normalization,
         }
@@ -512,14 +588,52 @@ class EGPOTrainer(GRPOTrainer):
         # The weighted reward sum, exactly as GRPOTrainer forms it.
         rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
         rewards[unscorable] = torch.nan
-        correct = rewards_per_func[:, self._egpo_correctness_index] > 0
+        correct, incorrect_value = self._egpo_correct(rewards_per_func)
+        kwargs = self._estimator_kwargs()
+        if self.args.multi_objective_aggregation == "normalize_then_sum":
+            kwargs["group_advantages"] = normalize_then_sum_advantages(
+                rewards_per_func, self.reward_weights.to(device), num_generations
+            )
+        if "nsr_scale" in kwargs:
+            # Half the gap between a correct and an incorrect reward of the correctness function, weighted as in
+            # the reward sum: 1 for the paper's +1/-1 reward, 0.5 for a 1/0 reward.
+            weight = float(self.reward_weights[self._egpo_correctness_index])
+            kwargs["nsr_scale"] = weight * (1.0 - incorrect_value) / 2
         return self._egpo_estimator(
             rewards,
             entropies.to(device) if entropies is not None else None,
             num_generations,
             correct=correct,
-            **self._estimator_kwargs(),
+            **kwargs,
         )
+
+    def _egpo_correct(self, rewards_per_func: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Which completions are correct (the correctness reward function's value > 0), and the reward value of an
+        incorrect one (-1 or 0).
+
+        The group types of EGPO and NSR, dynamic sampling's ``correctness`` filter and Guided Error Correction need
+        a binary verifier: a correctness reward whose values are those of a +1/-1 or a 1/0 reward. Any other value
+        (a length, a score, a reward model's logit) would make every positive reward "correct", every group
+        entirely-correct and every advantage 0, a run that trains nothing: it is refused with the fix.
+        """
+        values = rewards_per_func[:, self._egpo_correctness_index]
+        scored = values[~torch.isnan(values)]
+        distinct = set(scored.unique().tolist())
+        binary = distinct <= {-1.0, 1.0} or distinct <= {0.0, 1.0}
+        if not binary and self._egpo_binary_features:
+            name = self.reward_func_names[self._egpo_correctness_index]
+            shown = ", ".join(f"{v:g}" for v in sorted(distinct)[:6]) + (", ..." if len(distinct) > 6 else "")
+            features = ", ".join(self._egpo_binary_features)
+            raise ValueError(
+                f"{features} need(s) a binary correctness reward (the paper's +1/-1, or 1/0), but the reward function "
+                f"{name!r}, which decides correct (> 0) versus incorrect, returned {len(distinct)} distinct values in "
+                f"this batch ({shown}). With such rewards every positive completion would count as correct and every "
+                "group as entirely-correct, with advantage 0: nothing would train. Either add a binary verifier (such "
+                "as egpo_trl.rewards.boxed_accuracy_reward) and name it in egpo_correctness_reward (the other reward "
+                "functions still shape the mixed groups' advantages), or use advantage_estimator='grpo' (TRL's GRPO, "
+                "which takes any reward)."
+            )
+        return values > 0, (0.0 if 0.0 in distinct else -1.0)
 
     def _egpo_log_metrics(
         self, mode: str, result: AdvantageOutput, entropies: dict[str, Any], num_generations: int
@@ -559,6 +673,8 @@ class EGPOTrainer(GRPOTrainer):
             shannon = entropies["shannon"].float()
             values["token_entropy_mean"] = mean_of(shannon, torch.isfinite(shannon))
         values["entropy_extra_pass"] = float(entropies["extra_pass"])
+        if entropies.get("scope_fallback") is not None:
+            values["frac_entropy_scope_fallback"] = entropies["scope_fallback"].float().mean().item()
         for name, value in values.items():
             if value is not None:  # an undefined mean (no correct completion, say) is left out, not logged as NaN
                 metrics[f"egpo/{name}"].append(value)
@@ -574,7 +690,7 @@ class EGPOTrainer(GRPOTrainer):
         if self.args.dynamic_sampling_metric == "correctness":
             values = rewards_per_func[:, self._egpo_correctness_index].view(-1, num_generations)
             scored = ~torch.isnan(values)
-            n_correct = ((values > 0) & scored).sum(dim=1)
+            n_correct = (self._egpo_correct(rewards_per_func)[0].view(-1, num_generations) & scored).sum(dim=1)
             return (n_correct > 0) & (n_correct < scored.sum(dim=1))
         unscorable = torch.isnan(rewards_per_func).all(dim=1)
         rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
@@ -788,7 +904,9 @@ class EGPOTrainer(GRPOTrainer):
         ``edge_gec_scope="all_incorrect_groups"``, belongs to a group without a correct completion) is, with the
         configured probabilities: continued by the policy after ``edge_gec_reflection_cue`` (``reflect``); given the
         reference answer with ``edge_gec_answer_template`` (``answer``); replaced by the reference solution
-        (``solution``, the row's ``solution`` column, else ``answer``). The rewritten completion keeps the
+        (``solution``, the row's ``solution`` column, else ``answer``, counted in ``gec/frac_solution_as_answer``;
+        a solution whose last box does not give the reference answer, or that must be shortened, ends with
+        ``SOLUTION_ANSWER_SUFFIX``, counted in ``gec/frac_solution_boxed``). The rewritten completion keeps the
         original's tokens (shortened when needed, so that it fits ``max_completion_length``) and ends with EOS,
         except a continuation that runs out of tokens. TRL then scores and trains on the rewritten completions.
         """
@@ -803,9 +921,10 @@ class EGPOTrainer(GRPOTrainer):
         rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids)
         values = rewards_per_func[:, self._egpo_correctness_index]
         scored = ~torch.isnan(values)
-        eligible = scored & ~(values > 0)
+        is_correct = self._egpo_correct(rewards_per_func)[0]
+        eligible = scored & ~is_correct
         if args.edge_gec_scope == "all_incorrect_groups":
-            grouped = (values > 0).view(-1, num_generations).any(dim=1, keepdim=True)
+            grouped = is_correct.view(-1, num_generations).any(dim=1, keepdim=True)
             eligible = eligible & ~grouped.expand(-1, num_generations).reshape(-1)
         start = self.accelerator.process_index * local_rows
         eligible = eligible[start : start + local_rows].cpu()
@@ -830,6 +949,8 @@ class EGPOTrainer(GRPOTrainer):
 
         new_ids = [list(ids) for ids in completion_ids]
         strategy = [None] * local_rows
+        solution_as_answer = [False] * local_rows  # the solution share, for a row without a solution
+        solution_boxed = [False] * local_rows  # a solution that got the answer's box appended
         kept_tokens = [0] * local_rows  # leading tokens of the sampled completion that a rewrite keeps
         cue = encode(args.edge_gec_reflection_cue)
         # Room kept for a continuation: up to edge_gec_max_new_tokens, at least half of what the cue leaves free;
@@ -849,8 +970,10 @@ class EGPOTrainer(GRPOTrainer):
                 choice = "answer"
             elif u < solution_below:
                 choice = "solution" if solution else "answer"
-            if choice == "answer" and (answer is None or str(answer) == ""):
+                solution_as_answer[i] = not solution
+            if choice in ("answer", "solution") and (answer is None or str(answer) == ""):
                 choice = None
+                solution_as_answer[i] = False
             if choice == "reflect":
                 kept = body(completion_ids[i])[: max_length - len(cue) - room]
                 new_ids[i] = kept + cue
@@ -867,8 +990,18 @@ class EGPOTrainer(GRPOTrainer):
                 new_ids[i] = kept + injected + [eos]
                 kept_tokens[i] = len(kept)
             elif choice == "solution":
-                text = encode(str(solution))
-                new_ids[i] = text[: max_length - 1] + [eos] if len(text) < max_length else text[:max_length]
+                # The reference solution, scored by its last box: when that box does not give the reference answer
+                # (no box, another box last), or the solution must be shortened to fit, it ends with the answer's
+                # box, so that the replaced completion is the correct one it stands for.
+                text = str(solution)
+                body_ids = encode(text)
+                suffix = []
+                if not answers_match(extract_last_boxed(text), answer) or len(body_ids) > max_length - 1:
+                    suffix = encode(SOLUTION_ANSWER_SUFFIX.replace("{answer}", str(answer)))[: max_length - 1]
+                    solution_boxed[i] = True
+                if len(body_ids) > max_length - 1 - len(suffix):
+                    body_ids = boxed_safe_prefix(body_ids[: max(0, max_length - 1 - len(suffix))], tokenizer.decode)
+                new_ids[i] = body_ids + suffix + [eos]
             strategy[i] = choice
 
         # Continuations: every process generates together when any needs to (generation may be collective).
@@ -906,13 +1039,22 @@ class EGPOTrainer(GRPOTrainer):
 
         counts = torch.tensor(
             [float(eligible.sum())]
-            + [float(sum(s == name for s in strategy)) for name in ("reflect", "answer", "solution")],
+            + [float(sum(s == name for s in strategy)) for name in ("reflect", "answer", "solution")]
+            + [float(sum(solution_as_answer)), float(sum(solution_boxed))],
             device=device,
         )
         totals = self.accelerator.gather(counts.unsqueeze(0)).sum(dim=0) / (
             local_rows * self.accelerator.num_processes
         )
-        for name, value in zip(("frac_eligible", "frac_reflect", "frac_answer", "frac_solution"), totals.tolist()):
+        names = (
+            "frac_eligible",
+            "frac_reflect",
+            "frac_answer",
+            "frac_solution",
+            "frac_solution_as_answer",
+            "frac_solution_boxed",
+        )
+        for name, value in zip(names, totals.tolist()):
             self._metrics["train"][f"gec/{name}"].append(value)
         return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images
 

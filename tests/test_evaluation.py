@@ -168,6 +168,25 @@ def test_model_family_budgets():
     assert default_max_new_tokens("/models/my-model")[0] == 3072
 
 
+def test_budget_of_a_checkpoint_comes_from_its_chat_template_not_its_name(tmp_path):
+    from transformers import AutoTokenizer
+
+    from egpo_trl.testing import CHAT_TEMPLATE, build_tiny_model
+
+    # An R1-style checkpoint saved under a name that says nothing: its template opens the thinking segment.
+    reasoning = build_tiny_model(str(tmp_path / "outputs" / "run1"))
+    tokenizer = AutoTokenizer.from_pretrained(reasoning)
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("assistant\n{% endif %}", "assistant\n<think>\n{% endif %}")
+    tokenizer.save_pretrained(reasoning)
+    tokens, reason = default_max_new_tokens(reasoning)
+    assert tokens == 16384 and "chat template" in reason
+    assert default_max_new_tokens("outputs/run1", tokenizer)[0] == 16384
+    # A Qwen2.5-Math-style template has no tags: 3072, and the reason says what was looked at.
+    plain = build_tiny_model(str(tmp_path / "outputs" / "run2"))
+    tokens, reason = default_max_new_tokens(plain)
+    assert tokens == 3072 and "chat template" in reason
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # pass@1 and tables
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "egpo_trl" / "data" / "benchm
         (r"\fbox{7}", "7"),
         (r"answer: \boxed 9", "9"),
         (r"cut off \boxed{12", None),
-        (r"ok \boxed{4} then cut \boxed{1", "4"),
+        (r"ok \boxed{4} then cut \boxed{1", None),  # the last box, cut off, is the answer: none
         ("no box at all", None),
         ("", None),
     ],
@@ -75,3 +77,48 @@ def test_mismatched_lengths_name_the_missing_column():
 
 def test_think_format_reward():
     assert think_format_reward([r"<think>a</think> \boxed{1}", r"\boxed{1}", "<think>a</think>"]) == [1.0, 0.0, 0.0]
+
+
+def test_a_cut_off_last_box_scores_wrong_even_after_a_correct_box():
+    assert boxed_accuracy_reward([r"so \boxed{4}. Let me check: \boxed{4"], answer=["4"]) == [-1.0]
+
+
+BOMBS = [
+    r"\boxed{9^{9^{9^{9}}}}",
+    r"\boxed{9^9^9}",
+    r"\boxed{10^{387420489}}",
+    r"\boxed{123456!}",
+    r"\boxed{2**3**99}",
+]
+
+
+def _in_thread(func):
+    result = []
+    thread = threading.Thread(target=lambda: result.append(func()))
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the reward did not return"
+    return result[0]
+
+
+def test_reward_returns_quickly_on_huge_powers_in_any_thread():
+    start = time.monotonic()
+    assert _in_thread(lambda: boxed_accuracy_reward(BOMBS, answer=["1"] * len(BOMBS))) == [-1.0] * len(BOMBS)
+    assert boxed_accuracy_reward(BOMBS, answer=["1"] * len(BOMBS)) == [-1.0] * len(BOMBS)
+    assert time.monotonic() - start < 10
+    # A gold answer written the same way still matches (string comparison, no evaluation).
+    assert boxed_accuracy_reward([r"\boxed{2^{2^{10}}}"], answer=["2^{2^{10}}"]) == [1.0]
+
+
+def test_a_comparison_that_overruns_is_killed_and_scored_wrong(monkeypatch):
+    from egpo_trl import rewards
+
+    # Without the size guards, the tower reaches sympy, which would compute 9^387420489 for minutes: the worker
+    # process is killed at the deadline, from a thread, and the next comparison gets a fresh one.
+    monkeypatch.setattr(rewards, "_too_costly", lambda answer: False)
+    monkeypatch.setattr(rewards, "VERIFY_TIMEOUT_S", 2.0)
+    answers_match("0", "1")  # the worker is up
+    start = time.monotonic()
+    assert _in_thread(lambda: answers_match("9^{9^{9}}", "2")) is False
+    assert time.monotonic() - start < 8
+    assert answers_match("0.5", r"\frac{1}{2}") and not answers_match("0.25", r"\frac{1}{3}")

@@ -202,7 +202,7 @@ def test_peft_lora_trains_only_the_adapter(tmp_path, tiny_model_dir):
 
 def test_correctness_comes_from_the_named_reward_function(tmp_path, tiny_model_dir):
     def format_bonus(completions, **kwargs):
-        return [5.0] * len(completions)  # would make every completion "correct" if it decided correctness
+        return [1.0] * len(completions)  # would make every completion "correct" if it decided correctness
 
     args = config(tmp_path, max_steps=1, reward_weights=[1.0, 1.0])
     trainer = EGPOTrainer(tiny_model_dir, [parity_reward, format_bonus], args, train_dataset=make_prompt_dataset())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -37,23 +38,53 @@ __all__ = [
 
 BACKENDS = ("auto", "transformers", "vllm")
 
+REASONING_MAX_NEW_TOKENS = 16384
 # Maximum generation length per model family, from the paper's protocol (Sec. 5.1).
 MODEL_FAMILY_MAX_NEW_TOKENS: tuple[tuple[str, int], ...] = (
-    (r"r1[-_]?distill|deepseek[-_]?r1", 16384),
+    (r"r1[-_]?distill|deepseek[-_]?r1", REASONING_MAX_NEW_TOKENS),
     (r"qwen2\.5[-_]?math", 3072),
 )
 FALLBACK_MAX_NEW_TOKENS = 3072
 
 
-def default_max_new_tokens(model_name: str) -> tuple[int, str]:
-    """The paper's generation budget for a model: 16384 for DeepSeek-R1-Distill, 3072 for Qwen2.5-Math.
+_THINK_TAGS = ("<think>", "</think>")
 
-    Returns ``(tokens, reason)``; other models get 3072 (say ``--max-new-tokens`` to change it).
+
+def _chat_template_text(tokenizer: Any) -> str:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates
+        return "\n".join(str(t) for t in template.values())
+    return str(template or "")
+
+
+def default_max_new_tokens(model_name: str, tokenizer: Any = None) -> tuple[int, str]:
+    """The paper's generation budget for a model: 16384 for a reasoning model (DeepSeek-R1-Distill), 3072 for
+    Qwen2.5-Math and other models.
+
+    The model's own files decide first, so that a fine-tuned checkpoint saved under any name (``outputs/run1``)
+    gets its family's budget: a chat template that writes ``<think>`` / ``</think>`` (the reasoning models' template
+    opens or strips the thinking segment) means 16384. ``tokenizer`` is the model's tokenizer; when it is not given,
+    the tokenizer of a local ``model_name`` folder is read. Without a template that says so, the name decides
+    (R1-Distill 16384, Qwen2.5-Math 3072), else 3072.
+
+    Returns ``(tokens, reason)``; ``egpo-trl eval`` prints both (say ``--max-new-tokens`` to change it).
     """
+    if tokenizer is None and os.path.isdir(model_name):
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_name)
+        except Exception as error:  # noqa: BLE001 - the name still decides
+            logger.debug("No tokenizer in %s: %s", model_name, error)
+    template = _chat_template_text(tokenizer) if tokenizer is not None else ""
+    if any(tag in template for tag in _THINK_TAGS):
+        return REASONING_MAX_NEW_TOKENS, "the chat template writes <think>...</think> (a reasoning model)"
     lowered = model_name.lower()
     for pattern, tokens in MODEL_FAMILY_MAX_NEW_TOKENS:
         if re.search(pattern, lowered):
-            return tokens, f"model family matches {pattern!r}"
+            return tokens, f"model name matches {pattern!r}"
+    if tokenizer is not None:
+        return FALLBACK_MAX_NEW_TOKENS, "the chat template has no <think> tags and the name no known family, default"
     return FALLBACK_MAX_NEW_TOKENS, "unknown model family, default"
 
 

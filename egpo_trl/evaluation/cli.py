@@ -19,11 +19,18 @@ An interrupted run continues where it stopped when started again with the same `
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 
-from egpo_trl.evaluation.backends import BACKENDS, SamplingSettings, default_max_new_tokens, load_backend
+from egpo_trl.evaluation.backends import (
+    BACKENDS,
+    FALLBACK_MAX_NEW_TOKENS,
+    SamplingSettings,
+    default_max_new_tokens,
+    load_backend,
+)
 from egpo_trl.evaluation.benchmarks import BENCHMARKS, is_builtin, resolve_benchmark
 from egpo_trl.evaluation.runner import evaluate
 from egpo_trl.evaluation.scoring import ANSWER_FORMATS
@@ -61,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-new-tokens",
         type=int,
         default=None,
-        help="generation budget (default by model family: 3072 Qwen2.5-Math, 16384 R1-Distill, else 3072)",
+        help="generation budget (default: 16384 when the model's chat template writes <think> tags or its name is "
+        "R1-Distill, else 3072 as for Qwen2.5-Math; the choice is printed)",
     )
     protocol.add_argument("--limit", type=int, default=None, help="only the first N problems of each benchmark")
     protocol.add_argument("--seed", type=int, default=0, help="run seed (default: 0)")
@@ -117,13 +125,14 @@ def main(argv: list[str] | None = None) -> int:
 
     model = check_model_exists(args.model, trust_remote_code=args.trust_remote_code, prog="egpo-trl eval")
     model = os.path.abspath(model) if os.path.isdir(model) else model
-    if args.max_new_tokens is None:
-        max_new_tokens, reason = default_max_new_tokens(model)
-        logger.info("max_new_tokens=%d (%s); set --max-new-tokens to change it.", max_new_tokens, reason)
-    else:
-        max_new_tokens = args.max_new_tokens
     try:
-        settings = SamplingSettings(args.temperature, args.top_p, args.top_k, max_new_tokens)
+        # The budget is settled once the tokenizer is loaded (its chat template tells a reasoning model).
+        settings = SamplingSettings(
+            args.temperature,
+            args.top_p,
+            args.top_k,
+            args.max_new_tokens if args.max_new_tokens is not None else FALLBACK_MAX_NEW_TOKENS,
+        )
         # Field options describe custom data; built-ins keep their own fields (only the split can change).
         fields = {
             "question_field": args.question_field,
@@ -159,6 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         trust_remote_code=args.trust_remote_code,
     )
+    if args.max_new_tokens is None:
+        max_new_tokens, reason = default_max_new_tokens(model, getattr(backend, "tokenizer", None))
+        print(
+            f"egpo-trl eval: max_new_tokens={max_new_tokens} ({reason}); set --max-new-tokens to change it.",
+            file=sys.stderr,
+        )
+        settings = dataclasses.replace(settings, max_new_tokens=max_new_tokens)
     try:
         summary = evaluate(
             backend,

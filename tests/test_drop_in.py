@@ -1,0 +1,226 @@
+"""EGPOTrainer as a drop-in for TRL's GRPOTrainer: what works the same, and what differs by design (with the fix)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_prompt_dataset, parity_reward
+from conftest import trainer_config as config
+from trl import GRPOConfig, GRPOTrainer
+
+from egpo_trl import EGPOConfig, EGPOTrainer
+from egpo_trl.advantages import GROUP_ALL_INCORRECT, GROUP_MIXED, normalize_then_sum_advantages
+from egpo_trl.rewards import completion_text
+
+pytestmark = pytest.mark.slow
+
+
+def length_reward(completions, **kwargs):
+    """A non-binary reward, as in TRL's own tests: the completion's length."""
+    return [float(len(completion_text(c))) for c in completions]
+
+
+def parity01_reward(completions, **kwargs):
+    """``parity_reward`` as a 1/0 reward."""
+    return [max(r, 0.0) for r in parity_reward(completions)]
+
+
+def odd_answers_fail_reward(completions, answer, **kwargs):
+    """1/0: every completion of a prompt with an odd answer is incorrect (entirely-incorrect groups); the others by
+    parity."""
+    return [0.0 if int(a) % 2 else r for a, r in zip(answer, parity01_reward(completions))]
+
+
+def losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_default_args_are_built_as_grpo_trainer_does(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    from transformers import AutoModelForCausalLM
+
+    # Without args both trainers build their config with the library defaults, bf16 included, which a CPU-only
+    # host refuses in the same way for both.
+    errors = []
+    for cls in (GRPOTrainer, EGPOTrainer):
+        with pytest.raises(ValueError) as error:
+            cls(model=tiny_model_dir, reward_funcs=parity_reward, train_dataset=make_prompt_dataset())
+        errors.append(str(error.value))
+    assert errors[0] == errors[1] and "bf16" in errors[0]
+
+    import transformers.training_args
+
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: True)
+    name = tiny_model_dir.rstrip("/").split("/")[-1]
+    for model in (tiny_model_dir, AutoModelForCausalLM.from_pretrained(tiny_model_dir)):
+        grpo = GRPOTrainer(model=model, reward_funcs=parity_reward, train_dataset=make_prompt_dataset())
+        egpo = EGPOTrainer(model=model, reward_funcs=parity_reward, train_dataset=make_prompt_dataset())
+        assert isinstance(egpo.args, EGPOConfig)
+        assert grpo.args.output_dir == f"{name}-GRPO" and egpo.args.output_dir == f"{name}-EGPO"
+
+
+def test_non_binary_correctness_reward_is_refused_with_the_fix(tmp_path, tiny_model_dir):
+    trainer = EGPOTrainer(
+        tiny_model_dir, length_reward, config(tmp_path, max_steps=1), train_dataset=make_prompt_dataset()
+    )
+    with pytest.raises(ValueError, match="binary correctness reward") as error:
+        trainer.train()
+    assert "egpo_correctness_reward" in str(error.value) and "advantage_estimator='grpo'" in str(error.value)
+
+    # GRPO takes any reward, as in TRL; and a binary verifier named as the correctness reward lets EGPO use a
+    # non-binary shaping reward beside it.
+    for estimator, funcs in (("grpo", length_reward), ("egpo", [parity01_reward, length_reward])):
+        args = config(tmp_path / estimator, max_steps=1, advantage_estimator=estimator)
+        trainer = EGPOTrainer(tiny_model_dir, funcs, args, train_dataset=make_prompt_dataset())
+        before = [p.clone() for p in trainer.model.parameters()]
+        trainer.train()
+        assert any(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters())), estimator
+
+
+def test_normalize_then_sum_with_grpo_trains_exactly_like_trl(tmp_path, tiny_model_dir):
+    kwargs = dict(max_steps=2, multi_objective_aggregation="normalize_then_sum", reward_weights=[1.0, 0.5])
+    funcs = [parity_reward, length_reward]
+    grpo = GRPOTrainer(
+        tiny_model_dir, funcs, config(tmp_path / "g", GRPOConfig, **kwargs), train_dataset=make_prompt_dataset()
+    )
+    grpo.train()
+    egpo = EGPOTrainer(
+        tiny_model_dir,
+        funcs,
+        config(tmp_path / "e", advantage_estimator="grpo", **kwargs),
+        train_dataset=make_prompt_dataset(),
+    )
+    egpo.train()
+    assert losses(egpo) == losses(grpo)
+    for p_grpo, p_egpo in zip(grpo.model.parameters(), egpo.model.parameters()):
+        torch.testing.assert_close(p_grpo, p_egpo, rtol=0, atol=0)
+
+
+def test_normalize_then_sum_with_egpo_uses_the_aggregated_advantages_on_mixed_groups(tmp_path, tiny_model_dir):
+    args = config(tmp_path, max_steps=1, multi_objective_aggregation="normalize_then_sum", egpo_clamp="none")
+    trainer = EGPOTrainer(tiny_model_dir, [parity_reward, length_reward], args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    batch = trainer.egpo_last_batch
+    result = batch["result"]
+    expected = normalize_then_sum_advantages(batch["rewards_per_func"], trainer.reward_weights, 4)
+    mixed = result.group_type == GROUP_MIXED
+    assert mixed.any()
+    torch.testing.assert_close(result.base_advantages[mixed], expected[mixed], rtol=0, atol=0)
+
+
+def test_normalize_then_sum_is_refused_for_nsr_with_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="sum_then_normalize"):
+        config(tmp_path, advantage_estimator="nsr", multi_objective_aggregation="normalize_then_sum")
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_nsr_advantage_follows_the_configured_scaling(tmp_path, tiny_model_dir, scale_rewards):
+    args = config(tmp_path, max_steps=2, scale_rewards=scale_rewards, egpo_nsr_weighting="unit")
+    trainer = EGPOTrainer(tiny_model_dir, odd_answers_fail_reward, args, train_dataset=make_prompt_dataset())
+    seen = []
+    original = trainer._egpo_finish
+
+    def record(*a, **k):
+        out = original(*a, **k)
+        seen.append(trainer.egpo_last_batch)
+        return out
+
+    trainer._egpo_finish = record
+    trainer.train()
+    incorrect_groups = 0
+    for batch in seen:
+        result = batch["result"]
+        rows = result.group_type == GROUP_ALL_INCORRECT
+        incorrect_groups += int(rows.sum())
+        rewards = batch["rewards_per_func"][:, 0]
+        # 1/0 rewards: half the correct-incorrect gap is 0.5.
+        expected = {"group": -1.0, "batch": -0.5 / (rewards.std() + 1e-4), "none": -0.5}[scale_rewards]
+        torch.testing.assert_close(result.base_advantages[rows], torch.full_like(rewards[rows], float(expected)))
+    assert incorrect_groups > 0
+
+
+@pytest.mark.parametrize("scope", ["answer", "thinking"])
+def test_entropy_scope_without_segment_falls_back_to_the_whole_completion(tmp_path, tiny_model_dir, scope, caplog):
+    # The random tiny model never writes </think>: no completion has an answer segment; with "thinking" the whole
+    # completion is thinking, so nothing falls back.
+    completion = EGPOTrainer(
+        tiny_model_dir, parity_reward, config(tmp_path / "c", max_steps=1), train_dataset=make_prompt_dataset()
+    )
+    completion.train()
+    args = config(tmp_path / scope, max_steps=1, egpo_entropy_scope=scope)
+    trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    with caplog.at_level("WARNING", logger="egpo_trl.trainer"):
+        trainer.train()
+    entropies = trainer.egpo_last_batch["entropies"]
+    assert torch.isfinite(entropies).all()
+    logged = trainer.state.log_history[0]["egpo/frac_entropy_scope_fallback"]
+    if scope == "answer":
+        torch.testing.assert_close(entropies, completion.egpo_last_batch["entropies"])
+        assert logged == 1.0
+        assert "entropy proxy is taken over the whole completion" in caplog.text
+    else:
+        assert logged == 0.0 and "whole completion" not in caplog.text
+
+
+class SamplingLogpsEGPOTrainer(EGPOTrainer):
+    """Adds a batch's ``sampling_per_token_logps`` (as vLLM returns them) of 0: an entropy proxy of exactly 0."""
+
+    def _generate_round(self, inputs):
+        output, rewards_per_func = super()._generate_round(inputs)
+        output["sampling_per_token_logps"] = torch.zeros_like(output["completion_mask"], dtype=torch.float32)
+        return output, rewards_per_func
+
+
+@pytest.mark.parametrize("sampling", [{}, {"top_k": 5}, {"top_p": 0.9}, {"generation_kwargs": {"min_p": 0.1}}])
+def test_sampling_logps_give_the_proxy_only_for_plain_sampling(tmp_path, tiny_model_dir, sampling):
+    args = config(tmp_path, max_steps=1, **sampling)
+    trainer = SamplingLogpsEGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    batch = trainer.egpo_last_batch
+    if not sampling:
+        assert batch["entropy_source"] == "sampling_per_token_logps"
+        assert (batch["entropies"] == 0).all()
+    else:  # processed log-probs of another distribution: the policy's own pass gives H
+        assert batch["entropy_source"] == "forward"
+        assert (batch["entropies"] > 0).all()
+
+
+def gec_config(tmp_path, **overrides):
+    return config(
+        tmp_path,
+        max_steps=1,
+        max_completion_length=40,
+        edge_gec=True,
+        edge_gec_reflect_prob=0.0,
+        edge_gec_answer_prob=0.0,
+        edge_gec_solution_prob=1.0,
+        edge_gec_answer_template=" \\boxed{{answer}}",
+        **overrides,
+    )
+
+
+def test_guided_error_correction_without_solutions_says_it_injects_the_answer(tmp_path, tiny_model_dir, caplog):
+    from egpo_trl.rewards import boxed_accuracy_reward
+
+    with caplog.at_level("WARNING", logger="egpo_trl.trainer"):
+        trainer = EGPOTrainer(
+            tiny_model_dir, boxed_accuracy_reward, gec_config(tmp_path), train_dataset=make_prompt_dataset()
+        )
+    assert "no `solution` column" in caplog.text and "edge_gec_solution_prob=0" in caplog.text
+    trainer.train()
+    metrics = trainer.state.log_history[0]
+    assert metrics["gec/frac_solution_as_answer"] == 1.0 and metrics["gec/frac_solution"] == 0.0
+    assert trainer.egpo_last_batch["rewards_per_func"].eq(1.0).all()
+
+
+@pytest.mark.parametrize("solution", ["S", "S \\boxed{0}", "S" * 60])
+def test_replaced_solution_ends_with_the_reference_answer(tmp_path, tiny_model_dir, solution):
+    from egpo_trl.rewards import boxed_accuracy_reward
+
+    dataset = make_prompt_dataset().map(lambda row: {"solution": solution})
+    trainer = EGPOTrainer(tiny_model_dir, boxed_accuracy_reward, gec_config(tmp_path), train_dataset=dataset)
+    trainer.train()
+    metrics = trainer.state.log_history[0]
+    assert metrics["gec/frac_solution"] == 1.0 and metrics["gec/frac_solution_boxed"] == 1.0
+    # Every replaced completion is the reference solution with the answer's box: scored correct.
+    assert trainer.egpo_last_batch["rewards_per_func"].eq(1.0).all()
