@@ -17,6 +17,7 @@ from egpo_trl.advantages import (
 )
 
 ENTROPY_SCOPES: tuple[str, ...] = ("completion", "thinking", "answer")
+ENTROPY_LOGPS: tuple[str, ...] = ("policy", "sampler")
 DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = ("correctness", "reward")
 GEC_SCOPES: tuple[str, ...] = ("incorrect", "all_incorrect_groups")
 DEFAULT_GEC_REFLECTION_CUE = " Hold on, something in this solution is wrong. Let me check it again."
@@ -124,6 +125,12 @@ class EGPOConfig(GRPOConfig):
             inside `<think>...</think>`, or the `"answer"` segment after `</think>` (the paper's RQ4 suggestion). A
             completion without that segment (no `</think>`) falls back to its whole completion, with a warning and
             the `egpo/frac_entropy_scope_fallback` metric.
+        egpo_entropy_logps (`str`, *optional*, defaults to `"policy"`):
+            Where the entropy proxy's log-probs come from when TRL has not computed the old policy's (vLLM without
+            importance-sampling correction and `num_iterations=1`): `"policy"` recomputes them with the training
+            model in one no-grad pass, as verl (the paper's trainer) computes \\(\\pi_{old}\\); `"sampler"` takes
+            vLLM's sampling log-probs at no cost, which under plain sampling equal the policy's up to the two
+            engines' numerical differences (up to 6% of a completion's proxy in `docs/multi_gpu.md`).
         egpo_entropy_metrics (`bool`, *optional*, defaults to `True`):
             Compute the entropy proxy (and the `egpo/entropy_*` metrics) even when the advantage estimator does not
             use it (`grpo`, `nsr`). It costs one no-grad forward pass per generation batch when TRL has not computed
@@ -251,6 +258,16 @@ class EGPOConfig(GRPOConfig):
         },
     )
 
+    egpo_entropy_logps: str = field(
+        default="policy",
+        metadata={
+            "help": "Where the entropy proxy's log-probs come from when TRL has not computed the old policy's (vLLM "
+            "without importance-sampling correction, num_iterations 1): 'policy' recomputes them with the training "
+            "model in one no-grad pass (as verl, the paper's trainer, does); 'sampler' takes vLLM's sampling "
+            "log-probs at no cost (equal to the policy's up to numerical differences, under plain sampling).",
+            "choices": list(ENTROPY_LOGPS),
+        },
+    )
     egpo_entropy_metrics: bool = field(
         default=True,
         metadata={
@@ -363,6 +380,7 @@ class EGPOConfig(GRPOConfig):
         choose("egpo_renorm", self.egpo_renorm, RENORM_MODES)
         choose("egpo_nsr_weighting", self.egpo_nsr_weighting, NSR_WEIGHTINGS)
         choose("egpo_entropy_scope", self.egpo_entropy_scope, ENTROPY_SCOPES)
+        choose("egpo_entropy_logps", self.egpo_entropy_logps, ENTROPY_LOGPS)
         for name in ("egpo_lambda_min", "egpo_lambda_max", "egpo_entropy_eps"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):

@@ -19,13 +19,14 @@ Where the log-probs come from (the paper's "zero-overhead" proxy):
 * ``old_per_token_logps`` when TRL computed them: with ``num_iterations > 1``, when generation and
   optimisation steps are misaligned, and with vLLM importance-sampling correction (on by default).
   No extra cost.
-* otherwise the sampling log-probs vLLM returned (``use_vllm`` without importance-sampling
-  correction), when sampling is plain (no top-p, top-k, min-p, penalties or ``min_tokens``: see
-  :func:`~egpo_trl.config.distribution_changing_sampling_options`), so that they are the policy's at the
-  temperature. No extra cost.
-* otherwise one extra no-grad forward pass of the policy over the generation batch (plain
-  transformers generation with ``num_iterations = 1``). It costs about a third of a training
-  step's forward+backward; ``benchmarks/`` measures it.
+* otherwise, with ``egpo_entropy_logps="sampler"``, the sampling log-probs vLLM returned (``use_vllm``
+  without importance-sampling correction), when sampling is plain (no top-p, top-k, min-p, penalties or
+  ``min_tokens``: see :func:`~egpo_trl.config.distribution_changing_sampling_options`), so that they are
+  the policy's at the temperature up to the engines' numerical differences. No extra cost.
+* otherwise (the default ``egpo_entropy_logps="policy"``, and plain transformers generation with
+  ``num_iterations = 1``) one extra no-grad forward pass of the policy over the generation batch, as verl
+  (the paper's trainer) computes the old policy's log-probs. It costs about a third of a training step's
+  forward+backward; ``benchmarks/`` and ``docs/multi_gpu.md`` measure it.
 
 The baselines run through the same trainer (``docs/baselines.md``):
 
@@ -478,12 +479,16 @@ class EGPOTrainer(GRPOTrainer):
         if need_nll:
             if output.get("old_per_token_logps") is not None:
                 logps, source = output["old_per_token_logps"], "old_per_token_logps"
-            elif output.get("sampling_per_token_logps") is not None and not distribution_changing_sampling_options(
-                self.args
+            elif (
+                output.get("sampling_per_token_logps") is not None
+                and not distribution_changing_sampling_options(self.args)
+                and (self.args.egpo_entropy_logps == "sampler" or self._egpo_entropy_input != "nll")
             ):
-                # Plain sampling: vLLM's processed log-probs are the policy's at the temperature. With top-p, top-k,
-                # min-p, penalties or min_tokens they are those of another distribution, so the proxy comes from the
-                # policy's own pass below instead, and is the same whichever importance-sampling setting is used.
+                # Plain sampling: vLLM's processed log-probs are the policy's at the temperature, up to the two
+                # engines' numerical differences. They feed the proxy when egpo_entropy_logps="sampler" (and the
+                # metrics of estimators that do not use it); by default ("policy") the proxy comes from the policy's
+                # own pass below, as verl computes pi_old. With top-p, top-k, min-p, penalties or min_tokens they are
+                # those of another distribution, so the pass below is used whatever the setting.
                 logps, source = output["sampling_per_token_logps"], "sampling_per_token_logps"
         extra_pass = (need_nll and logps is None) or (need_shannon and token_entropies is None)
         if extra_pass:

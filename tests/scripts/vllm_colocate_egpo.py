@@ -1,7 +1,7 @@
 """Train EGPO a few steps with vLLM colocate mode on a CPU build of vLLM and write what the tests check as JSON.
 
 Used by tests/test_vllm_cpu.py (one vLLM engine per process):
-``python tests/scripts/vllm_colocate_egpo.py MODEL_DIR OUT.json [--no-importance-sampling] [--steps N]``.
+``python tests/scripts/vllm_colocate_egpo.py MODEL_DIR OUT.json [--no-importance-sampling] [--entropy-logps policy|sampler] [--steps N]``.
 
 The JSON holds, per generation batch, where EGPO's entropy proxy took its log-probs, whether an extra forward pass
 ran, and how far the stored entropies are from ones recomputed from that log-prob tensor; and, after training, the
@@ -57,6 +57,9 @@ class Recorder(EGPOTrainer):
         if source in ("old_per_token_logps", "sampling_per_token_logps"):
             recomputed = sequence_entropy(output[source], output["completion_mask"])
             record["entropy_max_abs_diff"] = (recomputed - batch["entropies"]).abs().max().item()
+        elif output.get("sampling_per_token_logps") is not None:  # the policy's own pass: vLLM's proxy is close
+            sampler = sequence_entropy(output["sampling_per_token_logps"], output["completion_mask"])
+            record["vs_sampler_max_abs_diff"] = (sampler - batch["entropies"]).abs().max().item()
         self.records.append(record)
         return output
 
@@ -84,6 +87,7 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("out")
     parser.add_argument("--no-importance-sampling", action="store_true")
+    parser.add_argument("--entropy-logps", default="policy", choices=("policy", "sampler"))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--memory", type=float, default=0.25)
     cli = parser.parse_args()
@@ -95,6 +99,7 @@ def main() -> None:
         vllm_mode="colocate",
         vllm_gpu_memory_utilization=cli.memory,
         vllm_importance_sampling_correction=not cli.no_importance_sampling,
+        egpo_entropy_logps=cli.entropy_logps,
         learning_rate=1e-2,  # large, so that one optimizer step visibly moves the log-probs
         per_device_train_batch_size=4,
         num_generations=4,
