@@ -27,6 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from egpo_trl.script.args import batch_shape_problem, option_value, parse_args
+from egpo_trl.script.data import SYNTHETIC_DATASET_PREFIX, column_problem
+from egpo_trl.script.outputs import RUN_MARKERS
+from egpo_trl.script.resolve import is_local_path, resolve_model_path
+
 __all__ = [
     "DryRunReport",
     "LaunchPlan",
@@ -57,7 +62,7 @@ def normalize_argv(argv: Sequence[str]) -> tuple[list[str], bool]:
     """Accept ``egpo-trl train <recipe.yaml> [...]`` as ``--config <recipe.yaml>`` and take out ``--dry-run``.
 
     Returns:
-        ``(argv, dry_run)``: the arguments for :func:`egpo_trl.train.parse_args` and whether ``--dry-run`` was given.
+        ``(argv, dry_run)``: the arguments for :func:`egpo_trl.script.args.parse_args` and whether ``--dry-run`` was given.
     """
     args = list(argv)
     is_dry_run = any(a in _DRY_RUN_FLAGS for a in args)
@@ -75,17 +80,6 @@ def in_distributed_launch(environ: dict[str, str] | None = None) -> bool:
     """Whether this process was started by ``accelerate launch``/torchrun (so it must train, not launch again)."""
     environ = os.environ if environ is None else environ
     return any(name in environ for name in _LAUNCH_ENV_VARS)
-
-
-def _option(argv: Sequence[str], name: str) -> str | None:
-    """The last value of ``--name value`` / ``--name=value`` in ``argv`` (``None`` when absent)."""
-    value = None
-    for index, item in enumerate(argv):
-        if item == f"--{name}" and index + 1 < len(argv):
-            value = argv[index + 1]
-        elif item.startswith(f"--{name}="):
-            value = item.split("=", 1)[1]
-    return value
 
 
 def _read_yaml(path: str | Path, what: str) -> dict[str, Any]:
@@ -161,12 +155,12 @@ def plan_launch(argv: Sequence[str]) -> LaunchPlan:
     ``--accelerate_config none`` trains in this process whatever the recipe says.
     """
     argv = list(argv)
-    recipe = _option(argv, "config")
+    recipe = option_value(argv, "config")
     data = _read_yaml(recipe, "recipe") if recipe else {}
-    accelerate_config = _option(argv, "accelerate_config") or data.get("accelerate_config")
+    accelerate_config = option_value(argv, "accelerate_config") or data.get("accelerate_config")
     if accelerate_config is not None and str(accelerate_config).lower() in _NONE_VALUES:
         accelerate_config = None
-    num_processes = _option(argv, "num_processes") or data.get("num_processes")
+    num_processes = option_value(argv, "num_processes") or data.get("num_processes")
     if num_processes is not None and str(num_processes).lower() in _NONE_VALUES:
         num_processes = None
     if num_processes is not None:
@@ -176,7 +170,7 @@ def plan_launch(argv: Sequence[str]) -> LaunchPlan:
             raise SystemExit(f"egpo-trl train: num_processes must be an integer, got {num_processes!r}.") from None
         if num_processes < 1:
             raise SystemExit(f"egpo-trl train: num_processes must be >= 1, got {num_processes}.")
-    main_process_port = _option(argv, "main_process_port") or data.get("main_process_port")
+    main_process_port = option_value(argv, "main_process_port") or data.get("main_process_port")
     if main_process_port is not None and str(main_process_port).lower() in _NONE_VALUES:
         main_process_port = None
     if main_process_port is not None:
@@ -300,8 +294,6 @@ def _looks_local(name: str) -> bool:
 
 
 def _check_dataset(script_args, report: DryRunReport) -> None:
-    from egpo_trl.train import SYNTHETIC_DATASET_PREFIX, column_problem
-
     name = script_args.dataset_name
     if name.startswith(SYNTHETIC_DATASET_PREFIX):
         report.notes.append(f"dataset: built-in synthetic task {name}.")
@@ -342,8 +334,6 @@ def _check_dataset(script_args, report: DryRunReport) -> None:
 def _check_output_dir(script_args, training_args, report: DryRunReport) -> None:
     from transformers.trainer_utils import get_last_checkpoint
 
-    from egpo_trl.train import _RUN_MARKERS
-
     path = Path(training_args.output_dir)
     existing = path
     while not existing.exists() and existing != existing.parent:
@@ -367,7 +357,7 @@ def _check_output_dir(script_args, training_args, report: DryRunReport) -> None:
             report.settings.append(("resumes from", resume))
     if path.is_dir() and not resuming:
         found = [p.name for p in sorted(path.glob("checkpoint-*")) if p.is_dir()]
-        found += [name for name in _RUN_MARKERS if (path / name).exists()]
+        found += [name for name in RUN_MARKERS if (path / name).exists()]
         if found and script_args.overwrite_output_dir:
             report.notes.append(f"overwrite_output_dir: the earlier run's outputs in {path} will be removed.")
         elif found:
@@ -378,8 +368,6 @@ def _check_output_dir(script_args, training_args, report: DryRunReport) -> None:
 
 
 def _check_context(script_args, training_args, model_args, report: DryRunReport) -> None:
-    from egpo_trl.train import _is_local_path, resolve_model_path
-
     completion = training_args.max_completion_length
     prompt = script_args.max_prompt_length
     total = (prompt or 0) + completion
@@ -394,7 +382,7 @@ def _check_context(script_args, training_args, model_args, report: DryRunReport)
     except SystemExit as error:
         report.problems.append(str(error).removeprefix("egpo-trl train: "))
         return
-    if not Path(path).expanduser().exists() and _is_local_path(path):
+    if not Path(path).expanduser().exists() and is_local_path(path):
         report.problems.append(
             f"the model {path} does not exist; check the path, or give a Hub id or builtin:tiny-math-qwen2."
         )
@@ -453,8 +441,6 @@ _CHECKPOINT_BYTES_PER_PARAMETER = 14
 
 def _model_parameters(name_or_path: str, model_args, training_args) -> int | None:
     """Parameter count of a locally available model, from its config alone (no weights are read)."""
-    from egpo_trl.train import resolve_model_path
-
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -540,7 +526,6 @@ def _parse_for_dry_run(argv: list[str], report: DryRunReport):
     from unittest import mock
 
     from egpo_trl.config import EGPOConfig
-    from egpo_trl.train import parse_args
 
     any_group = math.lcm(*range(1, 65))
 
@@ -607,8 +592,6 @@ def dry_run(argv: Sequence[str]) -> int:
         report.command = _printable(launch_command(plan))
 
     if parsed is not None:
-        from egpo_trl.train import batch_shape_problem
-
         script_args, args, model_args = parsed
         world = plan.world_size if plan is not None else 1
         steps_per_generation = args.steps_per_generation or args.gradient_accumulation_steps

@@ -1,0 +1,389 @@
+"""The arguments of ``egpo-trl train``: :class:`TrainScriptArguments`, the model config, and the parser over them
+and :class:`~egpo_trl.EGPOConfig`.
+
+A recipe is a YAML file whose keys are the fields of the three dataclasses; flags on the command line override
+it, as with TRL's own scripts. :func:`parse_args` turns a recipe and its overrides into the three dataclasses and
+reports an unknown field, a missing file or a batch that cannot be cut into whole groups in one line naming the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from egpo_trl.script.outputs import PLOT_FILE
+
+__all__ = [
+    "TrainScriptArguments",
+    "batch_shape_problem",
+    "known_fields",
+    "make_parser",
+    "model_config_class",
+    "option_value",
+    "parse_args",
+]
+
+
+@dataclass
+class TrainScriptArguments:
+    """Arguments of ``egpo-trl train`` that are not training hyper-parameters: data, prompt, rewards, held-out check.
+
+    Every field is a YAML key of a recipe and a ``--flag``; its ``help`` (shown by ``--help``) is the
+    reference. The main ones:
+
+    Parameters:
+        dataset_name (`str`, *optional*, defaults to ``"synthetic:arithmetic"``):
+            ``synthetic:<task>`` for a built-in synthetic task, a local path, or a Hub dataset name.
+        prompt_template (`str`, *optional*):
+            Format string that rebuilds each prompt from the dataset's columns; otherwise the ``prompt``
+            column is used as is.
+        reward_funcs (`list[str]`, *optional*, defaults to ``["boxed_accuracy_reward"]``):
+            Reward functions by name (``boxed_accuracy_reward``, ``think_format_reward``) or import path.
+        eval_size (`int`, *optional*, defaults to ``200``):
+            Held-out problems evaluated before and after training; the held-out set never overlaps the
+            training set.
+        overwrite_output_dir (`bool`, *optional*, defaults to ``False``):
+            Allow replacing an earlier run's outputs in ``output_dir``.
+    """
+
+    dataset_name: str = field(
+        default="synthetic:arithmetic",
+        metadata={
+            "help": "What to train on: 'synthetic:<task>' for a built-in synthetic task ('synthetic:arithmetic'), a "
+            "local path (a Dataset.save_to_disk folder, a .json/.jsonl/.csv/.parquet file or a folder of them), or a "
+            "dataset name on the Hugging Face Hub."
+        },
+    )
+    dataset_config: str | None = field(
+        default=None, metadata={"help": "Configuration name of a Hub dataset (load_dataset(name, config))."}
+    )
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_test_split: str = field(
+        default="test",
+        metadata={
+            "help": "Split the held-out problems come from. When the dataset has no such split, eval_size problems "
+            "are held out of the training split (and removed from it)."
+        },
+    )
+    synthetic_train_size: int = field(
+        default=2000, metadata={"help": "Number of training problems generated for a synthetic task."}
+    )
+    synthetic_levels: str = field(
+        default="1,2,3,4,5", metadata={"help": "Difficulty levels of a synthetic task, comma-separated."}
+    )
+    synthetic_seed: int = field(
+        default=0,
+        metadata={
+            "help": "Seed of the synthetic problem generator. The held-out split never overlaps the training split, "
+            "whatever the seed."
+        },
+    )
+    prompt_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "Python format string that rebuilds each prompt from the dataset's columns, e.g. '{problem} Put "
+            "the final answer in \\boxed{{}}.' (double the braces of literal ones). Without it the 'prompt' column is "
+            "used as is."
+        },
+    )
+    system_prompt: str | None = field(
+        default=None, metadata={"help": "System message put before every conversational prompt."}
+    )
+    answer_column: str = field(
+        default="answer",
+        metadata={"help": "Column with the ground truth; the reward functions receive it as 'answer'."},
+    )
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["boxed_accuracy_reward"],
+        metadata={
+            "help": "Reward functions, by name (boxed_accuracy_reward: +1/-1 on the last \\boxed{}, paper Eq. 1; "
+            "think_format_reward) or import path 'package.module:function'. The first one decides correctness "
+            "unless egpo_correctness_reward names another."
+        },
+    )
+    eval_size: int = field(
+        default=200,
+        metadata={"help": "Held-out problems evaluated before and after training (0 skips the evaluation)."},
+    )
+    eval_num_samples: int = field(
+        default=4, metadata={"help": "Completions sampled per held-out problem; accuracy is their mean."}
+    )
+    eval_temperature: float | None = field(
+        default=None,
+        metadata={
+            "help": "Sampling temperature of the held-out evaluation (0 for greedy). Defaults to the training "
+            "'temperature', so the numbers measure the policy that training samples from."
+        },
+    )
+    eval_batch_size: int = field(
+        default=128, metadata={"help": "Prompts per generate call in the held-out evaluation."}
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Replace the outputs of an earlier run in output_dir (its checkpoints, metrics and model). "
+            "Without it, a run refuses an output_dir that holds them, unless it resumes from a checkpoint."
+        },
+    )
+    torch_num_threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "Threads torch uses for CPU work (torch.set_num_threads). Unset or 0 keeps torch's default (one "
+            "per core). On a small CPU model 1 is about as fast and does not slow to a crawl when other programs "
+            "compete for the cores."
+        },
+    )
+    save_final_model: bool = field(
+        default=True, metadata={"help": "Save the trained model and tokenizer into output_dir at the end."}
+    )
+    plot: bool = field(default=True, metadata={"help": f"Draw {PLOT_FILE} in output_dir at the end of training."})
+    accelerate_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "Accelerate config file (e.g. recipes/accelerate/zero2.yaml). When set, `egpo-trl train <recipe>` "
+            "runs `accelerate launch --config_file <it> --num_processes <num_processes> -m egpo_trl.train --config "
+            "<recipe>` (and prints that command) instead of training in its own process. Ignored inside a launch."
+        },
+    )
+    num_processes: int | None = field(
+        default=None,
+        metadata={
+            "help": "Processes (GPUs) of that launch. Defaults to the GPUs this machine sees, else the accelerate "
+            "config's num_processes."
+        },
+    )
+    main_process_port: int | None = field(
+        default=None,
+        metadata={
+            "help": "Port of that launch's rendezvous (accelerate's --main_process_port; default 29500). Give each of "
+            "several launches on one machine its own, e.g. two 4-GPU runs on an 8-GPU node."
+        },
+    )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Longest prompt of the dataset, in tokens (prompts are not truncated). Only used by --dry-run to "
+            "check that max_prompt_length + max_completion_length fits the model's context; the OpenR1-Stable-10k "
+            "builder drops prompts over 1024 tokens."
+        },
+    )
+
+
+def model_config_class():
+    """TRL's ``ModelConfig`` with ``builtin:<name>`` in the help of ``model_name_or_path``."""
+    from trl import ModelConfig
+
+    @dataclass
+    class EGPOModelConfig(ModelConfig):
+        """TRL's ``ModelConfig`` whose ``model_name_or_path`` also accepts the shipped models (``builtin:<name>``)."""
+
+        model_name_or_path: str | None = field(
+            default=None,
+            metadata={
+                "help": "Model to train: a Hub id, a local folder, or 'builtin:tiny-math-qwen2' for the tiny math "
+                "model shipped with egpo_trl."
+            },
+        )
+
+    EGPOModelConfig.__name__ = "ModelConfig"
+    return EGPOModelConfig
+
+
+def make_parser():
+    """The ``TrlParser`` over :class:`TrainScriptArguments`, :class:`~egpo_trl.EGPOConfig` and ``ModelConfig``.
+
+    Flags must be spelled out (no argparse abbreviations), so that a typo is reported instead of being
+    matched to a similar field.
+    """
+    from trl import TrlParser
+
+    from egpo_trl.config import EGPOConfig
+
+    class _TrainParser(TrlParser):
+        def error(self, message: str):  # argparse's error prints the whole (very long) usage first
+            raise SystemExit(f"egpo-trl train: {message}. Run `egpo-trl train --help-all` for the list of fields.")
+
+    return _TrainParser(
+        (TrainScriptArguments, EGPOConfig, model_config_class()),
+        prog="egpo-trl train",
+        usage="egpo-trl train RECIPE.yaml [--dry-run] [--FIELD VALUE ...]",
+        description="Train a policy with EGPO (or a baseline advantage estimator) from a YAML recipe. Fields are "
+        "YAML keys or --flags; flags override the file.",
+        epilog="Example: egpo-trl train --config recipes/demo_tiny_cpu.yaml --seed 1 --max_steps 20",
+        allow_abbrev=False,
+    )
+
+
+def known_fields(parser) -> list[str]:
+    """The field names (flags without ``--``) that ``parser`` accepts."""
+    return sorted({action.dest for action in parser._actions if action.dest not in ("help", None)})
+
+
+def _unknown_field_error(parser, unknown: Sequence[str], where: str) -> SystemExit:
+    names = [item[2:].split("=", 1)[0] for item in unknown if item.startswith("--")] or list(unknown)
+    known = known_fields(parser)
+    lines = []
+    for name in names:
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        lines.append(f"  {name}{hint}")
+    return SystemExit(
+        f"egpo-trl train: unknown field(s) {where}:\n" + "\n".join(lines) + "\nRun `egpo-trl train --help-all` for "
+        "the list of fields."
+    )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments, Any, Any]:
+    """Parse ``--config recipe.yaml`` and command-line overrides into the three argument dataclasses.
+
+    Returns:
+        ``(script_args, training_args, model_args)``: a :class:`TrainScriptArguments`, an
+        :class:`~egpo_trl.EGPOConfig` and a ``ModelConfig``, with ``{timestamp}`` in ``output_dir``
+        already replaced.
+
+    Raises:
+        SystemExit: with a message naming the fix, for a missing config file, an unknown field (with
+            close matches) or a value a config class rejects.
+    """
+    import yaml
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = make_parser()
+    if "--config" in args:
+        index = args.index("--config")
+        if index + 1 >= len(args):
+            raise SystemExit(
+                "egpo-trl train: --config needs a path to a YAML recipe, e.g. recipes/demo_tiny_cpu.yaml."
+            )
+        config_path = Path(args[index + 1])
+        if not config_path.is_file():
+            raise SystemExit(f"egpo-trl train: the recipe {config_path} does not exist; check the path.")
+        try:
+            recipe = yaml.safe_load(config_path.read_text())
+        except yaml.YAMLError as error:
+            raise SystemExit(f"egpo-trl train: {config_path} is not valid YAML: {error}") from error
+        if not isinstance(recipe, dict):
+            raise SystemExit(f"egpo-trl train: {config_path} must be a YAML mapping of field: value.")
+        known = set(known_fields(parser)) | {"env"}
+        unknown = [f"--{key}" for key in recipe if key not in known]
+        if unknown:
+            raise _unknown_field_error(parser, unknown, f"in {config_path}")
+    try:
+        script_args, training_args, model_args, from_file, from_cli = parser.parse_args_and_config(
+            args, return_remaining_strings=True, separate_remaining_strings=True
+        )
+    except ValueError as error:
+        if "generation_batch_size" in str(error):
+            problem = _batch_problem_from_argv(args)
+            if problem:
+                raise SystemExit(f"egpo-trl train: {problem}") from None
+        hint = ""
+        if "bf16" in str(error) or "use_cpu" in str(error):
+            hint = (
+                " On a machine without a GPU, set `use_cpu: true` and `bf16: false` (or pass --use_cpu --bf16 false)."
+            )
+        raise SystemExit(f"egpo-trl train: invalid configuration: {error}{hint}") from error
+    if from_file:
+        raise _unknown_field_error(parser, from_file, "in the config file")
+    if from_cli:
+        raise _unknown_field_error(parser, from_cli, "on the command line")
+    if "{timestamp}" in str(training_args.output_dir):
+        training_args.output_dir = str(training_args.output_dir).replace("{timestamp}", time.strftime("%Y%m%d-%H%M%S"))
+    if model_args.model_name_or_path is None:
+        raise SystemExit(
+            "egpo-trl train: no model given; set model_name_or_path in the recipe or pass --model_name_or_path "
+            "(a Hub id, a local folder, or builtin:tiny-math-qwen2)."
+        )
+    if script_args.torch_num_threads is not None and script_args.torch_num_threads < 0:
+        raise SystemExit("egpo-trl train: torch_num_threads must be >= 0 (0 or unset keeps torch's default).")
+    if script_args.eval_size < 0 or script_args.eval_num_samples < 1:
+        raise SystemExit("egpo-trl train: eval_size must be >= 0 and eval_num_samples >= 1.")
+    return script_args, training_args, model_args
+
+
+def batch_shape_problem(
+    per_device_train_batch_size: int,
+    processes: int,
+    gradient_accumulation_steps: int,
+    num_generations: int,
+    steps_per_generation: int | None = None,
+    generation_batch_size: int | None = None,
+) -> str | None:
+    """What is wrong with a batch that cannot be cut into groups of ``num_generations``, in the fields users set.
+
+    TRL checks ``generation_batch_size`` (per_device_train_batch_size x processes x steps_per_generation, where
+    steps_per_generation defaults to gradient_accumulation_steps); this names those fields instead and suggests a
+    per_device_train_batch_size that works. ``None`` when the batch is fine.
+    """
+    steps_name, steps = "gradient_accumulation_steps", gradient_accumulation_steps
+    if steps_per_generation:
+        steps_name, steps = "steps_per_generation", steps_per_generation
+    if generation_batch_size:
+        if generation_batch_size % num_generations == 0:
+            return None
+        return (
+            f"generation_batch_size={generation_batch_size} is not a multiple of num_generations={num_generations}; "
+            "set it to a multiple (or leave it unset)."
+        )
+    total = per_device_train_batch_size * processes * steps
+    if total % num_generations == 0:
+        return None
+    unit = num_generations // math.gcd(num_generations, processes * steps)
+    suggestion = max(unit, math.ceil(per_device_train_batch_size / unit) * unit)
+    return (
+        f"per_device_train_batch_size {per_device_train_batch_size} x {processes} process(es) x {steps_name} {steps} = "
+        f"{total} completions per generation, not a multiple of num_generations={num_generations} (every prompt needs "
+        f"a whole group); set per_device_train_batch_size to a multiple of {unit}, e.g. --per_device_train_batch_size "
+        f"{suggestion}."
+    )
+
+
+def option_value(argv: Sequence[str], name: str) -> str | None:
+    """The last value of ``--name value`` / ``--name=value`` in ``argv`` (``None`` when absent)."""
+    value = None
+    for index, item in enumerate(argv):
+        if item == f"--{name}" and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif item.startswith(f"--{name}="):
+            value = item.split("=", 1)[1]
+    return value
+
+
+def _batch_problem_from_argv(argv: Sequence[str]) -> str | None:
+    """:func:`batch_shape_problem` for the values of the recipe and the command line (the latter wins)."""
+    import yaml
+
+    from egpo_trl.config import EGPOConfig
+
+    recipe: dict[str, Any] = {}
+    path = option_value(argv, "config")
+    if path and Path(path).is_file():
+        recipe = yaml.safe_load(Path(path).read_text()) or {}
+    defaults = {f.name: f.default for f in EGPOConfig.__dataclass_fields__.values()}
+
+    def value(name: str):
+        raw = option_value(argv, name)
+        raw = recipe.get(name, defaults.get(name)) if raw is None else raw
+        try:
+            return int(raw) if raw is not None and str(raw).lower() not in ("none", "null", "") else None
+        except (TypeError, ValueError):
+            return None
+
+    per_device, accumulation, groups = (
+        value("per_device_train_batch_size"),
+        value("gradient_accumulation_steps"),
+        value("num_generations"),
+    )
+    if not per_device or not accumulation or not groups:
+        return None
+    processes = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return batch_shape_problem(
+        per_device, processes, accumulation, groups, value("steps_per_generation"), value("generation_batch_size")
+    )

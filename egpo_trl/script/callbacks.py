@@ -1,0 +1,88 @@
+"""Trainer callbacks of ``egpo-trl train``: every log as a line of ``metrics.jsonl``, and a compact progress bar."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
+
+__all__ = ["CompactProgressCallback", "MetricsCallback", "PLUS_MINUS_ONE"]
+
+# Reward functions whose values are +1 (correct) / -1 (incorrect): accuracy = (mean + 1) / 2.
+PLUS_MINUS_ONE = ("boxed_accuracy_reward",)
+
+
+def _train_accuracy(logs: dict[str, float], correctness_name: str | None) -> float | None:
+    """Fraction of correct completions from a ``+1/-1`` reward's mean: ``(mean + 1) / 2``."""
+    key = f"rewards/{correctness_name}/mean" if correctness_name else None
+    if key and key in logs:
+        return (logs[key] + 1.0) / 2.0
+    return None
+
+
+class MetricsCallback(TrainerCallback):
+    """Appends every log (TRL's metrics and the ``egpo/*`` ones) as one JSON line to ``path``.
+
+    Only the main process writes. Each line holds ``step``, ``epoch``, ``time_s`` (seconds since the
+    start of training) and the logged numbers. With a ``+1/-1`` correctness reward (the paper's
+    Eq. 1), ``accuracy`` = ``(mean reward + 1) / 2`` is added: the fraction of correct completions.
+
+    Args:
+        path: the JSON lines file (appended to, so a resumed run continues it).
+        correctness_name: name of the reward function that decides correctness (TRL logs its mean as
+            ``rewards/<name>/mean``).
+        accuracy_from_reward: whether that reward is ``+1/-1``, so that ``accuracy`` can be derived.
+    """
+
+    def __init__(self, path: str | Path, correctness_name: str | None = None, accuracy_from_reward: bool = True):
+        self.path = Path(path)
+        self.correctness_name = correctness_name
+        self.accuracy_from_reward = accuracy_from_reward
+        self.start = time.time()
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record, default=float) + "\n")
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.time()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        record = {"step": state.global_step, "epoch": state.epoch, "time_s": round(time.time() - self.start, 2)}
+        record.update({k: v for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        if self.accuracy_from_reward:
+            accuracy = _train_accuracy(logs, self.correctness_name)
+            if accuracy is not None:
+                record["accuracy"] = accuracy
+        self.write(record)
+
+
+class CompactProgressCallback(ProgressCallback):
+    """The Trainer's progress bar, with the key metrics as its postfix instead of a printed dict per log."""
+
+    def __init__(self, correctness_name: str | None = None):
+        super().__init__()
+        self.correctness_name = correctness_name
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or self.training_bar is None or not logs:
+            return
+        postfix = {}
+        if "reward" in logs:
+            postfix["reward"] = f"{logs['reward']:.2f}"
+        accuracy = _train_accuracy(logs, self.correctness_name)
+        if accuracy is not None:
+            postfix["acc"] = f"{accuracy:.2f}"
+        if "egpo/frac_mixed" in logs:
+            postfix["mixed"] = f"{logs['egpo/frac_mixed']:.2f}"
+        if "egpo/entropy_gap" in logs:
+            postfix["H gap"] = f"{logs['egpo/entropy_gap']:+.3f}"
+        self.training_bar.set_postfix(postfix, refresh=False)

@@ -1,0 +1,201 @@
+"""The training and held-out sets of a recipe: built-in synthetic tasks, local files and folders, Hub datasets.
+
+:func:`load_datasets` returns both sets with a ``prompt`` column (rebuilt from ``prompt_template`` when given)
+and an ``answer`` column (renamed from ``answer_column``); :func:`column_problem` names what a dataset lacks and
+the flags that fix it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from egpo_trl.script.args import TrainScriptArguments
+from egpo_trl.script.resolve import resolve_reward_funcs
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SYNTHETIC_DATASET_PREFIX", "column_problem", "load_datasets"]
+
+SYNTHETIC_DATASET_PREFIX = "synthetic:"
+_QUESTION_COLUMNS = ("problem", "question", "query", "instruction", "input", "text", "prompt_text")
+_ANSWER_COLUMNS = ("answer", "final_answer", "solution", "ground_truth", "gt", "target", "label", "output")
+
+
+def _load_any(script_args: TrainScriptArguments):
+    """A ``DatasetDict`` (or ``Dataset``) for a local path or Hub name."""
+    from datasets import load_dataset, load_from_disk
+
+    name = script_args.dataset_name
+    path = Path(name).expanduser()
+    if path.exists():
+        if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+            return load_from_disk(str(path))
+        if path.is_file():
+            builder = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}.get(path.suffix)
+            if builder is None:
+                raise SystemExit(
+                    f"egpo-trl train: cannot read {path}: use a .json, .jsonl, .csv or .parquet file, or a folder "
+                    "written by Dataset.save_to_disk."
+                )
+            return load_dataset(builder, data_files={script_args.dataset_train_split: str(path)})
+        return load_dataset(str(path), name=script_args.dataset_config)
+    return load_dataset(name, name=script_args.dataset_config)
+
+
+def _reward_columns(reward_funcs: Sequence[str]) -> dict[str, str]:
+    """Dataset columns the reward functions require (parameters without a default), mapped to a function name."""
+    import inspect
+
+    passed = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "kwargs"}
+    needed: dict[str, str] = {}
+    try:
+        funcs = resolve_reward_funcs(reward_funcs)
+    except SystemExit:
+        return needed  # reported where the reward functions are built
+    for func in funcs:
+        try:
+            parameters = inspect.signature(func).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        for parameter in parameters:
+            required = parameter.default is inspect.Parameter.empty and parameter.kind in (
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                inspect.Parameter.KEYWORD_ONLY,
+            )
+            if required and parameter.name not in passed:
+                needed.setdefault(parameter.name, getattr(func, "__name__", str(func)))
+    return needed
+
+
+def column_problem(columns: Sequence[str], script_args: TrainScriptArguments) -> str | None:
+    """One line naming what the dataset lacks (a prompt, the answer column the reward needs) and the flags that fix
+    it, from the dataset's actual columns; ``None`` when nothing is missing.
+    """
+    columns = list(columns)
+    problems, fixes = [], []
+    if script_args.prompt_template is None and "prompt" not in columns:
+        question = next((c for c in _QUESTION_COLUMNS if c in columns), None)
+        question = question or next((c for c in columns if c not in _ANSWER_COLUMNS), columns[0] if columns else "x")
+        problems.append("no 'prompt' column")
+        fixes.append(f"--prompt_template '{{{question}}} Put the final answer in \\boxed{{{{}}}}.'")
+    answer = script_args.answer_column
+    renamed = answer != "answer"
+    needs_answer = "answer" in _reward_columns(script_args.reward_funcs)
+    if (renamed or needs_answer) and answer not in columns:
+        candidates = [c for c in _ANSWER_COLUMNS if c in columns and c != answer]
+        what = f"no {answer!r} column" + (
+            "" if renamed else f" (the ground truth that {_reward_columns(script_args.reward_funcs)['answer']} needs)"
+        )
+        problems.append(what)
+        fixes.append(f"--answer_column {candidates[0] if candidates else '<the column with the final answers>'}")
+    if not problems:
+        return None
+    return f"the dataset has {' and '.join(problems)} (its columns: {', '.join(columns)}); pass {' '.join(fixes)}."
+
+
+def _prepare_columns(dataset, script_args: TrainScriptArguments):
+    """Build/normalise the ``prompt`` and ``answer`` columns the trainer and the rewards use."""
+    from egpo_trl.data.synthetic import format_prompt
+
+    columns = dataset.column_names
+    problem = column_problem(columns, script_args)
+    if problem:
+        raise SystemExit(f"egpo-trl train: {problem}")
+    if script_args.answer_column != "answer":
+        if "answer" in columns:
+            dataset = dataset.remove_columns("answer")
+        dataset = dataset.rename_column(script_args.answer_column, "answer")
+        columns = dataset.column_names
+    template, system = script_args.prompt_template, script_args.system_prompt
+    if template is not None:
+
+        def render(row):
+            try:
+                text = template.format(**row)
+            except KeyError as error:
+                raise SystemExit(
+                    f"egpo-trl train: prompt_template refers to {error}, which is not a column (columns: {columns})."
+                ) from None
+            return {"prompt": format_prompt(text, system_prompt=system, instruction=None)}
+
+        dataset = dataset.map(render, desc="Rendering prompts")
+    elif system:
+
+        def add_system(row):
+            prompt = row["prompt"]
+            if isinstance(prompt, str):
+                return {"prompt": format_prompt(prompt, system_prompt=system, instruction=None)}
+            return {"prompt": [{"role": "system", "content": system}] + [m for m in prompt if m["role"] != "system"]}
+
+        dataset = dataset.map(add_system, desc="Adding the system prompt")
+    return dataset
+
+
+def load_datasets(script_args: TrainScriptArguments, seed: int = 0):
+    """The training set and the held-out set (``None`` when ``eval_size`` is 0).
+
+    For a synthetic task the held-out problems come from its ``test`` split, disjoint from training
+    by construction. Otherwise they come from ``dataset_test_split`` when the dataset has it, else
+    from ``eval_size`` rows taken out of the training split.
+    """
+    from datasets import Dataset, DatasetDict
+
+    from egpo_trl.data.synthetic import DEFAULT_INSTRUCTION, SYNTHETIC_TASKS
+
+    name = script_args.dataset_name
+    if name.startswith(SYNTHETIC_DATASET_PREFIX):
+        task = name[len(SYNTHETIC_DATASET_PREFIX) :]
+        if task not in SYNTHETIC_TASKS:
+            raise SystemExit(
+                f"egpo-trl train: unknown synthetic task {task!r}; built-in tasks: "
+                + ", ".join(SYNTHETIC_DATASET_PREFIX + t for t in sorted(SYNTHETIC_TASKS))
+            )
+        build = SYNTHETIC_TASKS[task]
+        options = dict(
+            levels=script_args.synthetic_levels,
+            seed=script_args.synthetic_seed,
+            system_prompt=script_args.system_prompt,
+            instruction=DEFAULT_INSTRUCTION,
+        )
+        try:
+            train = build(split="train", num_problems=script_args.synthetic_train_size, **options)
+            heldout = (
+                build(split="test", num_problems=script_args.eval_size, **options) if script_args.eval_size else None
+            )
+        except ValueError as error:
+            raise SystemExit(f"egpo-trl train: {error}") from error
+        if script_args.prompt_template is not None:
+            train = _prepare_columns(train, script_args)
+            heldout = _prepare_columns(heldout, script_args) if heldout is not None else None
+        return train, heldout
+
+    loaded = _load_any(script_args)
+    if isinstance(loaded, Dataset):
+        loaded = DatasetDict({script_args.dataset_train_split: loaded})
+    if script_args.dataset_train_split not in loaded:
+        raise SystemExit(
+            f"egpo-trl train: {name} has no split {script_args.dataset_train_split!r} (splits: {list(loaded)}); set "
+            "dataset_train_split."
+        )
+    train = _prepare_columns(loaded[script_args.dataset_train_split], script_args)
+    heldout = None
+    if script_args.eval_size:
+        if "answer" not in train.column_names:
+            logger.warning("The dataset has no 'answer' column: the held-out accuracy is skipped.")
+        elif (
+            script_args.dataset_test_split in loaded
+            and script_args.dataset_test_split != script_args.dataset_train_split
+        ):
+            test = _prepare_columns(loaded[script_args.dataset_test_split], script_args)
+            heldout = test.shuffle(seed=seed).select(range(min(script_args.eval_size, len(test))))
+        else:
+            if script_args.eval_size >= len(train):
+                raise SystemExit(
+                    f"egpo-trl train: eval_size={script_args.eval_size} would hold out the whole training split "
+                    f"({len(train)} rows); lower eval_size."
+                )
+            split = train.train_test_split(test_size=script_args.eval_size, seed=seed, shuffle=True)
+            train, heldout = split["train"], split["test"]
+    return train, heldout

@@ -1,0 +1,73 @@
+"""The run's output folder: the files ``egpo-trl train`` writes there and the check that it holds no earlier run.
+
+A run writes ``metrics.jsonl`` (one JSON object per logged step and per held-out evaluation),
+``training_curves.png``, ``heldout.json`` and the trained model into ``output_dir``. Without
+``overwrite_output_dir`` a folder that holds another run's outputs is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "HELDOUT_FILE",
+    "METRICS_FILE",
+    "PLOT_FILE",
+    "RUN_MARKERS",
+    "prepare_output_dir",
+    "read_metrics",
+    "remove_if_empty",
+]
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "training_curves.png"
+HELDOUT_FILE = "heldout.json"
+# Files that mark a folder as holding the outputs of an earlier run.
+RUN_MARKERS = (METRICS_FILE, HELDOUT_FILE, "trainer_state.json", "model.safetensors", "adapter_model.safetensors")
+
+
+def prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
+    """Refuse (or, with ``overwrite``, clear) an output folder holding an earlier run's checkpoints or outputs.
+
+    Nothing is deleted unless ``overwrite`` is set; then only the earlier run's checkpoints and the files
+    this command writes are removed. Resuming keeps everything.
+    """
+    path = Path(output_dir)
+    if not path.is_dir() or resuming:
+        return
+    checkpoints = sorted(p for p in path.glob("checkpoint-*") if p.is_dir())
+    markers = [path / name for name in RUN_MARKERS if (path / name).exists()]
+    if not checkpoints and not markers:
+        return
+    found = ", ".join(p.name for p in (checkpoints + markers)[:5])
+    if not overwrite:
+        raise SystemExit(
+            f"egpo-trl train: {path} already holds another run ({found}). Choose a new --output_dir (a "
+            "'{timestamp}' in it makes one per run), resume with --resume_from_checkpoint true, or replace it with "
+            "--overwrite_output_dir true."
+        )
+    for checkpoint in checkpoints:
+        shutil.rmtree(checkpoint)
+    for name in (*RUN_MARKERS, PLOT_FILE):
+        if (path / name).is_file():
+            (path / name).unlink()
+    logger.warning("overwrite_output_dir: removed the earlier run's outputs in %s (%s)", path, found)
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` file."""
+    with Path(path).open() as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def remove_if_empty(path: Path) -> None:
+    """Remove ``path`` when it holds no file at all (only empty folders): what a run that failed early leaves."""
+    if not path.is_dir() or any(p.is_file() or p.is_symlink() for p in path.rglob("*")):
+        return
+    shutil.rmtree(path, ignore_errors=True)

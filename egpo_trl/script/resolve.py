@@ -1,0 +1,132 @@
+"""What the names in a recipe point to: the model (``builtin:<name>``, a local folder or a Hub id) and the reward
+functions (a registered name or an import path).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+__all__ = ["BUILTIN_MODEL_PREFIX", "check_model_exists", "is_local_path", "resolve_model_path", "resolve_reward_funcs"]
+
+BUILTIN_MODEL_PREFIX = "builtin:"
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """``builtin:<name>`` -> the path of a model shipped in ``egpo_trl/assets``; anything else unchanged."""
+    if not name_or_path.startswith(BUILTIN_MODEL_PREFIX):
+        return name_or_path
+    name = name_or_path[len(BUILTIN_MODEL_PREFIX) :]
+    assets = Path(__file__).resolve().parent.parent / "assets"
+    path = assets / name
+    if not (path / "config.json").is_file():
+        available = (
+            sorted(p.name for p in assets.iterdir() if (p / "config.json").is_file()) if assets.is_dir() else []
+        )
+        raise SystemExit(
+            f"egpo-trl train: no shipped model {name!r}; shipped models: {available or 'none'}. Rebuild the tiny model "
+            "with `make tiny-model` if its files are missing."
+        )
+    return str(path)
+
+
+def is_local_path(name: str) -> bool:
+    """Whether a model name can only mean a local folder (a Hub id is ``owner/name``)."""
+    return (
+        name.startswith((".", "/", "~"))
+        or name.count("/") != 1
+        or name.endswith("/")
+        or "\\" in name
+        or Path(name.split("/", 1)[0]).is_dir()  # outputs/run-1 where outputs/ exists
+    )
+
+
+def check_model_exists(
+    name_or_path: str, revision: str | None = None, trust_remote_code: bool = False, prog: str = "egpo-trl train"
+) -> str:
+    """Fail in one line, before anything loads, when the model is neither a local folder nor on the Hub.
+
+    Local folders (and ``builtin:`` names) are checked on disk; other names are looked up as Hub ids by fetching
+    their config only (from the local cache when offline).
+
+    Returns:
+        The resolved path or Hub id.
+
+    Raises:
+        SystemExit: naming the model and what to give instead.
+    """
+    try:
+        path = resolve_model_path(name_or_path)
+    except SystemExit as error:
+        raise SystemExit(str(error).replace("egpo-trl train:", f"{prog}:", 1)) from None
+    local = Path(path).expanduser()
+    if local.exists():
+        if local.is_dir() and not any((local / name).is_file() for name in ("config.json", "adapter_config.json")):
+            raise SystemExit(
+                f"{prog}: {path} has no config.json, so it is not a saved model; give the folder that save_pretrained "
+                "wrote (a trained run's output_dir, or one of its checkpoint-* folders)."
+            )
+        return path
+    fix = "give a local model folder, a Hub id such as Qwen/Qwen2.5-Math-1.5B, or builtin:tiny-math-qwen2"
+    if is_local_path(path):
+        raise SystemExit(f"{prog}: the model {path} does not exist; check the path, or {fix}.")
+    from transformers import AutoConfig
+
+    hub_logger = logging.getLogger("huggingface_hub")
+    level = hub_logger.level
+    hub_logger.setLevel(logging.ERROR)  # its retry warnings would bury the one line below
+    try:
+        AutoConfig.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        text = str(error)
+        if "couldn't connect" in text or "offline" in text.lower() or "cached files" in text:
+            reason = "no network (or HF_HUB_OFFLINE=1) and it is not in the local Hugging Face cache"
+        elif "gated" in text.lower():
+            reason = "it is a gated model: accept its licence on the Hub and log in with `hf auth login`"
+        elif "not a valid model identifier" in text or "Repository Not Found" in text or "404" in text:
+            reason = "no such model on the Hugging Face Hub"
+        else:
+            reason = " ".join(text.split())[:200]
+        raise SystemExit(
+            f"{prog}: cannot find the model {path}: it is not a local folder, and {reason}. To fix it, {fix}."
+        ) from None
+    finally:
+        hub_logger.setLevel(level)
+    return path
+
+
+def resolve_reward_funcs(names: Sequence[str]) -> list[Callable[..., list[float]]]:
+    """Reward functions from names defined in :mod:`egpo_trl.rewards` or import paths ``pkg.module:func``.
+
+    The names are those of ``egpo_trl.rewards.REWARD_FUNCS`` when that registry exists, else
+    ``boxed_accuracy_reward`` and ``think_format_reward``.
+    """
+    from egpo_trl import rewards
+
+    registry: dict[str, Callable[..., list[float]]] = dict(
+        getattr(rewards, "REWARD_FUNCS", None)
+        or {name: getattr(rewards, name) for name in ("boxed_accuracy_reward", "think_format_reward")}
+    )
+    funcs = []
+    for name in names:
+        if name in registry:
+            funcs.append(registry[name])
+            continue
+        module_name, sep, attribute = name.rpartition(":") if ":" in name else name.rpartition(".")
+        if not sep or not module_name:
+            raise SystemExit(
+                f"egpo-trl train: unknown reward function {name!r}; use one of {sorted(registry)} or an import path "
+                "such as 'my_package.rewards:my_reward'."
+            )
+        try:
+            func = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as error:
+            raise SystemExit(f"egpo-trl train: cannot import reward function {name!r}: {error}") from error
+        if not callable(func):
+            raise SystemExit(f"egpo-trl train: {name!r} is not callable.")
+        funcs.append(func)
+    if not funcs:
+        raise SystemExit("egpo-trl train: reward_funcs is empty; give at least one (e.g. boxed_accuracy_reward).")
+    return funcs

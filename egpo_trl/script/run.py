@@ -1,0 +1,211 @@
+"""One training run from resolved arguments: held-out accuracy, training, held-out accuracy, metrics, plot, model.
+
+:func:`run` is what ``egpo-trl train`` does once the recipe is parsed (see :mod:`egpo_trl.train` for the
+command itself: help, ``--dry-run``, ``accelerate launch`` and Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers.trainer_callback import ProgressCallback
+
+from egpo_trl.script.args import TrainScriptArguments
+from egpo_trl.script.callbacks import PLUS_MINUS_ONE, CompactProgressCallback, MetricsCallback
+from egpo_trl.script.data import load_datasets
+from egpo_trl.script.outputs import HELDOUT_FILE, METRICS_FILE, PLOT_FILE, prepare_output_dir, read_metrics
+from egpo_trl.script.plots import plot_metrics
+from egpo_trl.script.resolve import check_model_exists, resolve_model_path, resolve_reward_funcs
+from egpo_trl.script.resume import checkpoint_step, resume_checkpoint, save_interrupted, truncate_metrics
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["build_trainer", "run"]
+
+
+def build_trainer(script_args: TrainScriptArguments, training_args, model_args, train_dataset):
+    """An :class:`~egpo_trl.EGPOTrainer` for the resolved arguments (the model is loaded here)."""
+    from trl import get_peft_config, get_quantization_config
+
+    from egpo_trl.trainer import EGPOTrainer
+
+    model_path = resolve_model_path(model_args.model_name_or_path)
+    model_init_kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+    }
+    quantization_config = get_quantization_config(model_args)
+    model_init_kwargs = {k: v for k, v in model_init_kwargs.items() if v is not None}
+    if training_args.model_init_kwargs:
+        model_init_kwargs.update(training_args.model_init_kwargs)
+    training_args.model_init_kwargs = model_init_kwargs
+    trainer = EGPOTrainer(
+        model=model_path,
+        reward_funcs=resolve_reward_funcs(script_args.reward_funcs),
+        args=training_args,
+        train_dataset=train_dataset,
+        quantization_config=quantization_config,
+        peft_config=get_peft_config(model_args),
+    )
+    return trainer
+
+
+def _shards_parameters(trainer) -> bool:
+    """Whether the weights are sharded across processes (DeepSpeed ZeRO-3 or FSDP)."""
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return True
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return bool(getattr(trainer, "is_deepspeed_enabled", False) and plugin is not None and plugin.zero_stage == 3)
+
+
+def _correctness_name(trainer) -> str | None:
+    index = getattr(trainer, "_egpo_correctness_index", 0)
+    names = getattr(trainer, "reward_func_names", [])
+    return names[index] if names else None
+
+
+def _heldout(trainer, script_args, training_args, heldout, label: str):
+    from egpo_trl.heldout import heldout_accuracy
+
+    temperature = training_args.temperature if script_args.eval_temperature is None else script_args.eval_temperature
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    start = time.time()
+    result = heldout_accuracy(
+        model,
+        trainer.processing_class,
+        heldout,
+        max_new_tokens=training_args.max_completion_length,
+        num_samples=script_args.eval_num_samples,
+        temperature=temperature,
+        top_p=training_args.top_p,
+        top_k=training_args.top_k or 0,
+        batch_size=script_args.eval_batch_size,
+        seed=training_args.seed,
+    )
+    levels = "  ".join(f"L{level} {acc:.0%}" for level, acc in result.by_level.items())
+    print(
+        f"Held-out accuracy {label}: {result.accuracy:.1%} ({result.num_problems} problems x {result.num_samples} "
+        f"samples, T={temperature:g}, {time.time() - start:.0f}s){'   ' + levels if levels else ''}",
+        flush=True,
+    )
+    return result, temperature
+
+
+def run(script_args: TrainScriptArguments, training_args, model_args) -> dict[str, Any]:
+    """Train with resolved arguments: held-out accuracy, training, held-out accuracy, metrics, plot, model.
+
+    ``torch_num_threads`` applies for the duration of the run; torch's thread count is restored after.
+
+    Returns:
+        A summary: ``output_dir``, ``heldout_before``/``heldout_after`` (accuracies or ``None``),
+        ``train_runtime_s``, ``wall_time_s`` and the paths of the files written.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    if script_args.torch_num_threads:
+        torch.set_num_threads(script_args.torch_num_threads)
+    try:
+        return _run(script_args, training_args, model_args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[str, Any]:
+    wall_start = time.time()
+    resume = resume_checkpoint(training_args)
+    prepare_output_dir(training_args.output_dir, script_args.overwrite_output_dir, resuming=resume is not None)
+
+    check_model_exists(model_args.model_name_or_path, model_args.model_revision, training_args.trust_remote_code)
+    train_dataset, heldout = load_datasets(script_args, seed=training_args.seed)
+    trainer = build_trainer(script_args, training_args, model_args, train_dataset)
+    is_main = trainer.accelerator.is_main_process
+    output_dir = Path(training_args.output_dir)
+    metrics_path, plot_path, heldout_path = (
+        output_dir / METRICS_FILE,
+        output_dir / PLOT_FILE,
+        output_dir / HELDOUT_FILE,
+    )
+    correctness_name = _correctness_name(trainer)
+    metrics = MetricsCallback(metrics_path, correctness_name, accuracy_from_reward=correctness_name in PLUS_MINUS_ONE)
+    if resume is not None and metrics_path.is_file() and trainer.accelerator.is_main_process:
+        truncate_metrics(metrics_path, checkpoint_step(resume))
+    trainer.add_callback(metrics)
+    if not training_args.disable_tqdm:
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(CompactProgressCallback(correctness_name))
+
+    if heldout is not None and _shards_parameters(trainer):
+        logger.warning("The held-out check runs on one process and cannot generate with sharded weights: skipped.")
+        heldout = None
+    if is_main:
+        length = (
+            f"{training_args.max_steps} steps"
+            if training_args.max_steps > 0
+            else f"{training_args.num_train_epochs:g} epoch(s)"
+        )
+        print(
+            f"{training_args.advantage_estimator.upper()} on {model_args.model_name_or_path}: {len(train_dataset)} "
+            f"training prompts from {script_args.dataset_name}, {training_args.num_generations} completions per "
+            f"prompt, {length}. Outputs: {output_dir}/",
+            flush=True,
+        )
+    summary: dict[str, Any] = {"output_dir": str(output_dir), "heldout_before": None, "heldout_after": None}
+    heldout_records: dict[str, Any] = {}
+    if heldout is not None and is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        result, temperature = _heldout(trainer, script_args, training_args, heldout, "before training")
+        summary["heldout_before"] = result.accuracy
+        heldout_records["before"] = {**result.to_dict(), "temperature": temperature, "step": 0}
+        if resume is None:
+            metrics.write({"step": 0, "heldout/accuracy": result.accuracy, "heldout/stage": "before"})
+    trainer.accelerator.wait_for_everyone()
+
+    try:
+        train_output = trainer.train(resume_from_checkpoint=resume)
+    except KeyboardInterrupt:
+        save_interrupted(trainer)
+        raise
+    summary["train_runtime_s"] = train_output.metrics.get("train_runtime")
+
+    if heldout is not None and is_main:
+        result, temperature = _heldout(trainer, script_args, training_args, heldout, "after training")
+        summary["heldout_after"] = result.accuracy
+        step = trainer.state.global_step
+        heldout_records["after"] = {**result.to_dict(), "temperature": temperature, "step": step}
+        metrics.write({"step": step, "heldout/accuracy": result.accuracy, "heldout/stage": "after"})
+    if script_args.save_final_model:
+        trainer.save_model(str(output_dir))
+    if is_main:
+        files = [metrics_path]
+        if heldout_records:
+            heldout_path.write_text(json.dumps(heldout_records, indent=2) + "\n")
+            files.append(heldout_path)
+        if script_args.plot and metrics_path.exists():
+            title = (
+                f"{trainer.args.advantage_estimator.upper()} on {script_args.dataset_name}, seed {training_args.seed}"
+            )
+            plot_metrics(read_metrics(metrics_path), plot_path, title=title)
+            files.append(plot_path)
+        summary["files"] = [str(f) for f in files]
+        summary["wall_time_s"] = round(time.time() - wall_start, 1)
+        before, after = summary["heldout_before"], summary["heldout_after"]
+        print("")
+        if before is not None and after is not None:
+            print(
+                f"Held-out accuracy: {before:.1%} before -> {after:.1%} after training "
+                f"({100 * (after - before):+.1f} points)."
+            )
+        print(f"Done in {summary['wall_time_s']:.0f}s. Outputs in {output_dir}/:")
+        for path in files:
+            print(f"  {path}")
+        if script_args.save_final_model:
+            print(f"  {output_dir}/ (trained model and tokenizer)")
+    trainer.accelerator.wait_for_everyone()
+    return summary
