@@ -143,9 +143,9 @@ def test_gpu_recipes_script_runs_a_recipe_and_summarizes_it(tmp_path, tiny_model
     row = next(line for line in done.stdout.splitlines() if line.startswith("| egpo_qwen15b |"))
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells[3] == "16" and cells[4] == "8" and cells[6] == "1"  # completions, max completion, step
-    assert float(cells[8]) > 0  # generation seconds, from the trainer's timing/generation_s
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary[0]["exit"] == "0" and summary[0]["loss"] is not None
+    assert summary[0]["generation_s"] > 0  # from the trainer's timing/generation_s (the table rounds it)
 
 
 @pytest.mark.vllm
