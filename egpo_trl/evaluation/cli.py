@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.model or not args.output_dir:
         parser.error("--model and --output-dir are required (or use --compare RUN RUN ...).")
-    from egpo_trl.train import check_model_exists
+    from egpo_trl.script.resolve import check_model_exists
 
     model = check_model_exists(args.model, trust_remote_code=args.trust_remote_code, prog="egpo-trl eval")
     model = os.path.abspath(model) if os.path.isdir(model) else model
