@@ -148,6 +148,20 @@ class LaunchPlan:
         return int(self.accelerate_settings.get("num_processes") or 1)
 
 
+def _integer_setting(argv: Sequence[str], recipe: dict[str, Any], name: str, minimum: int) -> int | None:
+    """``--name`` from the command line, else the recipe's ``name``, as an integer (``None`` when unset or none)."""
+    value = option_value(argv, name) or recipe.get(name)
+    if value is None or str(value).lower() in _NONE_VALUES:
+        return None
+    try:
+        value = int(value)
+    except ValueError:
+        raise SystemExit(f"egpo-trl train: {name} must be an integer, got {value!r}.") from None
+    if value < minimum:
+        raise SystemExit(f"egpo-trl train: {name} must be >= {minimum}, got {value}.")
+    return value
+
+
 def plan_launch(argv: Sequence[str]) -> LaunchPlan:
     """Read ``accelerate_config``/``num_processes`` from the recipe and the command line (the latter wins).
 
@@ -160,26 +174,8 @@ def plan_launch(argv: Sequence[str]) -> LaunchPlan:
     accelerate_config = option_value(argv, "accelerate_config") or data.get("accelerate_config")
     if accelerate_config is not None and str(accelerate_config).lower() in _NONE_VALUES:
         accelerate_config = None
-    num_processes = option_value(argv, "num_processes") or data.get("num_processes")
-    if num_processes is not None and str(num_processes).lower() in _NONE_VALUES:
-        num_processes = None
-    if num_processes is not None:
-        try:
-            num_processes = int(num_processes)
-        except ValueError:
-            raise SystemExit(f"egpo-trl train: num_processes must be an integer, got {num_processes!r}.") from None
-        if num_processes < 1:
-            raise SystemExit(f"egpo-trl train: num_processes must be >= 1, got {num_processes}.")
-    main_process_port = option_value(argv, "main_process_port") or data.get("main_process_port")
-    if main_process_port is not None and str(main_process_port).lower() in _NONE_VALUES:
-        main_process_port = None
-    if main_process_port is not None:
-        try:
-            main_process_port = int(main_process_port)
-        except ValueError:
-            raise SystemExit(
-                f"egpo-trl train: main_process_port must be an integer, got {main_process_port!r}."
-            ) from None
+    num_processes = _integer_setting(argv, data, "num_processes", minimum=1)
+    main_process_port = _integer_setting(argv, data, "main_process_port", minimum=1)
     settings: dict[str, Any] = {}
     if accelerate_config is not None:
         settings = _read_yaml(accelerate_config, "accelerate config")
