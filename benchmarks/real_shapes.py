@@ -25,75 +25,33 @@ import json
 import time
 from pathlib import Path
 
-# The published config.json of each model (the fields that set the architecture's size and shape).
+# The published config.json of each model (the fields that set the architecture's size and shape). The R1-Distill
+# models keep their Qwen2.5-Math base's body; they untie the 1.5B's embeddings and extend the context.
+_BODY_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, max_window_layers=21)  # fmt: skip
+_BODY_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                num_key_value_heads=4, vocab_size=152064, max_window_layers=28)  # fmt: skip
+_COMMON = dict(rope_theta=10000.0, rms_norm_eps=1e-6)
 SHAPES: dict[str, dict] = {
     "qwen15b": {
         "hub_name": "Qwen/Qwen2.5-Math-1.5B",
         "family": "qwen_math",
-        "config": dict(
-            hidden_size=1536,
-            intermediate_size=8960,
-            num_hidden_layers=28,
-            num_attention_heads=12,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            rope_theta=10000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-            vocab_size=151936,
-            max_window_layers=21,
-        ),
+        "config": {**_BODY_15B, **_COMMON, "max_position_embeddings": 4096, "tie_word_embeddings": True},
     },
     "qwen7b": {
         "hub_name": "Qwen/Qwen2.5-Math-7B",
         "family": "qwen_math",
-        "config": dict(
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_hidden_layers=28,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            max_position_embeddings=4096,
-            rope_theta=10000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-            vocab_size=152064,
-            max_window_layers=28,
-        ),
+        "config": {**_BODY_7B, **_COMMON, "max_position_embeddings": 4096, "tie_word_embeddings": False},
     },
     "r1_distill_15b": {
         "hub_name": "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
         "family": "r1_distill",
-        "config": dict(
-            hidden_size=1536,
-            intermediate_size=8960,
-            num_hidden_layers=28,
-            num_attention_heads=12,
-            num_key_value_heads=2,
-            max_position_embeddings=131072,
-            rope_theta=10000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-            vocab_size=151936,
-            max_window_layers=21,
-        ),
+        "config": {**_BODY_15B, **_COMMON, "max_position_embeddings": 131072, "tie_word_embeddings": False},
     },
     "r1_distill_7b": {
         "hub_name": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
         "family": "r1_distill",
-        "config": dict(
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_hidden_layers=28,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            max_position_embeddings=131072,
-            rope_theta=10000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-            vocab_size=152064,
-            max_window_layers=28,
-        ),
+        "config": {**_BODY_7B, **_COMMON, "max_position_embeddings": 131072, "tie_word_embeddings": False},
     },
 }
 
