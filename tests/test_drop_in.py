@@ -172,15 +172,16 @@ class SamplingLogpsEGPOTrainer(EGPOTrainer):
 
 
 @pytest.mark.parametrize("sampling", [{}, {"top_k": 5}, {"top_p": 0.9}, {"generation_kwargs": {"min_p": 0.1}}])
-def test_sampling_logps_give_the_proxy_only_for_plain_sampling(tmp_path, tiny_model_dir, sampling):
-    args = config(tmp_path, max_steps=1, **sampling)
+@pytest.mark.parametrize("entropy_logps", ["sampler", "policy"])
+def test_sampling_logps_give_the_proxy_only_for_plain_sampling(tmp_path, tiny_model_dir, sampling, entropy_logps):
+    args = config(tmp_path, max_steps=1, egpo_entropy_logps=entropy_logps, **sampling)
     trainer = SamplingLogpsEGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
     trainer.train()
     batch = trainer.egpo_last_batch
-    if not sampling:
+    if not sampling and entropy_logps == "sampler":
         assert batch["entropy_source"] == "sampling_per_token_logps"
         assert (batch["entropies"] == 0).all()
-    else:  # processed log-probs of another distribution: the policy's own pass gives H
+    else:  # the default, or processed log-probs of another distribution: the policy's own pass gives H
         assert batch["entropy_source"] == "forward"
         assert (batch["entropies"] > 0).all()
 
