@@ -14,8 +14,6 @@ from conftest import make_prompt_dataset, parity_reward
 from conftest import trainer_config as config
 from recording import Recording, answers_of, history, rows, texts
 
-pytestmark = pytest.mark.slow
-
 
 def half_informative_reward(completions, answer, **kwargs):
     """Uninformative (-1 throughout) on prompts with an even answer; the parity reward on the others."""
@@ -27,6 +25,18 @@ def always_wrong(completions, **kwargs):
     return [-1.0] * len(completions)
 
 
+def test_the_mixin_adds_methods_and_overrides_nothing_of_grpo_trainer():
+    from trl import GRPOTrainer
+
+    from egpo_trl import EGPOTrainer
+    from egpo_trl.sampling import DynamicSamplingMixin
+
+    own = {name for name in vars(DynamicSamplingMixin) if not name.startswith("__")}
+    assert own and not own & set(dir(GRPOTrainer)) and not own & set(vars(EGPOTrainer))
+    assert DynamicSamplingMixin in EGPOTrainer.__mro__ and issubclass(EGPOTrainer, GRPOTrainer)
+
+
+@pytest.mark.slow
 def test_dynamic_sampling_fills_the_batch_with_informative_groups(tmp_path, tiny_model_dir):
     args = config(tmp_path, max_steps=4, dynamic_sampling=True, dynamic_sampling_max_rounds=8)
     trainer = Recording(tiny_model_dir, half_informative_reward, args, train_dataset=make_prompt_dataset())
@@ -58,6 +68,7 @@ def test_dynamic_sampling_fills_the_batch_with_informative_groups(tmp_path, tiny
         assert set(rows(consumed["completion_ids"], consumed["completion_mask"])) <= kept
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_cap_stops_a_run_without_informative_groups(tmp_path, tiny_model_dir, caplog):
     args = config(tmp_path, max_steps=2, dynamic_sampling=True, dynamic_sampling_max_rounds=3)
     trainer = Recording(tiny_model_dir, always_wrong, args, train_dataset=make_prompt_dataset())
@@ -75,6 +86,7 @@ def test_dynamic_sampling_cap_stops_a_run_without_informative_groups(tmp_path, t
     assert sampling["selected"] == [(0, 0), (0, 1)] and trainer.generated[0]["completion_ids"].size(0) == 8
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_with_two_processes_keeps_the_same_groups_everywhere(tmp_path, tiny_model_dir):
     import os
     import subprocess

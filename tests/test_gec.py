@@ -46,6 +46,16 @@ def test_the_helpers_stay_importable_from_the_trainer_module():
     assert trainer.SOLUTION_ANSWER_SUFFIX is gec.SOLUTION_ANSWER_SUFFIX
 
 
+def test_the_mixin_adds_methods_and_overrides_nothing_of_grpo_trainer():
+    from trl import GRPOTrainer
+
+    from egpo_trl.sampling import GuidedErrorCorrectionMixin
+
+    own = {name for name in vars(GuidedErrorCorrectionMixin) if not name.startswith("__")}
+    assert own and not own & set(dir(GRPOTrainer)) and not own & set(vars(EGPOTrainer))
+    assert GuidedErrorCorrectionMixin in EGPOTrainer.__mro__ and issubclass(EGPOTrainer, GRPOTrainer)
+
+
 # ----------------------------------------------------------------------------- real runs
 def solution_dataset():
     dataset = make_prompt_dataset()
