@@ -173,7 +173,8 @@ class SamplingLogpsEGPOTrainer(EGPOTrainer):
 
 @pytest.mark.parametrize("sampling", [{}, {"top_k": 5}, {"top_p": 0.9}, {"generation_kwargs": {"min_p": 0.1}}])
 def test_sampling_logps_give_the_proxy_only_for_plain_sampling(tmp_path, tiny_model_dir, sampling):
-    args = config(tmp_path, max_steps=1, **sampling)
+    # egpo_entropy_logps="sampler" asks for them; by default ("policy") the proxy always comes from the policy's pass.
+    args = config(tmp_path, max_steps=1, egpo_entropy_logps="sampler", **sampling)
     trainer = SamplingLogpsEGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
     trainer.train()
     batch = trainer.egpo_last_batch
