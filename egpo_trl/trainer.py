@@ -11,6 +11,11 @@ The trainer is glue. TRL generates, scores and builds the batch as usual; after
    (:func:`~egpo_trl.advantages.egpo_advantages` by default), and keeps this process's slice,
 4. puts the result where TRL expects it (``advantages`` in the batch and in the completions table).
 
+Each sampling feature is a mixin of methods that overrides nothing of ``GRPOTrainer``; ``EGPOTrainer`` holds every
+override of TRL's methods and calls the features from them (``_generate`` for Guided Error Correction,
+``_generate_and_score_completions`` for dynamic sampling), so what EGPO changes in ``GRPOTrainer`` is read
+here, in one file.
+
 TRL's clipped objective, every loss type, ``num_iterations``, gradient accumulation, PEFT, vLLM and
 multi-process training are untouched.
 
@@ -34,11 +39,11 @@ The baselines run through the same trainer (``docs/baselines.md``):
   old log-probs it computes them in that same no-grad pass; otherwise the one extra pass above returns
   both. They are constants of the objective, taken under the policy that sampled the batch.
 * ``dynamic_sampling`` (DAPO) generates extra rounds for prompts drawn from the training set until the
-  generation batch is made of informative groups; the decision is taken on gathered tensors, so every
-  process keeps the same groups, and the batch keeps its shape. TRL's dataloader, epochs, buffering,
-  shuffling and ``num_iterations`` see a normal generation batch.
+  generation batch is made of informative groups; the batch keeps its shape. It lives in
+  :mod:`egpo_trl.sampling.dynamic` (:class:`~egpo_trl.sampling.dynamic.DynamicSamplingMixin`).
 * ``edge_gec`` (EDGE-GRPO's Guided Error Correction) rewrites incorrect completions after generation and
-  before TRL scores them.
+  before TRL scores them. It lives in :mod:`egpo_trl.sampling.gec`
+  (:class:`~egpo_trl.sampling.gec.GuidedErrorCorrectionMixin`).
 * ``overlong_buffer_length`` (DAPO) adds :func:`~egpo_trl.rewards.overlong_penalty_reward` to the reward
   functions.
 """
@@ -53,7 +58,6 @@ from typing import Any
 
 import torch
 from trl import GRPOTrainer
-from trl.data_utils import is_conversational
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id
 
@@ -69,7 +73,11 @@ from egpo_trl.advantages import (
     sequence_mean,
 )
 from egpo_trl.config import EGPOConfig, distribution_changing_sampling_options
-from egpo_trl.rewards import answers_match, extract_last_boxed, make_overlong_penalty_reward
+from egpo_trl.rewards import make_overlong_penalty_reward
+from egpo_trl.sampling.dynamic import DynamicSamplingMixin
+from egpo_trl.sampling.gec import SOLUTION_ANSWER_SUFFIX, GuidedErrorCorrectionMixin, boxed_safe_prefix  # noqa: F401
+
+# SOLUTION_ANSWER_SUFFIX and boxed_safe_prefix live with Guided Error Correction and stay importable from here.
 
 logger = logging.getLogger(__name__)
 
@@ -88,47 +96,13 @@ _FORWARD_KEYS = (
     "mm_token_type_ids",
     "image_position_ids",
 )
-# Batch tensors that are left-padded (the prompt side); every other per-token tensor is right-padded.
-_LEFT_PADDED_KEYS = ("prompt_ids", "prompt_mask")
 # Per-token entropies captured from TRL's old-log-prob pass travel in the batch under this key until used.
 _TOKEN_ENTROPY_KEY = "egpo_token_entropies"
 # TRL's importance-sampling correction multiplies the loss by its ratios: below this mean, the run is told.
 IS_RATIO_WARNING_THRESHOLD = 0.5
 
 
-_BOXED = "\\boxed{"
-# Appended to a reference solution (Guided Error Correction) whose last box does not give the reference answer.
-SOLUTION_ANSWER_SUFFIX = "\n\nThe final answer is \\boxed{{answer}}."
-
-
-def _ends_inside_boxed(text: str) -> bool:
-    """Whether ``text`` stops inside a ``\\boxed{...}`` (or inside the command itself, e.g. ``... \\box``)."""
-    start = text.rfind(_BOXED)
-    if start >= 0:
-        depth = 1
-        for char in text[start + len(_BOXED) :]:
-            depth += 1 if char == "{" else -1 if char == "}" else 0
-            if depth == 0:
-                break
-        if depth > 0:
-            return True
-    return any(text.endswith(_BOXED[:k]) for k in range(1, len(_BOXED)))
-
-
-def boxed_safe_prefix(ids: list[int], decode) -> list[int]:
-    """The longest prefix of ``ids`` whose text (``decode(ids)``) does not stop inside a ``\\boxed{}``.
-
-    Guided Error Correction shortens a completion to make room for the injected text. Cutting inside the
-    completion's own ``\\boxed{`` would leave the injected answer inside an unclosed box: the prefix is cut back
-    to before it instead.
-    """
-    n = len(ids)
-    while n > 0 and _ends_inside_boxed(decode(ids[:n])):
-        n -= 1
-    return ids[:n]
-
-
-class EGPOTrainer(GRPOTrainer):
+class EGPOTrainer(DynamicSamplingMixin, GuidedErrorCorrectionMixin, GRPOTrainer):
     """Trainer for Entropy-Guided Policy Optimization (EGPO), a drop-in replacement for TRL's ``GRPOTrainer``.
 
     It takes exactly ``GRPOTrainer``'s arguments; ``args`` is an :class:`~egpo_trl.EGPOConfig`.
@@ -217,7 +191,10 @@ class EGPOTrainer(GRPOTrainer):
             )
         if args.egpo_entropy_scope != "completion":
             from egpo_trl.segments import segment_masks  # noqa: F401  (fail at init, not at the first step)
-        self._check_sampling_features()
+        if args.dynamic_sampling:
+            self._check_dynamic_sampling()
+        if args.edge_gec:
+            self._check_guided_error_correction()
         self._egpo_rewards_per_func: torch.Tensor | None = None
         self._egpo_capture_entropy = False  # capture the entropies of TRL's next old-log-prob pass
         self._egpo_captured_entropies: torch.Tensor | None = None
@@ -246,48 +223,6 @@ class EGPOTrainer(GRPOTrainer):
             args.max_completion_length, args.overlong_buffer_length, args.overlong_penalty_factor
         )
         return [*funcs, penalty]
-
-    def _check_sampling_features(self) -> None:
-        """Refuse, at init, combinations that dynamic sampling or Guided Error Correction do not support."""
-        args = self.args
-        if args.dynamic_sampling or args.edge_gec:
-            feature = "dynamic_sampling" if args.dynamic_sampling else "edge_gec"
-            unsupported = {
-                "vision-language models": bool(getattr(self, "_is_vlm", False)),
-                "tools": bool(self.tools),
-                "rollout_func": self.rollout_func is not None,
-                "environment_factory": self.environment_factories is not None,
-            }
-            for name, used in unsupported.items():
-                if used:
-                    raise ValueError(f"{feature} does not support {name}; turn one of them off.")
-        if args.dynamic_sampling:
-            from datasets import IterableDataset
-
-            if self.train_dataset is None or isinstance(self.train_dataset, IterableDataset):
-                raise ValueError(
-                    "dynamic_sampling draws extra prompts from train_dataset by index, so it needs a map-style "
-                    "datasets.Dataset (not an IterableDataset); load the data without streaming, or turn it off."
-                )
-        if args.edge_gec:
-            if getattr(self, "use_transformers_continuous_batching", False):
-                raise ValueError(
-                    "edge_gec continues incorrect completions with vLLM or the plain transformers generation, not "
-                    "with transformers' continuous batching; turn one of them off."
-                )
-            columns = getattr(self.train_dataset, "column_names", None) or []
-            if "answer" not in columns:
-                raise ValueError(
-                    f"edge_gec needs the reference answers in an `answer` column of train_dataset; it has {columns}."
-                )
-            if args.edge_gec_solution_prob > 0 and "solution" not in columns and self.accelerator.is_main_process:
-                logger.warning(
-                    "edge_gec_solution_prob=%g but train_dataset has no `solution` column: that share of the incorrect "
-                    "completions gets the reference answer injected (as edge_gec_answer_prob does) instead of being "
-                    "replaced by a reference solution; gec/frac_solution_as_answer logs it. Add a `solution` column, "
-                    "or set edge_gec_solution_prob=0 (and give its probability to edge_gec_answer_prob) to say so.",
-                    args.edge_gec_solution_prob,
-                )
 
     # ------------------------------------------------------------------ TRL hooks
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -329,7 +264,7 @@ class EGPOTrainer(GRPOTrainer):
         with self._egpo_timed("generation_s"):
             result = super()._generate(prompts)
         if self.args.edge_gec and self.model.training and getattr(self, "_egpo_round_inputs", None) is not None:
-            result = self._guided_error_correction(prompts, result)
+            result = self._guided_error_correction(prompts, result)  # GuidedErrorCorrectionMixin
         return result
 
     def _generate_and_score_completions(self, inputs):
@@ -338,7 +273,7 @@ class EGPOTrainer(GRPOTrainer):
         sampling = None
         self._egpo_timings = {}
         start = time.perf_counter()
-        if mode == "train" and self.args.dynamic_sampling:
+        if mode == "train" and self.args.dynamic_sampling:  # DynamicSamplingMixin
             output, rewards_per_func, sampling = self._dynamic_sampling(inputs, num_generations)
         else:
             output, rewards_per_func = self._generate_round(inputs)
@@ -683,404 +618,3 @@ class EGPOTrainer(GRPOTrainer):
         for name, value in values.items():
             if value is not None:  # an undefined mean (no correct completion, say) is left out, not logged as NaN
                 metrics[f"egpo/{name}"].append(value)
-
-    # ------------------------------------------------------------------ dynamic sampling (DAPO)
-    def _informative_groups(self, rewards_per_func: torch.Tensor, num_generations: int) -> torch.Tensor:
-        """``bool Tensor[G]``: which groups carry a learning signal under GRPO (``dynamic_sampling_metric``).
-
-        ``"correctness"``: the group's scored completions are neither all correct nor all incorrect according to
-        the correctness reward function. ``"reward"``: its scored completions do not all have the same total
-        reward. A group with fewer than two scored completions is uninformative.
-        """
-        if self.args.dynamic_sampling_metric == "correctness":
-            values = rewards_per_func[:, self._egpo_correctness_index].view(-1, num_generations)
-            scored = ~torch.isnan(values)
-            n_correct = (self._egpo_correct(rewards_per_func)[0].view(-1, num_generations) & scored).sum(dim=1)
-            return (n_correct > 0) & (n_correct < scored.sum(dim=1))
-        unscorable = torch.isnan(rewards_per_func).all(dim=1)
-        rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
-        rewards = rewards.masked_fill(unscorable, float("nan")).view(-1, num_generations)
-        scored = ~torch.isnan(rewards)
-        highest = torch.where(scored, rewards, torch.full_like(rewards, -float("inf"))).max(dim=1).values
-        lowest = torch.where(scored, rewards, torch.full_like(rewards, float("inf"))).min(dim=1).values
-        return (scored.sum(dim=1) >= 2) & (highest > lowest)
-
-    def _dynamic_sampling(
-        self, inputs: list[dict[str, Any]], num_generations: int
-    ) -> tuple[dict[str, Any], torch.Tensor, dict[str, Any]]:
-        """DAPO's dynamic sampling over whole generation batches.
-
-        Generates ``inputs`` as TRL would, then, while fewer than ``G`` groups (the generation batch's number of
-        groups) are informative, another round for ``G`` prompts drawn from ``train_dataset``, up to
-        ``dynamic_sampling_max_rounds`` rounds in all. The first ``G`` informative groups, in generation order, make
-        the batch; when the cap stops the search, uninformative groups (first round first) fill it and a warning is
-        logged. Decisions use the gathered rewards, so every process keeps the same groups; rows move between
-        processes as needed, and each keeps its usual number of rows.
-        """
-        local_rows = len(inputs)
-        global_rows = local_rows * self.accelerator.num_processes
-        target = global_rows // num_generations
-        max_rounds = self.args.dynamic_sampling_max_rounds
-        rounds: list[dict[str, Any]] = []
-        found = 0
-        round_inputs = inputs
-        for round_index in range(max_rounds):
-            output, rewards_per_func = self._generate_round(round_inputs)
-            informative = self._informative_groups(rewards_per_func, num_generations)
-            rounds.append(
-                {
-                    "output": output,
-                    "rewards_per_func": rewards_per_func,
-                    "informative": informative,
-                    "logs": self._snapshot_logs(global_rows),
-                }
-            )
-            found += int(informative.sum().item())
-            if found >= target or round_index + 1 == max_rounds:
-                break
-            round_inputs = self._refill_inputs(local_rows, num_generations, round_index + 1)
-
-        selected = [
-            (r, int(g)) for r, record in enumerate(rounds) for g in torch.nonzero(record["informative"]).flatten()
-        ][:target]
-        cap_hit = len(selected) < target
-        if cap_hit:
-            fillers = [
-                (r, g) for r, record in enumerate(rounds) for g in range(target) if not record["informative"][g]
-            ]
-            fillers = fillers[: target - len(selected)]
-            if self.accelerator.is_main_process:
-                logger.warning(
-                    "Dynamic sampling: %d of the %d groups of this generation batch are informative after %d generation "
-                    "rounds (dynamic_sampling_max_rounds=%d, step %d); %d uninformative groups fill the batch and "
-                    "give no GRPO signal. Raise dynamic_sampling_max_rounds, train on prompts of a better-suited "
-                    "difficulty, or set dynamic_sampling=False.",
-                    len(selected),
-                    target,
-                    len(rounds),
-                    max_rounds,
-                    self.state.global_step,
-                    len(fillers),
-                )
-            selected = selected + fillers
-
-        if selected == [(0, g) for g in range(target)]:  # the first round was informative throughout
-            output, rewards_per_func = rounds[0]["output"], rounds[0]["rewards_per_func"]
-        else:
-            output, rewards_per_func = self._assemble_groups(rounds, selected, num_generations, local_rows)
-            self._restore_logs(rounds, selected, num_generations, global_rows)
-
-        generated = target * len(rounds)
-        metrics = self._metrics["train"]
-        metrics["dynamic_sampling/rounds"].append(float(len(rounds)))
-        metrics["dynamic_sampling/frac_informative"].append(found / generated)
-        metrics["dynamic_sampling/cap_hit"].append(float(cap_hit))
-        sampling = {
-            "rounds": len(rounds),
-            "target_groups": target,
-            "informative": [record["informative"] for record in rounds],
-            "selected": selected,
-            "cap_hit": cap_hit,
-        }
-        return output, rewards_per_func, sampling
-
-    def _refill_inputs(self, local_rows: int, num_generations: int, round_index: int) -> list[dict[str, Any]]:
-        """This process's rows of a generation batch of fresh prompts from ``train_dataset``.
-
-        The prompts are a seeded random draw (from ``seed``, the global step and the round), the same on every
-        process and again after resuming; each prompt is repeated ``num_generations`` times and the global batch
-        is split across processes exactly as TRL's sampler splits it. TRL's own dataloader is not advanced.
-        """
-        dataset = self.train_dataset
-        num_groups = local_rows * self.accelerator.num_processes // num_generations
-        generator = torch.Generator().manual_seed(
-            (self.args.seed + 1) * 1_000_003 + self.state.global_step * 1_009 + round_index
-        )
-        order = torch.randperm(len(dataset), generator=generator).tolist()
-        prompts = [order[i % len(order)] for i in range(num_groups)]
-        start = self.accelerator.process_index * local_rows
-        return [dict(dataset[prompts[row // num_generations]]) for row in range(start, start + local_rows)]
-
-    def _gather_rows(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` (this process's rows) gathered over processes, per-token tensors padded to a common width."""
-        if tensor.dim() >= 2:
-            pad_value = self._pad_value(key)
-            tensor = self.accelerator.pad_across_processes(
-                tensor, dim=1, pad_index=pad_value, pad_first=key in _LEFT_PADDED_KEYS
-            )
-        return self.accelerator.gather(tensor)
-
-    def _pad_value(self, key: str) -> int | float:
-        if key in ("prompt_ids", "completion_ids"):
-            return self._tokenizer.pad_token_id
-        if key == "tool_mask":
-            return 1
-        return 0
-
-    def _assemble_groups(
-        self, rounds: list[dict[str, Any]], selected: list[tuple[int, int]], num_generations: int, local_rows: int
-    ) -> tuple[dict[str, Any], torch.Tensor]:
-        """The batch made of the ``selected`` (round, group) pairs: this process's rows and the gathered rewards."""
-        global_rows = local_rows * self.accelerator.num_processes
-        first = rounds[0]["output"]
-        keys = [
-            k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.size(0) == local_rows
-        ]
-        others = [k for k, v in first.items() if k not in keys and k != "num_items_in_batch"]
-        if others:
-            raise ValueError(f"dynamic_sampling cannot regroup the batch entries {others} (multimodal inputs?).")
-        used = sorted({r for r, _ in selected})  # rounds that contribute a group; the others are never gathered
-        position = {r: i for i, r in enumerate(used)}
-        rows = torch.tensor(
-            [position[r] * global_rows + g * num_generations + j for r, g in selected for j in range(num_generations)],
-            dtype=torch.long,
-        )
-        start = self.accelerator.process_index * local_rows
-        output = {}
-        for key in keys:
-            gathered = [self._gather_rows(key, rounds[r]["output"][key]) for r in used]
-            if gathered[0].dim() >= 2:
-                width = max(t.size(1) for t in gathered)
-                padded = []
-                for t in gathered:
-                    missing = width - t.size(1)
-                    if missing:
-                        fill = torch.full(
-                            (t.size(0), missing, *t.shape[2:]), self._pad_value(key), dtype=t.dtype, device=t.device
-                        )
-                        t = torch.cat([fill, t] if key in _LEFT_PADDED_KEYS else [t, fill], dim=1)
-                    padded.append(t)
-                gathered = padded
-            merged = torch.cat(gathered, dim=0)
-            output[key] = merged[rows.to(merged.device)][start : start + local_rows]
-        loss_mask = output["completion_mask"]
-        if output.get("tool_mask") is not None:
-            loss_mask = loss_mask * output["tool_mask"]
-        output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
-        rewards = torch.cat([rounds[r]["rewards_per_func"] for r in used], dim=0)
-        return output, rewards[rows.to(rewards.device)]
-
-    def _snapshot_logs(self, global_rows: int) -> dict[str, Any]:
-        """The completions-table entries TRL logged for the last generation round (the last ``global_rows``)."""
-
-        def tail(values) -> list | None:
-            return list(values)[-global_rows:] if len(values) >= global_rows else None
-
-        logs = self._logs
-        return {
-            "prompt": tail(logs["prompt"]),
-            "completion": tail(logs["completion"]),
-            "advantages": tail(logs["advantages"]),
-            "rewards": {name: tail(values) for name, values in logs["rewards"].items()},
-            "extra": {name: tail(values) for name, values in logs["extra"].items()},
-        }
-
-    def _restore_logs(
-        self, rounds: list[dict[str, Any]], selected: list[tuple[int, int]], num_generations: int, global_rows: int
-    ) -> None:
-        """Make the completions table show the rows of the assembled batch, not those of the last round."""
-        rows = [(r, g * num_generations + j) for r, g in selected for j in range(num_generations)]
-
-        def replace(target, name_path: tuple[str, ...]) -> None:
-            snapshots = []
-            for record in rounds:
-                snapshot = record["logs"]
-                for part in name_path:
-                    snapshot = snapshot.get(part) if isinstance(snapshot, dict) else None
-                snapshots.append(snapshot)
-            for _ in range(min(len(target), global_rows)):
-                target.pop()
-            if all(snapshot is not None for snapshot in snapshots):
-                target.extend(snapshots[r][i] for r, i in rows)
-
-        replace(self._logs["prompt"], ("prompt",))
-        replace(self._logs["completion"], ("completion",))
-        replace(self._logs["advantages"], ("advantages",))
-        for name, values in self._logs["rewards"].items():
-            replace(values, ("rewards", name))
-        for name, values in self._logs["extra"].items():
-            replace(values, ("extra", name))
-
-    # ------------------------------------------------------------------ Guided Error Correction (EDGE-GRPO)
-    def _guided_error_correction(self, prompts: list, result: tuple) -> tuple:
-        """EDGE-GRPO's Guided Error Correction on one generation round, before TRL scores it.
-
-        Each completion that is incorrect according to the correctness reward function (and, with
-        ``edge_gec_scope="all_incorrect_groups"``, belongs to a group without a correct completion) is, with the
-        configured probabilities: continued by the policy after ``edge_gec_reflection_cue`` (``reflect``); given the
-        reference answer with ``edge_gec_answer_template`` (``answer``); replaced by the reference solution
-        (``solution``, the row's ``solution`` column, else ``answer``, counted in ``gec/frac_solution_as_answer``;
-        a solution whose last box does not give the reference answer, or that must be shortened, ends with
-        ``SOLUTION_ANSWER_SUFFIX``, counted in ``gec/frac_solution_boxed``). The rewritten completion keeps the
-        original's tokens (shortened when needed, so that it fits ``max_completion_length``) and ends with EOS,
-        except a continuation that runs out of tokens. TRL then scores and trains on the rewritten completions.
-        """
-        prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images = result
-        args = self.args
-        inputs = self._egpo_round_inputs
-        device = self.accelerator.device
-        local_rows = len(completion_ids)
-        num_generations = self.num_generations
-
-        # Correctness of the sampled completions (gathered, since a group may span processes).
-        rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids)
-        values = rewards_per_func[:, self._egpo_correctness_index]
-        scored = ~torch.isnan(values)
-        is_correct = self._egpo_correct(rewards_per_func)[0]
-        eligible = scored & ~is_correct
-        if args.edge_gec_scope == "all_incorrect_groups":
-            grouped = is_correct.view(-1, num_generations).any(dim=1, keepdim=True)
-            eligible = eligible & ~grouped.expand(-1, num_generations).reshape(-1)
-        start = self.accelerator.process_index * local_rows
-        eligible = eligible[start : start + local_rows].cpu()
-
-        self._gec_calls = getattr(self, "_gec_calls", 0) + 1  # a fresh draw for every round of every step
-        generator = torch.Generator().manual_seed(
-            (args.seed + 7) * 1_000_003 + self._gec_calls * 1_009 + self.accelerator.process_index
-        )
-        draws = torch.rand(local_rows, generator=generator)
-        reflect_below = args.edge_gec_reflect_prob
-        answer_below = reflect_below + args.edge_gec_answer_prob
-        solution_below = answer_below + args.edge_gec_solution_prob
-        eos = self.eos_token_ids[0]
-        max_length = self.max_completion_length
-        tokenizer = self._tokenizer
-
-        def encode(text: str) -> list[int]:
-            return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-        def body(ids: list[int]) -> list[int]:
-            return ids[:-1] if ids and ids[-1] in self.eos_token_ids else list(ids)
-
-        new_ids = [list(ids) for ids in completion_ids]
-        strategy = [None] * local_rows
-        solution_as_answer = [False] * local_rows  # the solution share, for a row without a solution
-        solution_boxed = [False] * local_rows  # a solution that got the answer's box appended
-        kept_tokens = [0] * local_rows  # leading tokens of the sampled completion that a rewrite keeps
-        cue = encode(args.edge_gec_reflection_cue)
-        # Room kept for a continuation: up to edge_gec_max_new_tokens, at least half of what the cue leaves free;
-        # a long original is shortened to make that room, a short one is kept whole.
-        room = min(args.edge_gec_max_new_tokens, (max_length - len(cue)) // 2)
-        reflect_rows, reflect_prompts, budget = [], [], 0
-        for i in range(local_rows):
-            if not eligible[i]:
-                continue
-            u = float(draws[i])
-            answer = inputs[i].get("answer")
-            solution = inputs[i].get("solution")
-            choice = None
-            if u < reflect_below and room >= 1:
-                choice = "reflect"
-            elif u < reflect_below or u < answer_below:
-                choice = "answer"
-            elif u < solution_below:
-                choice = "solution" if solution else "answer"
-                solution_as_answer[i] = not solution
-            if choice in ("answer", "solution") and (answer is None or str(answer) == ""):
-                choice = None
-                solution_as_answer[i] = False
-            if choice == "reflect":
-                kept = body(completion_ids[i])[: max_length - len(cue) - room]
-                new_ids[i] = kept + cue
-                kept_tokens[i] = len(kept)
-                budget = max(budget, min(args.edge_gec_max_new_tokens, max_length - len(new_ids[i])))
-                reflect_rows.append(i)
-                reflect_prompts.append(list(prompt_ids[i]) + new_ids[i])
-            elif choice == "answer":
-                injected = encode(args.edge_gec_answer_template.replace("{answer}", str(answer)))[: max_length - 1]
-                original = body(completion_ids[i])
-                kept = original[: max(0, max_length - 1 - len(injected))]
-                if len(kept) < len(original):  # shortened: never leave the injected answer inside an open box
-                    kept = boxed_safe_prefix(kept, tokenizer.decode)
-                new_ids[i] = kept + injected + [eos]
-                kept_tokens[i] = len(kept)
-            elif choice == "solution":
-                # The reference solution, scored by its last box: when that box does not give the reference answer
-                # (no box, another box last), or the solution must be shortened to fit, it ends with the answer's
-                # box, so that the replaced completion is the correct one it stands for.
-                text = str(solution)
-                body_ids = encode(text)
-                suffix = []
-                if not answers_match(extract_last_boxed(text), answer) or len(body_ids) > max_length - 1:
-                    suffix = encode(SOLUTION_ANSWER_SUFFIX.replace("{answer}", str(answer)))[: max_length - 1]
-                    solution_boxed[i] = True
-                if len(body_ids) > max_length - 1 - len(suffix):
-                    body_ids = boxed_safe_prefix(body_ids[: max(0, max_length - 1 - len(suffix))], tokenizer.decode)
-                new_ids[i] = body_ids + suffix + [eos]
-            strategy[i] = choice
-
-        # Continuations: every process generates together when any needs to (generation may be collective).
-        needed = self.accelerator.gather(torch.tensor([len(reflect_rows)], device=device)).sum().item()
-        continued: dict[int, tuple[list[int], list[float] | None]] = {}  # row -> continuation ids and log-probs
-        if needed:
-            batch = reflect_prompts or [list(prompt_ids[0])]  # a process with nothing to continue runs a dummy row
-            continuations, continuation_logps = self._continue_generation(batch, max(budget, 1))
-            for k, (i, continuation) in enumerate(zip(reflect_rows, continuations)):
-                room_left = min(args.edge_gec_max_new_tokens, max_length - len(new_ids[i]))
-                tail_logps = None if continuation_logps is None else list(continuation_logps[k])[:room_left]
-                continued[i] = (list(continuation)[:room_left], tail_logps)
-                new_ids[i] = new_ids[i] + continued[i][0]
-
-        changed = [i for i in range(local_rows) if strategy[i] is not None]
-        if changed and logprobs is not None:
-            # vLLM's sampling log-probs: kept for the sampled tokens that stay, and for a continuation; NaN for the
-            # injected tokens, which TRL's importance-sampling correction then leaves uncorrected (ratio 1).
-            logprobs = [list(row) for row in logprobs]
-            for i in changed:
-                rewritten = list(logprobs[i][: kept_tokens[i]])
-                if strategy[i] == "reflect":
-                    tail_ids, tail_logps = continued.get(i, ([], None))
-                    rewritten += [float("nan")] * (len(new_ids[i]) - len(rewritten) - len(tail_ids))
-                    rewritten += list(tail_logps) if tail_logps is not None else [float("nan")] * len(tail_ids)
-                rewritten += [float("nan")] * (len(new_ids[i]) - len(rewritten))
-                logprobs[i] = rewritten
-        if changed:
-            completion_ids = new_ids
-            completions = list(completions)
-            conversational = is_conversational({"prompt": prompts[0]})
-            texts = self.processing_class.batch_decode([new_ids[i] for i in changed], skip_special_tokens=True)
-            for i, text in zip(changed, texts):
-                completions[i] = [{"role": "assistant", "content": text}] if conversational else text
-
-        counts = torch.tensor(
-            [float(eligible.sum())]
-            + [float(sum(s == name for s in strategy)) for name in ("reflect", "answer", "solution")]
-            + [float(sum(solution_as_answer)), float(sum(solution_boxed))],
-            device=device,
-        )
-        totals = self.accelerator.gather(counts.unsqueeze(0)).sum(dim=0) / (
-            local_rows * self.accelerator.num_processes
-        )
-        names = (
-            "frac_eligible",
-            "frac_reflect",
-            "frac_answer",
-            "frac_solution",
-            "frac_solution_as_answer",
-            "frac_solution_boxed",
-        )
-        for name, value in zip(names, totals.tolist()):
-            self._metrics["train"][f"gec/{name}"].append(value)
-        return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images
-
-    def _continue_generation(
-        self, prompt_ids: list[list[int]], max_new_tokens: int
-    ) -> tuple[list[list[int]], list[list[float]] | None]:
-        """One continuation of at most ``max_new_tokens`` tokens for each token-id prompt, with TRL's generation
-        backend (vLLM, which also returns the sampled tokens' log-probs, or transformers, which returns ``None``)."""
-        if self.use_vllm:
-            generation = self.vllm_generation
-            previous = generation.max_completion_length
-            generation.max_completion_length = max_new_tokens
-            try:
-                return self._generate_single_turn(prompt_ids, None, {}, 1)
-            finally:
-                generation.max_completion_length = previous
-        previous = self.generation_config.max_new_tokens, self.generation_kwargs.get("max_new_tokens")
-        self.generation_config.max_new_tokens = max_new_tokens
-        self.generation_kwargs["max_new_tokens"] = max_new_tokens
-        try:
-            continuations, _ = self._generate_single_turn(prompt_ids, None, {}, 1)
-        finally:
-            self.generation_config.max_new_tokens, self.generation_kwargs["max_new_tokens"] = previous
-        return continuations, None

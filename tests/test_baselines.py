@@ -270,26 +270,3 @@ def test_baseline_recipes_differ_from_the_egpo_recipe_only_in_the_method(tmp_pat
     method_keys.pop("output_dir")
     config = make(tmp_path, max_completion_length=baseline["max_completion_length"], **method_keys)
     assert config.advantage_estimator == baseline["advantage_estimator"]
-
-
-# ----------------------------------------------------------------------------- Guided Error Correction: cuts
-def test_a_shortened_completion_is_never_cut_inside_its_own_boxed_answer():
-    from transformers import AutoTokenizer
-
-    from egpo_trl.tiny_model import tiny_model_path
-    from egpo_trl.trainer import boxed_safe_prefix
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
-    text = "<think>23+8=31, 31-15=16</think> \\boxed{16}"
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    open_at = text.index("\\boxed{")
-    for n in range(len(ids) + 1):
-        kept = boxed_safe_prefix(ids[:n], tokenizer.decode)
-        decoded = tokenizer.decode(kept)
-        if n == len(ids):
-            assert kept == ids  # a closed box stays whole
-        elif len(tokenizer.decode(ids[:n])) > open_at:
-            # The cut fell inside "\boxed{16}": back to before the command, never an open box or a bare "\box".
-            assert "\\" not in decoded and text.startswith(decoded) and len(decoded) <= open_at, decoded
-        else:
-            assert kept == ids[:n]  # a cut before the box is left alone

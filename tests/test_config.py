@@ -29,7 +29,10 @@ def test_defaults_are_the_papers(tmp_path):
         ({"egpo_renorm": "after"}, "egpo_renorm='after' is not supported"),
         ({"egpo_nsr_weighting": "flat"}, "egpo_nsr_weighting"),
         ({"egpo_entropy_scope": "prompt"}, "egpo_entropy_scope"),
-        ({"egpo_entropy_logps": "vllm"}, "egpo_entropy_logps='vllm' is not supported; set it to one of: policy, sampler"),
+        (
+            {"egpo_entropy_logps": "vllm"},
+            "egpo_entropy_logps='vllm' is not supported; set it to one of: policy, sampler",
+        ),
         ({"advantage_estimator": "ppo"}, "advantage_estimator='ppo'"),
         ({"egpo_lambda_min": 0.0}, "egpo_lambda_min must be > 0"),
         ({"egpo_lambda_min": -1.0}, "egpo_lambda_min must be > 0"),

@@ -1,0 +1,267 @@
+"""DAPO's dynamic sampling, as a mixin of :class:`~egpo_trl.trainer.EGPOTrainer`.
+
+With ``dynamic_sampling=True`` the trainer generates extra rounds for prompts drawn from the training set until
+the generation batch is made of informative groups (``dynamic_sampling_metric``: groups whose completions are
+not all correct nor all incorrect, or whose rewards are not all equal), up to ``dynamic_sampling_max_rounds``
+rounds. The decision is taken on gathered tensors, so every process keeps the same groups, and the batch keeps
+its shape: TRL's dataloader, epochs, buffering, shuffling and ``num_iterations`` see a normal generation batch.
+
+Why a mixin: the feature needs the trainer's state (the accelerator, the metrics, the completions table, TRL's
+generation and scoring of one round), so its methods live on the trainer, but in a class of their own that
+overrides nothing of ``GRPOTrainer``. ``EGPOTrainer._generate_and_score_completions`` calls
+:meth:`DynamicSamplingMixin._dynamic_sampling` when the feature is on; the mixin calls back into the trainer
+for one generation round (``_generate_round``) and for correctness (``_egpo_correct``,
+``_egpo_correctness_index``). ``tests/test_dynamic_sampling.py`` tests it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from egpo_trl.sampling.common import refuse_unsupported_generation
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DynamicSamplingMixin"]
+
+# Batch tensors that are left-padded (the prompt side); every other per-token tensor is right-padded.
+_LEFT_PADDED_KEYS = ("prompt_ids", "prompt_mask")
+
+
+class DynamicSamplingMixin:
+    """DAPO's dynamic sampling over whole generation batches (``dynamic_sampling=True``).
+
+    Methods only, for a ``GRPOTrainer`` subclass that provides ``_generate_round(inputs) -> (output,
+    rewards_per_func)``, ``_egpo_correct`` and ``_egpo_correctness_index`` (:class:`~egpo_trl.trainer.EGPOTrainer`).
+    Logs ``dynamic_sampling/rounds``, ``dynamic_sampling/frac_informative`` and ``dynamic_sampling/cap_hit``.
+    """
+
+    def _check_dynamic_sampling(self) -> None:
+        """Refuse, at init, what dynamic sampling does not support."""
+        refuse_unsupported_generation(self, "dynamic_sampling")
+        from datasets import IterableDataset
+
+        if self.train_dataset is None or isinstance(self.train_dataset, IterableDataset):
+            raise ValueError(
+                "dynamic_sampling draws extra prompts from train_dataset by index, so it needs a map-style "
+                "datasets.Dataset (not an IterableDataset); load the data without streaming, or turn it off."
+            )
+
+    def _informative_groups(self, rewards_per_func: torch.Tensor, num_generations: int) -> torch.Tensor:
+        """``bool Tensor[G]``: which groups carry a learning signal under GRPO (``dynamic_sampling_metric``).
+
+        ``"correctness"``: the group's scored completions are neither all correct nor all incorrect according to
+        the correctness reward function. ``"reward"``: its scored completions do not all have the same total
+        reward. A group with fewer than two scored completions is uninformative.
+        """
+        if self.args.dynamic_sampling_metric == "correctness":
+            values = rewards_per_func[:, self._egpo_correctness_index].view(-1, num_generations)
+            scored = ~torch.isnan(values)
+            n_correct = (self._egpo_correct(rewards_per_func)[0].view(-1, num_generations) & scored).sum(dim=1)
+            return (n_correct > 0) & (n_correct < scored.sum(dim=1))
+        unscorable = torch.isnan(rewards_per_func).all(dim=1)
+        rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+        rewards = rewards.masked_fill(unscorable, float("nan")).view(-1, num_generations)
+        scored = ~torch.isnan(rewards)
+        highest = torch.where(scored, rewards, torch.full_like(rewards, -float("inf"))).max(dim=1).values
+        lowest = torch.where(scored, rewards, torch.full_like(rewards, float("inf"))).min(dim=1).values
+        return (scored.sum(dim=1) >= 2) & (highest > lowest)
+
+    def _dynamic_sampling(
+        self, inputs: list[dict[str, Any]], num_generations: int
+    ) -> tuple[dict[str, Any], torch.Tensor, dict[str, Any]]:
+        """DAPO's dynamic sampling over whole generation batches.
+
+        Generates ``inputs`` as TRL would, then, while fewer than ``G`` groups (the generation batch's number of
+        groups) are informative, another round for ``G`` prompts drawn from ``train_dataset``, up to
+        ``dynamic_sampling_max_rounds`` rounds in all. The first ``G`` informative groups, in generation order, make
+        the batch; when the cap stops the search, uninformative groups (first round first) fill it and a warning is
+        logged. Decisions use the gathered rewards, so every process keeps the same groups; rows move between
+        processes as needed, and each keeps its usual number of rows.
+        """
+        local_rows = len(inputs)
+        global_rows = local_rows * self.accelerator.num_processes
+        target = global_rows // num_generations
+        max_rounds = self.args.dynamic_sampling_max_rounds
+        rounds: list[dict[str, Any]] = []
+        found = 0
+        round_inputs = inputs
+        for round_index in range(max_rounds):
+            output, rewards_per_func = self._generate_round(round_inputs)
+            informative = self._informative_groups(rewards_per_func, num_generations)
+            rounds.append(
+                {
+                    "output": output,
+                    "rewards_per_func": rewards_per_func,
+                    "informative": informative,
+                    "logs": self._snapshot_logs(global_rows),
+                }
+            )
+            found += int(informative.sum().item())
+            if found >= target or round_index + 1 == max_rounds:
+                break
+            round_inputs = self._refill_inputs(local_rows, num_generations, round_index + 1)
+
+        selected = [
+            (r, int(g)) for r, record in enumerate(rounds) for g in torch.nonzero(record["informative"]).flatten()
+        ][:target]
+        cap_hit = len(selected) < target
+        if cap_hit:
+            fillers = [
+                (r, g) for r, record in enumerate(rounds) for g in range(target) if not record["informative"][g]
+            ]
+            fillers = fillers[: target - len(selected)]
+            if self.accelerator.is_main_process:
+                logger.warning(
+                    "Dynamic sampling: %d of the %d groups of this generation batch are informative after %d generation "
+                    "rounds (dynamic_sampling_max_rounds=%d, step %d); %d uninformative groups fill the batch and "
+                    "give no GRPO signal. Raise dynamic_sampling_max_rounds, train on prompts of a better-suited "
+                    "difficulty, or set dynamic_sampling=False.",
+                    len(selected),
+                    target,
+                    len(rounds),
+                    max_rounds,
+                    self.state.global_step,
+                    len(fillers),
+                )
+            selected = selected + fillers
+
+        if selected == [(0, g) for g in range(target)]:  # the first round was informative throughout
+            output, rewards_per_func = rounds[0]["output"], rounds[0]["rewards_per_func"]
+        else:
+            output, rewards_per_func = self._assemble_groups(rounds, selected, num_generations, local_rows)
+            self._restore_logs(rounds, selected, num_generations, global_rows)
+
+        generated = target * len(rounds)
+        metrics = self._metrics["train"]
+        metrics["dynamic_sampling/rounds"].append(float(len(rounds)))
+        metrics["dynamic_sampling/frac_informative"].append(found / generated)
+        metrics["dynamic_sampling/cap_hit"].append(float(cap_hit))
+        sampling = {
+            "rounds": len(rounds),
+            "target_groups": target,
+            "informative": [record["informative"] for record in rounds],
+            "selected": selected,
+            "cap_hit": cap_hit,
+        }
+        return output, rewards_per_func, sampling
+
+    def _refill_inputs(self, local_rows: int, num_generations: int, round_index: int) -> list[dict[str, Any]]:
+        """This process's rows of a generation batch of fresh prompts from ``train_dataset``.
+
+        The prompts are a seeded random draw (from ``seed``, the global step and the round), the same on every
+        process and again after resuming; each prompt is repeated ``num_generations`` times and the global batch
+        is split across processes exactly as TRL's sampler splits it. TRL's own dataloader is not advanced.
+        """
+        dataset = self.train_dataset
+        num_groups = local_rows * self.accelerator.num_processes // num_generations
+        generator = torch.Generator().manual_seed(
+            (self.args.seed + 1) * 1_000_003 + self.state.global_step * 1_009 + round_index
+        )
+        order = torch.randperm(len(dataset), generator=generator).tolist()
+        prompts = [order[i % len(order)] for i in range(num_groups)]
+        start = self.accelerator.process_index * local_rows
+        return [dict(dataset[prompts[row // num_generations]]) for row in range(start, start + local_rows)]
+
+    def _gather_rows(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (this process's rows) gathered over processes, per-token tensors padded to a common width."""
+        if tensor.dim() >= 2:
+            pad_value = self._pad_value(key)
+            tensor = self.accelerator.pad_across_processes(
+                tensor, dim=1, pad_index=pad_value, pad_first=key in _LEFT_PADDED_KEYS
+            )
+        return self.accelerator.gather(tensor)
+
+    def _pad_value(self, key: str) -> int | float:
+        if key in ("prompt_ids", "completion_ids"):
+            return self._tokenizer.pad_token_id
+        if key == "tool_mask":
+            return 1
+        return 0
+
+    def _assemble_groups(
+        self, rounds: list[dict[str, Any]], selected: list[tuple[int, int]], num_generations: int, local_rows: int
+    ) -> tuple[dict[str, Any], torch.Tensor]:
+        """The batch made of the ``selected`` (round, group) pairs: this process's rows and the gathered rewards."""
+        global_rows = local_rows * self.accelerator.num_processes
+        first = rounds[0]["output"]
+        keys = [
+            k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.size(0) == local_rows
+        ]
+        others = [k for k, v in first.items() if k not in keys and k != "num_items_in_batch"]
+        if others:
+            raise ValueError(f"dynamic_sampling cannot regroup the batch entries {others} (multimodal inputs?).")
+        used = sorted({r for r, _ in selected})  # rounds that contribute a group; the others are never gathered
+        position = {r: i for i, r in enumerate(used)}
+        rows = torch.tensor(
+            [position[r] * global_rows + g * num_generations + j for r, g in selected for j in range(num_generations)],
+            dtype=torch.long,
+        )
+        start = self.accelerator.process_index * local_rows
+        output = {}
+        for key in keys:
+            gathered = [self._gather_rows(key, rounds[r]["output"][key]) for r in used]
+            if gathered[0].dim() >= 2:
+                width = max(t.size(1) for t in gathered)
+                padded = []
+                for t in gathered:
+                    missing = width - t.size(1)
+                    if missing:
+                        fill = torch.full(
+                            (t.size(0), missing, *t.shape[2:]), self._pad_value(key), dtype=t.dtype, device=t.device
+                        )
+                        t = torch.cat([fill, t] if key in _LEFT_PADDED_KEYS else [t, fill], dim=1)
+                    padded.append(t)
+                gathered = padded
+            merged = torch.cat(gathered, dim=0)
+            output[key] = merged[rows.to(merged.device)][start : start + local_rows]
+        loss_mask = output["completion_mask"]
+        if output.get("tool_mask") is not None:
+            loss_mask = loss_mask * output["tool_mask"]
+        output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        rewards = torch.cat([rounds[r]["rewards_per_func"] for r in used], dim=0)
+        return output, rewards[rows.to(rewards.device)]
+
+    def _snapshot_logs(self, global_rows: int) -> dict[str, Any]:
+        """The completions-table entries TRL logged for the last generation round (the last ``global_rows``)."""
+
+        def tail(values) -> list | None:
+            return list(values)[-global_rows:] if len(values) >= global_rows else None
+
+        logs = self._logs
+        return {
+            "prompt": tail(logs["prompt"]),
+            "completion": tail(logs["completion"]),
+            "advantages": tail(logs["advantages"]),
+            "rewards": {name: tail(values) for name, values in logs["rewards"].items()},
+            "extra": {name: tail(values) for name, values in logs["extra"].items()},
+        }
+
+    def _restore_logs(
+        self, rounds: list[dict[str, Any]], selected: list[tuple[int, int]], num_generations: int, global_rows: int
+    ) -> None:
+        """Make the completions table show the rows of the assembled batch, not those of the last round."""
+        rows = [(r, g * num_generations + j) for r, g in selected for j in range(num_generations)]
+
+        def replace(target, name_path: tuple[str, ...]) -> None:
+            snapshots = []
+            for record in rounds:
+                snapshot = record["logs"]
+                for part in name_path:
+                    snapshot = snapshot.get(part) if isinstance(snapshot, dict) else None
+                snapshots.append(snapshot)
+            for _ in range(min(len(target), global_rows)):
+                target.pop()
+            if all(snapshot is not None for snapshot in snapshots):
+                target.extend(snapshots[r][i] for r, i in rows)
+
+        replace(self._logs["prompt"], ("prompt",))
+        replace(self._logs["completion"], ("completion",))
+        replace(self._logs["advantages"], ("advantages",))
+        for name, values in self._logs["rewards"].items():
+            replace(values, ("rewards", name))
+        for name, values in self._logs["extra"].items():
+            replace(values, ("extra", name))

@@ -1,0 +1,275 @@
+"""EDGE-GRPO's Guided Error Correction, as a mixin of :class:`~egpo_trl.trainer.EGPOTrainer`.
+
+With ``edge_gec=True`` the incorrect completions of a generation round are rewritten after generation and before
+TRL scores them: continued by the policy after a reflection cue, given the reference answer, or replaced by the
+reference solution (see :meth:`GuidedErrorCorrectionMixin._guided_error_correction`). TRL then scores and trains
+on the rewritten completions as if they had been sampled.
+
+Why a mixin: the feature needs the trainer's state (the accelerator, the tokenizer, TRL's generation backend,
+the reward functions, the metrics), so its methods live on the trainer, but in a class of their own that
+overrides nothing of ``GRPOTrainer``. ``EGPOTrainer._generate`` calls
+:meth:`GuidedErrorCorrectionMixin._guided_error_correction` on each training round when the feature is on; the
+mixin reads the round's dataset rows from ``_egpo_round_inputs`` and correctness from ``_egpo_correct``.
+The text helpers (:func:`boxed_safe_prefix`) are plain functions. ``tests/test_gec.py`` tests it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from trl.data_utils import is_conversational
+
+from egpo_trl.rewards import answers_match, extract_last_boxed
+from egpo_trl.sampling.common import refuse_unsupported_generation
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SOLUTION_ANSWER_SUFFIX", "GuidedErrorCorrectionMixin", "boxed_safe_prefix"]
+
+_BOXED = "\\boxed{"
+# Appended to a reference solution (Guided Error Correction) whose last box does not give the reference answer.
+SOLUTION_ANSWER_SUFFIX = "\n\nThe final answer is \\boxed{{answer}}."
+
+
+def _ends_inside_boxed(text: str) -> bool:
+    """Whether ``text`` stops inside a ``\\boxed{...}`` (or inside the command itself, e.g. ``... \\box``)."""
+    start = text.rfind(_BOXED)
+    if start >= 0:
+        depth = 1
+        for char in text[start + len(_BOXED) :]:
+            depth += 1 if char == "{" else -1 if char == "}" else 0
+            if depth == 0:
+                break
+        if depth > 0:
+            return True
+    return any(text.endswith(_BOXED[:k]) for k in range(1, len(_BOXED)))
+
+
+def boxed_safe_prefix(ids: list[int], decode) -> list[int]:
+    """The longest prefix of ``ids`` whose text (``decode(ids)``) does not stop inside a ``\\boxed{}``.
+
+    Guided Error Correction shortens a completion to make room for the injected text. Cutting inside the
+    completion's own ``\\boxed{`` would leave the injected answer inside an unclosed box: the prefix is cut back
+    to before it instead.
+    """
+    n = len(ids)
+    while n > 0 and _ends_inside_boxed(decode(ids[:n])):
+        n -= 1
+    return ids[:n]
+
+
+class GuidedErrorCorrectionMixin:
+    """EDGE-GRPO's Guided Error Correction (``edge_gec=True``).
+
+    Methods only, for a ``GRPOTrainer`` subclass that provides ``_egpo_round_inputs`` (the dataset rows of the
+    round being generated), ``_egpo_correct`` and ``_egpo_correctness_index`` (:class:`~egpo_trl.trainer.EGPOTrainer`).
+    Logs ``gec/frac_eligible``, ``gec/frac_reflect``, ``gec/frac_answer``, ``gec/frac_solution``,
+    ``gec/frac_solution_as_answer`` and ``gec/frac_solution_boxed``.
+    """
+
+    def _check_guided_error_correction(self) -> None:
+        """Refuse, at init, what Guided Error Correction does not support; warn when solutions are missing."""
+        args = self.args
+        refuse_unsupported_generation(self, "edge_gec")
+        if getattr(self, "use_transformers_continuous_batching", False):
+            raise ValueError(
+                "edge_gec continues incorrect completions with vLLM or the plain transformers generation, not "
+                "with transformers' continuous batching; turn one of them off."
+            )
+        columns = getattr(self.train_dataset, "column_names", None) or []
+        if "answer" not in columns:
+            raise ValueError(
+                f"edge_gec needs the reference answers in an `answer` column of train_dataset; it has {columns}."
+            )
+        if args.edge_gec_solution_prob > 0 and "solution" not in columns and self.accelerator.is_main_process:
+            logger.warning(
+                "edge_gec_solution_prob=%g but train_dataset has no `solution` column: that share of the incorrect "
+                "completions gets the reference answer injected (as edge_gec_answer_prob does) instead of being "
+                "replaced by a reference solution; gec/frac_solution_as_answer logs it. Add a `solution` column, "
+                "or set edge_gec_solution_prob=0 (and give its probability to edge_gec_answer_prob) to say so.",
+                args.edge_gec_solution_prob,
+            )
+
+    def _guided_error_correction(self, prompts: list, result: tuple) -> tuple:
+        """EDGE-GRPO's Guided Error Correction on one generation round, before TRL scores it.
+
+        Each completion that is incorrect according to the correctness reward function (and, with
+        ``edge_gec_scope="all_incorrect_groups"``, belongs to a group without a correct completion) is, with the
+        configured probabilities: continued by the policy after ``edge_gec_reflection_cue`` (``reflect``); given the
+        reference answer with ``edge_gec_answer_template`` (``answer``); replaced by the reference solution
+        (``solution``, the row's ``solution`` column, else ``answer``, counted in ``gec/frac_solution_as_answer``;
+        a solution whose last box does not give the reference answer, or that must be shortened, ends with
+        ``SOLUTION_ANSWER_SUFFIX``, counted in ``gec/frac_solution_boxed``). The rewritten completion keeps the
+        original's tokens (shortened when needed, so that it fits ``max_completion_length``) and ends with EOS,
+        except a continuation that runs out of tokens. TRL then scores and trains on the rewritten completions.
+        """
+        prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images = result
+        args = self.args
+        inputs = self._egpo_round_inputs
+        device = self.accelerator.device
+        local_rows = len(completion_ids)
+        num_generations = self.num_generations
+
+        # Correctness of the sampled completions (gathered, since a group may span processes).
+        rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids)
+        values = rewards_per_func[:, self._egpo_correctness_index]
+        scored = ~torch.isnan(values)
+        is_correct = self._egpo_correct(rewards_per_func)[0]
+        eligible = scored & ~is_correct
+        if args.edge_gec_scope == "all_incorrect_groups":
+            grouped = is_correct.view(-1, num_generations).any(dim=1, keepdim=True)
+            eligible = eligible & ~grouped.expand(-1, num_generations).reshape(-1)
+        start = self.accelerator.process_index * local_rows
+        eligible = eligible[start : start + local_rows].cpu()
+
+        self._gec_calls = getattr(self, "_gec_calls", 0) + 1  # a fresh draw for every round of every step
+        generator = torch.Generator().manual_seed(
+            (args.seed + 7) * 1_000_003 + self._gec_calls * 1_009 + self.accelerator.process_index
+        )
+        draws = torch.rand(local_rows, generator=generator)
+        reflect_below = args.edge_gec_reflect_prob
+        answer_below = reflect_below + args.edge_gec_answer_prob
+        solution_below = answer_below + args.edge_gec_solution_prob
+        eos = self.eos_token_ids[0]
+        max_length = self.max_completion_length
+        tokenizer = self._tokenizer
+
+        def encode(text: str) -> list[int]:
+            return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+        def body(ids: list[int]) -> list[int]:
+            return ids[:-1] if ids and ids[-1] in self.eos_token_ids else list(ids)
+
+        new_ids = [list(ids) for ids in completion_ids]
+        strategy = [None] * local_rows
+        solution_as_answer = [False] * local_rows  # the solution share, for a row without a solution
+        solution_boxed = [False] * local_rows  # a solution that got the answer's box appended
+        kept_tokens = [0] * local_rows  # leading tokens of the sampled completion that a rewrite keeps
+        cue = encode(args.edge_gec_reflection_cue)
+        # Room kept for a continuation: up to edge_gec_max_new_tokens, at least half of what the cue leaves free;
+        # a long original is shortened to make that room, a short one is kept whole.
+        room = min(args.edge_gec_max_new_tokens, (max_length - len(cue)) // 2)
+        reflect_rows, reflect_prompts, budget = [], [], 0
+        for i in range(local_rows):
+            if not eligible[i]:
+                continue
+            u = float(draws[i])
+            answer = inputs[i].get("answer")
+            solution = inputs[i].get("solution")
+            choice = None
+            if u < reflect_below and room >= 1:
+                choice = "reflect"
+            elif u < reflect_below or u < answer_below:
+                choice = "answer"
+            elif u < solution_below:
+                choice = "solution" if solution else "answer"
+                solution_as_answer[i] = not solution
+            if choice in ("answer", "solution") and (answer is None or str(answer) == ""):
+                choice = None
+                solution_as_answer[i] = False
+            if choice == "reflect":
+                kept = body(completion_ids[i])[: max_length - len(cue) - room]
+                new_ids[i] = kept + cue
+                kept_tokens[i] = len(kept)
+                budget = max(budget, min(args.edge_gec_max_new_tokens, max_length - len(new_ids[i])))
+                reflect_rows.append(i)
+                reflect_prompts.append(list(prompt_ids[i]) + new_ids[i])
+            elif choice == "answer":
+                injected = encode(args.edge_gec_answer_template.replace("{answer}", str(answer)))[: max_length - 1]
+                original = body(completion_ids[i])
+                kept = original[: max(0, max_length - 1 - len(injected))]
+                if len(kept) < len(original):  # shortened: never leave the injected answer inside an open box
+                    kept = boxed_safe_prefix(kept, tokenizer.decode)
+                new_ids[i] = kept + injected + [eos]
+                kept_tokens[i] = len(kept)
+            elif choice == "solution":
+                # The reference solution, scored by its last box: when that box does not give the reference answer
+                # (no box, another box last), or the solution must be shortened to fit, it ends with the answer's
+                # box, so that the replaced completion is the correct one it stands for.
+                text = str(solution)
+                body_ids = encode(text)
+                suffix = []
+                if not answers_match(extract_last_boxed(text), answer) or len(body_ids) > max_length - 1:
+                    suffix = encode(SOLUTION_ANSWER_SUFFIX.replace("{answer}", str(answer)))[: max_length - 1]
+                    solution_boxed[i] = True
+                if len(body_ids) > max_length - 1 - len(suffix):
+                    body_ids = boxed_safe_prefix(body_ids[: max(0, max_length - 1 - len(suffix))], tokenizer.decode)
+                new_ids[i] = body_ids + suffix + [eos]
+            strategy[i] = choice
+
+        # Continuations: every process generates together when any needs to (generation may be collective).
+        needed = self.accelerator.gather(torch.tensor([len(reflect_rows)], device=device)).sum().item()
+        continued: dict[int, tuple[list[int], list[float] | None]] = {}  # row -> continuation ids and log-probs
+        if needed:
+            batch = reflect_prompts or [list(prompt_ids[0])]  # a process with nothing to continue runs a dummy row
+            continuations, continuation_logps = self._continue_generation(batch, max(budget, 1))
+            for k, (i, continuation) in enumerate(zip(reflect_rows, continuations)):
+                room_left = min(args.edge_gec_max_new_tokens, max_length - len(new_ids[i]))
+                tail_logps = None if continuation_logps is None else list(continuation_logps[k])[:room_left]
+                continued[i] = (list(continuation)[:room_left], tail_logps)
+                new_ids[i] = new_ids[i] + continued[i][0]
+
+        changed = [i for i in range(local_rows) if strategy[i] is not None]
+        if changed and logprobs is not None:
+            # vLLM's sampling log-probs: kept for the sampled tokens that stay, and for a continuation; NaN for the
+            # injected tokens, which TRL's importance-sampling correction then leaves uncorrected (ratio 1).
+            logprobs = [list(row) for row in logprobs]
+            for i in changed:
+                rewritten = list(logprobs[i][: kept_tokens[i]])
+                if strategy[i] == "reflect":
+                    tail_ids, tail_logps = continued.get(i, ([], None))
+                    rewritten += [float("nan")] * (len(new_ids[i]) - len(rewritten) - len(tail_ids))
+                    rewritten += list(tail_logps) if tail_logps is not None else [float("nan")] * len(tail_ids)
+                rewritten += [float("nan")] * (len(new_ids[i]) - len(rewritten))
+                logprobs[i] = rewritten
+        if changed:
+            completion_ids = new_ids
+            completions = list(completions)
+            conversational = is_conversational({"prompt": prompts[0]})
+            texts = self.processing_class.batch_decode([new_ids[i] for i in changed], skip_special_tokens=True)
+            for i, text in zip(changed, texts):
+                completions[i] = [{"role": "assistant", "content": text}] if conversational else text
+
+        counts = torch.tensor(
+            [float(eligible.sum())]
+            + [float(sum(s == name for s in strategy)) for name in ("reflect", "answer", "solution")]
+            + [float(sum(solution_as_answer)), float(sum(solution_boxed))],
+            device=device,
+        )
+        totals = self.accelerator.gather(counts.unsqueeze(0)).sum(dim=0) / (
+            local_rows * self.accelerator.num_processes
+        )
+        names = (
+            "frac_eligible",
+            "frac_reflect",
+            "frac_answer",
+            "frac_solution",
+            "frac_solution_as_answer",
+            "frac_solution_boxed",
+        )
+        for name, value in zip(names, totals.tolist()):
+            self._metrics["train"][f"gec/{name}"].append(value)
+        return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images
+
+    def _continue_generation(
+        self, prompt_ids: list[list[int]], max_new_tokens: int
+    ) -> tuple[list[list[int]], list[list[float]] | None]:
+        """One continuation of at most ``max_new_tokens`` tokens for each token-id prompt, with TRL's generation
+        backend (vLLM, which also returns the sampled tokens' log-probs, or transformers, which returns ``None``)."""
+        if self.use_vllm:
+            generation = self.vllm_generation
+            previous = generation.max_completion_length
+            generation.max_completion_length = max_new_tokens
+            try:
+                return self._generate_single_turn(prompt_ids, None, {}, 1)
+            finally:
+                generation.max_completion_length = previous
+        previous = self.generation_config.max_new_tokens, self.generation_kwargs.get("max_new_tokens")
+        self.generation_config.max_new_tokens = max_new_tokens
+        self.generation_kwargs["max_new_tokens"] = max_new_tokens
+        try:
+            continuations, _ = self._generate_single_turn(prompt_ids, None, {}, 1)
+        finally:
+            self.generation_config.max_new_tokens, self.generation_kwargs["max_new_tokens"] = previous
+        return continuations, None

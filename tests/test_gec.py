@@ -1,0 +1,153 @@
+"""EDGE-GRPO's Guided Error Correction (``egpo_trl.sampling.gec``): the cut before an open box, and real runs on
+TRL's machinery and a tiny Qwen2 in which incorrect completions are continued, given the answer or replaced by the
+reference solution.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_prompt_dataset, parity_reward
+from conftest import trainer_config as config
+from recording import Recording, answers_of, rows, texts
+
+from egpo_trl import EGPOTrainer
+from egpo_trl.rewards import boxed_accuracy_reward, completion_text
+
+
+# ----------------------------------------------------------------------------- cuts
+def test_a_shortened_completion_is_never_cut_inside_its_own_boxed_answer():
+    from transformers import AutoTokenizer
+
+    from egpo_trl.tiny_model import tiny_model_path
+    from egpo_trl.trainer import boxed_safe_prefix
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    text = "<think>23+8=31, 31-15=16</think> \\boxed{16}"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    open_at = text.index("\\boxed{")
+    for n in range(len(ids) + 1):
+        kept = boxed_safe_prefix(ids[:n], tokenizer.decode)
+        decoded = tokenizer.decode(kept)
+        if n == len(ids):
+            assert kept == ids  # a closed box stays whole
+        elif len(tokenizer.decode(ids[:n])) > open_at:
+            # The cut fell inside "\boxed{16}": back to before the command, never an open box or a bare "\box".
+            assert "\\" not in decoded and text.startswith(decoded) and len(decoded) <= open_at, decoded
+        else:
+            assert kept == ids[:n]  # a cut before the box is left alone
+
+
+def test_the_helpers_stay_importable_from_the_trainer_module():
+    import egpo_trl.sampling.gec as gec
+    import egpo_trl.trainer as trainer
+
+    assert trainer.boxed_safe_prefix is gec.boxed_safe_prefix
+    assert trainer.SOLUTION_ANSWER_SUFFIX is gec.SOLUTION_ANSWER_SUFFIX
+
+
+def test_the_mixin_adds_methods_and_overrides_nothing_of_grpo_trainer():
+    from trl import GRPOTrainer
+
+    from egpo_trl.sampling import GuidedErrorCorrectionMixin
+
+    own = {name for name in vars(GuidedErrorCorrectionMixin) if not name.startswith("__")}
+    assert own and not own & set(dir(GRPOTrainer)) and not own & set(vars(EGPOTrainer))
+    assert GuidedErrorCorrectionMixin in EGPOTrainer.__mro__ and issubclass(EGPOTrainer, GRPOTrainer)
+
+
+# ----------------------------------------------------------------------------- real runs
+def solution_dataset():
+    dataset = make_prompt_dataset()
+    return dataset.map(lambda row: {"solution": f"S\\boxed{{{row['answer']}}}"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["answer", "solution", "reflect"])
+def test_guided_error_correction_rewrites_incorrect_completions(tmp_path, tiny_model_dir, strategy):
+    probs = {"answer": (0.0, 1.0, 0.0), "solution": (0.0, 0.0, 1.0), "reflect": (1.0, 0.0, 0.0)}[strategy]
+    args = config(
+        tmp_path,
+        max_steps=1,
+        max_completion_length=24,
+        advantage_estimator="edge_grpo",
+        edge_gec=True,
+        edge_gec_reflect_prob=probs[0],
+        edge_gec_answer_prob=probs[1],
+        edge_gec_solution_prob=probs[2],
+        edge_gec_answer_template=" \\boxed{{answer}}",
+        edge_gec_reflection_cue=" Wait.",
+        edge_gec_max_new_tokens=6,
+    )
+    trainer = Recording(tiny_model_dir, boxed_accuracy_reward, args, train_dataset=solution_dataset())
+    trainer.train()
+    generated = trainer.generated[0]
+    prompts, completions = texts(trainer, generated)
+    answers = answers_of(trainer, prompts)
+    metrics = trainer.state.log_history[0]
+    # The random tiny model never answers correctly: every completion is eligible and rewritten.
+    assert metrics["gec/frac_eligible"] == 1.0 and metrics[f"gec/frac_{strategy}"] == 1.0
+    assert generated["completion_mask"].sum(dim=1).max() <= 24
+    if strategy == "answer":
+        assert all(c.endswith(f"\\boxed{{{a}}}") for c, a in zip(completions, answers)), completions
+    elif strategy == "solution":
+        assert completions == [f"S\\boxed{{{a}}}" for a in answers]
+    else:
+        assert all("Wait." in c for c in completions), completions
+    # TRL scored the rewritten completions (the reference answer makes them correct) and the loss trains on them.
+    correct = [1.0 if strategy != "reflect" else r for r in boxed_accuracy_reward(completions, answers)]
+    torch.testing.assert_close(generated["batch"]["rewards_per_func"][:, 0], torch.tensor(correct))
+    assert set(rows(trainer.consumed[0]["completion_ids"], trainer.consumed[0]["completion_mask"])) == set(
+        rows(generated["completion_ids"], generated["completion_mask"])
+    )
+    assert completion_text(completions[0])
+
+
+@pytest.mark.slow
+def test_guided_error_correction_needs_the_answer_column(tmp_path, tiny_model_dir):
+    dataset = make_prompt_dataset().remove_columns("answer")
+    with pytest.raises(ValueError, match="`answer` column"):
+        EGPOTrainer(tiny_model_dir, parity_reward, config(tmp_path, edge_gec=True), train_dataset=dataset)
+
+
+def gec_config(tmp_path, **overrides):
+    return config(
+        tmp_path,
+        max_steps=1,
+        max_completion_length=40,
+        edge_gec=True,
+        edge_gec_reflect_prob=0.0,
+        edge_gec_answer_prob=0.0,
+        edge_gec_solution_prob=1.0,
+        edge_gec_answer_template=" \\boxed{{answer}}",
+        **overrides,
+    )
+
+
+@pytest.mark.slow
+def test_guided_error_correction_without_solutions_says_it_injects_the_answer(tmp_path, tiny_model_dir, caplog):
+    from egpo_trl.rewards import boxed_accuracy_reward
+
+    with caplog.at_level("WARNING", logger="egpo_trl.sampling.gec"):
+        trainer = EGPOTrainer(
+            tiny_model_dir, boxed_accuracy_reward, gec_config(tmp_path), train_dataset=make_prompt_dataset()
+        )
+    assert "no `solution` column" in caplog.text and "edge_gec_solution_prob=0" in caplog.text
+    trainer.train()
+    metrics = trainer.state.log_history[0]
+    assert metrics["gec/frac_solution_as_answer"] == 1.0 and metrics["gec/frac_solution"] == 0.0
+    assert trainer.egpo_last_batch["rewards_per_func"].eq(1.0).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("solution", ["S", "S \\boxed{0}", "S" * 60])
+def test_replaced_solution_ends_with_the_reference_answer(tmp_path, tiny_model_dir, solution):
+    from egpo_trl.rewards import boxed_accuracy_reward
+
+    dataset = make_prompt_dataset().map(lambda row: {"solution": solution})
+    trainer = EGPOTrainer(tiny_model_dir, boxed_accuracy_reward, gec_config(tmp_path), train_dataset=dataset)
+    trainer.train()
+    metrics = trainer.state.log_history[0]
+    assert metrics["gec/frac_solution"] == 1.0 and metrics["gec/frac_solution_boxed"] == 1.0
+    # Every replaced completion is the reference solution with the answer's box: scored correct.
+    assert trainer.egpo_last_batch["rewards_per_func"].eq(1.0).all()
