@@ -6,35 +6,12 @@ import pytest
 import torch
 from conftest import make_prompt_dataset, parity_reward
 from conftest import trainer_config as config
+from recording import Recording, rows
 from trl import GRPOConfig, GRPOTrainer
 
 from egpo_trl import EGPOConfig, EGPOTrainer, egpo_advantages, sequence_entropy
 
 pytestmark = pytest.mark.slow
-
-
-class RecordingEGPOTrainer(EGPOTrainer):
-    """Records what each generation batch produced and what each loss call consumed."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.generated, self.consumed = [], []
-
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        self.generated.append(
-            {
-                "batch": self.egpo_last_batch,
-                "completion_ids": output["completion_ids"].clone(),
-                "completion_mask": output["completion_mask"].clone(),
-                "advantages": output["advantages"].clone(),
-            }
-        )
-        return output
-
-    def _compute_loss(self, model, inputs):
-        self.consumed.append({k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)})
-        return super()._compute_loss(model, inputs)
 
 
 def recompute(batch: dict, args: EGPOConfig, trainer: EGPOTrainer):
@@ -55,15 +32,11 @@ def recompute(batch: dict, args: EGPOConfig, trainer: EGPOTrainer):
     )
 
 
-def rows(completion_ids, mask):
-    return [tuple(ids[m.bool()].tolist()) for ids, m in zip(completion_ids, mask)]
-
-
 def test_loss_uses_egpo_advantages_recomputed_from_rewards_and_entropies(tmp_path, tiny_model_dir):
     # num_iterations=2: TRL computes old_per_token_logps, which EGPO reuses (no extra pass); the loss sees
     # them too, so the entropy of every row the loss consumes can be recomputed independently.
     args = config(tmp_path, max_steps=4, num_iterations=2, gradient_accumulation_steps=2)
-    trainer = RecordingEGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    trainer = Recording(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
     trainer.train()
 
     assert len(trainer.generated) == 2  # 4 optimizer steps, a generation every 2 (num_iterations)
@@ -104,7 +77,7 @@ def test_loss_uses_egpo_advantages_recomputed_from_rewards_and_entropies(tmp_pat
 
 def test_extra_forward_pass_gives_the_old_policy_entropy(tmp_path, tiny_model_dir):
     args = config(tmp_path, max_steps=1)
-    trainer = RecordingEGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    trainer = Recording(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
     reference = trainer.model.__class__.from_pretrained(tiny_model_dir).eval()
     trainer.train()
     generated = trainer.generated[0]
