@@ -464,7 +464,7 @@ def _check_disk(training_args, model_args, report: DryRunReport) -> None:
         return
     checkpoint = parameters * _CHECKPOINT_BYTES_PER_PARAMETER
     final = parameters * 2
-    saves = training_args.save_strategy not in ("no", None) and str(training_args.save_strategy) != "SaveStrategy.NO"
+    saves = training_args.save_strategy not in ("no", None)  # SaveStrategy is a str enum: NO == "no"
     kept = training_args.save_total_limit
     needed = final + (checkpoint * ((kept or 1) + 1) if saves else 0)  # one more while the oldest is rotated out
     folder = Path(training_args.output_dir).resolve()
