@@ -170,3 +170,21 @@ def test_is_gap_measures_vllm_against_the_trainer_on_cpu(tmp_path):
     # The same weights in two engines: the per-token gap is numerical noise, far below a nat.
     assert 0 <= row["token_gap_abs_mean"] < 0.05 and 0 < row["sequence_mask_weight_mean"] <= 3
     assert "| builtin:tiny-math-qwen2 | 32 |" in done.stdout
+
+
+def test_entropy_pass_times_trls_helper_and_the_planned_pass_on_the_tiny_model(tmp_path):
+    out_json = tmp_path / "entropy_pass.json"
+    out = run("benchmarks/entropy_pass.py", "--tiny", "--lengths", "spread", "--entropy", "--temperature", "0.7",
+              "--repeats", "1", "--json", str(out_json))  # fmt: skip
+    assert "trl (rows/forward 2)" in out and "egpo (tokens/forward 4096)" in out, out
+    report = json.loads(out_json.read_text())
+    assert report["setup"]["device"] == "cpu" and report["setup"]["tokens"] > 0
+    assert [row["pass"] for row in report["rows"]] == [
+        "trl (rows/forward 2)",
+        "egpo (tokens/forward 64)",
+        "egpo (tokens/forward 4096)",
+    ]
+    for row in report["rows"]:
+        assert row["seconds"] > 0 and row["floor_s"] > 0
+        assert row["ratio_to_floor"] == pytest.approx(row["seconds"] / row["floor_s"])
+    assert all(row["max_abs_diff"] < 1e-4 for row in report["rows"][1:])  # same log-probs as TRL's helper
