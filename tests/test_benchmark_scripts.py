@@ -188,3 +188,24 @@ def test_entropy_pass_times_trls_helper_and_the_planned_pass_on_the_tiny_model(t
         assert row["seconds"] > 0 and row["floor_s"] > 0
         assert row["ratio_to_floor"] == pytest.approx(row["seconds"] / row["floor_s"])
     assert all(row["max_abs_diff"] < 1e-4 for row in report["rows"][1:])  # same log-probs as TRL's helper
+
+
+@pytest.mark.slow
+def test_floor_puts_each_phase_of_a_tiny_cpu_run_against_its_floor(tmp_path):
+    run("-m", "egpo_trl.cli", "train", "recipes/demo_tiny_cpu.yaml", "--max_steps", "1",
+        "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "16",
+        "--eval_size", "0", "--save_final_model", "false", "--plot", "false", "--report_to", "none",
+        "--disable_tqdm", "true", "--output_dir", str(tmp_path / "run"))  # fmt: skip
+    summary = tmp_path / "summary.json"
+    out = run("benchmarks/floor.py", str(tmp_path / "run"), "--recipe", "recipes/demo_tiny_cpu.yaml",
+              "--prompt-length", "40", "--vllm-alone-s", "0.5", "--completions-per-gpu", "8", "--summary", str(summary))  # fmt: skip
+    assert "| demo_tiny_cpu | 1 | generation |" in out and "vLLM alone" in out, out
+    (row,) = json.loads(summary.read_text())
+    assert row["recipe"] == "demo_tiny_cpu" and row["step"] == 1 and row["completions_per_gpu"] == 8
+    assert row["old_logps_s"] > 0 and row["mean_length"] > 0  # the pass's time and the completion length
+    assert row["floor_training_s"] == pytest.approx(3 * row["floor_old_logps_s"])  # 6N vs 2N, no checkpointing
+    assert row["floor_step_s"] == pytest.approx(
+        max(row["floor_generation_s"], 0.5) + row["floor_old_logps_s"] + row["floor_training_s"]
+    )
+    assert row["ratio_step"] == pytest.approx(row["step_s"] / row["floor_step_s"])
+    assert row["ratio_generation_vllm_alone"] == pytest.approx(row["generation_s"] / 0.5)
