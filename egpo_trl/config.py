@@ -135,6 +135,14 @@ class EGPOConfig(GRPOConfig):
             Compute the entropy proxy (and the `egpo/entropy_*` metrics) even when the advantage estimator does not
             use it (`grpo`, `nsr`). It costs one no-grad forward pass per generation batch when TRL has not computed
             the old log-probs anyway; `False` skips it.
+        egpo_entropy_tokens_per_batch (`int`, *optional*, defaults to `65536`):
+            Token budget of one micro-batch of that no-grad pass (rows times their padded prompt-plus-completion
+            width). Rows of similar completion length run together, each micro-batch cut to its longest completion,
+            and the log-probs come from TRL's fused LM head, so the pass holds no full-vocabulary logits. Lower it if
+            the pass runs out of memory, raise it on a card with memory to spare.
+        egpo_entropy_batch_size (`int` or `None`, *optional*, defaults to `None`):
+            Rows per micro-batch of that pass instead of a token budget; `None` uses
+            `egpo_entropy_tokens_per_batch`.
 
         > Parameters of the baselines (see `docs/baselines.md`)
 
@@ -275,6 +283,17 @@ class EGPOConfig(GRPOConfig):
             "not use it (grpo, nsr); may cost one no-grad forward pass per generation batch."
         },
     )
+    egpo_entropy_tokens_per_batch: int = field(
+        default=65536,
+        metadata={
+            "help": "Token budget (rows x padded width) of one micro-batch of the no-grad log-prob pass; rows of "
+            "similar completion length run together. Lower it if the pass runs out of memory."
+        },
+    )
+    egpo_entropy_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Rows per micro-batch of the no-grad log-prob pass; unset: egpo_entropy_tokens_per_batch."},
+    )
     nsr_positive_weight: float = field(
         default=0.0,
         metadata={
@@ -400,6 +419,15 @@ class EGPOConfig(GRPOConfig):
                 f"With egpo_clamp='asymmetric' the bounds must bracket 1 (lambda_min <= 1 <= lambda_max), got "
                 f"[{self.egpo_lambda_min}, {self.egpo_lambda_max}]; otherwise one side of the clamp is a constant."
             )
+        for name in ("egpo_entropy_tokens_per_batch", "egpo_entropy_batch_size"):
+            value = getattr(self, name)
+            if value is None and name == "egpo_entropy_batch_size":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"{name} must be a positive integer, got {value!r}"
+                    + (" (or leave it unset for the token budget)." if name == "egpo_entropy_batch_size" else ".")
+                )
         if self.egpo_entropy_eps <= 0:
             raise ValueError(f"egpo_entropy_eps must be > 0 (default 1e-6), got {self.egpo_entropy_eps}.")
         choose("edge_grpo_entropy_normalization", self.edge_grpo_entropy_normalization, ENTROPY_NORMALIZATIONS)

@@ -31,7 +31,8 @@ Where the log-probs come from (the paper's "zero-overhead" proxy):
 * otherwise (the default ``egpo_entropy_logps="policy"``, and plain transformers generation with
   ``num_iterations = 1``) one extra no-grad forward pass of the policy over the generation batch, as verl
   (the paper's trainer) computes the old policy's log-probs. It costs about a third of a training step's
-  forward+backward; ``benchmarks/`` and ``docs/multi_gpu.md`` measure it.
+  forward+backward; :mod:`egpo_trl.old_logps` sizes its micro-batches by a token budget and skips right padding,
+  and ``benchmarks/entropy_pass.py`` and ``docs/multi_gpu.md`` measure it.
 
 The baselines run through the same trainer (``docs/baselines.md``):
 
@@ -471,28 +472,62 @@ class EGPOTrainer(DynamicSamplingMixin, GuidedErrorCorrectionMixin, GRPOTrainer)
     @torch.no_grad()
     def _egpo_forward(self, output: dict[str, Any], compute_entropy: bool = False):
         """One no-grad pass of the (old) policy over the batch: per-token log-probs ``[B_local, C]`` and, when asked,
-        per-token Shannon entropies of the full next-token distribution (else ``None``)."""
-        mode = "train" if self.model.training else "eval"
-        batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
-        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        per-token Shannon entropies of the full next-token distribution (else ``None``).
+
+        The pass runs through the fused LM head TRL installs on the policy, in micro-batches planned by
+        :func:`egpo_trl.old_logps.no_grad_completion_logps`: rows of similar completion length together, as many as
+        ``egpo_entropy_tokens_per_batch`` tokens (or ``egpo_entropy_batch_size`` rows) each, every micro-batch cut to
+        its longest completion. Batches with multimodal inputs go through TRL's helper, ``egpo_entropy_batch_size``
+        rows (or as many as the token budget holds at full width) at a time.
+        """
+        from egpo_trl.old_logps import no_grad_completion_logps
+
+        args = self.args
         forward_kwargs = {key: output[key] for key in _FORWARD_KEYS if output.get(key) is not None}
+        tokens_per_batch = getattr(args, "egpo_entropy_tokens_per_batch", None)
+        batch_size = getattr(args, "egpo_entropy_batch_size", None)
         was_training = self.model.training
         self.model.eval()  # no dropout: the proxy is the old policy's, and no RNG is consumed
         try:
-            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-                logps, entropies, _ = self._get_per_token_logps_and_entropies(
-                    self.model,
-                    input_ids,
-                    attention_mask,
-                    output["completion_ids"].size(1),
-                    batch_size=batch_size,
-                    compute_entropy=compute_entropy,
-                    **forward_kwargs,
-                )
+            with disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
+                if forward_kwargs:  # images and their per-row slicing: TRL's helper (timed as old_logps_s there)
+                    input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+                    attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+                    if batch_size is None:
+                        batch_size = max(1, (tokens_per_batch or input_ids.numel()) // max(input_ids.size(1), 1))
+                    logps, entropies, _ = self._get_per_token_logps_and_entropies(
+                        self.model,
+                        input_ids,
+                        attention_mask,
+                        output["completion_ids"].size(1),
+                        batch_size=batch_size,
+                        compute_entropy=compute_entropy,
+                        **forward_kwargs,
+                    )
+                    return logps, entropies
+                with self._egpo_timed("old_logps_s"):
+                    return no_grad_completion_logps(
+                        self.model,
+                        output["prompt_ids"],
+                        output["prompt_mask"],
+                        output["completion_ids"],
+                        output["completion_mask"],
+                        compute_entropy=compute_entropy,
+                        tokens_per_batch=tokens_per_batch,
+                        batch_size=batch_size,
+                        num_micro_batches=self._egpo_same_count_across_processes,
+                        autocast=self.accelerator.autocast,
+                    )
         finally:
             self.model.train(was_training)
-        return logps, entropies
+
+    def _egpo_same_count_across_processes(self, count: int) -> int:
+        """The largest of every process's ``count``: processes whose forward passes gather sharded parameters
+        (ZeRO-3, FSDP) must run the same number of them."""
+        if self.accelerator.num_processes == 1:
+            return count
+        counts = self.accelerator.gather(torch.tensor([count], device=self.accelerator.device))
+        return int(counts.max())
 
     # ------------------------------------------------------------------ advantages
     def _egpo_advantage_kwargs(self) -> dict[str, Any]:

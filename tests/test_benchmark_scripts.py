@@ -170,3 +170,42 @@ def test_is_gap_measures_vllm_against_the_trainer_on_cpu(tmp_path):
     # The same weights in two engines: the per-token gap is numerical noise, far below a nat.
     assert 0 <= row["token_gap_abs_mean"] < 0.05 and 0 < row["sequence_mask_weight_mean"] <= 3
     assert "| builtin:tiny-math-qwen2 | 32 |" in done.stdout
+
+
+def test_entropy_pass_times_trls_helper_and_the_planned_pass_on_the_tiny_model(tmp_path):
+    out_json = tmp_path / "entropy_pass.json"
+    out = run("benchmarks/entropy_pass.py", "--tiny", "--lengths", "spread", "--entropy", "--temperature", "0.7",
+              "--repeats", "1", "--json", str(out_json))  # fmt: skip
+    assert "trl (rows/forward 2)" in out and "egpo (tokens/forward 4096)" in out, out
+    report = json.loads(out_json.read_text())
+    assert report["setup"]["device"] == "cpu" and report["setup"]["tokens"] > 0
+    assert [row["pass"] for row in report["rows"]] == [
+        "trl (rows/forward 2)",
+        "egpo (tokens/forward 64)",
+        "egpo (tokens/forward 4096)",
+    ]
+    for row in report["rows"]:
+        assert row["seconds"] > 0 and row["floor_s"] > 0
+        assert row["ratio_to_floor"] == pytest.approx(row["seconds"] / row["floor_s"])
+    assert all(row["max_abs_diff"] < 1e-4 for row in report["rows"][1:])  # same log-probs as TRL's helper
+
+
+@pytest.mark.slow
+def test_floor_puts_each_phase_of_a_tiny_cpu_run_against_its_floor(tmp_path):
+    run("-m", "egpo_trl.cli", "train", "recipes/demo_tiny_cpu.yaml", "--max_steps", "1",
+        "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "16",
+        "--eval_size", "0", "--save_final_model", "false", "--plot", "false", "--report_to", "none",
+        "--disable_tqdm", "true", "--output_dir", str(tmp_path / "run"))  # fmt: skip
+    summary = tmp_path / "summary.json"
+    out = run("benchmarks/floor.py", str(tmp_path / "run"), "--recipe", "recipes/demo_tiny_cpu.yaml",
+              "--prompt-length", "40", "--vllm-alone-s", "0.5", "--completions-per-gpu", "8", "--summary", str(summary))  # fmt: skip
+    assert "| demo_tiny_cpu | 1 | generation |" in out and "vLLM alone" in out, out
+    (row,) = json.loads(summary.read_text())
+    assert row["recipe"] == "demo_tiny_cpu" and row["step"] == 1 and row["completions_per_gpu"] == 8
+    assert row["old_logps_s"] > 0 and row["mean_length"] > 0  # the pass's time and the completion length
+    assert row["floor_training_s"] == pytest.approx(3 * row["floor_old_logps_s"])  # 6N vs 2N, no checkpointing
+    assert row["floor_step_s"] == pytest.approx(
+        max(row["floor_generation_s"], 0.5) + row["floor_old_logps_s"] + row["floor_training_s"]
+    )
+    assert row["ratio_step"] == pytest.approx(row["step_s"] / row["floor_step_s"])
+    assert row["ratio_generation_vllm_alone"] == pytest.approx(row["generation_s"] / 0.5)

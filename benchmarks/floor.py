@@ -1,0 +1,213 @@
+"""Each phase of a finished run's steps against its physical floor.
+
+    python benchmarks/floor.py RUN_FOLDER [--recipe recipes/egpo_qwen15b.yaml] [--shape qwen15b | --model-config DIR]
+        [--card h100|h200] [--vllm-alone-s 21.5] [--prompt-length 200] [--summary OUT/summary.json]
+
+``RUN_FOLDER`` is a folder of ``benchmarks/gpu_recipes.sh`` (``command.txt``, ``run/metrics.jsonl``, ...) or any
+folder with a ``metrics.jsonl`` of ``egpo-trl train``. The recipe (from ``command.txt`` or ``--recipe``) gives the
+per-GPU batch (``gradient_accumulation_steps * per_device_train_batch_size`` completions), the processes and gradient
+checkpointing; the architecture comes from ``--model-config`` (a folder with ``config.json``), ``--shape`` (one of
+``benchmarks/real_shapes.py``) or the recipe's local model folder. Per logged step, per GPU:
+
+* **generation** (``timing/generation_s``: vLLM's wake-up, weight sync and sampling) against vLLM alone on the same
+  rollouts (``--vllm-alone-s``, measured on the same machine) and against the decode bandwidth bound: every decode
+  step reads the weights once and each sequence's KV cache so far, ``L * 2N + B * kv * (L * P + L (L + 1) / 2)``
+  bytes for ``B`` completions of ``L`` tokens after ``P`` prompt tokens, at the card's HBM bandwidth (3.35 TB/s for
+  an H100 SXM, 4.8 for an H200);
+* **old log-prob pass** (``timing/old_logps_s``) against its forward FLOPs, ``2 * N * B * (P + L)``;
+* **scoring + training** (the step minus ``timing/generate_and_score_s``: rewards, the loss's forward, backward and
+  the optimizer step) against ``6 * N * B * (P + L)`` FLOPs, times 4/3 with gradient checkpointing;
+
+FLOPs at ``--mfu`` (50%) of the card's dense bf16 peak (989 TFLOP/s for H100 and H200 SXM). ``L`` is the step's mean
+completion length. Prints one table and writes ``--summary`` rows: those of ``benchmarks/summarize_recipe_runs.py``
+(which carry ``old_logps_s`` and ``mean_length``) plus the floors and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from summarize_recipe_runs import summarize  # noqa: E402
+
+#: Dense bf16 peak (TFLOP/s) and HBM bandwidth (TB/s) of each card.
+CARDS = {"h100": (989.0, 3.35), "h200": (989.0, 4.8)}
+BYTES_BF16 = 2
+
+
+def architecture(config: dict) -> dict:
+    """Parameters and KV-cache bytes per token (bf16) of a decoder-only transformer's ``config.json``."""
+    d, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or d // heads
+    inner = config.get("intermediate_size") or 4 * d
+    attention = d * heads * head_dim + 2 * d * kv_heads * head_dim + heads * head_dim * d
+    attention += heads * head_dim + 2 * kv_heads * head_dim  # q/k/v biases (Qwen2)
+    mlp = 3 * d * inner
+    params = layers * (attention + mlp + 2 * d) + d + vocab * d * (1 if config.get("tie_word_embeddings") else 2)
+    return {"parameters": params, "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * BYTES_BF16}
+
+
+def load_config(args, recipe: dict) -> dict:
+    """The model's ``config.json`` as a dict, from ``--model-config``, ``--shape`` or the recipe's local model."""
+    if args.model_config:
+        path = Path(args.model_config)
+        return json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    if args.shape:
+        from real_shapes import SHAPES
+
+        return dict(SHAPES[args.shape]["config"])
+    model = str(recipe.get("model_name_or_path", ""))
+    if model.startswith("builtin:"):
+        model = str(Path(__file__).resolve().parents[1] / "egpo_trl" / "assets" / model.split(":", 1)[1])
+    if model and (Path(model) / "config.json").is_file():
+        return json.loads((Path(model) / "config.json").read_text())
+    raise SystemExit(
+        f"Cannot read the architecture of {model or 'the model'!r}: pass --model-config FOLDER (with config.json) or "
+        "--shape (one of benchmarks/real_shapes.py's)."
+    )
+
+
+def option(argv: list[str], name: str, default):
+    """The last ``--name VALUE`` of a command line, else ``default``."""
+    for index, item in enumerate(argv):
+        if item == f"--{name}" and index + 1 < len(argv):
+            default = argv[index + 1]
+    return default
+
+
+def floors(args, run: Path) -> list[dict]:
+    """Rows of ``summarize_recipe_runs.summarize`` with each phase's floor and ratio added."""
+    argv = shlex.split((run / "command.txt").read_text()) if (run / "command.txt").is_file() else []
+    recipe_path = args.recipe or next((a for a in argv if a.endswith(".yaml")), None)
+    if recipe_path is None:
+        raise SystemExit(f"No recipe: {run}/command.txt names none; pass --recipe recipes/NAME.yaml.")
+    recipe = yaml.safe_load(Path(recipe_path).read_text()) or {}
+    if (run / "run" / "metrics.jsonl").is_file():
+        rows = summarize(run)
+    else:  # a plain egpo-trl train output folder: fake the layout summarize() reads
+        rows = summarize_plain(run, recipe_path)
+    arch = architecture(load_config(args, recipe))
+    params, kv = arch["parameters"], arch["kv_bytes_per_token"]
+    peak_tflops, bandwidth = CARDS[args.card]
+    per_gpu = int(option(argv, "gradient_accumulation_steps", recipe.get("gradient_accumulation_steps", 1))) * int(
+        option(argv, "per_device_train_batch_size", recipe.get("per_device_train_batch_size", 1))
+    )
+    if args.completions_per_gpu:
+        per_gpu = args.completions_per_gpu
+    checkpointing = str(option(argv, "gradient_checkpointing", recipe.get("gradient_checkpointing", False)))
+    checkpointing = checkpointing.lower() in ("true", "1", "yes")
+    flops_per_s = args.mfu * peak_tflops * 1e12
+    out = []
+    for row in rows:
+        length = row.get("mean_length")
+        if not length:
+            out.append(row)
+            continue
+        prompt = args.prompt_length
+        tokens = per_gpu * (prompt + length)
+        decode_bytes = length * BYTES_BF16 * params + per_gpu * kv * (length * prompt + length * (length + 1) / 2)
+        floor = {
+            "card": args.card,
+            "parameters": params,
+            "completions_per_gpu": per_gpu,
+            "prompt_length": prompt,
+            "gradient_checkpointing": checkpointing,
+            "vllm_alone_s": args.vllm_alone_s,
+            "floor_generation_s": decode_bytes / (bandwidth * 1e12),
+            "floor_old_logps_s": 2 * params * tokens / flops_per_s,
+            "floor_training_s": 6 * params * tokens * (4 / 3 if checkpointing else 1) / flops_per_s,
+        }
+        if not row.get("old_logps_s"):
+            floor["floor_old_logps_s"] = 0.0  # no pass this step (TRL's log-probs reused, or not needed)
+        generation_floor = max(floor["floor_generation_s"], args.vllm_alone_s or 0.0)
+        floor["floor_step_s"] = generation_floor + floor["floor_old_logps_s"] + floor["floor_training_s"]
+        for phase, measured in (
+            ("generation", row.get("generation_s")),
+            ("old_logps", row.get("old_logps_s")),
+            ("training", row.get("rest_s")),
+        ):
+            bound = floor[f"floor_{phase}_s"]
+            floor[f"ratio_{phase}"] = measured / bound if measured is not None and bound else None
+        if args.vllm_alone_s and row.get("generation_s") is not None:
+            floor["ratio_generation_vllm_alone"] = row["generation_s"] / args.vllm_alone_s
+        floor["ratio_step"] = row["step_s"] / floor["floor_step_s"]
+        out.append({**row, **floor})
+    return out
+
+
+def summarize_plain(run: Path, recipe_path: str) -> list[dict]:
+    """``summarize`` of a plain ``egpo-trl train`` output folder (its ``metrics.jsonl`` at the top)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / Path(recipe_path).stem
+        (folder / "run").mkdir(parents=True)
+        (folder / "run" / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text())
+        (folder / "command.txt").write_text(f"egpo-trl train {shlex.quote(recipe_path)}\n")
+        return summarize(folder)
+
+
+def table(rows: list[dict]) -> str:
+    """A Markdown table: per step and phase, measured seconds, floor seconds and their ratio."""
+
+    def f(value, fmt="{:.2f}"):
+        return "-" if value is None else fmt.format(value)
+
+    lines = [
+        "| recipe | step | phase | measured s | floor s | x floor | floor |",
+        "| --- | ---: | --- | ---: | ---: | ---: | --- |",
+    ]
+    for row in rows:
+        if "floor_step_s" not in row:
+            continue
+        phases = [
+            ("generation", row["generation_s"], row["floor_generation_s"], "decode bandwidth"),
+            ("old log-prob pass", row["old_logps_s"], row["floor_old_logps_s"], "2N FLOPs/token"),
+            ("scoring + training", row["rest_s"], row["floor_training_s"], "6N FLOPs/token (x4/3 ckpt)"),
+            ("step", row["step_s"], row["floor_step_s"], "sum"),
+        ]
+        if row.get("vllm_alone_s"):
+            phases.insert(1, ("generation", row["generation_s"], row["vllm_alone_s"], "vLLM alone"))
+        for name, measured, bound, what in phases:
+            ratio = measured / bound if measured is not None and bound else None
+            lines.append(
+                f"| {row['recipe']} | {row['step']} | {name} | {f(measured)} | {f(bound, '{:.3g}')} | "
+                f"{f(ratio)} | {what} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the arguments, print the table and write the summary rows."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", type=Path, help="run folder (gpu_recipes.sh layout, or egpo-trl train's output)")
+    parser.add_argument("--recipe", help="the recipe YAML (default: the one command.txt names)")
+    parser.add_argument("--model-config", help="folder or config.json of the model's architecture")
+    parser.add_argument("--shape", help="a shape of benchmarks/real_shapes.py (qwen15b, qwen7b, ...)")
+    parser.add_argument("--card", choices=sorted(CARDS), default="h100")
+    parser.add_argument("--mfu", type=float, default=0.5, help="fraction of the bf16 peak the FLOP floors assume")
+    parser.add_argument("--prompt-length", type=int, default=200, help="mean prompt tokens")
+    parser.add_argument("--vllm-alone-s", type=float, default=None, help="vLLM alone on the same rollouts, seconds")
+    parser.add_argument(
+        "--completions-per-gpu", type=int, help="completions per GPU per step (default: from the recipe and command)"
+    )
+    parser.add_argument("--summary", type=Path, help="write the rows as JSON here (summary.json format)")
+    args = parser.parse_args(argv)
+    rows = floors(args, args.run)
+    print(table(rows))
+    if args.summary:
+        args.summary.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

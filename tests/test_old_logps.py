@@ -1,0 +1,111 @@
+"""The no-grad log-prob pass (egpo_trl.old_logps) against TRL's own helper, on the tiny Qwen2 model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_prompt_dataset, parity_reward
+from conftest import trainer_config as config
+
+from egpo_trl import EGPOTrainer
+from egpo_trl.old_logps import completion_widths, plan_micro_batches
+
+
+def padded_batch(vocab_size: int, prompt_lengths: list[int], completion_lengths: list[int], seed: int = 0):
+    """Left-padded prompts and right-padded completions, as TRL lays out a generation batch."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, prompt_width, completion_width = len(prompt_lengths), max(prompt_lengths), max(completion_lengths)
+    prompt_ids = torch.randint(3, vocab_size, (batch, prompt_width), generator=generator)
+    completion_ids = torch.randint(3, vocab_size, (batch, completion_width), generator=generator)
+    prompt_mask = torch.zeros(batch, prompt_width, dtype=torch.long)
+    completion_mask = torch.zeros(batch, completion_width, dtype=torch.long)
+    for row, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)):
+        prompt_mask[row, prompt_width - p :] = 1
+        completion_mask[row, :c] = 1
+    prompt_ids = prompt_ids.masked_fill(prompt_mask == 0, 0)
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, 0)
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+    }
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory, tiny_model_dir):
+    args = config(tmp_path_factory.mktemp("old-logps"), temperature=0.7, max_steps=1)
+    trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    # PyTorch's CPU SDPA kernel rounds differently with the sequence length (up to 4e-4 on a log-prob of this model,
+    # for TRL's helper itself); eager attention does not, so the comparison below holds to float32 precision.
+    trainer.model.set_attn_implementation("eager")
+    return trainer
+
+
+def trl_pass(trainer, batch, compute_entropy):
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    trainer.model.eval()
+    with torch.no_grad():
+        logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model,
+            input_ids,
+            attention_mask,
+            batch["completion_ids"].size(1),
+            batch_size=2,
+            compute_entropy=compute_entropy,
+        )
+    trainer.model.train()
+    return logps, entropies
+
+
+@pytest.mark.parametrize(
+    ("tokens_per_batch", "batch_size"),
+    [(65536, None), (40, None), (1, None), (None, 3), (None, 1)],
+    ids=["whole-batch", "budget-40", "one-row-each", "three-rows", "one-row"],
+)
+def test_pass_equals_trls_helper(trainer, tokens_per_batch, batch_size):
+    assert trainer.temperature == 0.7  # the fused head divides by it in both passes
+    # Padding in prompts and completions, a completion with no scored token, rows in no particular length order.
+    prompt_lengths = [5, 9, 3, 9, 7, 1, 6]
+    completion_lengths = [4, 11, 0, 7, 11, 2, 9]
+    batch = padded_batch(trainer.model.config.vocab_size, prompt_lengths, completion_lengths)
+    expected_logps, expected_entropies = trl_pass(trainer, batch, compute_entropy=True)
+    trainer.args.egpo_entropy_tokens_per_batch, trainer.args.egpo_entropy_batch_size = tokens_per_batch, batch_size
+    try:
+        logps, entropies = trainer._egpo_forward(batch, compute_entropy=True)
+        logps_only, none = trainer._egpo_forward(batch, compute_entropy=False)
+    finally:
+        trainer.args.egpo_entropy_tokens_per_batch, trainer.args.egpo_entropy_batch_size = 65536, None
+    assert trainer.model.training  # the pass puts the model back in training mode
+    assert none is None
+    assert logps.shape == expected_logps.shape == batch["completion_ids"].shape
+    scored = batch["completion_mask"].bool()
+    assert (logps[~scored] == 0).all() and (entropies[~scored] == 0).all()  # as TRL's: 0 where nothing is scored
+    torch.testing.assert_close(logps, expected_logps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropies, expected_entropies, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logps_only, logps, rtol=0, atol=0)
+    assert (logps[scored] < 0).all() and (entropies[scored] > 0).all()
+
+
+def test_plan_groups_rows_of_similar_length_within_the_budget():
+    mask = torch.zeros(6, 10, dtype=torch.long)
+    for row, length in enumerate([3, 10, 0, 7, 10, 1]):
+        mask[row, :length] = 1
+    widths = completion_widths(mask)
+    assert widths.tolist() == [3, 10, 0, 7, 10, 1]
+    plan = plan_micro_batches(widths, prompt_width=2, tokens_per_batch=24)
+    assert [(rows.tolist(), width) for rows, width in plan] == [([1, 4], 10), ([3, 0], 7), ([5, 2], 1)]
+    assert sorted(i for rows, _ in plan for i in rows.tolist()) == list(range(6))
+    assert all(len(rows) * (2 + width) <= 24 for rows, width in plan)
+    # Processes that must run the same number of forward passes split their largest micro-batches.
+    split = plan_micro_batches(widths, prompt_width=2, tokens_per_batch=24, num_micro_batches=5)
+    assert len(split) == 5 and sorted(i for rows, _ in split for i in rows.tolist()) == list(range(6))
+    assert len(plan_micro_batches(widths, prompt_width=2, batch_size=4)) == 2
+    assert len(plan_micro_batches(widths, 2, tokens_per_batch=10**6, num_micro_batches=99)) == 6
+
+
+@pytest.mark.parametrize(("name", "value"), [("egpo_entropy_tokens_per_batch", 0), ("egpo_entropy_batch_size", -2)])
+def test_pass_sizes_must_be_positive(tmp_path, name, value):
+    with pytest.raises(ValueError, match=name):
+        config(tmp_path, **{name: value})
