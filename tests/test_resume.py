@@ -118,3 +118,17 @@ def test_generation_seeds_depend_on_the_place_in_the_run_only():
     seeds = [generation_seed(*place) for place in places]
     assert len(set(seeds)) == len(seeds)  # every prompt, instance, call, step and run seed draws apart
     assert all(0 <= seed < 2**63 for seed in seeds)
+
+
+@pytest.mark.slow
+def test_resume_in_a_later_epoch_keeps_the_prompt_order(tmp_path):
+    # 4 prompts, 2 per generation batch of 2 steps: an epoch is 4 steps; checkpoint-5 falls in the second, which generates again at step 7.
+    run = [*RUN, "--synthetic_train_size", "4", "--max_steps", "8", "--save_steps", "5", "--eval_size", "0"]
+    reference = tmp_path / "reference"
+    assert main([*run, "--output_dir", str(reference)]) == 0
+    out = tmp_path / "run"
+    shutil.copytree(reference / "checkpoint-5", out / "checkpoint-5")
+    shutil.copy(reference / "metrics.jsonl", out / "metrics.jsonl")
+    assert main([*run, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
+    assert _rows(out) == _rows(reference)
+    assert _digest(out / "model.safetensors") == _digest(reference / "model.safetensors")
