@@ -14,7 +14,8 @@ field plus the ``egpo_*`` ones) and of TRL's ``ModelConfig`` (dtype, attention, 
 command line override the file, as with TRL's own scripts. ``--help`` shows the usual ones, ``--help-all``
 every field.
 
-Ctrl-C saves a checkpoint of the last finished step (one process) and prints the command that resumes the run.
+Ctrl-C saves a checkpoint of the last finished step (one process) and prints the command that resumes the run; the
+resumed run continues exactly as the uninterrupted one would have (README, "Resuming").
 
 A run prints the held-out accuracy before and after training and writes into ``output_dir``:
 

@@ -74,6 +74,7 @@ from egpo_trl.advantages import (
     sequence_mean,
 )
 from egpo_trl.config import EGPOConfig, distribution_changing_sampling_options
+from egpo_trl.resume_state import ExactResumeMixin
 from egpo_trl.rewards import make_overlong_penalty_reward
 from egpo_trl.sampling.dynamic import DynamicSamplingMixin
 from egpo_trl.sampling.gec import SOLUTION_ANSWER_SUFFIX, GuidedErrorCorrectionMixin, boxed_safe_prefix  # noqa: F401
@@ -103,7 +104,7 @@ _TOKEN_ENTROPY_KEY = "egpo_token_entropies"
 IS_RATIO_WARNING_THRESHOLD = 0.5
 
 
-class EGPOTrainer(DynamicSamplingMixin, GuidedErrorCorrectionMixin, GRPOTrainer):
+class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionMixin, GRPOTrainer):
     """Trainer for Entropy-Guided Policy Optimization (EGPO), a drop-in replacement for TRL's ``GRPOTrainer``.
 
     It takes exactly ``GRPOTrainer``'s arguments; ``args`` is an :class:`~egpo_trl.EGPOConfig`.

@@ -27,8 +27,8 @@ def _train_accuracy(logs: dict[str, float], correctness_name: str | None) -> flo
 class MetricsCallback(TrainerCallback):
     """Appends every log (TRL's metrics and the ``egpo/*`` ones) as one JSON line to ``path``.
 
-    Only the main process writes. Each line holds ``step``, ``epoch``, ``time_s`` (seconds since the
-    start of training) and the logged numbers. With a ``+1/-1`` correctness reward (the paper's
+    Only the main process writes. Each line holds ``step``, ``epoch``, ``time_s`` (seconds of training since
+    the run started, a resumed run continuing from ``time_offset``) and the logged numbers. With a ``+1/-1`` correctness reward (the paper's
     Eq. 1), ``accuracy`` = ``(mean reward + 1) / 2`` is added: the fraction of correct completions.
 
     Args:
@@ -36,13 +36,21 @@ class MetricsCallback(TrainerCallback):
         correctness_name: name of the reward function that decides correctness (TRL logs its mean as
             ``rewards/<name>/mean``).
         accuracy_from_reward: whether that reward is ``+1/-1``, so that ``accuracy`` can be derived.
+        time_offset: the ``time_s`` training starts from (a resumed run: that of the step it resumes from).
     """
 
-    def __init__(self, path: str | Path, correctness_name: str | None = None, accuracy_from_reward: bool = True):
+    def __init__(
+        self,
+        path: str | Path,
+        correctness_name: str | None = None,
+        accuracy_from_reward: bool = True,
+        time_offset: float = 0.0,
+    ):
         self.path = Path(path)
         self.correctness_name = correctness_name
         self.accuracy_from_reward = accuracy_from_reward
-        self.start = time.time()
+        self.time_offset = time_offset
+        self.start = time.time() - time_offset
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record."""
@@ -51,7 +59,7 @@ class MetricsCallback(TrainerCallback):
             handle.write(json.dumps(record, default=float) + "\n")
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.time()
+        self.start = time.time() - self.time_offset
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:

@@ -1,5 +1,9 @@
-"""Stopping and resuming a run: the checkpoint saved on Ctrl-C, the command that resumes, and ``metrics.jsonl``
-cut back to the checkpoint a run resumes from.
+"""Stopping and resuming a run: the checkpoint saved on Ctrl-C, the command that resumes, ``metrics.jsonl`` cut back
+to the checkpoint a run resumes from, the held-out evaluation and the clock carried over, and the check that a
+resumed run has something left to train.
+
+What makes the resumed training itself exact (the generation buffer, the RNG states at the step boundary, vLLM's
+sampling seeds) lives with the trainer: :mod:`egpo_trl.resume_state`.
 """
 
 from __future__ import annotations
@@ -12,7 +16,16 @@ from pathlib import Path
 
 from egpo_trl.script.outputs import read_metrics
 
-__all__ = ["checkpoint_step", "interrupted_message", "resume_checkpoint", "save_interrupted", "truncate_metrics"]
+__all__ = [
+    "checkpoint_step",
+    "finished_message",
+    "interrupted_message",
+    "resume_checkpoint",
+    "resumed_time",
+    "save_interrupted",
+    "stored_heldout_before",
+    "truncate_metrics",
+]
 
 
 def resume_checkpoint(training_args) -> str | None:
@@ -45,6 +58,65 @@ def checkpoint_step(checkpoint: str | Path) -> int:
     return int(Path(checkpoint).name.rsplit("-", 1)[-1])
 
 
+def finished_message(training_args, checkpoint: str | Path) -> str | None:
+    """Why resuming from ``checkpoint`` would train nothing (the run it belongs to has finished), or ``None``.
+
+    The run is finished when the checkpoint's step reaches ``max_steps`` (when set), else the number of steps its
+    own run computed for the same ``num_train_epochs``. Read from ``trainer_state.json``: nothing is loaded.
+    """
+    path = Path(checkpoint) / "trainer_state.json"
+    if not path.is_file():
+        return None
+    state = json.loads(path.read_text())
+    step = int(state.get("global_step", 0))
+    if training_args.max_steps > 0:
+        total, setting = training_args.max_steps, f"max_steps={training_args.max_steps}"
+    elif state.get("num_train_epochs") == training_args.num_train_epochs and state.get("max_steps", 0) > 0:
+        total, setting = int(state["max_steps"]), f"num_train_epochs={training_args.num_train_epochs:g}"
+    else:
+        return None
+    if step < total:
+        return None
+    return (
+        f"egpo-trl train: nothing to train: {checkpoint} is at step {step} and the run stops at step {total} "
+        f"({setting}); the outputs in {training_args.output_dir} are left as they are (raise --max_steps to train "
+        "further)."
+    )
+
+
+def stored_heldout_before(output_dir: str | Path, num_problems: int, num_samples: int, temperature: float):
+    """The held-out evaluation before training that a run stored in ``output_dir`` (``heldout.json``, else the
+    ``before`` record of ``metrics.jsonl``), when it was made with the same settings; else ``None``."""
+    from egpo_trl.script.outputs import HELDOUT_FILE, METRICS_FILE
+
+    output_dir = Path(output_dir)
+    heldout = output_dir / HELDOUT_FILE
+    if heldout.is_file():
+        before = json.loads(heldout.read_text()).get("before")
+        if (
+            before
+            and before.get("num_problems") == num_problems
+            and before.get("num_samples") == num_samples
+            and before.get("temperature") == temperature
+        ):
+            return before
+        return None
+    metrics = output_dir / METRICS_FILE
+    if metrics.is_file():
+        for record in read_metrics(metrics):
+            if record.get("heldout/stage") == "before":
+                return {"accuracy": record["heldout/accuracy"], "temperature": temperature, "step": 0}
+    return None
+
+
+def resumed_time(path: Path, step: int) -> float:
+    """The ``time_s`` of the last training record at or before ``step`` in ``metrics.jsonl`` (0 when none)."""
+    if not path.is_file():
+        return 0.0
+    times = [r["time_s"] for r in read_metrics(path) if "time_s" in r and r.get("step", 0) <= step]
+    return float(times[-1]) if times else 0.0
+
+
 def truncate_metrics(path: Path, step: int) -> int:
     """Drop the records a resumed run will write again: training steps after ``step`` and the final evaluation.
 
@@ -62,7 +134,10 @@ def save_interrupted(trainer) -> None:
     """On Ctrl-C, save a checkpoint of the last finished step so that the run can resume (one process only).
 
     The weights, optimizer and scheduler are those of the last finished optimizer step (a step cut short has not
-    changed them). With several processes nothing is saved: the run resumes from its last regular checkpoint.
+    changed them); the trainer puts the RNG states and the generation buffer back to that step's end
+    (:meth:`egpo_trl.resume_state.ExactResumeMixin.save_interrupt_checkpoint`), so the checkpoint is the one a
+    regular save there writes and the resumed run continues exactly. With several processes nothing is saved: the
+    run resumes from its last regular checkpoint.
     """
     step = trainer.state.global_step
     output_dir = Path(trainer.args.output_dir)
@@ -72,7 +147,12 @@ def save_interrupted(trainer) -> None:
         f"\nInterrupted: saving a checkpoint of step {step} (Ctrl-C again to skip it)...", file=sys.stderr, flush=True
     )
     try:
-        trainer._save_checkpoint(trainer.model, trial=None)
+        if hasattr(trainer, "save_interrupt_checkpoint"):
+            reason = trainer.save_interrupt_checkpoint()
+            if reason is not None:
+                print(f"Checkpoint not saved: {reason}.", file=sys.stderr, flush=True)
+        else:
+            trainer._save_checkpoint(trainer.model, trial=None)
     except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - a failed save must not hide the interruption
         shutil.rmtree(output_dir / f"checkpoint-{step}", ignore_errors=True)
         print(f"Checkpoint not saved ({type(error).__name__}).", file=sys.stderr, flush=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,15 @@ from egpo_trl.script.data import load_datasets
 from egpo_trl.script.outputs import HELDOUT_FILE, METRICS_FILE, PLOT_FILE, prepare_output_dir, read_metrics
 from egpo_trl.script.plots import plot_metrics
 from egpo_trl.script.resolve import check_model_exists, resolve_model_path, resolve_reward_funcs
-from egpo_trl.script.resume import checkpoint_step, resume_checkpoint, save_interrupted, truncate_metrics
+from egpo_trl.script.resume import (
+    checkpoint_step,
+    finished_message,
+    resume_checkpoint,
+    resumed_time,
+    save_interrupted,
+    stored_heldout_before,
+    truncate_metrics,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +79,14 @@ def _correctness_name(trainer) -> str | None:
     return names[index] if names else None
 
 
+def _eval_temperature(script_args, training_args) -> float:
+    return training_args.temperature if script_args.eval_temperature is None else script_args.eval_temperature
+
+
 def _heldout(trainer, script_args, training_args, heldout, label: str):
     from egpo_trl.heldout import heldout_accuracy
 
-    temperature = training_args.temperature if script_args.eval_temperature is None else script_args.eval_temperature
+    temperature = _eval_temperature(script_args, training_args)
     model = trainer.accelerator.unwrap_model(trainer.model)
     start = time.time()
     result = heldout_accuracy(
@@ -120,6 +133,12 @@ def run(script_args: TrainScriptArguments, training_args, model_args) -> dict[st
 def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[str, Any]:
     wall_start = time.time()
     resume = resume_checkpoint(training_args)
+    if resume is not None:
+        finished = finished_message(training_args, resume)
+        if finished is not None:  # nothing loads, nothing is written
+            if os.environ.get("RANK", "0") == "0":
+                print(finished, flush=True)
+            return {"output_dir": str(training_args.output_dir), "heldout_before": None, "heldout_after": None}
     prepare_output_dir(training_args.output_dir, script_args.overwrite_output_dir, resuming=resume is not None)
 
     check_model_exists(model_args.model_name_or_path, model_args.model_revision, training_args.trust_remote_code)
@@ -133,9 +152,16 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         output_dir / HELDOUT_FILE,
     )
     correctness_name = _correctness_name(trainer)
-    metrics = MetricsCallback(metrics_path, correctness_name, accuracy_from_reward=correctness_name in PLUS_MINUS_ONE)
+    time_offset = 0.0
     if resume is not None and metrics_path.is_file() and trainer.accelerator.is_main_process:
         truncate_metrics(metrics_path, checkpoint_step(resume))
+        time_offset = resumed_time(metrics_path, checkpoint_step(resume))
+    metrics = MetricsCallback(
+        metrics_path,
+        correctness_name,
+        accuracy_from_reward=correctness_name in PLUS_MINUS_ONE,
+        time_offset=time_offset,
+    )
     trainer.add_callback(metrics)
     if not training_args.disable_tqdm:
         trainer.remove_callback(ProgressCallback)
@@ -160,11 +186,23 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     heldout_records: dict[str, Any] = {}
     if heldout is not None and is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        result, temperature = _heldout(trainer, script_args, training_args, heldout, "before training")
-        summary["heldout_before"] = result.accuracy
-        heldout_records["before"] = {**result.to_dict(), "temperature": temperature, "step": 0}
-        if resume is None:
-            metrics.write({"step": 0, "heldout/accuracy": result.accuracy, "heldout/stage": "before"})
+        temperature = _eval_temperature(script_args, training_args)
+        stored = None
+        if resume is not None:
+            stored = stored_heldout_before(output_dir, len(heldout), script_args.eval_num_samples, temperature)
+        if stored is not None:  # a resumed run: the evaluation before training was made by the run it continues
+            print(
+                f"Held-out accuracy before training: {stored['accuracy']:.1%} (stored by the run resumed)", flush=True
+            )
+            summary["heldout_before"] = stored["accuracy"]
+            heldout_records["before"] = stored
+        else:
+            result, temperature = _heldout(trainer, script_args, training_args, heldout, "before training")
+            summary["heldout_before"] = result.accuracy
+            heldout_records["before"] = {**result.to_dict(), "temperature": temperature, "step": 0}
+            heldout_path.write_text(json.dumps(heldout_records, indent=2) + "\n")  # kept for a resumed run
+            if resume is None:
+                metrics.write({"step": 0, "heldout/accuracy": result.accuracy, "heldout/stage": "before"})
     trainer.accelerator.wait_for_everyone()
 
     try:

@@ -1,0 +1,306 @@
+"""Exact resume: what a checkpoint must hold beyond the Trainer's own for a resumed run to continue the same run.
+
+``Trainer`` saves the weights, the optimizer, the scheduler, the RNG states and ``trainer_state.json``. GRPO keeps
+more state between steps, which a resumed ``GRPOTrainer`` loses:
+
+* the generation-batch buffer (``_buffered_inputs``) and the micro-step counter (``_step``): with
+  ``steps_per_generation > gradient_accumulation_steps`` or ``num_iterations > 1`` a step can fall inside a
+  generation batch, and a resumed run would generate a new batch there instead of training on the stored one;
+* the metrics accumulated since the last log (``_metrics``) and the loss not yet logged (``logging_steps > 1``);
+* the per-round counter of Guided Error Correction's draws;
+* the prompt order of later epochs (the training sampler's generator has drawn one permutation per epoch).
+
+:class:`ExactResumeMixin` saves these into every checkpoint (``egpo_resume_state.pt``, one per process) and
+restores them where ``Trainer`` restores the RNG states, just before the first step after the resume.
+
+A Ctrl-C arrives in the middle of a step, after that step's generation has consumed random numbers. The mixin keeps
+a snapshot of the state at the end of the last finished step (RNG states included), and
+:meth:`ExactResumeMixin.save_interrupt_checkpoint` writes the checkpoint from it, so that it is the checkpoint a
+regular save at that step would have written. A Ctrl-C during the logging, evaluation or saving at the end of a
+step is held back until that work is done.
+
+With vLLM colocate, each prompt's sampling gets its own seed, :func:`generation_seed` of (``seed``, global step,
+generation call in the step, vLLM instance, prompt), so that the completions after a resume are those of the
+uninterrupted run (up to the GPU kernels' own nondeterminism); vLLM's random state then needs no checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RESUME_STATE_NAME", "ExactResumeMixin", "generation_seed"]
+
+#: The file (``_<process index>`` before ``.pt`` with several processes) that holds GRPO's state in a checkpoint.
+RESUME_STATE_NAME = "egpo_resume_state.pt"
+# Attributes restored as they were (plain numbers).
+_COUNTERS = ("_step", "_globalstep_last_logged", "_gec_calls")
+
+
+def generation_seed(seed: int, global_step: int, call: int, instance: int, index: int) -> int:
+    """The sampling seed of one prompt of one vLLM generation call, a function of where it falls in the run only.
+
+    Args:
+        seed: the run's ``seed``.
+        global_step: the optimizer steps finished when the generation runs (generation for step ``N + 1`` runs at
+            ``global_step = N``).
+        call: the number of the generation call within that step and mode (dynamic sampling's rounds and Guided
+            Error Correction's continuations generate several times in one step); evaluation calls are numbered
+            apart from training ones (``call`` is then ``-1 - n``).
+        instance: which vLLM instance generates (the process index divided by the tensor-parallel size: the ranks
+            of one tensor-parallel group must draw alike).
+        index: the prompt's position in the instance's request list.
+
+    Returns:
+        An integer in ``[0, 2**63)``; distinct arguments give independent seeds.
+    """
+    key = f"egpo-generation:{seed}:{global_step}:{call}:{instance}:{index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2**63 - 1)
+
+
+def _rng_states() -> dict[str, Any]:
+    states = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.random.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.random.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.random.set_rng_state_all(states["cuda"])
+
+
+def _to(value: Any, device: torch.device | str) -> Any:
+    """``value`` (nested lists, tuples and dicts of tensors) with every tensor on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: _to(item, device) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(item, device) for item in value)
+    return value
+
+
+def _optimizer_steps(optimizer) -> int | None:
+    """How many steps the optimizer has taken (the first parameter's ``step`` state), or ``None`` when unknown."""
+    try:
+        for state in optimizer.state.values():
+            step = state.get("step")
+            if step is not None:
+                return int(step)
+    except Exception:  # noqa: BLE001 - an optimizer without per-parameter state (DeepSpeed's) is simply unknown
+        return None
+    return None
+
+
+class ExactResumeMixin:
+    """Trainer mixin: checkpoints that resume bit for bit, a Ctrl-C checkpoint at the last step boundary, and
+    per-prompt vLLM sampling seeds. Meant to sit before ``GRPOTrainer`` in the bases of a ``GRPOTrainer`` subclass.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._egpo_boundary: dict[str, Any] | None = None
+        self._egpo_train_sampler = None
+        self._egpo_generation_calls: tuple[tuple[int, bool], int] = ((-1, True), 0)
+        self._egpo_seed_vllm_sampling()
+
+    # ------------------------------------------------------------------ state
+    def _egpo_resume_state(self) -> dict[str, Any]:
+        """GRPO's state between steps, on the CPU."""
+        state: dict[str, Any] = {name: getattr(self, name) for name in _COUNTERS if hasattr(self, name)}
+        state["buffered_inputs"] = _to(getattr(self, "_buffered_inputs", None), "cpu")
+        state["metrics_train"] = {key: list(values) for key, values in self._metrics["train"].items()}
+        tr_loss = getattr(self, "_tr_loss", None)
+        state["tr_loss"] = tr_loss.detach().clone().cpu() if isinstance(tr_loss, torch.Tensor) else None
+        return state
+
+    def _egpo_restore_resume_state(self, state: dict[str, Any]) -> None:
+        for name in _COUNTERS:
+            if name in state:
+                setattr(self, name, state[name])
+        buffered = state.get("buffered_inputs")
+        self._buffered_inputs = _to(buffered, self.accelerator.device) if buffered is not None else None
+        self._metrics["train"].clear()
+        for key, values in state.get("metrics_train", {}).items():
+            self._metrics["train"][key].extend(values)
+        tr_loss = state.get("tr_loss")
+        if tr_loss is not None and isinstance(getattr(self, "_tr_loss", None), torch.Tensor):
+            self._tr_loss.copy_(tr_loss.to(self._tr_loss.device))
+
+    def _egpo_state_file(self, checkpoint: str) -> str:
+        if self.args.world_size > 1:
+            name = RESUME_STATE_NAME.replace(".pt", f"_{self.args.process_index}.pt")
+        else:
+            name = RESUME_STATE_NAME
+        return os.path.join(checkpoint, name)
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.save_only_model:
+            return
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        torch.save(self._egpo_resume_state(), self._egpo_state_file(folder))
+
+    def _load_rng_state(self, checkpoint):
+        # Trainer calls this once on resume, after fetching the first batch and just before the first step.
+        super()._load_rng_state(checkpoint)
+        if checkpoint is None:
+            return
+        path = self._egpo_state_file(checkpoint)
+        if not os.path.isfile(path):
+            logger.warning(
+                "%s has no %s (saved by another trainer or an older version): the run resumes, but not exactly as "
+                "it would have continued (a generation batch in progress is generated again).",
+                checkpoint,
+                os.path.basename(path),
+            )
+            return
+        self._egpo_restore_resume_state(torch.load(path, weights_only=True))
+
+    # ------------------------------------------------------------------ data order of later epochs
+    def _get_train_sampler(self, *args: Any, **kwargs: Any):
+        sampler = super()._get_train_sampler(*args, **kwargs)
+        self._egpo_train_sampler = sampler
+        return sampler
+
+    def _init_training_state(self, *args: Any, **kwargs: Any):
+        epochs_trained, steps_in_epoch = super()._init_training_state(*args, **kwargs)
+        # The sampler draws one permutation per epoch from its seeded generator; a resumed run starts a fresh one,
+        # so draw the permutations of the epochs already trained, as the uninterrupted run did.
+        sampler = self._egpo_train_sampler
+        if epochs_trained > 0 and getattr(sampler, "shuffle", False) and hasattr(sampler, "generator"):
+            for _ in range(epochs_trained):
+                torch.randperm(sampler.num_samples, generator=sampler.generator)
+        return epochs_trained, steps_in_epoch
+
+    # ------------------------------------------------------------------ step boundaries and Ctrl-C
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any):
+        with _sigint_held_back():
+            super()._maybe_log_save_evaluate(*args, **kwargs)
+            tr_loss = getattr(self, "_tr_loss", None)
+            self._egpo_boundary = {
+                "global_step": self.state.global_step,
+                "optimizer_steps": _optimizer_steps(self.optimizer),
+                "rng": _rng_states(),
+                "resume_state": {
+                    **{name: getattr(self, name) for name in _COUNTERS if hasattr(self, name)},
+                    "buffered_inputs": getattr(self, "_buffered_inputs", None),
+                    "metrics_train": {key: list(values) for key, values in self._metrics["train"].items()},
+                    "tr_loss": tr_loss.detach().clone() if isinstance(tr_loss, torch.Tensor) else None,
+                },
+            }
+
+    def save_interrupt_checkpoint(self) -> str | None:
+        """Save the checkpoint of the last finished step after an interruption in the middle of the next one.
+
+        The weights, optimizer and scheduler have not changed since that step; the RNG states, the generation
+        buffer and the pending metrics are put back to what they were at its end, so the checkpoint is the one a
+        regular save at that step writes. Returns why nothing was saved, or ``None`` once saved.
+        """
+        boundary = self._egpo_boundary
+        step = self.state.global_step
+        if boundary is None or boundary["global_step"] != step:
+            return f"the state at the end of step {step} was not recorded"
+        if boundary["optimizer_steps"] != _optimizer_steps(self.optimizer):
+            return "the interruption came during an optimizer update"
+        _set_rng_states(boundary["rng"])
+        state = boundary["resume_state"]
+        for name in _COUNTERS:
+            if name in state:
+                setattr(self, name, state[name])
+        self._buffered_inputs = state["buffered_inputs"]
+        self._metrics["train"].clear()
+        for key, values in state["metrics_train"].items():
+            self._metrics["train"][key].extend(values)
+        if state["tr_loss"] is not None:
+            self._tr_loss.copy_(state["tr_loss"])
+        self._save_checkpoint(self.model, trial=None)
+        return None
+
+    # ------------------------------------------------------------------ vLLM sampling seeds
+    def _egpo_seed_vllm_sampling(self) -> None:
+        """Give each prompt of a vLLM colocate generation its own :func:`generation_seed` (unless the run set a
+        ``seed`` in ``generation_kwargs``). Server mode is left as it is: its engine's state lives in the server."""
+        generation = getattr(self, "vllm_generation", None)
+        llm = getattr(generation, "llm", None)
+        if not getattr(self, "use_vllm", False) or llm is None or getattr(generation, "mode", None) != "colocate":
+            return
+        if (self.args.generation_kwargs or {}).get("seed") is not None:
+            return
+        generate = llm.generate
+        trainer = self
+        instance = self.accelerator.process_index // max(1, getattr(generation, "tensor_parallel_size", 1))
+
+        def seeded_generate(prompts, sampling_params=None, *args: Any, **kwargs: Any):
+            if (
+                sampling_params is None
+                or isinstance(sampling_params, (list, tuple))
+                or sampling_params.seed is not None
+            ):
+                return generate(prompts, sampling_params, *args, **kwargs)
+            call = trainer._egpo_next_generation_call()
+            params = []
+            for index in range(len(prompts)):
+                one = sampling_params.clone()
+                one.seed = generation_seed(trainer.args.seed, trainer.state.global_step, call, instance, index)
+                params.append(one)
+            return generate(prompts, params, *args, **kwargs)
+
+        llm.generate = seeded_generate
+
+    def _egpo_next_generation_call(self) -> int:
+        """The number of this generation call within the current global step and mode (evaluation: ``-1 - n``)."""
+        key = (self.state.global_step, bool(self.model.training))
+        last_key, count = self._egpo_generation_calls
+        count = count + 1 if key == last_key else 0
+        self._egpo_generation_calls = (key, count)
+        return count if key[1] else -1 - count
+
+
+@contextmanager
+def _sigint_held_back():
+    """Hold a Ctrl-C back until the block ends (a second one interrupts at once). Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame):
+        if received:
+            raise KeyboardInterrupt
+        received.append(signum)
+
+    try:
+        signal.signal(signal.SIGINT, handler)
+    except (ValueError, OSError):  # not settable here: leave Ctrl-C as it is
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt

@@ -1,0 +1,134 @@
+"""Exact resume: a run stopped (a regular checkpoint, or Ctrl-C in the middle of a step) and resumed gives the same
+metrics and the same final weights as the run that was never stopped; a finished run resumed trains nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from egpo_trl.resume_state import generation_seed
+from egpo_trl.train import main, read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_RECIPE = REPO / "recipes" / "demo_tiny_cpu.yaml"
+
+# One generation batch spans two optimizer steps (steps_per_generation=2), so a checkpoint after an odd step holds a
+# batch in progress; attention dropout makes every training step draw random numbers.
+RUN = [
+    "--config", str(DEMO_RECIPE), "--per_device_train_batch_size", "4", "--num_generations", "4",
+    "--steps_per_generation", "2", "--max_completion_length", "16", "--synthetic_train_size", "32",
+    "--eval_size", "3", "--eval_num_samples", "1", "--disable_tqdm", "true", "--plot", "false",
+    "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "3", "--learning_rate", "3e-4",
+    "--model_init_kwargs", '{"attention_dropout": 0.1}',
+]  # fmt: skip
+# Logged numbers that measure time, and the end-of-training summary (it covers the steps of one call only).
+UNTIMED = ("time_s", "step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+def _rows(out: Path) -> list[dict]:
+    rows = []
+    for record in read_metrics(out / "metrics.jsonl"):
+        if "train_loss" in record:
+            continue
+        rows.append({k: v for k, v in record.items() if k not in UNTIMED and not k.startswith("timing/")})
+    return rows
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The run never stopped: its metrics rows and final weights."""
+    out = tmp_path_factory.mktemp("resume") / "reference"
+    assert main([*RUN, "--output_dir", str(out)]) == 0
+    rows = _rows(out)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    return out, rows, _digest(out / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_resume_from_a_checkpoint_inside_a_generation_batch_is_exact(reference, tmp_path, capsys):
+    ref_out, ref_rows, ref_weights = reference
+    out = tmp_path / "run"
+    shutil.copytree(ref_out / "checkpoint-3", out / "checkpoint-3")  # as if the run had stopped after step 3
+    for name in ("metrics.jsonl", "heldout.json"):
+        shutil.copy(ref_out / name, out / name)
+    capsys.readouterr()
+    assert main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
+    printed = capsys.readouterr().out
+    assert "Held-out accuracy before training" in printed and "stored by the run resumed" in printed
+    assert _rows(out) == ref_rows
+    assert _digest(out / "model.safetensors") == ref_weights
+    times = [r["time_s"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert times == sorted(times)  # the clock continues, it does not restart at 0
+
+
+@pytest.mark.slow
+def test_ctrl_c_inside_a_step_then_resume_is_exact(reference, tmp_path, monkeypatch):
+    from egpo_trl.trainer import EGPOTrainer
+
+    _, ref_rows, ref_weights = reference
+    out = tmp_path / "run"
+    calls = []
+    training_step = EGPOTrainer.training_step
+
+    def interrupted(self, *args, **kwargs):
+        loss = training_step(self, *args, **kwargs)
+        calls.append(self.state.global_step)
+        if len(calls) == 2:  # step 2's forward and backward drew random numbers; its optimizer step has not run
+            os.kill(os.getpid(), signal.SIGINT)
+        return loss
+
+    monkeypatch.setattr(EGPOTrainer, "training_step", interrupted)
+    assert main([*RUN, "--output_dir", str(out)]) == 130
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
+    assert main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
+    assert _rows(out) == ref_rows
+    assert _digest(out / "model.safetensors") == ref_weights
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_trains_nothing(reference, tmp_path, capsys):
+    ref_out = reference[0]
+    out = tmp_path / "run"
+    shutil.copytree(ref_out, out)
+    before = {p: (_digest(p), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 1 and printed[0].startswith("egpo-trl train: nothing to train: ")
+    assert "step 4" in printed[0] and "max_steps=4" in printed[0]
+    assert {p: (_digest(p), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_generation_seeds_depend_on_the_place_in_the_run_only():
+    base = generation_seed(0, 5, 0, 0, 0)
+    assert generation_seed(0, 5, 0, 0, 0) == base  # the same place, the same seed: in a resumed run too
+    places = [
+        (s, st, c, i, x) for s in (0, 1) for st in (0, 1, 2) for c in (-1, 0, 1) for i in (0, 1) for x in range(8)
+    ]
+    seeds = [generation_seed(*place) for place in places]
+    assert len(set(seeds)) == len(seeds)  # every prompt, instance, call, step and run seed draws apart
+    assert all(0 <= seed < 2**63 for seed in seeds)
+
+
+@pytest.mark.slow
+def test_resume_in_a_later_epoch_keeps_the_prompt_order(tmp_path):
+    # 4 prompts, 2 per generation batch of 2 steps: an epoch is 4 steps; checkpoint-5 falls in the second, which generates again at step 7.
+    run = [*RUN, "--synthetic_train_size", "4", "--max_steps", "8", "--save_steps", "5", "--eval_size", "0"]
+    reference = tmp_path / "reference"
+    assert main([*run, "--output_dir", str(reference)]) == 0
+    out = tmp_path / "run"
+    shutil.copytree(reference / "checkpoint-5", out / "checkpoint-5")
+    shutil.copy(reference / "metrics.jsonl", out / "metrics.jsonl")
+    assert main([*run, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
+    assert _rows(out) == _rows(reference)
+    assert _digest(out / "model.safetensors") == _digest(reference / "model.safetensors")
