@@ -56,6 +56,50 @@ def test_the_mixin_adds_methods_and_overrides_nothing_of_grpo_trainer():
     assert GuidedErrorCorrectionMixin in EGPOTrainer.__mro__ and issubclass(EGPOTrainer, GRPOTrainer)
 
 
+# ----------------------------------------------------------------------------- continuations across processes
+def _engine(prompt: list[int]) -> list[int]:
+    """A deterministic stand-in for the sampler's continuation of one prompt: it names the prompt it came from."""
+    return [sum(prompt) % 101, len(prompt), prompt[-1]]
+
+
+def _server_mode(per_rank: list[list[list[int]]]) -> list[list[list[int]]]:
+    """What each process gets back from TRL 1.16's vLLM server mode: the main process generates for the gathered
+    prompts (``gather_object``), broadcasts the results and process ``p`` keeps ``[p * n, (p + 1) * n)``, ``n`` being
+    its own number of prompts. Colocate mode with tensor parallelism slices the same way within its group."""
+    gathered = [prompt for prompts in per_rank for prompt in prompts]
+    results = [_engine(prompt) for prompt in gathered]
+    return [results[rank * len(prompts) : (rank + 1) * len(prompts)] for rank, prompts in enumerate(per_rank)]
+
+
+@pytest.mark.parametrize("counts", [(3, 1), (0, 2), (2, 2), (1, 0, 4)])
+def test_every_process_gets_its_own_continuations_when_their_counts_differ(counts):
+    from egpo_trl.sampling.gec import pad_continuation_batch
+
+    # Each process's prompts (its rows with the cue appended): distinct token lists.
+    per_rank = [[[rank + 1, row + 10, 7 * rank + row] for row in range(n)] for rank, n in enumerate(counts)]
+    fillers = [[0, rank] for rank in range(len(counts))]
+    padded = [pad_continuation_batch(prompts, list(counts), filler) for prompts, filler in zip(per_rank, fillers)]
+    assert len({len(batch) for batch in padded}) == 1 and len(padded[0]) == max(max(counts), 1)
+    returned = _server_mode(padded)
+    for prompts, results in zip(per_rank, returned):
+        assert len(results) == len(padded[0])
+        assert results[: len(prompts)] == [_engine(prompt) for prompt in prompts]
+    # Unpadded, the slices of the processes after the first fall on other processes' rows (or past the end).
+    if len(set(counts)) > 1:
+        unpadded = _server_mode([prompts or [fillers[0]] for prompts in per_rank])
+        assert any(
+            results[: len(prompts)] != [_engine(prompt) for prompt in prompts]
+            for prompts, results in zip(per_rank, unpadded)
+        )
+
+
+def test_padding_refuses_a_count_above_the_gathered_maximum():
+    from egpo_trl.sampling.gec import pad_continuation_batch
+
+    with pytest.raises(ValueError, match="more than the gathered maximum"):
+        pad_continuation_batch([[1], [2]], [1, 1], filler=[0])
+
+
 # ----------------------------------------------------------------------------- real runs
 def solution_dataset():
     dataset = make_prompt_dataset()

@@ -25,7 +25,7 @@ from egpo_trl.sampling.common import refuse_unsupported_generation
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SOLUTION_ANSWER_SUFFIX", "GuidedErrorCorrectionMixin", "boxed_safe_prefix"]
+__all__ = ["SOLUTION_ANSWER_SUFFIX", "GuidedErrorCorrectionMixin", "boxed_safe_prefix", "pad_continuation_batch"]
 
 _BOXED = "\\boxed{"
 # Appended to a reference solution (Guided Error Correction) whose last box does not give the reference answer.
@@ -57,6 +57,25 @@ def boxed_safe_prefix(ids: list[int], decode) -> list[int]:
     while n > 0 and _ends_inside_boxed(decode(ids[:n])):
         n -= 1
     return ids[:n]
+
+
+def pad_continuation_batch(prompts: list[list[int]], counts: list[int], filler: list[int]) -> list[list[int]]:
+    """This process's continuation prompts, padded with copies of ``filler`` to the largest of ``counts``.
+
+    ``counts`` holds every process's number of continuation prompts (gathered, in process order). TRL's vLLM
+    generation assumes each process sends the same number of prompts: the server mode gathers all processes'
+    prompts and gives process ``p`` the results ``[p * n, (p + 1) * n)`` where ``n`` is its own number of prompts,
+    and the colocate mode with tensor parallelism does the same within each tensor-parallel group. With lists of
+    different lengths the results land on another process's rows. Padding every process to the same length
+    (at least one prompt, as a process with nothing to continue still takes part in a collective generation)
+    keeps the first ``len(prompts)`` results this process's own; the caller drops the rest.
+    """
+    width = max(max(counts, default=0), 1)
+    if len(prompts) > width:
+        raise ValueError(
+            f"{len(prompts)} continuation prompts on this process, more than the gathered maximum {width}"
+        )
+    return [list(p) for p in prompts] + [list(filler) for _ in range(width - len(prompts))]
 
 
 class GuidedErrorCorrectionMixin:
@@ -198,13 +217,21 @@ class GuidedErrorCorrectionMixin:
                 new_ids[i] = body_ids + suffix + [eos]
             strategy[i] = choice
 
-        # Continuations: every process generates together when any needs to (generation may be collective).
-        needed = self.accelerator.gather(torch.tensor([len(reflect_rows)], device=device)).sum().item()
+        # Continuations: every process generates together when any needs to (generation may be collective), with
+        # the same number of prompts and the same token budget on every process (see pad_continuation_batch).
+        stats = self.accelerator.gather(torch.tensor([[len(reflect_rows), budget]], device=device)).view(-1, 2)
+        counts = [int(n) for n in stats[:, 0].tolist()]
         continued: dict[int, tuple[list[int], list[float] | None]] = {}  # row -> continuation ids and log-probs
-        if needed:
-            batch = reflect_prompts or [list(prompt_ids[0])]  # a process with nothing to continue runs a dummy row
-            continuations, continuation_logps = self._continue_generation(batch, max(budget, 1))
-            for k, (i, continuation) in enumerate(zip(reflect_rows, continuations)):
+        if sum(counts):
+            batch = pad_continuation_batch(reflect_prompts, counts, filler=list(prompt_ids[0]))
+            continuations, continuation_logps = self._continue_generation(batch, max(int(stats[:, 1].max()), 1))
+            if len(continuations) != len(batch):
+                raise RuntimeError(
+                    f"Guided Error Correction sent {len(batch)} prompts to the generation backend and got "
+                    f"{len(continuations)} continuations back; is the TRL version 1.16.0?"
+                )
+            continuations = continuations[: len(reflect_rows)]  # the padding's continuations are dropped
+            for k, (i, continuation) in enumerate(zip(reflect_rows, continuations, strict=True)):
                 room_left = min(args.edge_gec_max_new_tokens, max_length - len(new_ids[i]))
                 tail_logps = None if continuation_logps is None else list(continuation_logps[k])[:room_left]
                 continued[i] = (list(continuation)[:room_left], tail_logps)
