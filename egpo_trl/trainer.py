@@ -53,7 +53,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -226,7 +226,13 @@ class EGPOTrainer(DynamicSamplingMixin, GuidedErrorCorrectionMixin, GRPOTrainer)
 
     # ------------------------------------------------------------------ TRL hooks
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if getattr(self, "_gec_scored", None) is not None:
+            # Guided Error Correction scored this round before rewriting it: re-score the rewritten rows only.
+            rewards_per_func = self._gec_rescore(  # GuidedErrorCorrectionMixin
+                super()._calculate_rewards, inputs, prompts, completions, completion_ids_list
+            )
+        else:
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._egpo_rewards_per_func = rewards_per_func  # gathered over processes, [B_global, num_funcs]
         return rewards_per_func
 
@@ -261,10 +267,13 @@ class EGPOTrainer(DynamicSamplingMixin, GuidedErrorCorrectionMixin, GRPOTrainer)
         return super()._get_per_token_logps_and_entropies(model, *args, compute_entropy=compute_entropy, **kwargs)
 
     def _generate(self, prompts: list):
-        with self._egpo_timed("generation_s"):
-            result = super()._generate(prompts)
-        if self.args.edge_gec and self.model.training and getattr(self, "_egpo_round_inputs", None) is not None:
-            result = self._guided_error_correction(prompts, result)  # GuidedErrorCorrectionMixin
+        gec = self.args.edge_gec and self.model.training and getattr(self, "_egpo_round_inputs", None) is not None
+        # GuidedErrorCorrectionMixin: the continuations share the round's vLLM wake-up and weight sync.
+        with self._gec_vllm_awake() if gec else nullcontext():
+            with self._egpo_timed("generation_s"):
+                result = super()._generate(prompts)
+            if gec:
+                result = self._guided_error_correction(prompts, result)  # GuidedErrorCorrectionMixin
         return result
 
     def _generate_and_score_completions(self, inputs):
@@ -322,11 +331,13 @@ class EGPOTrainer(DynamicSamplingMixin, GuidedErrorCorrectionMixin, GRPOTrainer)
         self._egpo_captured_entropies = None
         self._egpo_capture_entropy = self._egpo_entropy_input == "shannon" and self._trl_computes_old_logps()
         self._egpo_round_inputs = inputs
+        self._gec_scored = None
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
             self._egpo_capture_entropy = False
             self._egpo_round_inputs = None
+            self._gec_scored = None
         rewards_per_func = self._egpo_rewards_per_func
         if rewards_per_func is None:  # pragma: no cover - TRL always scores through _calculate_rewards
             raise RuntimeError("EGPOTrainer could not capture the rewards of this batch; is the TRL version 1.16.0?")
@@ -425,6 +436,11 @@ class EGPOTrainer(DynamicSamplingMixin, GuidedErrorCorrectionMixin, GRPOTrainer)
                 # own pass below, as verl computes pi_old. With top-p, top-k, min-p, penalties or min_tokens they are
                 # those of another distribution, so the pass below is used whatever the setting.
                 logps, source = output["sampling_per_token_logps"], "sampling_per_token_logps"
+                if self._egpo_any_nan(logps, self._egpo_loss_mask(output)[0]):
+                    # Guided Error Correction's injected tokens have no sampling log-prob (NaN): the proxy of a
+                    # rewritten completion would be NaN (weight 1). The policy's pass below gives the whole batch.
+                    logps, source = None, "none"
+                    self._egpo_warn_sampler_nan()
         extra_pass = (need_nll and logps is None) or (need_shannon and token_entropies is None)
         if extra_pass:
             forward_logps, forward_entropies = self._egpo_forward(
@@ -447,6 +463,24 @@ class EGPOTrainer(DynamicSamplingMixin, GuidedErrorCorrectionMixin, GRPOTrainer)
             "extra_pass": extra_pass,
             "scope_fallback": fallback,
         }
+
+    def _egpo_any_nan(self, logps: torch.Tensor, mask: torch.Tensor) -> bool:
+        """Whether any process has a NaN log-prob among the tokens of ``mask`` (the same answer on every process,
+        since the fallback pass may be collective)."""
+        local = torch.isnan(logps).logical_and(mask != 0).any().float().view(1)
+        return bool(self.accelerator.gather(local).any())
+
+    def _egpo_warn_sampler_nan(self) -> None:
+        """Say once per run that the sampling log-probs had NaN where the proxy needs them."""
+        if getattr(self, "_egpo_sampler_nan_warned", False):
+            return
+        self._egpo_sampler_nan_warned = True
+        if self.accelerator.is_main_process:
+            logger.warning(
+                "egpo_entropy_logps='sampler': this batch has tokens without a sampling log-prob (the text Guided "
+                "Error Correction injects), so the entropy proxy of such batches comes from one no-grad pass of the "
+                "policy, as with egpo_entropy_logps='policy' (egpo/entropy_extra_pass logs it)."
+            )
 
     def _egpo_warn_scope_fallback(self, fallback: torch.Tensor) -> None:
         """Warn once per run when completions of a ``thinking``/``answer`` entropy scope fall back to the whole

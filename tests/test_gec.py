@@ -155,8 +155,7 @@ def test_guided_error_correction_needs_the_answer_column(tmp_path, tiny_model_di
 
 
 def gec_config(tmp_path, **overrides):
-    return config(
-        tmp_path,
+    settings = dict(
         max_steps=1,
         max_completion_length=40,
         edge_gec=True,
@@ -164,8 +163,8 @@ def gec_config(tmp_path, **overrides):
         edge_gec_answer_prob=0.0,
         edge_gec_solution_prob=1.0,
         edge_gec_answer_template=" \\boxed{{answer}}",
-        **overrides,
     )
+    return config(tmp_path, **{**settings, **overrides})
 
 
 @pytest.mark.slow
@@ -195,3 +194,78 @@ def test_replaced_solution_ends_with_the_reference_answer(tmp_path, tiny_model_d
     assert metrics["gec/frac_solution"] == 1.0 and metrics["gec/frac_solution_boxed"] == 1.0
     # Every replaced completion is the reference solution with the answer's box: scored correct.
     assert trainer.egpo_last_batch["rewards_per_func"].eq(1.0).all()
+
+
+@pytest.mark.slow
+def test_each_reward_function_scores_each_completion_once(tmp_path, tiny_model_dir):
+    from collections import Counter
+
+    seen = []
+
+    def length_reward(completions, log_extra=None, log_metric=None, **kwargs):
+        texts_ = [completion_text(c) for c in completions]
+        seen.extend(texts_)
+        log_extra("length", [len(text) for text in texts_])
+        log_metric("length_rows", float(len(texts_)))
+        return [0.0] * len(texts_)
+
+    args = gec_config(
+        tmp_path,
+        max_completion_length=24,
+        edge_gec_answer_prob=0.5,
+        edge_gec_solution_prob=0.0,
+        egpo_correctness_reward="boxed_accuracy_reward",
+    )
+    trainer = Recording(
+        tiny_model_dir, [boxed_accuracy_reward, length_reward], args, train_dataset=make_prompt_dataset()
+    )
+    trainer.train()
+    metrics = trainer.state.log_history[0]
+    batch_size = args.per_device_train_batch_size
+    changed = round(metrics["gec/frac_answer"] * batch_size)
+    assert 0 < changed < batch_size  # some rows rewritten, some kept: both paths are exercised
+    _, final = texts(trainer, trainer.generated[0])
+    # Every sampled completion once, then the rewritten ones once: the kept ones are not scored again.
+    assert len(seen) == batch_size + changed
+    assert not Counter(final) - Counter(seen)
+    # The completions table holds one value per row, aligned with its completion; the metric is logged once.
+    table = list(trainer._logs["completion"])
+    assert len(table) == batch_size and len(trainer._logs["extra"]["length"]) == batch_size
+    assert list(trainer._logs["extra"]["length"]) == [len(completion_text(c)) for c in table]
+    assert [completion_text(c) for c in table] == final
+    assert metrics["length_rows"] == float(batch_size)
+    # The kept rows' rewards are those of the first call, the rewritten rows' those of the second.
+    torch.testing.assert_close(
+        trainer.generated[0]["batch"]["rewards_per_func"][:, 0],
+        torch.tensor(boxed_accuracy_reward(final, answers_of(trainer, texts(trainer, trainer.generated[0])[0]))),
+    )
+
+
+class SamplerLogpsRecording(Recording):
+    """Returns sampling log-probs from the transformers generation, as vLLM does (every token -0.5)."""
+
+    def _generate_single_turn(self, *args, **kwargs):
+        completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
+        return completion_ids, logprobs if logprobs is not None else [[-0.5] * len(ids) for ids in completion_ids]
+
+
+@pytest.mark.slow
+def test_sampler_entropies_fall_back_to_the_policy_pass_for_rewritten_completions(tmp_path, tiny_model_dir, caplog):
+    args = gec_config(
+        tmp_path,
+        max_completion_length=24,
+        edge_gec_answer_prob=1.0,
+        edge_gec_solution_prob=0.0,
+        egpo_entropy_logps="sampler",
+    )
+    trainer = SamplerLogpsRecording(tiny_model_dir, boxed_accuracy_reward, args, train_dataset=make_prompt_dataset())
+    with caplog.at_level("WARNING", logger="egpo_trl.trainer"):
+        trainer.train()
+    generated = trainer.generated[0]
+    assert trainer.state.log_history[0]["gec/frac_answer"] == 1.0
+    assert torch.isnan(generated["sampling_per_token_logps"][generated["completion_mask"].bool()]).any()
+    batch = generated["batch"]
+    assert batch["entropy_source"] == "forward"
+    assert torch.isfinite(batch["entropies"]).all() and not torch.isclose(batch["entropies"], torch.tensor(0.5)).all()
+    assert torch.isfinite(batch["result"].raw_weights).all()
+    assert "tokens without a sampling log-prob" in caplog.text
