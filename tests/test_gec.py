@@ -269,3 +269,20 @@ def test_sampler_entropies_fall_back_to_the_policy_pass_for_rewritten_completion
     assert torch.isfinite(batch["entropies"]).all() and not torch.isclose(batch["entropies"], torch.tensor(0.5)).all()
     assert torch.isfinite(batch["result"].raw_weights).all()
     assert "tokens without a sampling log-prob" in caplog.text
+
+
+@pytest.mark.slow
+def test_length_metrics_describe_the_rewritten_completions(tmp_path, tiny_model_dir):
+    args = gec_config(tmp_path, max_completion_length=24, edge_gec_answer_prob=1.0, edge_gec_solution_prob=0.0)
+    args.edge_gec_answer_template = " The answer is \\boxed{{answer}}, as the reference says."
+    trainer = Recording(tiny_model_dir, boxed_accuracy_reward, args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    log = trainer.state.log_history[0]
+    generated = trainer.generated[0]
+    assert log["gec/frac_answer"] == 1.0
+    lengths = generated["completion_mask"].sum(dim=1).float()
+    assert log["completions/mean_length"] == pytest.approx(lengths.mean().item(), abs=1e-6)
+    assert log["completions/min_length"] == lengths.min().item()
+    # Every rewritten completion ends with EOS: none is truncated.
+    assert log["completions/clipped_ratio"] == 0.0
+    assert log["completions/mean_terminated_length"] == pytest.approx(lengths.mean().item(), abs=1e-6)
