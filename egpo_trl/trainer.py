@@ -54,13 +54,13 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import get_config_model_id
+from trl.trainer.utils import get_config_model_id, nanstd
 
 from egpo_trl.advantages import (
     GROUP_ALL_CORRECT,
@@ -100,6 +100,18 @@ _FORWARD_KEYS = (
 )
 # Per-token entropies captured from TRL's old-log-prob pass travel in the batch under this key until used.
 _TOKEN_ENTROPY_KEY = "egpo_token_entropies"
+#: ``egpo/entropy_source``: where the entropy proxy's log-probs came from (the same for every advantage estimator).
+ENTROPY_SOURCE_CODES = {"none": 0, "old_per_token_logps": 1, "forward": 2, "sampling_per_token_logps": 3}
+ENTROPY_SOURCE_NAMES = {
+    "none": "nothing (egpo_entropy_metrics is off and the estimator does not read it)",
+    "old_per_token_logps": "TRL's old-policy log-probs",
+    "forward": "one no-grad pass of the policy",
+    "sampling_per_token_logps": "vLLM's sampling log-probs (egpo_entropy_logps='sampler')",
+}
+# Per-row completion lengths and truncation of a generation round (after Guided Error Correction), carried in the
+# batch (so that dynamic sampling regroups them with their rows) until the batch's length metrics are logged.
+_LENGTHS_KEY = "egpo_completion_lengths"
+_TRUNCATED_KEY = "egpo_completion_truncated"
 # TRL's importance-sampling correction multiplies the loss by its ratios: below this mean, the run is told.
 IS_RATIO_WARNING_THRESHOLD = 0.5
 
@@ -132,7 +144,9 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
     Metrics logged beside TRL's, per generation batch (``egpo/*``): the fraction of entirely-correct,
     mixed and entirely-incorrect groups, the mean weight on correct and on incorrect completions, the
     mean entropy of correct and of incorrect completions and their gap (incorrect minus correct), the
-    fraction of raw weights at each clip bound, and whether an extra forward pass was needed. With
+    fraction of raw weights at each clip bound, whether an extra forward pass was needed and where the entropy
+    proxy's log-probs came from (``egpo/entropy_source``, see ``ENTROPY_SOURCE_CODES``). Under dynamic sampling
+    and Guided Error Correction, TRL's reward and length metrics describe the batch trained on. With
     ``edge_grpo``, ``egpo/token_entropy_mean`` (the mean Shannon entropy); with dynamic sampling,
     ``dynamic_sampling/*`` (rounds needed, fraction of informative groups, whether the cap was hit); with
     Guided Error Correction, ``gec/*`` (fraction of completions continued, given the answer, replaced).
@@ -228,7 +242,13 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
 
     # ------------------------------------------------------------------ TRL hooks
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if getattr(self, "_gec_scored", None) is not None:
+            # Guided Error Correction scored this round before rewriting it: re-score the rewritten rows only.
+            rewards_per_func = self._gec_rescore(  # GuidedErrorCorrectionMixin
+                super()._calculate_rewards, inputs, prompts, completions, completion_ids_list
+            )
+        else:
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._egpo_rewards_per_func = rewards_per_func  # gathered over processes, [B_global, num_funcs]
         return rewards_per_func
 
@@ -263,11 +283,81 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
         return super()._get_per_token_logps_and_entropies(model, *args, compute_entropy=compute_entropy, **kwargs)
 
     def _generate(self, prompts: list):
-        with self._egpo_timed("generation_s"):
-            result = super()._generate(prompts)
-        if self.args.edge_gec and self.model.training and getattr(self, "_egpo_round_inputs", None) is not None:
-            result = self._guided_error_correction(prompts, result)  # GuidedErrorCorrectionMixin
+        gec = self.args.edge_gec and self.model.training and getattr(self, "_egpo_round_inputs", None) is not None
+        # GuidedErrorCorrectionMixin: the continuations share the round's vLLM wake-up and weight sync.
+        with self._gec_vllm_awake() if gec else nullcontext():
+            with self._egpo_timed("generation_s"):
+                result = super()._generate(prompts)
+            if gec:
+                result = self._guided_error_correction(prompts, result)  # GuidedErrorCorrectionMixin
+        lengths, truncated = self._egpo_completion_lengths(result[1], result[2])
+        self._egpo_round_lengths = (lengths, truncated)
+        if gec:  # TRL logged the lengths of the completions as sampled: log those of the rewritten ones instead
+            metrics = self._metrics["train"]
+            for name, value in self._egpo_length_metrics(lengths, truncated).items():
+                if metrics.get(name):
+                    metrics[name][-1] = value
         return result
+
+    def _egpo_completion_lengths(
+        self, completion_ids: list, tool_mask: list | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's completion lengths and whether each was truncated, counted as TRL's ``_generate`` does."""
+        device = self.accelerator.device
+        if tool_mask is not None:
+            lengths = torch.tensor([sum(mask) for mask in tool_mask], device=device)
+        else:
+            lengths = torch.tensor([len(ids) for ids in completion_ids], device=device)
+        eos_and_pad = {*self.eos_token_ids, self._tokenizer.pad_token_id}
+        truncated = torch.tensor([bool(ids) and ids[-1] not in eos_and_pad for ids in completion_ids], device=device)
+        return lengths, truncated
+
+    def _egpo_length_metrics(self, lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+        """TRL's ``completions/*`` length metrics of the rows ``lengths``/``truncated`` (this process's; gathered)."""
+        lengths = self.accelerator.gather(lengths).float()
+        truncated = self.accelerator.gather(truncated).bool()
+        terminated = lengths[~truncated]
+        if terminated.numel() == 0:
+            terminated = torch.zeros(1, device=lengths.device)
+        return {
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": truncated.float().mean().item(),
+            "completions/mean_terminated_length": terminated.mean().item(),
+            "completions/min_terminated_length": terminated.min().item(),
+            "completions/max_terminated_length": terminated.max().item(),
+        }
+
+    def _egpo_reward_metrics(self, rewards_per_func: torch.Tensor, num_generations: int) -> dict[str, float]:
+        """TRL's reward metrics (``rewards/<name>/mean|std``, ``reward``, ``reward_std``, ``frac_reward_zero_std``) of
+        the global rewards ``rewards_per_func``, computed as ``GRPOTrainer`` computes them."""
+        device = rewards_per_func.device
+        weights = self.reward_weights.to(device).unsqueeze(0)
+        values: dict[str, float] = {}
+        for i, name in enumerate(self.reward_func_names):
+            values[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
+            values[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
+        unscorable = torch.isnan(rewards_per_func).all(dim=1)
+        rewards = (rewards_per_func * weights).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        if self.multi_objective_aggregation == "normalize_then_sum":
+            grouped = rewards_per_func.view(-1, num_generations, len(self.reward_funcs))
+            mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+            std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
+            normalized = (((grouped - mean_k) / (std_k + 1e-4)).view(-1, len(self.reward_funcs)) * weights).nansum(1)
+            normalized[unscorable] = torch.nan
+            std = nanstd(normalized).expand_as(normalized) if normalized.numel() > 1 else torch.zeros_like(rewards)
+        elif self.scale_rewards == "batch":
+            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        elif num_generations > 1:
+            std = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
+        else:
+            std = torch.zeros_like(rewards)
+        values["reward"] = torch.nanmean(rewards).item()
+        values["reward_std"] = nanstd(rewards).item()
+        values["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).float().mean().item()
+        return values
 
     def _generate_and_score_completions(self, inputs):
         mode = "train" if self.model.training else "eval"
@@ -324,17 +414,24 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
         self._egpo_captured_entropies = None
         self._egpo_capture_entropy = self._egpo_entropy_input == "shannon" and self._trl_computes_old_logps()
         self._egpo_round_inputs = inputs
+        self._egpo_round_lengths = None
+        self._gec_scored = None
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
             self._egpo_capture_entropy = False
             self._egpo_round_inputs = None
+            self._gec_scored = None
         rewards_per_func = self._egpo_rewards_per_func
         if rewards_per_func is None:  # pragma: no cover - TRL always scores through _calculate_rewards
             raise RuntimeError("EGPOTrainer could not capture the rewards of this batch; is the TRL version 1.16.0?")
         if self._egpo_captured_entropies is not None:
             output[_TOKEN_ENTROPY_KEY] = self._egpo_captured_entropies
             self._egpo_captured_entropies = None
+        lengths = getattr(self, "_egpo_round_lengths", None)
+        if lengths is not None and lengths[0].numel() == output["completion_ids"].size(0):
+            output[_LENGTHS_KEY], output[_TRUNCATED_KEY] = lengths
+        self._egpo_round_lengths = None
         self._egpo_rewards_per_func = None
         return output, rewards_per_func
 
@@ -363,7 +460,10 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
             logged.pop()
         logged.extend(result.advantages.tolist())
 
-        self._egpo_log_metrics(mode, result, entropies, num_generations)
+        output.pop(_LENGTHS_KEY, None)
+        output.pop(_TRUNCATED_KEY, None)
+        scored = ~torch.isnan(rewards_per_func).all(dim=1)
+        self._egpo_log_metrics(mode, result, entropies, num_generations, scored=scored)
         self.egpo_last_batch = {
             "rewards_per_func": rewards_per_func,
             "entropies": entropies["nll"],
@@ -419,14 +519,20 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
             elif (
                 output.get("sampling_per_token_logps") is not None
                 and not distribution_changing_sampling_options(self.args)
-                and (self.args.egpo_entropy_logps == "sampler" or self._egpo_entropy_input != "nll")
+                and self.args.egpo_entropy_logps == "sampler"
             ):
                 # Plain sampling: vLLM's processed log-probs are the policy's at the temperature, up to the two
-                # engines' numerical differences. They feed the proxy when egpo_entropy_logps="sampler" (and the
-                # metrics of estimators that do not use it); by default ("policy") the proxy comes from the policy's
-                # own pass below, as verl computes pi_old. With top-p, top-k, min-p, penalties or min_tokens they are
-                # those of another distribution, so the pass below is used whatever the setting.
+                # engines' numerical differences. They feed the proxy when egpo_entropy_logps="sampler", for every
+                # estimator alike (the baselines' egpo/entropy_* metrics come from the source EGPO's proxy would);
+                # by default ("policy") the proxy comes from the policy's own pass below, as verl computes pi_old.
+                # With top-p, top-k, min-p, penalties or min_tokens they are those of another distribution, so the
+                # pass below is used whatever the setting.
                 logps, source = output["sampling_per_token_logps"], "sampling_per_token_logps"
+                if self._egpo_any_nan(logps, self._egpo_loss_mask(output)[0]):
+                    # Guided Error Correction's injected tokens have no sampling log-prob (NaN): the proxy of a
+                    # rewritten completion would be NaN (weight 1). The policy's pass below gives the whole batch.
+                    logps, source = None, "none"
+                    self._egpo_warn_sampler_nan()
         extra_pass = (need_nll and logps is None) or (need_shannon and token_entropies is None)
         if extra_pass:
             forward_logps, forward_entropies = self._egpo_forward(
@@ -449,6 +555,36 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
             "extra_pass": extra_pass,
             "scope_fallback": fallback,
         }
+
+    def _egpo_say_entropy_source(self, source: str) -> None:
+        """Log (once, and again whenever it changes) where the entropy proxy's log-probs come from."""
+        if source == getattr(self, "_egpo_last_entropy_source", None):
+            return
+        self._egpo_last_entropy_source = source
+        if self.accelerator.is_main_process:
+            logger.info(
+                "Entropy proxy (egpo/entropy_*) from: %s (egpo/entropy_source = %d).",
+                ENTROPY_SOURCE_NAMES[source],
+                ENTROPY_SOURCE_CODES[source],
+            )
+
+    def _egpo_any_nan(self, logps: torch.Tensor, mask: torch.Tensor) -> bool:
+        """Whether any process has a NaN log-prob among the tokens of ``mask`` (the same answer on every process,
+        since the fallback pass may be collective)."""
+        local = torch.isnan(logps).logical_and(mask != 0).any().float().view(1)
+        return bool(self.accelerator.gather(local).any())
+
+    def _egpo_warn_sampler_nan(self) -> None:
+        """Say once per run that the sampling log-probs had NaN where the proxy needs them."""
+        if getattr(self, "_egpo_sampler_nan_warned", False):
+            return
+        self._egpo_sampler_nan_warned = True
+        if self.accelerator.is_main_process:
+            logger.warning(
+                "egpo_entropy_logps='sampler': this batch has tokens without a sampling log-prob (the text Guided "
+                "Error Correction injects), so the entropy proxy of such batches comes from one no-grad pass of the "
+                "policy, as with egpo_entropy_logps='policy' (egpo/entropy_extra_pass logs it)."
+            )
 
     def _egpo_warn_scope_fallback(self, fallback: torch.Tensor) -> None:
         """Warn once per run when completions of a ``thinking``/``answer`` entropy scope fall back to the whole
@@ -612,8 +748,15 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
         return values > 0, (0.0 if 0.0 in distinct else -1.0)
 
     def _egpo_log_metrics(
-        self, mode: str, result: AdvantageOutput, entropies: dict[str, Any], num_generations: int
+        self,
+        mode: str,
+        result: AdvantageOutput,
+        entropies: dict[str, Any],
+        num_generations: int,
+        scored: torch.Tensor | None = None,
     ) -> None:
+        """Log the ``egpo/*`` metrics of a generation batch. ``scored`` marks the rows some reward function scored
+        (the others are neither correct nor incorrect: they are left out of the per-correctness means)."""
         metrics = self._metrics[mode]
         group_type = result.group_type[::num_generations]
         for name, code in (
@@ -622,8 +765,11 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
             ("frac_all_incorrect", GROUP_ALL_INCORRECT),
         ):
             metrics[f"egpo/{name}"].append((group_type == code).float().mean().item())
-        correct = result.correct
-        incorrect = ~correct & (result.group_type != -1)
+        if scored is None:
+            scored = torch.ones_like(result.correct)
+        scored = scored.to(result.correct.device)
+        correct = result.correct & scored
+        incorrect = ~result.correct & scored & (result.group_type != -1)
 
         def mean_of(values: torch.Tensor, where: torch.Tensor) -> float | None:
             return values[where].mean().item() if where.any() else None
@@ -649,6 +795,8 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
             shannon = entropies["shannon"].float()
             values["token_entropy_mean"] = mean_of(shannon, torch.isfinite(shannon))
         values["entropy_extra_pass"] = float(entropies["extra_pass"])
+        values["entropy_source"] = float(ENTROPY_SOURCE_CODES[entropies["source"]])
+        self._egpo_say_entropy_source(entropies["source"])
         if entropies.get("scope_fallback") is not None:
             values["frac_entropy_scope_fallback"] = entropies["scope_fallback"].float().mean().item()
         for name, value in values.items():

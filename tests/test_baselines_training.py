@@ -118,3 +118,32 @@ def test_grpo_estimator_trains_exactly_like_trl(tmp_path, tiny_model_dir):
     assert history(ours, "loss") == history(grpo, "loss")
     for a, b in zip(grpo.model.parameters(), ours.model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- the entropy metrics' source
+class SamplingLogpsRecording(Recording):
+    """Returns sampling log-probs from the transformers generation, as vLLM does (every token -0.5)."""
+
+    def _generate_single_turn(self, *args, **kwargs):
+        completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
+        return completion_ids, logprobs if logprobs is not None else [[-0.5] * len(ids) for ids in completion_ids]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entropy_logps", ["policy", "sampler"])
+def test_every_estimator_logs_the_entropy_metrics_from_the_source_egpo_uses(tmp_path, tiny_model_dir, entropy_logps):
+    from egpo_trl.trainer import ENTROPY_SOURCE_CODES
+
+    sources = {}
+    for estimator in ("egpo", "grpo", "edge_grpo", "nsr"):
+        args = config(
+            tmp_path / estimator, max_steps=1, advantage_estimator=estimator, egpo_entropy_logps=entropy_logps
+        )
+        trainer = SamplingLogpsRecording(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+        trainer.train()
+        batch = trainer.generated[0]["batch"]
+        sources[estimator] = batch["entropy_source"]
+        assert trainer.state.log_history[0]["egpo/entropy_source"] == ENTROPY_SOURCE_CODES[batch["entropy_source"]]
+        assert torch.isfinite(batch["entropies"]).all()
+    expected = "sampling_per_token_logps" if entropy_logps == "sampler" else "forward"
+    assert sources == dict.fromkeys(sources, expected)

@@ -133,3 +133,23 @@ def test_dynamic_sampling_with_two_processes_keeps_the_same_groups_everywhere(tm
             torch.testing.assert_close(record["rewards_per_func"][2 * rank : 2 * rank + 2, 0], torch.tensor(expected))
         rounds.append(first["rounds"])
     assert max(rounds) > 1, "with half the prompts uninformative some step needs extra rounds"
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_metrics_describe_the_kept_batch(tmp_path, tiny_model_dir):
+    args = config(tmp_path, max_steps=3, dynamic_sampling=True, dynamic_sampling_max_rounds=8)
+    trainer = Recording(tiny_model_dir, half_informative_reward, args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    assert len(logs) == len(trainer.generated) == 3
+    assert sum(history(trainer, "dynamic_sampling/rounds")) > 3, "some steps need extra rounds"
+    for log, generated in zip(logs, trainer.generated):
+        rewards = generated["batch"]["rewards_per_func"][:, 0]
+        lengths = generated["completion_mask"].sum(dim=1).float()
+        # Every kept group is mixed: no zero-std group, whatever the discarded rounds held.
+        assert log["frac_reward_zero_std"] == 0.0
+        assert log["reward"] == pytest.approx(rewards.mean().item(), abs=1e-6)
+        assert log["reward_std"] == pytest.approx(rewards.std().item(), abs=1e-6)
+        assert log["rewards/half_informative_reward/mean"] == pytest.approx(rewards.mean().item(), abs=1e-6)
+        assert log["completions/mean_length"] == pytest.approx(lengths.mean().item(), abs=1e-6)
+        assert log["completions/max_length"] == lengths.max().item()

@@ -56,6 +56,50 @@ def test_the_mixin_adds_methods_and_overrides_nothing_of_grpo_trainer():
     assert GuidedErrorCorrectionMixin in EGPOTrainer.__mro__ and issubclass(EGPOTrainer, GRPOTrainer)
 
 
+# ----------------------------------------------------------------------------- continuations across processes
+def _engine(prompt: list[int]) -> list[int]:
+    """A deterministic stand-in for the sampler's continuation of one prompt: it names the prompt it came from."""
+    return [sum(prompt) % 101, len(prompt), prompt[-1]]
+
+
+def _server_mode(per_rank: list[list[list[int]]]) -> list[list[list[int]]]:
+    """What each process gets back from TRL 1.16's vLLM server mode: the main process generates for the gathered
+    prompts (``gather_object``), broadcasts the results and process ``p`` keeps ``[p * n, (p + 1) * n)``, ``n`` being
+    its own number of prompts. Colocate mode with tensor parallelism slices the same way within its group."""
+    gathered = [prompt for prompts in per_rank for prompt in prompts]
+    results = [_engine(prompt) for prompt in gathered]
+    return [results[rank * len(prompts) : (rank + 1) * len(prompts)] for rank, prompts in enumerate(per_rank)]
+
+
+@pytest.mark.parametrize("counts", [(3, 1), (0, 2), (2, 2), (1, 0, 4)])
+def test_every_process_gets_its_own_continuations_when_their_counts_differ(counts):
+    from egpo_trl.sampling.gec import pad_continuation_batch
+
+    # Each process's prompts (its rows with the cue appended): distinct token lists.
+    per_rank = [[[rank + 1, row + 10, 7 * rank + row] for row in range(n)] for rank, n in enumerate(counts)]
+    fillers = [[0, rank] for rank in range(len(counts))]
+    padded = [pad_continuation_batch(prompts, list(counts), filler) for prompts, filler in zip(per_rank, fillers)]
+    assert len({len(batch) for batch in padded}) == 1 and len(padded[0]) == max(max(counts), 1)
+    returned = _server_mode(padded)
+    for prompts, results in zip(per_rank, returned):
+        assert len(results) == len(padded[0])
+        assert results[: len(prompts)] == [_engine(prompt) for prompt in prompts]
+    # Unpadded, the slices of the processes after the first fall on other processes' rows (or past the end).
+    if len(set(counts)) > 1:
+        unpadded = _server_mode([prompts or [fillers[0]] for prompts in per_rank])
+        assert any(
+            results[: len(prompts)] != [_engine(prompt) for prompt in prompts]
+            for prompts, results in zip(per_rank, unpadded)
+        )
+
+
+def test_padding_refuses_a_count_above_the_gathered_maximum():
+    from egpo_trl.sampling.gec import pad_continuation_batch
+
+    with pytest.raises(ValueError, match="more than the gathered maximum"):
+        pad_continuation_batch([[1], [2]], [1, 1], filler=[0])
+
+
 # ----------------------------------------------------------------------------- real runs
 def solution_dataset():
     dataset = make_prompt_dataset()
@@ -111,8 +155,7 @@ def test_guided_error_correction_needs_the_answer_column(tmp_path, tiny_model_di
 
 
 def gec_config(tmp_path, **overrides):
-    return config(
-        tmp_path,
+    settings = dict(
         max_steps=1,
         max_completion_length=40,
         edge_gec=True,
@@ -120,8 +163,8 @@ def gec_config(tmp_path, **overrides):
         edge_gec_answer_prob=0.0,
         edge_gec_solution_prob=1.0,
         edge_gec_answer_template=" \\boxed{{answer}}",
-        **overrides,
     )
+    return config(tmp_path, **{**settings, **overrides})
 
 
 @pytest.mark.slow
@@ -151,3 +194,95 @@ def test_replaced_solution_ends_with_the_reference_answer(tmp_path, tiny_model_d
     assert metrics["gec/frac_solution"] == 1.0 and metrics["gec/frac_solution_boxed"] == 1.0
     # Every replaced completion is the reference solution with the answer's box: scored correct.
     assert trainer.egpo_last_batch["rewards_per_func"].eq(1.0).all()
+
+
+@pytest.mark.slow
+def test_each_reward_function_scores_each_completion_once(tmp_path, tiny_model_dir):
+    from collections import Counter
+
+    seen = []
+
+    def length_reward(completions, log_extra=None, log_metric=None, **kwargs):
+        texts_ = [completion_text(c) for c in completions]
+        seen.extend(texts_)
+        log_extra("length", [len(text) for text in texts_])
+        log_metric("length_rows", float(len(texts_)))
+        return [0.0] * len(texts_)
+
+    args = gec_config(
+        tmp_path,
+        max_completion_length=24,
+        edge_gec_answer_prob=0.5,
+        edge_gec_solution_prob=0.0,
+        egpo_correctness_reward="boxed_accuracy_reward",
+    )
+    trainer = Recording(
+        tiny_model_dir, [boxed_accuracy_reward, length_reward], args, train_dataset=make_prompt_dataset()
+    )
+    trainer.train()
+    metrics = trainer.state.log_history[0]
+    batch_size = args.per_device_train_batch_size
+    changed = round(metrics["gec/frac_answer"] * batch_size)
+    assert 0 < changed < batch_size  # some rows rewritten, some kept: both paths are exercised
+    _, final = texts(trainer, trainer.generated[0])
+    # Every sampled completion once, then the rewritten ones once: the kept ones are not scored again.
+    assert len(seen) == batch_size + changed
+    assert not Counter(final) - Counter(seen)
+    # The completions table holds one value per row, aligned with its completion; the metric is logged once.
+    table = list(trainer._logs["completion"])
+    assert len(table) == batch_size and len(trainer._logs["extra"]["length"]) == batch_size
+    assert list(trainer._logs["extra"]["length"]) == [len(completion_text(c)) for c in table]
+    assert [completion_text(c) for c in table] == final
+    assert metrics["length_rows"] == float(batch_size)
+    # The kept rows' rewards are those of the first call, the rewritten rows' those of the second.
+    torch.testing.assert_close(
+        trainer.generated[0]["batch"]["rewards_per_func"][:, 0],
+        torch.tensor(boxed_accuracy_reward(final, answers_of(trainer, texts(trainer, trainer.generated[0])[0]))),
+    )
+
+
+class SamplerLogpsRecording(Recording):
+    """Returns sampling log-probs from the transformers generation, as vLLM does (every token -0.5)."""
+
+    def _generate_single_turn(self, *args, **kwargs):
+        completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
+        return completion_ids, logprobs if logprobs is not None else [[-0.5] * len(ids) for ids in completion_ids]
+
+
+@pytest.mark.slow
+def test_sampler_entropies_fall_back_to_the_policy_pass_for_rewritten_completions(tmp_path, tiny_model_dir, caplog):
+    args = gec_config(
+        tmp_path,
+        max_completion_length=24,
+        edge_gec_answer_prob=1.0,
+        edge_gec_solution_prob=0.0,
+        egpo_entropy_logps="sampler",
+    )
+    trainer = SamplerLogpsRecording(tiny_model_dir, boxed_accuracy_reward, args, train_dataset=make_prompt_dataset())
+    with caplog.at_level("WARNING", logger="egpo_trl.trainer"):
+        trainer.train()
+    generated = trainer.generated[0]
+    assert trainer.state.log_history[0]["gec/frac_answer"] == 1.0
+    assert torch.isnan(generated["sampling_per_token_logps"][generated["completion_mask"].bool()]).any()
+    batch = generated["batch"]
+    assert batch["entropy_source"] == "forward"
+    assert torch.isfinite(batch["entropies"]).all() and not torch.isclose(batch["entropies"], torch.tensor(0.5)).all()
+    assert torch.isfinite(batch["result"].raw_weights).all()
+    assert "tokens without a sampling log-prob" in caplog.text
+
+
+@pytest.mark.slow
+def test_length_metrics_describe_the_rewritten_completions(tmp_path, tiny_model_dir):
+    args = gec_config(tmp_path, max_completion_length=24, edge_gec_answer_prob=1.0, edge_gec_solution_prob=0.0)
+    args.edge_gec_answer_template = " The answer is \\boxed{{answer}}, as the reference says."
+    trainer = Recording(tiny_model_dir, boxed_accuracy_reward, args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    log = trainer.state.log_history[0]
+    generated = trainer.generated[0]
+    assert log["gec/frac_answer"] == 1.0
+    lengths = generated["completion_mask"].sum(dim=1).float()
+    assert log["completions/mean_length"] == pytest.approx(lengths.mean().item(), abs=1e-6)
+    assert log["completions/min_length"] == lengths.min().item()
+    # Every rewritten completion ends with EOS: none is truncated.
+    assert log["completions/clipped_ratio"] == 0.0
+    assert log["completions/mean_terminated_length"] == pytest.approx(lengths.mean().item(), abs=1e-6)

@@ -227,3 +227,27 @@ def test_importance_sampling_ratios_far_below_one_are_reported(tmp_path, tiny_mo
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 2  # the 1st and the 10th low batch, not every one
     assert "0.0013" in warnings[0] and "vllm_importance_sampling_correction: false" in warnings[0]
+
+
+def sometimes_unscored_reward(completions, **kwargs):
+    """The parity reward, but None (unscored) for every third completion."""
+    return [None if i % 3 == 0 else r for i, r in enumerate(parity_reward(completions))]
+
+
+@pytest.mark.slow
+def test_unscored_completions_count_neither_as_correct_nor_as_incorrect_in_the_metrics(tmp_path, tiny_model_dir):
+    args = config(tmp_path, max_steps=1)
+    trainer = Recording(tiny_model_dir, sometimes_unscored_reward, args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    log = trainer.state.log_history[0]
+    batch = trainer.generated[0]["batch"]
+    rewards = batch["rewards_per_func"][:, 0]
+    entropies = batch["entropies"]
+    assert torch.isnan(rewards).sum() == 3
+    incorrect = rewards == -1
+    correct = rewards == 1
+    assert incorrect.any() and correct.any()
+    assert log["egpo/entropy_incorrect"] == pytest.approx(entropies[incorrect].mean().item(), abs=1e-6)
+    assert log["egpo/entropy_correct"] == pytest.approx(entropies[correct].mean().item(), abs=1e-6)
+    weights = batch["result"].weights
+    assert log["egpo/weight_incorrect"] == pytest.approx(weights[incorrect].mean().item(), abs=1e-6)

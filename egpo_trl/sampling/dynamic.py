@@ -89,7 +89,9 @@ class DynamicSamplingMixin:
         rounds: list[dict[str, Any]] = []
         found = 0
         round_inputs = inputs
+        marks = []  # the length of each of TRL's metric lists before each round
         for round_index in range(max_rounds):
+            marks.append({name: len(values) for name, values in self._metrics["train"].items()})
             output, rewards_per_func = self._generate_round(round_inputs)
             informative = self._informative_groups(rewards_per_func, num_generations)
             rounds.append(
@@ -135,6 +137,7 @@ class DynamicSamplingMixin:
             output, rewards_per_func = self._assemble_groups(rounds, selected, num_generations, local_rows)
             self._restore_logs(rounds, selected, num_generations, global_rows)
 
+        self._keep_batch_metrics(marks, sorted({r for r, _ in selected}), output, rewards_per_func, num_generations)
         generated = target * len(rounds)
         metrics = self._metrics["train"]
         metrics["dynamic_sampling/rounds"].append(float(len(rounds)))
@@ -148,6 +151,42 @@ class DynamicSamplingMixin:
             "cap_hit": cap_hit,
         }
         return output, rewards_per_func, sampling
+
+    def _keep_batch_metrics(
+        self,
+        marks: list[dict[str, int]],
+        used: list[int],
+        output: dict[str, Any],
+        rewards_per_func: torch.Tensor,
+        num_generations: int,
+    ) -> None:
+        """Make the metrics that TRL (and the reward functions, and Guided Error Correction) logged during the rounds
+        describe the batch that is trained on.
+
+        The completion-length metrics (``completions/*``) and the reward metrics (``reward``, ``reward_std``,
+        ``frac_reward_zero_std``, ``rewards/<name>/mean|std``) are computed again for the assembled batch, once. Any
+        other metric logged per round keeps the values of the rounds that contributed a group to the batch and
+        drops those of the rounds that were discarded entirely. ``marks`` holds the length of each metric list
+        before each round.
+        """
+        metrics = self._metrics["train"]
+        recomputed = self._egpo_reward_metrics(rewards_per_func, num_generations)
+        lengths, truncated = output.get("egpo_completion_lengths"), output.get("egpo_completion_truncated")
+        if lengths is not None and truncated is not None:
+            recomputed.update(self._egpo_length_metrics(lengths, truncated))
+        for name in list(metrics):
+            values = metrics[name]
+            if name == "num_tokens":  # a running total TRL sets (not appends): every generated token counts
+                continue
+            starts = [mark.get(name, 0) for mark in marks] + [len(values)]
+            if starts[-1] == starts[0]:
+                continue  # nothing logged during the rounds
+            before = list(values[: starts[0]])
+            if name in recomputed:
+                kept = [recomputed[name]]
+            else:
+                kept = [v for r in used for v in values[starts[r] : starts[r + 1]]]
+            values[:] = before + kept
 
     def _refill_inputs(self, local_rows: int, num_generations: int, round_index: int) -> list[dict[str, Any]]:
         """This process's rows of a generation batch of fresh prompts from ``train_dataset``.

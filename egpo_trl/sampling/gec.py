@@ -16,16 +16,20 @@ The text helpers (:func:`boxed_safe_prefix`) are plain functions. ``tests/test_g
 from __future__ import annotations
 
 import logging
+import math
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import torch
 from trl.data_utils import is_conversational
+from trl.trainer.utils import is_async_callable
 
 from egpo_trl.rewards import answers_match, extract_last_boxed
 from egpo_trl.sampling.common import refuse_unsupported_generation
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SOLUTION_ANSWER_SUFFIX", "GuidedErrorCorrectionMixin", "boxed_safe_prefix"]
+__all__ = ["SOLUTION_ANSWER_SUFFIX", "GuidedErrorCorrectionMixin", "boxed_safe_prefix", "pad_continuation_batch"]
 
 _BOXED = "\\boxed{"
 # Appended to a reference solution (Guided Error Correction) whose last box does not give the reference answer.
@@ -57,6 +61,48 @@ def boxed_safe_prefix(ids: list[int], decode) -> list[int]:
     while n > 0 and _ends_inside_boxed(decode(ids[:n])):
         n -= 1
     return ids[:n]
+
+
+def pad_continuation_batch(prompts: list[list[int]], counts: list[int], filler: list[int]) -> list[list[int]]:
+    """This process's continuation prompts, padded with copies of ``filler`` to the largest of ``counts``.
+
+    ``counts`` holds every process's number of continuation prompts (gathered, in process order). TRL's vLLM
+    generation assumes each process sends the same number of prompts: the server mode gathers all processes'
+    prompts and gives process ``p`` the results ``[p * n, (p + 1) * n)`` where ``n`` is its own number of prompts,
+    and the colocate mode with tensor parallelism does the same within each tensor-parallel group. With lists of
+    different lengths the results land on another process's rows. Padding every process to the same length
+    (at least one prompt, as a process with nothing to continue still takes part in a collective generation)
+    keeps the first ``len(prompts)`` results this process's own; the caller drops the rest.
+    """
+    width = max(max(counts, default=0), 1)
+    if len(prompts) > width:
+        raise ValueError(
+            f"{len(prompts)} continuation prompts on this process, more than the gathered maximum {width}"
+        )
+    return [list(p) for p in prompts] + [list(filler) for _ in range(width - len(prompts))]
+
+
+class _RowSubsetRewardModel(torch.nn.Module):
+    """A reward model that scores only the given rows of TRL's tokenized batch and returns ``cached`` for the others
+    (see :meth:`GuidedErrorCorrectionMixin._gec_rescore`)."""
+
+    def __init__(self, model: torch.nn.Module, rows: list[int], cached: torch.Tensor, batch_size: int):
+        super().__init__()
+        self.model = model
+        self.rows, self.cached, self.batch_size = rows, cached, batch_size
+
+    def forward(self, **inputs):
+        scores = self.cached.clone()
+        if self.rows:
+            index = torch.tensor(self.rows, device=scores.device)
+            chosen = {
+                key: value[index.to(value.device)]
+                if torch.is_tensor(value) and value.dim() >= 1 and value.size(0) == self.batch_size
+                else value
+                for key, value in inputs.items()
+            }
+            scores[index] = self.model(**chosen).logits[:, 0].to(scores.dtype)
+        return SimpleNamespace(logits=scores.unsqueeze(1))
 
 
 class GuidedErrorCorrectionMixin:
@@ -111,8 +157,11 @@ class GuidedErrorCorrectionMixin:
         local_rows = len(completion_ids)
         num_generations = self.num_generations
 
-        # Correctness of the sampled completions (gathered, since a group may span processes).
-        rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids)
+        # Correctness of the sampled completions (gathered, since a group may span processes). Every reward function
+        # scores every sampled completion here, once; TRL's scoring of the round re-scores only the rewritten ones.
+        rewards_per_func, pending_extra, pending_metrics = self._gec_score_sampled(
+            inputs, prompts, completions, completion_ids
+        )
         values = rewards_per_func[:, self._egpo_correctness_index]
         scored = ~torch.isnan(values)
         is_correct = self._egpo_correct(rewards_per_func)[0]
@@ -198,13 +247,21 @@ class GuidedErrorCorrectionMixin:
                 new_ids[i] = body_ids + suffix + [eos]
             strategy[i] = choice
 
-        # Continuations: every process generates together when any needs to (generation may be collective).
-        needed = self.accelerator.gather(torch.tensor([len(reflect_rows)], device=device)).sum().item()
+        # Continuations: every process generates together when any needs to (generation may be collective), with
+        # the same number of prompts and the same token budget on every process (see pad_continuation_batch).
+        stats = self.accelerator.gather(torch.tensor([[len(reflect_rows), budget]], device=device)).view(-1, 2)
+        counts = [int(n) for n in stats[:, 0].tolist()]
         continued: dict[int, tuple[list[int], list[float] | None]] = {}  # row -> continuation ids and log-probs
-        if needed:
-            batch = reflect_prompts or [list(prompt_ids[0])]  # a process with nothing to continue runs a dummy row
-            continuations, continuation_logps = self._continue_generation(batch, max(budget, 1))
-            for k, (i, continuation) in enumerate(zip(reflect_rows, continuations)):
+        if sum(counts):
+            batch = pad_continuation_batch(reflect_prompts, counts, filler=list(prompt_ids[0]))
+            continuations, continuation_logps = self._continue_generation(batch, max(int(stats[:, 1].max()), 1))
+            if len(continuations) != len(batch):
+                raise RuntimeError(
+                    f"Guided Error Correction sent {len(batch)} prompts to the generation backend and got "
+                    f"{len(continuations)} continuations back; is the TRL version 1.16.0?"
+                )
+            continuations = continuations[: len(reflect_rows)]  # the padding's continuations are dropped
+            for k, (i, continuation) in enumerate(zip(reflect_rows, continuations, strict=True)):
                 room_left = min(args.edge_gec_max_new_tokens, max_length - len(new_ids[i]))
                 tail_logps = None if continuation_logps is None else list(continuation_logps[k])[:room_left]
                 continued[i] = (list(continuation)[:room_left], tail_logps)
@@ -231,6 +288,12 @@ class GuidedErrorCorrectionMixin:
             for i, text in zip(changed, texts):
                 completions[i] = [{"role": "assistant", "content": text}] if conversational else text
 
+        self._gec_scored = {
+            "rewards": rewards_per_func[start : start + local_rows],
+            "changed": changed,
+            "extra": pending_extra,
+            "metrics": pending_metrics,
+        }
         counts = torch.tensor(
             [float(eligible.sum())]
             + [float(sum(s == name for s in strategy)) for name in ("reflect", "answer", "solution")]
@@ -251,6 +314,144 @@ class GuidedErrorCorrectionMixin:
         for name, value in zip(names, totals.tolist()):
             self._metrics["train"][f"gec/{name}"].append(value)
         return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images
+
+    @contextmanager
+    def _gec_vllm_awake(self):
+        """Keep a sleeping colocated vLLM engine awake over a round's generation and its continuations.
+
+        With ``vllm_enable_sleep_mode`` TRL wakes the engine for each generation call, pushes every weight into it
+        (the level-2 sleep discards them) and puts it back to sleep. The continuations are a second call in the same
+        round: inside this block the engine is woken, and the weights pushed, once, and put to sleep once at the
+        end, so a round with continuations costs one weight sync and one wake/sleep, as one without. Does nothing
+        for other generation modes, or when no completion can be continued (``edge_gec_reflect_prob`` 0).
+        """
+        generation = getattr(self, "vllm_generation", None) if self.use_vllm else None
+        if (
+            generation is None
+            or generation.mode != "colocate"
+            or not generation.enable_sleep_mode
+            or self.args.edge_gec_reflect_prob <= 0
+        ):
+            yield
+            return
+        if generation._llm_weights_sleeping:  # the weights were discarded: push the current ones (this wakes them)
+            generation.sync_weights()
+            self._last_loaded_step = self.state.global_step
+        generation.llm.wake_up(tags=["kv_cache"])
+        generation.enable_sleep_mode = False  # TRL's generate neither wakes nor sleeps the engine inside the block
+        try:
+            yield
+        finally:
+            generation.enable_sleep_mode = True
+            generation.llm.sleep(level=2)
+            generation._llm_weights_sleeping = True
+
+    def _gec_score_sampled(self, inputs, prompts, completions, completion_ids):
+        """TRL's rewards of the sampled completions (gathered ``[B_global, num_funcs]``), with what the reward
+        functions logged through ``log_extra`` (``{column: values}``, this process's rows) and ``log_metric``
+        (``{name: values}``) taken out of TRL's pending logs: :meth:`_gec_rescore` logs them once, with the round."""
+        extra_before = {k: len(v) for k, v in self._pending_extra_logs.items()}
+        metrics_before = {k: len(v) for k, v in self._pending_metrics.items()}
+        rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids)
+        extra, metrics = {}, {}
+        for pending, before, taken in (
+            (self._pending_extra_logs, extra_before, extra),
+            (self._pending_metrics, metrics_before, metrics),
+        ):
+            for key in list(pending):
+                kept = before.get(key, 0)
+                if len(pending[key]) > kept:
+                    taken[key] = list(pending[key][kept:])
+                    del pending[key][kept:]
+                if not pending[key]:
+                    del pending[key]
+        return rewards_per_func, extra, metrics
+
+    def _gec_rescore(self, calculate, inputs, prompts, completions, completion_ids_list) -> torch.Tensor:
+        """TRL's scoring of a round that Guided Error Correction rewrote, calling each reward function only on the
+        rewritten completions: the others keep the rewards they got before the rewrite, so that every reward
+        function is called once per completion.
+
+        ``calculate`` is ``GRPOTrainer._calculate_rewards``; it runs with each reward function wrapped so that it
+        sees the rewritten rows only. Columns that reward functions log with ``log_extra`` are logged once per row
+        (the rewritten rows' values from the second call, the others' from the first), in row order, so that the
+        completions table stays aligned; scalars logged with ``log_metric`` keep the first call's values, which
+        describe the whole round as sampled.
+        """
+        state, self._gec_scored = self._gec_scored, None
+        cached = state["rewards"]
+        rows = state["changed"]
+        n = len(prompts)
+        extra: dict[str, list] = {}
+
+        def subset(value):
+            return [value[j] for j in rows] if isinstance(value, list) and len(value) == n else value
+
+        def log_extra(column: str, values: list) -> None:
+            extra.setdefault(column, []).extend(values)
+
+        def merged(i: int, outputs: list) -> list:
+            values = [None if math.isnan(v) else v for v in cached[:, i].tolist()]
+            for j, value in zip(rows, outputs, strict=True):
+                values[j] = value
+            return values
+
+        def wrap(i: int, func):
+            if isinstance(func, torch.nn.Module):
+                return _RowSubsetRewardModel(func, rows, cached[:, i], n)
+
+            def arguments(kwargs):
+                kwargs = {key: subset(value) for key, value in kwargs.items()}
+                if "log_extra" in kwargs:
+                    kwargs["log_extra"] = log_extra
+                if "log_metric" in kwargs:
+                    kwargs["log_metric"] = lambda name, value: None
+                return kwargs
+
+            if is_async_callable(func):
+
+                async def wrapped_async(prompts, completions, completion_ids, **kwargs):
+                    if not rows:
+                        return merged(i, [])
+                    outputs = await func(
+                        prompts=subset(prompts),
+                        completions=subset(completions),
+                        completion_ids=subset(completion_ids),
+                        **arguments(kwargs),
+                    )
+                    return merged(i, outputs)
+
+                return wrapped_async
+
+            def wrapped(prompts, completions, completion_ids, **kwargs):
+                if not rows:
+                    return merged(i, [])
+                outputs = func(
+                    prompts=subset(prompts),
+                    completions=subset(completions),
+                    completion_ids=subset(completion_ids),
+                    **arguments(kwargs),
+                )
+                return merged(i, list(outputs))
+
+            return wrapped
+
+        originals = list(self.reward_funcs)
+        self.reward_funcs[:] = [wrap(i, func) for i, func in enumerate(originals)]
+        try:
+            rewards_per_func = calculate(inputs, prompts, completions, completion_ids_list)
+        finally:
+            self.reward_funcs[:] = originals
+        # TRL flushes the pending logs after scoring: put back one value per row, and the first call's metrics.
+        for column in sorted(set(state["extra"]) | set(extra)):
+            values = list(state["extra"].get(column, [None] * n))
+            values += [None] * (n - len(values))
+            for j, value in zip(rows, extra.get(column, [])):
+                values[j] = value
+            self._pending_extra_logs[column].extend(values[:n])
+        for name, values in state["metrics"].items():
+            self._pending_metrics[name].extend(values)
+        return rewards_per_func
 
     def _continue_generation(
         self, prompt_ids: list[list[int]], max_new_tokens: int
