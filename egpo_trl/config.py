@@ -116,10 +116,12 @@ class EGPOConfig(GRPOConfig):
         egpo_nsr_weighting (`str`, *optional*, defaults to `"entropy"`):
             Weights on entirely-incorrect groups: `"entropy"` (paper) or `"unit"` (ablation C4, \\(w \\equiv 1\\)).
         egpo_correctness_reward (`str` or `None`, *optional*, defaults to `None`):
-            Name of the reward function whose value decides correct (> 0) versus incorrect. `None` uses the first
-            reward function. Mixed-group advantages still use the weighted sum of all rewards, as GRPO does. It must
-            be binary (+1/-1 or 1/0 values) for `egpo`, `nsr`, dynamic sampling on correctness and `edge_gec`: other
-            values stop training with an error that names the fix.
+            Name of the reward function whose value decides correct (> 0) versus incorrect. `None` is fine with one
+            reward function; with several, it takes the package's accuracy reward (`boxed_accuracy_reward`) when
+            exactly one of them is that, and otherwise the trainer refuses to start when `egpo`, `nsr`, dynamic
+            sampling on correctness or `edge_gec` need the verdict (a format bonus must not decide it). Mixed-group
+            advantages still use the weighted sum of all rewards, as GRPO does. It must be binary (+1/-1 or 1/0
+            values) for those settings: other values stop training with an error that names the fix.
         egpo_entropy_scope (`str`, *optional*, defaults to `"completion"`):
             Tokens the entropy proxy averages over: the whole `"completion"` (paper Eq. 5), the `"thinking"` segment
             inside `<think>...</think>`, or the `"answer"` segment after `</think>` (the paper's RQ4 suggestion). A
@@ -245,8 +247,9 @@ class EGPOConfig(GRPOConfig):
     egpo_correctness_reward: str | None = field(
         default=None,
         metadata={
-            "help": "Name of the reward function that decides correct (reward > 0) vs incorrect; by default the first "
-            "reward function. A shaping bonus (format, length) then never makes a wrong answer count as correct."
+            "help": "Name of the reward function that decides correct (reward > 0) vs incorrect. Needed with several "
+            "reward functions unless exactly one is boxed_accuracy_reward. A shaping bonus (format, length) then never "
+            "makes a wrong answer count as correct."
         },
     )
     egpo_entropy_scope: str = field(

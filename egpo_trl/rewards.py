@@ -315,8 +315,8 @@ def think_format_reward(completions: list[Any], **kwargs: Any) -> list[float]:
     """``1.0`` when a completion reasons inside ``<think>...</think>`` and then gives a ``\\boxed{}`` answer, else ``0.0``.
 
     A shaping bonus to combine with :func:`boxed_accuracy_reward`. EGPO decides correctness with the
-    reward function named by ``egpo_correctness_reward`` (the first one by default), so a bonus
-    never turns a wrong answer into a "correct" one.
+    reward function named by ``egpo_correctness_reward`` (``boxed_accuracy_reward`` when it is the only
+    accuracy reward among several), so a bonus never turns a wrong answer into a "correct" one.
     """
     return [1.0 if _THINK_RE.match(completion_text(c)) else 0.0 for c in completions]
 
