@@ -25,8 +25,9 @@ Where the log-probs come from (the paper's "zero-overhead" proxy):
   optimisation steps are misaligned, and with vLLM importance-sampling correction (on by default).
   No extra cost.
 * otherwise, with ``egpo_entropy_logps="sampler"``, the sampling log-probs vLLM returned (``use_vllm``
-  without importance-sampling correction), when sampling is plain (no top-p, top-k, min-p, penalties or
-  ``min_tokens``: see :func:`~egpo_trl.config.distribution_changing_sampling_options`), so that they are
+  without importance-sampling correction), when sampling is plain (no top-p, top-k, min-p, penalties,
+  ``min_tokens``, structured outputs or ``generation_kwargs`` temperature of its own: see
+  :func:`~egpo_trl.config.distribution_changing_sampling_options`), so that they are
   the policy's at the temperature up to the engines' numerical differences. No extra cost.
 * otherwise (the default ``egpo_entropy_logps="policy"``, and plain transformers generation with
   ``num_iterations = 1``) one extra no-grad forward pass of the policy over the generation batch, as verl
@@ -413,8 +414,9 @@ class EGPOTrainer(DynamicSamplingMixin, GuidedErrorCorrectionMixin, GRPOTrainer)
                 # Plain sampling: vLLM's processed log-probs are the policy's at the temperature, up to the two
                 # engines' numerical differences. They feed the proxy when egpo_entropy_logps="sampler" (and the
                 # metrics of estimators that do not use it); by default ("policy") the proxy comes from the policy's
-                # own pass below, as verl computes pi_old. With top-p, top-k, min-p, penalties or min_tokens they are
-                # those of another distribution, so the pass below is used whatever the setting.
+                # own pass below, as verl computes pi_old. With top-p, top-k, min-p, penalties, min_tokens, structured
+                # outputs or another temperature in generation_kwargs they are those of another distribution, so the
+                # pass below is used whatever the setting.
                 logps, source = output["sampling_per_token_logps"], "sampling_per_token_logps"
         extra_pass = (need_nll and logps is None) or (need_shannon and token_entropies is None)
         if extra_pass:

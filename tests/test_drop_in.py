@@ -180,7 +180,17 @@ class SamplingLogpsEGPOTrainer(EGPOTrainer):
         return output, rewards_per_func
 
 
-@pytest.mark.parametrize("sampling", [{}, {"top_k": 5}, {"top_p": 0.9}, {"generation_kwargs": {"min_p": 0.1}}])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {},
+        {"top_k": 5},
+        {"top_p": 0.9},
+        {"generation_kwargs": {"min_p": 0.1}},
+        {"generation_kwargs": {"temperature": 0.7}},  # vLLM would sample at 0.7, the proxy assumes the config's 1.0
+        {"vllm_structured_outputs_regex": "[0-9]+"},
+    ],
+)
 @pytest.mark.parametrize("entropy_logps", ["sampler", "policy"])
 def test_sampling_logps_give_the_proxy_only_for_plain_sampling(tmp_path, tiny_model_dir, sampling, entropy_logps):
     args = config(tmp_path, max_steps=1, egpo_entropy_logps=entropy_logps, **sampling)
