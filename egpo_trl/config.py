@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -21,59 +22,71 @@ ENTROPY_LOGPS: tuple[str, ...] = ("policy", "sampler")
 DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = ("correctness", "reward")
 GEC_SCOPES: tuple[str, ...] = ("incorrect", "all_incorrect_groups")
 DEFAULT_GEC_REFLECTION_CUE = " Hold on, something in this solution is wrong. Let me check it again."
-# Keys of ``generation_kwargs`` that change the distribution vLLM samples from (and reports log-probs of) beyond the
-# temperature: TRL's trainer-side log-probs apply the temperature only, so these make the two disagree.
-_DISTRIBUTION_CHANGING_KWARGS: tuple[str, ...] = (
-    "top_p",
-    "top_k",
-    "min_p",
-    "min_tokens",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "allowed_token_ids",
-    "bad_words",
-    "guided_decoding",
-    "structured_outputs",
-    "logits_processors",
-)
+# vLLM ``SamplingParams`` keys that change the distribution vLLM samples from (and reports log-probs of), with the
+# values that leave it unchanged (empty: any value set changes it). TRL passes ``generation_kwargs`` to vLLM after its
+# own sampling fields, so a key given there overrides the field of the same name. ``temperature`` is neutral at the
+# config's own temperature, the one TRL's trainer-side log-probs divide the logits by.
+_DISTRIBUTION_CHANGING_KWARGS: dict[str, tuple[object, ...]] = {
+    "temperature": (),
+    "top_p": (1, 1.0),
+    "top_k": (0, -1),
+    "min_p": (0, 0.0),
+    "min_tokens": (0,),
+    "repetition_penalty": (1, 1.0),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": (),
+    "allowed_token_ids": (),
+    "bad_words": (),
+    "guided_decoding": (),
+    "structured_outputs": (),
+    "logits_processors": (),
+}
+# The sampling fields of GRPOConfig that TRL hands to vLLM, and their neutral values.
+_SAMPLING_FIELDS: dict[str, tuple[object, ...]] = {
+    "top_p": (1, 1.0),
+    "top_k": (0, -1),
+    "min_p": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+}
+#: Values of TRL's ``vllm_importance_sampling_mode`` that weight a whole completion by one ratio, the product of its
+#: tokens' ratios: a per-token gap of any sign compounds over the completion and the weight collapses.
+SEQUENCE_IMPORTANCE_SAMPLING_MODES: tuple[str, ...] = ("sequence_truncate", "sequence_mask")
 
 
 def distribution_changing_sampling_options(config) -> dict[str, object]:
     """The sampling options of ``config`` that make vLLM sample from a distribution other than the policy's at
     ``temperature`` (``{name: value}``, empty for plain sampling).
 
-    TRL's trainer-side log-probs (``old_per_token_logps``) divide the logits by the temperature and apply nothing
-    else, while vLLM (``logprobs_mode="processed_logprobs"``) reports the log-probs of the distribution it sampled
-    from, after top-p, top-k, min-p, penalties and ``min_tokens``. With any of these set, the two disagree on every
-    token: TRL's importance-sampling ratios drift towards 0 over a long completion, and vLLM's log-probs are no
-    longer the policy's (EGPO's entropy proxy).
+    TRL's trainer-side log-probs (``old_per_token_logps``) divide the logits by ``config.temperature`` and apply
+    nothing else, while vLLM (``logprobs_mode="processed_logprobs"``) reports the log-probs of the distribution it
+    sampled from, after top-p, top-k, min-p, penalties, ``min_tokens``, logit bias, allowed or banned tokens,
+    structured outputs (``vllm_structured_outputs_regex``) and the temperature it was given (a ``temperature`` in
+    ``generation_kwargs`` overrides the config's for vLLM only). With any of these the two disagree: vLLM's log-probs
+    are no longer the policy's (EGPO's entropy proxy), and TRL's importance-sampling ratios are those of another
+    distribution.
     """
     found: dict[str, object] = {}
-    if getattr(config, "top_p", 1.0) is not None and config.top_p < 1.0:
-        found["top_p"] = config.top_p
-    if getattr(config, "top_k", 0) not in (None, 0, -1):
-        found["top_k"] = config.top_k
-    if getattr(config, "min_p", None) not in (None, 0, 0.0):
-        found["min_p"] = config.min_p
-    if getattr(config, "repetition_penalty", 1.0) not in (None, 1, 1.0):
-        found["repetition_penalty"] = config.repetition_penalty
     generation_kwargs = getattr(config, "generation_kwargs", None)
-    if isinstance(generation_kwargs, dict):
-        neutral = {
-            "top_p": (1, 1.0),
-            "top_k": (0, -1),
-            "min_p": (0, 0.0),
-            "min_tokens": (0,),
-            "repetition_penalty": (1, 1.0),
-            "presence_penalty": (0, 0.0),
-            "frequency_penalty": (0, 0.0),
-        }
-        for key in _DISTRIBUTION_CHANGING_KWARGS:
-            value = generation_kwargs.get(key)
-            if value is not None and value not in neutral.get(key, ()) and value not in ({}, [], ()):
-                found[f"generation_kwargs.{key}"] = value
+    if isinstance(generation_kwargs, str):  # GRPOConfig takes a JSON string too
+        try:
+            generation_kwargs = json.loads(generation_kwargs)
+        except ValueError:
+            generation_kwargs = None
+    generation_kwargs = generation_kwargs if isinstance(generation_kwargs, dict) else {}
+    for name, neutral in _SAMPLING_FIELDS.items():
+        value = getattr(config, name, None)
+        if name not in generation_kwargs and value is not None and value not in neutral:
+            found[name] = value
+    for key, neutral in _DISTRIBUTION_CHANGING_KWARGS.items():
+        value = generation_kwargs.get(key)
+        if key == "temperature":
+            neutral = (getattr(config, "temperature", 1.0),)
+        if value is not None and value not in neutral and not (isinstance(value, (dict, list, tuple)) and not value):
+            found[f"generation_kwargs.{key}"] = value
+    regex = getattr(config, "vllm_structured_outputs_regex", None)
+    if regex:
+        found["vllm_structured_outputs_regex"] = regex
     return found
 
 
@@ -116,10 +129,12 @@ class EGPOConfig(GRPOConfig):
         egpo_nsr_weighting (`str`, *optional*, defaults to `"entropy"`):
             Weights on entirely-incorrect groups: `"entropy"` (paper) or `"unit"` (ablation C4, \\(w \\equiv 1\\)).
         egpo_correctness_reward (`str` or `None`, *optional*, defaults to `None`):
-            Name of the reward function whose value decides correct (> 0) versus incorrect. `None` uses the first
-            reward function. Mixed-group advantages still use the weighted sum of all rewards, as GRPO does. It must
-            be binary (+1/-1 or 1/0 values) for `egpo`, `nsr`, dynamic sampling on correctness and `edge_gec`: other
-            values stop training with an error that names the fix.
+            Name of the reward function whose value decides correct (> 0) versus incorrect. `None` is fine with one
+            reward function; with several, it takes the package's accuracy reward (`boxed_accuracy_reward`) when
+            exactly one of them is that, and otherwise the trainer refuses to start when `egpo`, `nsr`, dynamic
+            sampling on correctness or `edge_gec` need the verdict (a format bonus must not decide it). Mixed-group
+            advantages still use the weighted sum of all rewards, as GRPO does. It must be binary (+1/-1 or 1/0
+            values) for those settings: other values stop training with an error that names the fix.
         egpo_entropy_scope (`str`, *optional*, defaults to `"completion"`):
             Tokens the entropy proxy averages over: the whole `"completion"` (paper Eq. 5), the `"thinking"` segment
             inside `<think>...</think>`, or the `"answer"` segment after `</think>` (the paper's RQ4 suggestion). A
@@ -253,8 +268,9 @@ class EGPOConfig(GRPOConfig):
     egpo_correctness_reward: str | None = field(
         default=None,
         metadata={
-            "help": "Name of the reward function that decides correct (reward > 0) vs incorrect; by default the first "
-            "reward function. A shaping bonus (format, length) then never makes a wrong answer count as correct."
+            "help": "Name of the reward function that decides correct (reward > 0) vs incorrect. Needed with several "
+            "reward functions unless exactly one is boxed_accuracy_reward. A shaping bonus (format, length) then never "
+            "makes a wrong answer count as correct."
         },
     )
     egpo_entropy_scope: str = field(
@@ -456,19 +472,30 @@ class EGPOConfig(GRPOConfig):
             )
 
     def _validate_importance_sampling(self) -> None:
-        """Refuse vLLM sampling options that TRL's importance-sampling correction would silently turn into a
-        vanishing loss (see :func:`distribution_changing_sampling_options`)."""
+        """Refuse vLLM sampling options that TRL's sequence-level importance-sampling correction would silently turn
+        into a vanishing loss (see :func:`distribution_changing_sampling_options`).
+
+        The sequence modes weight a completion by the product of its tokens' ratios, and a distribution other than
+        the one TRL's log-probs describe shifts every token's ratio the same way: over a long completion the weight
+        collapses towards 0 (or the completion is masked). The token modes (``token_truncate``, ``token_mask``)
+        bound each token's ratio on its own, so they accept whatever ``GRPOConfig`` accepts.
+        """
         if not (self.use_vllm and self.vllm_importance_sampling_correction):
+            return
+        mode = self.vllm_importance_sampling_mode
+        if mode not in SEQUENCE_IMPORTANCE_SAMPLING_MODES:
             return
         options = distribution_changing_sampling_options(self)
         if options:
             listed = ", ".join(f"{name}={value!r}" for name, value in options.items())
             raise ValueError(
-                f"{listed} with use_vllm and vllm_importance_sampling_correction=True: vLLM samples from the processed "
-                "distribution while TRL's trainer-side log-probs apply only the temperature, so the importance-sampling "
-                "ratios fall towards 0 over a long completion and scale the loss to nearly nothing. Either sample "
-                "plainly (top_p: 1.0, top_k: 0, min_p: null, repetition_penalty: 1.0, no such generation_kwargs), or "
-                "set vllm_importance_sampling_correction: false (the paper's setup; see docs/multi_gpu.md)."
+                f"{listed} with use_vllm and vllm_importance_sampling_mode={mode!r}: vLLM samples from another "
+                "distribution than the one TRL's trainer-side log-probs describe (the config's temperature, nothing "
+                "else), so the sequence-level importance-sampling weight, a product over every token, falls towards 0 "
+                "over a long completion and scales the loss to nearly nothing. Either sample plainly (top_p: 1.0, "
+                "top_k: 0, min_p: null, repetition_penalty: 1.0, no such generation_kwargs or structured outputs), "
+                "use a token-level mode (vllm_importance_sampling_mode: token_truncate), or set "
+                "vllm_importance_sampling_correction: false (the paper's setup; see docs/multi_gpu.md)."
             )
 
     def _validate_baselines(self) -> None:

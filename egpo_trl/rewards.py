@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import re
-import select
+import selectors
 import subprocess
 import sys
 import threading
@@ -199,16 +199,20 @@ class _VerifyWorker:
             )
 
     def _read_line(self, timeout: float) -> bytes | None:
+        # selectors (epoll/poll) rather than select.select, which refuses descriptors >= 1024 (FD_SETSIZE): a
+        # long-lived training process (vLLM, DeepSpeed, data loaders) can hold that many files open.
         deadline = time.monotonic() + timeout
         fd = self._proc.stdout.fileno()
-        while b"\n" not in self._buffer:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-                return None
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                return None
-            self._buffer += chunk
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._buffer:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not selector.select(remaining):
+                    return None
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    return None
+                self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
         return line
 
@@ -311,8 +315,8 @@ def think_format_reward(completions: list[Any], **kwargs: Any) -> list[float]:
     """``1.0`` when a completion reasons inside ``<think>...</think>`` and then gives a ``\\boxed{}`` answer, else ``0.0``.
 
     A shaping bonus to combine with :func:`boxed_accuracy_reward`. EGPO decides correctness with the
-    reward function named by ``egpo_correctness_reward`` (the first one by default), so a bonus
-    never turns a wrong answer into a "correct" one.
+    reward function named by ``egpo_correctness_reward`` (``boxed_accuracy_reward`` when it is the only
+    accuracy reward among several), so a bonus never turns a wrong answer into a "correct" one.
     """
     return [1.0 if _THINK_RE.match(completion_text(c)) else 0.0 for c in completions]
 

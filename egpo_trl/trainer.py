@@ -25,8 +25,9 @@ Where the log-probs come from (the paper's "zero-overhead" proxy):
   optimisation steps are misaligned, and with vLLM importance-sampling correction (on by default).
   No extra cost.
 * otherwise, with ``egpo_entropy_logps="sampler"``, the sampling log-probs vLLM returned (``use_vllm``
-  without importance-sampling correction), when sampling is plain (no top-p, top-k, min-p, penalties or
-  ``min_tokens``: see :func:`~egpo_trl.config.distribution_changing_sampling_options`), so that they are
+  without importance-sampling correction), when sampling is plain (no top-p, top-k, min-p, penalties,
+  ``min_tokens``, structured outputs or ``generation_kwargs`` temperature of its own: see
+  :func:`~egpo_trl.config.distribution_changing_sampling_options`), so that they are
   the policy's at the temperature up to the engines' numerical differences. No extra cost.
 * otherwise (the default ``egpo_entropy_logps="policy"``, and plain transformers generation with
   ``num_iterations = 1``) one extra no-grad forward pass of the policy over the generation batch, as verl
@@ -74,6 +75,7 @@ from egpo_trl.advantages import (
     sequence_mean,
 )
 from egpo_trl.config import EGPOConfig, distribution_changing_sampling_options
+from egpo_trl.correctness import binary_correctness_features, correctness_reward_index, reward_func_names
 from egpo_trl.resume_state import ExactResumeMixin
 from egpo_trl.rewards import make_overlong_penalty_reward
 from egpo_trl.sampling.dynamic import DynamicSamplingMixin
@@ -135,7 +137,9 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
         trainer.train()
 
     Correctness rule with several reward functions: a completion is correct when the reward function
-    named by ``args.egpo_correctness_reward`` (the first one by default) gives it a reward > 0. Group
+    named by ``args.egpo_correctness_reward`` gives it a reward > 0. Unset, it is the package's
+    ``boxed_accuracy_reward`` when exactly one of them is that; otherwise the trainer refuses to start where the
+    configuration reads correctness (see :func:`egpo_trl.correctness.correctness_reward_index`). Group
     types (entirely-correct, mixed, entirely-incorrect) follow from that; mixed-group advantages use
     the weighted sum of all rewards, as GRPO does. That function must be a binary verifier (+1/-1 or
     1/0 values) for the estimators and features that use group types; any other values stop training
@@ -172,6 +176,13 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
                 "CUDA_VISIBLE_DEVICES=0."
             )
         reward_funcs = self._with_overlong_reward(reward_funcs, args)
+        # Which reward function decides correct versus incorrect: refused now, before any model loads, when several
+        # could and the configuration needs the verdict (see egpo_trl/correctness.py).
+        environment = kwargs.get("environment_factory") is not None or (
+            len(pos_args) > 10 and pos_args[10] is not None
+        )
+        correctness_index = correctness_reward_index(reward_funcs, args, complete=not environment)
+        correctness_names = reward_func_names(reward_funcs)
         # vLLM colocate mode on a CPU build of vLLM needs its own weight sync (a no-op otherwise): see vllm_cpu.py.
         from egpo_trl.vllm_cpu import colocate_on_cpu
 
@@ -181,30 +192,11 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
         self._egpo_estimator = get_advantage_estimator(args.advantage_estimator)
         self._egpo_entropy_input = get_entropy_input(self._egpo_estimator)
         #: What needs a binary correctness reward (see _egpo_correct), as named in the error.
-        self._egpo_binary_features = [
-            name
-            for name, needed in (
-                (
-                    f"advantage_estimator={args.advantage_estimator!r}",
-                    getattr(self._egpo_estimator, "binary_correctness", False),
-                ),
-                (
-                    "dynamic_sampling_metric='correctness'",
-                    args.dynamic_sampling and args.dynamic_sampling_metric == "correctness",
-                ),
-                ("edge_gec", args.edge_gec),
-            )
-            if needed
-        ]
-        if args.egpo_correctness_reward is None:
-            self._egpo_correctness_index = 0
-        elif args.egpo_correctness_reward in self.reward_func_names:
-            self._egpo_correctness_index = self.reward_func_names.index(args.egpo_correctness_reward)
-        else:
-            raise ValueError(
-                f"egpo_correctness_reward={args.egpo_correctness_reward!r} names no reward function; set it to one of "
-                f"{self.reward_func_names} (or leave it unset to use the first)."
-            )
+        self._egpo_binary_features = binary_correctness_features(args)
+        if correctness_index is None or list(self.reward_func_names) != correctness_names:
+            # Environments added reward functions of their own (get_reward): decide again with all of them.
+            correctness_index = correctness_reward_index(self.reward_funcs, args, names=self.reward_func_names)
+        self._egpo_correctness_index = correctness_index
         if args.egpo_entropy_scope != "completion":
             from egpo_trl.segments import segment_masks  # noqa: F401  (fail at init, not at the first step)
         if args.dynamic_sampling:
@@ -525,7 +517,8 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
                 # engines' numerical differences. They feed the proxy when egpo_entropy_logps="sampler", for every
                 # estimator alike (the baselines' egpo/entropy_* metrics come from the source EGPO's proxy would);
                 # by default ("policy") the proxy comes from the policy's own pass below, as verl computes pi_old.
-                # With top-p, top-k, min-p, penalties or min_tokens they are those of another distribution, so the
+                # With top-p, top-k, min-p, penalties, min_tokens, structured outputs or another temperature in
+                # generation_kwargs they are those of another distribution, so the
                 # pass below is used whatever the setting.
                 logps, source = output["sampling_per_token_logps"], "sampling_per_token_logps"
                 if self._egpo_any_nan(logps, self._egpo_loss_mask(output)[0]):

@@ -76,25 +76,70 @@ def test_every_egpo_field_has_help():
             assert field.metadata.get("help"), field.name
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {"top_p": 0.95},
-        {"top_k": 20},
-        {"min_p": 0.05},
-        {"repetition_penalty": 1.1},
-        {"generation_kwargs": {"min_tokens": 1024}},
-        {"generation_kwargs": {"presence_penalty": 0.5}},
-    ],
-)
-def test_vllm_importance_sampling_with_a_processed_distribution_is_refused(tmp_path, kwargs):
-    with pytest.raises(ValueError, match="vllm_importance_sampling_correction: false"):
-        EGPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, **kwargs)
+# Each changes the distribution vLLM samples from away from the one TRL's trainer-side log-probs describe.
+DISTRIBUTION_CHANGING = [
+    {"top_p": 0.95},
+    {"top_k": 20},
+    {"min_p": 0.05},
+    {"repetition_penalty": 1.1},
+    {"generation_kwargs": {"min_tokens": 1024}},
+    {"generation_kwargs": {"presence_penalty": 0.5}},
+    {"generation_kwargs": {"frequency_penalty": 0.5}},
+    {"generation_kwargs": {"temperature": 0.6}},  # vLLM samples at 0.6, TRL's log-probs divide by 1.0
+    {"generation_kwargs": {"top_p": 0.9}},
+    {"generation_kwargs": {"logit_bias": {"7": 5.0}}},
+    {"generation_kwargs": {"bad_words": ["wrong"]}},
+    {"generation_kwargs": {"structured_outputs": {"regex": "[0-9]+"}}},
+    {"vllm_structured_outputs_regex": r"\\boxed\{[0-9]+\}"},
+]
+DISTRIBUTION_CHANGING_IDS = [
+    "-".join(f"{key}.{next(iter(value))}" if isinstance(value, dict) else key for key, value in kwargs.items())
+    for kwargs in DISTRIBUTION_CHANGING
+]
+
+
+@pytest.mark.parametrize("mode", ["sequence_mask", "sequence_truncate"])
+@pytest.mark.parametrize("kwargs", DISTRIBUTION_CHANGING, ids=DISTRIBUTION_CHANGING_IDS)
+def test_a_processed_distribution_is_refused_under_sequence_level_importance_sampling(tmp_path, kwargs, mode):
+    assert distribution_changing_sampling_options(EGPOConfig(output_dir=str(tmp_path), use_cpu=True, **kwargs))
+    with pytest.raises(ValueError, match="vllm_importance_sampling_correction: false") as error:
+        EGPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, vllm_importance_sampling_mode=mode, **kwargs)
+    assert f"vllm_importance_sampling_mode={mode!r}" in str(error.value) and "token_truncate" in str(error.value)
     # The same options without the correction, or without vLLM, are fine.
     EGPOConfig(
         output_dir=str(tmp_path), use_cpu=True, use_vllm=True, vllm_importance_sampling_correction=False, **kwargs
     )
     EGPOConfig(output_dir=str(tmp_path), use_cpu=True, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask"])
+@pytest.mark.parametrize("kwargs", DISTRIBUTION_CHANGING, ids=DISTRIBUTION_CHANGING_IDS)
+def test_token_level_importance_sampling_accepts_what_grpo_config_accepts(tmp_path, kwargs, mode):
+    # Each token's ratio is bounded on its own there: no product over the completion to collapse.
+    fields = dict(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, vllm_importance_sampling_mode=mode, **kwargs)
+    GRPOConfig(**fields)
+    config = EGPOConfig(**fields)
+    assert config.vllm_importance_sampling_mode == mode and config.vllm_importance_sampling_correction
+    # The entropy proxy still knows vLLM's log-probs are those of another distribution (egpo_entropy_logps).
+    assert distribution_changing_sampling_options(config)
+
+
+def test_generation_kwargs_override_the_sampling_fields_as_trl_passes_them_to_vllm(tmp_path):
+    # TRL hands generation_kwargs to vLLM after its own fields: top_p 1.0 there undoes the field's 0.9.
+    fields = dict(output_dir=str(tmp_path), use_cpu=True, use_vllm=True)
+    config = EGPOConfig(**fields, top_p=0.9, generation_kwargs={"top_p": 1.0})
+    assert distribution_changing_sampling_options(config) == {}
+    # A temperature in generation_kwargs equal to the config's is the distribution TRL's log-probs describe.
+    config = EGPOConfig(**fields, temperature=0.7, generation_kwargs={"temperature": 0.7})
+    assert distribution_changing_sampling_options(config) == {}
+    assert distribution_changing_sampling_options(
+        EGPOConfig(
+            **fields,
+            temperature=0.7,
+            generation_kwargs={"temperature": 1.0},
+            vllm_importance_sampling_mode="token_mask",
+        )
+    ) == {"generation_kwargs.temperature": 1.0}
 
 
 def test_plain_sampling_passes_with_vllm_importance_sampling(tmp_path):

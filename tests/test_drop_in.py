@@ -70,7 +70,10 @@ def test_non_binary_correctness_reward_is_refused_with_the_fix(tmp_path, tiny_mo
     # GRPO takes any reward, as in TRL; and a binary verifier named as the correctness reward lets EGPO use a
     # non-binary shaping reward beside it.
     for estimator, funcs in (("grpo", length_reward), ("egpo", [parity01_reward, length_reward])):
-        args = config(tmp_path / estimator, max_steps=1, advantage_estimator=estimator)
+        correctness = "parity01_reward" if estimator == "egpo" else None
+        args = config(
+            tmp_path / estimator, max_steps=1, advantage_estimator=estimator, egpo_correctness_reward=correctness
+        )
         trainer = EGPOTrainer(tiny_model_dir, funcs, args, train_dataset=make_prompt_dataset())
         before = [p.clone() for p in trainer.model.parameters()]
         trainer.train()
@@ -97,7 +100,13 @@ def test_normalize_then_sum_with_grpo_trains_exactly_like_trl(tmp_path, tiny_mod
 
 
 def test_normalize_then_sum_with_egpo_uses_the_aggregated_advantages_on_mixed_groups(tmp_path, tiny_model_dir):
-    args = config(tmp_path, max_steps=1, multi_objective_aggregation="normalize_then_sum", egpo_clamp="none")
+    args = config(
+        tmp_path,
+        max_steps=1,
+        multi_objective_aggregation="normalize_then_sum",
+        egpo_clamp="none",
+        egpo_correctness_reward="parity_reward",
+    )
     trainer = EGPOTrainer(tiny_model_dir, [parity_reward, length_reward], args, train_dataset=make_prompt_dataset())
     trainer.train()
     batch = trainer.egpo_last_batch
@@ -171,7 +180,17 @@ class SamplingLogpsEGPOTrainer(EGPOTrainer):
         return output, rewards_per_func
 
 
-@pytest.mark.parametrize("sampling", [{}, {"top_k": 5}, {"top_p": 0.9}, {"generation_kwargs": {"min_p": 0.1}}])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {},
+        {"top_k": 5},
+        {"top_p": 0.9},
+        {"generation_kwargs": {"min_p": 0.1}},
+        {"generation_kwargs": {"temperature": 0.7}},  # vLLM would sample at 0.7, the proxy assumes the config's 1.0
+        {"vllm_structured_outputs_regex": "[0-9]+"},
+    ],
+)
 @pytest.mark.parametrize("entropy_logps", ["sampler", "policy"])
 def test_sampling_logps_give_the_proxy_only_for_plain_sampling(tmp_path, tiny_model_dir, sampling, entropy_logps):
     args = config(tmp_path, max_steps=1, egpo_entropy_logps=entropy_logps, **sampling)

@@ -122,3 +122,33 @@ def test_a_comparison_that_overruns_is_killed_and_scored_wrong(monkeypatch):
     assert _in_thread(lambda: answers_match("9^{9^{9}}", "2")) is False
     assert time.monotonic() - start < 8
     assert answers_match("0.5", r"\frac{1}{2}") and not answers_match("0.25", r"\frac{1}{3}")
+
+
+def test_the_worker_pipe_works_above_descriptor_1024():
+    # A long-lived training process can hold over a thousand open files; the worker's pipe then gets a descriptor
+    # >= 1024, which select.select refuses ("filedescriptor out of range").
+    import os
+    import resource
+
+    from egpo_trl import rewards
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 1200
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        pytest.skip(f"the hard limit on open files is {hard}")
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    held = []
+    try:
+        rewards._WORKER.close()  # the next comparison starts a worker whose pipe comes after the held descriptors
+        rewards._symbolic_match.cache_clear()
+        while len(held) < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        assert not answers_match("13", "12")
+        assert rewards._WORKER._proc.stdout.fileno() >= 1024
+        assert answers_match("0.5", r"\frac{1}{2}")
+    finally:
+        for fd in held:
+            os.close(fd)
+        rewards._WORKER.close()  # its descriptors are above the limit restored below
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

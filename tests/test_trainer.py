@@ -177,7 +177,7 @@ def test_correctness_comes_from_the_named_reward_function(tmp_path, tiny_model_d
     def format_bonus(completions, **kwargs):
         return [1.0] * len(completions)  # would make every completion "correct" if it decided correctness
 
-    args = config(tmp_path, max_steps=1, reward_weights=[1.0, 1.0])
+    args = config(tmp_path, max_steps=1, reward_weights=[1.0, 1.0], egpo_correctness_reward="parity_reward")
     trainer = EGPOTrainer(tiny_model_dir, [parity_reward, format_bonus], args, train_dataset=make_prompt_dataset())
     trainer.train()
     batch = trainer.egpo_last_batch

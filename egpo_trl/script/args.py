@@ -104,8 +104,8 @@ class TrainScriptArguments:
         default_factory=lambda: ["boxed_accuracy_reward"],
         metadata={
             "help": "Reward functions, by name (boxed_accuracy_reward: +1/-1 on the last \\boxed{}, paper Eq. 1; "
-            "think_format_reward) or import path 'package.module:function'. The first one decides correctness "
-            "unless egpo_correctness_reward names another."
+            "think_format_reward) or import path 'package.module:function'. With several, egpo_correctness_reward "
+            "names the one that decides correctness (boxed_accuracy_reward when it is the only accuracy reward)."
         },
     )
     eval_size: int = field(
@@ -305,7 +305,25 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
         raise SystemExit("egpo-trl train: torch_num_threads must be >= 0 (0 or unset keeps torch's default).")
     if script_args.eval_size < 0 or script_args.eval_num_samples < 1:
         raise SystemExit("egpo-trl train: eval_size must be >= 0 and eval_num_samples >= 1.")
+    _check_correctness_reward(script_args, training_args)
     return script_args, training_args, model_args
+
+
+def _check_correctness_reward(script_args: TrainScriptArguments, training_args: Any) -> None:
+    """Refuse, as the trainer would but before anything loads, reward functions that leave it ambiguous which one
+    decides correct versus incorrect (:func:`egpo_trl.correctness.correctness_reward_index`)."""
+    from egpo_trl.correctness import correctness_reward_index, reward_func_names
+    from egpo_trl.script.resolve import resolve_reward_funcs
+
+    funcs = resolve_reward_funcs(script_args.reward_funcs)
+    # The trainer appends its own overlong_penalty when overlong_buffer_length is set; it never decides correctness.
+    names = reward_func_names(funcs) + (
+        ["overlong_penalty"] if training_args.overlong_buffer_length is not None else []
+    )
+    try:
+        correctness_reward_index(funcs, training_args, names=names)
+    except ValueError as error:
+        raise SystemExit(f"egpo-trl train: {error}") from None
 
 
 def batch_shape_problem(

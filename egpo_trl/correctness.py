@@ -1,0 +1,152 @@
+"""Which reward function decides correct versus incorrect.
+
+EGPO's group types (entirely-correct, mixed, entirely-incorrect), dynamic sampling's ``correctness`` filter and
+Guided Error Correction read one binary verdict per completion: the value of one reward function, ``> 0`` meaning
+correct. With one reward function that is the one. With several, the configuration must say which
+(``egpo_correctness_reward``), because taking the first one silently lets a format or length bonus decide
+correctness. :func:`correctness_reward_index` settles it from the reward functions and the config alone, so that
+the trainer can refuse an ambiguous setting before any model loads.
+
+The names are the ones TRL 1.16's ``GRPOTrainer`` gives its reward functions (``reward_func_names``, the
+``rewards/<name>/mean`` metrics): a function's ``__name__`` (through ``functools.partial``), a callable
+object's class name, a reward model's id or path after its last ``/``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from egpo_trl.rewards import boxed_accuracy_reward
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ACCURACY_REWARDS",
+    "binary_correctness_features",
+    "correctness_reward_index",
+    "reward_func_name",
+    "reward_func_names",
+]
+
+#: The package's own binary accuracy rewards: when exactly one of several reward functions is one of these, it is
+#: taken as the correctness reward without being named.
+ACCURACY_REWARDS: tuple[Callable[..., list[float]], ...] = (boxed_accuracy_reward,)
+# The trainer's own shaping term (overlong_buffer_length): never a verifier, so never a candidate.
+_SHAPING_NAMES = ("overlong_penalty",)
+
+
+def _unwrap(func: Any) -> Any:
+    while isinstance(func, functools.partial):
+        func = func.func
+    return func
+
+
+def reward_func_name(func: Any) -> str:
+    """The name TRL 1.16's ``GRPOTrainer`` gives the reward function ``func`` (a callable, a model or a model id)."""
+    if isinstance(func, str):
+        return func.split("/")[-1]
+    config = getattr(func, "config", None)
+    if config is not None and hasattr(func, "forward"):  # a reward model (nn.Module)
+        return str(getattr(config, "_name_or_path", "")).split("/")[-1]
+    func = _unwrap(func)
+    return getattr(func, "__name__", type(func).__name__)
+
+
+def reward_func_names(reward_funcs: Any) -> list[str]:
+    """:func:`reward_func_name` of each reward function (``None``, one function or a list, as ``GRPOTrainer``
+    takes them)."""
+    return [reward_func_name(func) for func in _as_list(reward_funcs)]
+
+
+def _as_list(reward_funcs: Any) -> list[Any]:
+    if reward_funcs is None:
+        return []
+    return list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+
+
+def binary_correctness_features(args: Any) -> list[str]:
+    """The settings of ``args`` (an :class:`~egpo_trl.EGPOConfig`) that read the binary correct/incorrect verdict,
+    as named in errors: the estimator when it types groups, dynamic sampling on correctness, ``edge_gec``."""
+    from egpo_trl.advantages import get_advantage_estimator
+
+    estimator = get_advantage_estimator(args.advantage_estimator)
+    return [
+        name
+        for name, needed in (
+            (f"advantage_estimator={args.advantage_estimator!r}", getattr(estimator, "binary_correctness", False)),
+            (
+                "dynamic_sampling_metric='correctness'",
+                args.dynamic_sampling and args.dynamic_sampling_metric == "correctness",
+            ),
+            ("edge_gec", args.edge_gec),
+        )
+        if needed
+    ]
+
+
+def correctness_reward_index(
+    reward_funcs: Any,
+    args: Any,
+    *,
+    names: Sequence[str] | None = None,
+    complete: bool = True,
+) -> int | None:
+    """The index of the reward function that decides correct (> 0) versus incorrect.
+
+    Args:
+        reward_funcs: the reward functions as ``GRPOTrainer`` receives them (with the trainer's own
+            ``overlong_penalty`` appended when ``overlong_buffer_length`` is set).
+        args: the :class:`~egpo_trl.EGPOConfig`.
+        names: their names when already known (``GRPOTrainer.reward_func_names``); computed otherwise.
+        complete: ``False`` when more reward functions may come later (an ``environment_factory`` whose environments
+            define ``get_reward``): a name not found yet is then left for the later call (``None``).
+
+    Returns:
+        ``egpo_correctness_reward``'s index when it is set; ``0`` with one candidate; with several, the package's
+        accuracy reward when exactly one of them is one (logged); otherwise ``0`` when nothing reads the verdict
+        but metrics.
+
+    Raises:
+        ValueError: ``egpo_correctness_reward`` names no reward function, or several reward functions could decide
+            correctness, none is named and a setting of :func:`binary_correctness_features` needs the verdict.
+    """
+    funcs = _as_list(reward_funcs)
+    names = list(names) if names is not None else reward_func_names(funcs)
+    chosen = args.egpo_correctness_reward
+    if chosen is not None:
+        if chosen in names:
+            return names.index(chosen)
+        if not complete:
+            return None
+        raise ValueError(
+            f"egpo_correctness_reward={chosen!r} names no reward function; set it to one of {names}, the names of "
+            "the reward functions (their __name__, or a reward model's id after its last '/')."
+        )
+    candidates = [i for i, name in enumerate(names) if name not in _SHAPING_NAMES]
+    if len(candidates) <= 1:
+        return candidates[0] if candidates else 0
+    accuracy = [i for i in candidates if i < len(funcs) and _unwrap(funcs[i]) in ACCURACY_REWARDS]
+    features = binary_correctness_features(args)
+    if len(accuracy) == 1:
+        index = accuracy[0]
+        (logger.warning if features else logger.info)(
+            "Several reward functions (%s) and no egpo_correctness_reward: %r, the package's accuracy reward, decides "
+            "correct (> 0) versus incorrect; the others still add to the rewards. Set egpo_correctness_reward to "
+            "choose another.",
+            ", ".join(names),
+            names[index],
+        )
+        return index
+    if features:
+        listed = ", ".join(names[i] for i in candidates)
+        raise ValueError(
+            f"{', '.join(features)} type(s) each completion as correct or incorrect from ONE reward function, and "
+            f"there are several ({listed}) with no egpo_correctness_reward to say which.\n"
+            "Name the binary verifier (+1/-1 or 1/0): `egpo_correctness_reward: <name>` in the recipe, "
+            "`--egpo_correctness_reward <name>` or EGPOConfig(egpo_correctness_reward='<name>'), with <name> one of: "
+            f"{listed}.\nThe other reward functions still add to the rewards."
+        )
+    return 0

@@ -1,0 +1,352 @@
+"""Every part of TRL beyond its documented API that egpo_trl relies on, checked against the installed TRL.
+
+``EGPOTrainer`` overrides private methods of ``GRPOTrainer``, reads attributes its ``__init__`` sets, relies on the
+shapes of what its private methods return, and imports helpers from TRL's internal modules. A TRL release may change
+any of these without notice. The tables below list them all, in one place, with the file that uses each; the single
+test checks the installed TRL against every entry and fails with one message that lists everything missing or
+changed, so that an upgrade fails here first rather than deep inside a training step.
+
+When egpo_trl starts to use another of TRL's internals, add it here.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib
+import inspect
+
+import pytest
+import torch
+from conftest import make_prompt_dataset, parity_reward
+from conftest import trainer_config as config
+
+# Functions imported from TRL's internal modules: (module, name, leading parameter names, used by).
+FUNCTIONS = [
+    ("trl.trainer.utils", "get_config_model_id", ["config"], "egpo_trl/trainer.py"),
+    ("trl.trainer.utils", "get_callable_name", ["func"], "egpo_trl/correctness.py (reproduces its names)"),
+    ("trl.models.utils", "disable_gradient_checkpointing", ["model", "gradient_checkpointing_kwargs"], "trainer.py"),
+    ("trl.data_utils", "is_conversational", ["example"], "egpo_trl/sampling/gec.py"),
+    ("trl.trainer.utils", "selective_log_softmax", ["logits", "index", "temperature"], "benchmarks/is_gap.py"),
+]
+
+# Private methods of GRPOTrainer that EGPOTrainer overrides or calls: (name, leading parameter names after self,
+# used by). Calls pass these names positionally or as keywords, so both order and names matter.
+METHODS = [
+    ("_generate_and_score_completions", ["inputs"], "trainer.py (override), sampling/dynamic.py"),
+    ("_calculate_rewards", ["inputs", "prompts", "completions", "completion_ids_list"], "trainer.py, gec.py"),
+    ("_generate", ["prompts"], "trainer.py (override, Guided Error Correction)"),
+    ("_generate_single_turn", ["prompt_ids", "images", "multimodal_fields", "num_generations"], "sampling/gec.py"),
+    (
+        "_get_per_token_logps_and_entropies",
+        ["model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy"],
+        "trainer.py (override, and the extra entropy pass)",
+    ),
+    ("_compute_loss", ["model", "inputs"], "tests/recording.py"),
+    ("_save_checkpoint", ["model", "trial"], "egpo_trl/script/resume.py (Ctrl-C checkpoint)"),
+]
+
+# Everything of GRPOTrainer that EGPOTrainer or its mixins define again, on purpose. Any other name they share (a
+# helper of a mixin that a new TRL release also defines, say) would silently replace TRL's.
+OVERRIDES = {
+    "__init__",
+    "_tag_names",
+    "_name",
+    "_calculate_rewards",
+    "_generate",
+    "_generate_and_score_completions",
+    "_get_per_token_logps_and_entropies",
+}
+
+# Attributes GRPOTrainer.__init__ sets that egpo_trl reads (or, for the generation settings, changes for a while):
+# (name, check on a real trainer, what is expected, used by).
+INSTANCE_ATTRIBUTES = [
+    (
+        "_metrics",
+        lambda v: set(v) == {"train", "eval"} and isinstance(v["train"], collections.defaultdict),
+        "{'train': defaultdict(list), 'eval': ...}",
+        "trainer.py, dynamic.py, gec.py",
+    ),
+    (
+        "_logs",
+        lambda v: (
+            {"prompt", "completion", "advantages", "rewards", "extra"} <= set(v)
+            and isinstance(v["advantages"], collections.deque)
+            and isinstance(v["rewards"], collections.defaultdict)
+        ),
+        "dict with prompt/completion/advantages deques and rewards/extra defaultdicts",
+        "trainer.py, dynamic.py",
+    ),
+    ("_tokenizer", lambda v: hasattr(v, "pad_token_id") and callable(v), "the tokenizer", "dynamic.py, gec.py"),
+    (
+        "eos_token_ids",
+        lambda v: isinstance(v, list) and v and all(isinstance(i, int) for i in v),
+        "list of int",
+        "sampling/gec.py",
+    ),
+    ("generation_config", lambda v: hasattr(v, "max_new_tokens"), "a GenerationConfig", "sampling/gec.py"),
+    ("generation_kwargs", lambda v: isinstance(v, dict), "dict", "sampling/gec.py"),
+    ("reward_funcs", lambda v: isinstance(v, list), "list", "trainer.py"),
+    (
+        "reward_func_names",
+        lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
+        "list of str",
+        "trainer.py, script/run.py",
+    ),
+    ("reward_weights", lambda v: isinstance(v, torch.Tensor) and v.dim() == 1, "1-D tensor", "trainer.py"),
+    ("scale_rewards", lambda v: v in ("group", "batch", "none", True, False), "str", "trainer.py"),
+    ("num_generations", lambda v: isinstance(v, int), "int", "trainer.py, gec.py"),
+    ("num_generations_eval", lambda v: isinstance(v, int), "int", "trainer.py"),
+    ("num_iterations", lambda v: isinstance(v, int), "int", "trainer.py"),
+    ("max_completion_length", lambda v: isinstance(v, int), "int", "sampling/gec.py"),
+    ("use_vllm", lambda v: isinstance(v, bool), "bool", "trainer.py, gec.py"),
+    ("vllm_importance_sampling_correction", lambda v: isinstance(v, bool), "bool", "trainer.py"),
+    ("tools", lambda v: v is None or isinstance(v, list), "list or None", "sampling/common.py"),
+    ("rollout_func", lambda v: v is None, "None here", "sampling/common.py"),
+    ("environment_factories", lambda v: v is None, "None here", "sampling/common.py"),
+]
+
+# Text that TRL's source must contain: each is a behaviour egpo_trl relies on and a signature cannot show.
+# (object, text, why, used by).
+SOURCE = [
+    (
+        "GRPOTrainer._generate_and_score_completions",
+        "= self._generate(prompts)",
+        "generation goes through _generate (the Guided Error Correction hook)",
+        "trainer.py",
+    ),
+    (
+        "GRPOTrainer._generate_and_score_completions",
+        "self._calculate_rewards(inputs, prompts, completions, ",
+        "scoring goes through _calculate_rewards (where the per-function rewards are captured)",
+        "trainer.py",
+    ),
+    (
+        "GRPOTrainer._generate_and_score_completions",
+        "old_per_token_logps, _, _ = self._get_per_token_logps_and",
+        "the old-policy pass goes through _get_per_token_logps_and_entropies",
+        "trainer.py",
+    ),
+    (
+        "GRPOTrainer._generate_and_score_completions",
+        "if self.args.gradient_accumulation_steps % generate_every != 0 or (\n"
+        "                self.use_vllm and self.vllm_importance_sampling_correction",
+        "the rule for computing old log-probs, mirrored by _trl_computes_old_logps",
+        "trainer.py",
+    ),
+    (
+        "GRPOTrainer._generate_and_score_completions",
+        '"sampling/importance_sampling_ratio/mean"',
+        "the metric the low-ratio warning reads",
+        "trainer.py",
+    ),
+    ("GRPOTrainer._generate_and_score_completions", 'output["old_per_token_logps"]', "output key", "trainer.py"),
+    ("GRPOTrainer._generate_and_score_completions", 'output["sampling_per_token_logps"]', "output key", "trainer.py"),
+    ("GRPOTrainer._generate_and_score_completions", 'output["tool_mask"]', "output key", "trainer.py"),
+    (
+        "GRPOTrainer.__init__",
+        "self.vllm_generation = VLLMGeneration(",
+        "the vLLM generator's attribute",
+        "gec.py, vllm_cpu.py",
+    ),
+    (
+        "VLLMGeneration.generate",
+        "max_completion_length = self.max_completion_length",
+        "the length limit is read at each call (GEC sets it for a continuation)",
+        "sampling/gec.py",
+    ),
+    ("VLLMGeneration.__init__", "self.mode = mode", "colocate or server", "vllm_cpu.py"),
+    ("VLLMGeneration._init_vllm", "self.llm = LLM(", "the colocated engine", "vllm_cpu.py"),
+    ("VLLMGeneration.sync_weights", "", "replaced on CPU builds by cpu_sync_weights", "vllm_cpu.py"),
+    ("VLLMGeneration._iter_named_params", "", "the weights cpu_sync_weights streams", "vllm_cpu.py"),
+]
+
+# What TRL's private methods return, checked by calling them on a real trainer: (method, what is expected).
+RETURNS = [
+    (
+        "_generate",
+        "an 8-tuple (prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images)",
+    ),
+    ("_generate_single_turn", "a pair (completion_ids, logprobs)"),
+    ("_calculate_rewards", "a tensor [completions, reward functions]"),
+    ("_get_per_token_logps_and_entropies", "a triple (logps, entropies, aux_loss)"),
+    (
+        "_generate_and_score_completions",
+        "a dict with prompt_ids, prompt_mask, completion_ids, completion_mask and advantages",
+    ),
+]
+
+# GRPOConfig's sampling fields, all of which egpo_trl.config.distribution_changing_sampling_options judges, and the
+# importance-sampling modes its guard sorts into token and sequence level. A new field or mode must be judged there.
+SAMPLING_FIELDS = {
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "generation_kwargs",
+    "vllm_structured_outputs_regex",
+}
+# Fields whose names look like sampling options but are not: top_entropy_quantile selects tokens for the loss.
+NOT_SAMPLING_FIELDS = {"top_entropy_quantile"}
+IMPORTANCE_SAMPLING_MODES = {"token_truncate", "token_mask", "sequence_truncate", "sequence_mask"}
+
+
+def _parameters(func) -> list[str]:
+    names = list(inspect.signature(func).parameters)
+    return names[1:] if names and names[0] == "self" else names
+
+
+def _static_problems() -> list[str]:
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from egpo_trl.trainer import _FORWARD_KEYS
+
+    problems = []
+    for module_name, name, expected, used_by in FUNCTIONS:
+        try:
+            func = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError) as error:
+            problems.append(f"{module_name}.{name} is gone ({error}); used by {used_by}")
+            continue
+        found = _parameters(func)
+        if found[: len(expected)] != expected:
+            problems.append(f"{module_name}.{name}: parameters {found}, expected to start with {expected} ({used_by})")
+    for name, expected, used_by in METHODS:
+        method = getattr(GRPOTrainer, name, None)
+        if not callable(method):
+            problems.append(f"GRPOTrainer.{name} is gone; used by {used_by}")
+            continue
+        found = _parameters(method)
+        if found[: len(expected)] != expected:
+            problems.append(f"GRPOTrainer.{name}: parameters {found}, expected to start with {expected} ({used_by})")
+    logps_parameters = _parameters(GRPOTrainer._get_per_token_logps_and_entropies)
+    missing = [key for key in _FORWARD_KEYS if key not in logps_parameters]
+    if missing:
+        problems.append(
+            f"GRPOTrainer._get_per_token_logps_and_entropies no longer takes {missing} (trainer.py's _FORWARD_KEYS)"
+        )
+    from egpo_trl import EGPOTrainer
+
+    ours = {
+        name
+        for cls in EGPOTrainer.__mro__
+        if cls.__module__.startswith("egpo_trl")
+        for name in vars(cls)
+        if name == "__init__" or not (name.startswith("__") and name.endswith("__"))
+    }
+    shared = {name for name in ours if hasattr(GRPOTrainer, name)}
+    if shared != OVERRIDES:
+        unexpected, gone = sorted(shared - OVERRIDES), sorted(OVERRIDES - shared)
+        problems.append(
+            f"EGPOTrainer and GRPOTrainer now share {sorted(shared)}: unexpected {unexpected} (rename egpo_trl's, or "
+            f"make it a deliberate override), no longer in TRL {gone}"
+        )
+    owners = {"GRPOTrainer": GRPOTrainer, "VLLMGeneration": VLLMGeneration}
+    for path, text, why, used_by in SOURCE:
+        owner, _, attribute = path.partition(".")
+        member = getattr(owners[owner], attribute, None)
+        if member is None:
+            problems.append(f"{path} is gone ({why}); used by {used_by}")
+        elif text and text not in inspect.getsource(member):
+            problems.append(f"{path} no longer contains {text!r}: {why} ({used_by})")
+    fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    sampling = {
+        name
+        for name in fields
+        if name in SAMPLING_FIELDS
+        or any(part in name for part in ("top_", "min_p", "penalty", "structured", "logit_bias", "sampling_params"))
+    } - NOT_SAMPLING_FIELDS
+    if sampling != SAMPLING_FIELDS:
+        problems.append(
+            f"GRPOConfig's sampling fields are {sorted(sampling)}, expected {sorted(SAMPLING_FIELDS)}: judge the new "
+            "ones in egpo_trl.config.distribution_changing_sampling_options"
+        )
+    mode_help = fields["vllm_importance_sampling_mode"].metadata.get("help", "")
+    modes = {mode for mode in IMPORTANCE_SAMPLING_MODES if f"'{mode}'" in mode_help}
+    if modes != IMPORTANCE_SAMPLING_MODES or mode_help.count("'") != 2 * len(IMPORTANCE_SAMPLING_MODES):
+        problems.append(
+            f"GRPOConfig.vllm_importance_sampling_mode's values changed (help: {mode_help!r}): sort them into "
+            "egpo_trl.config.SEQUENCE_IMPORTANCE_SAMPLING_MODES or the token-level ones"
+        )
+    return problems
+
+
+def _instance_problems(trainer) -> list[str]:
+    from egpo_trl.correctness import reward_func_names
+
+    problems = []
+    for name, check, expected, used_by in INSTANCE_ATTRIBUTES:
+        if not hasattr(trainer, name):
+            problems.append(f"GRPOTrainer instances have no {name} ({used_by})")
+        elif not check(getattr(trainer, name)):
+            problems.append(f"GRPOTrainer.{name} is {getattr(trainer, name)!r}, expected {expected} ({used_by})")
+    if reward_func_names(trainer.reward_funcs) != trainer.reward_func_names:
+        problems.append(
+            f"GRPOTrainer names its reward functions {trainer.reward_func_names}, egpo_trl.correctness names them "
+            f"{reward_func_names(trainer.reward_funcs)}"
+        )
+
+    # One generation batch through TRL's own methods, checking what each returns.
+    returns = dict(RETURNS)
+    inputs = [row for row in make_prompt_dataset(2) for _ in range(trainer.num_generations)]
+    prompts = [row["prompt"] for row in inputs]
+    trainer.model.train()
+    generated = trainer._generate(prompts)
+    if not (isinstance(generated, tuple) and len(generated) == 8):
+        problems.append(f"GRPOTrainer._generate returned {type(generated).__name__}, expected {returns['_generate']}")
+        return problems
+    prompt_ids, completion_ids, _, completions, *_ = generated
+    single = trainer._generate_single_turn(prompt_ids[:1], None, {}, 1)
+    if not (isinstance(single, tuple) and len(single) == 2 and len(single[0]) == 1):
+        problems.append(
+            f"GRPOTrainer._generate_single_turn returned {single!r}, expected {returns['_generate_single_turn']}"
+        )
+    rewards = trainer._calculate_rewards(inputs, prompts, completions, completion_ids)
+    if not (isinstance(rewards, torch.Tensor) and tuple(rewards.shape) == (len(inputs), len(trainer.reward_funcs))):
+        problems.append(
+            f"GRPOTrainer._calculate_rewards returned {rewards!r}, expected {returns['_calculate_rewards']}"
+        )
+    output = trainer._generate_and_score_completions(inputs)
+    expected_keys = {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages"}
+    if not (isinstance(output, dict) and expected_keys <= set(output)):
+        problems.append(
+            f"GRPOTrainer._generate_and_score_completions returned keys {sorted(output)}, expected "
+            f"{returns['_generate_and_score_completions']}"
+        )
+        return problems
+    with torch.no_grad():
+        result = trainer._get_per_token_logps_and_entropies(
+            trainer.model,
+            torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1),
+            torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1),
+            output["completion_ids"].size(1),
+            batch_size=4,
+            compute_entropy=True,
+        )
+    if not (isinstance(result, tuple) and len(result) == 3 and result[0].shape == output["completion_ids"].shape):
+        problems.append(
+            f"GRPOTrainer._get_per_token_logps_and_entropies returned {type(result).__name__} of "
+            f"{len(result) if isinstance(result, tuple) else '?'}, expected "
+            f"{returns['_get_per_token_logps_and_entropies']}"
+        )
+    return problems
+
+
+def test_every_trl_internal_egpo_trl_relies_on_is_there(tmp_path, tiny_model_dir):
+    from trl import GRPOConfig, GRPOTrainer
+
+    problems = _static_problems()
+    trainer = GRPOTrainer(
+        tiny_model_dir, parity_reward, config(tmp_path, GRPOConfig), train_dataset=make_prompt_dataset()
+    )
+    problems += _instance_problems(trainer)
+    if problems:
+        import trl
+
+        pytest.fail(
+            f"TRL {trl.__version__} changed {len(problems)} of the internals egpo_trl relies on (tests/"
+            "test_trl_surface.py lists them all):\n  - " + "\n  - ".join(problems),
+            pytrace=False,
+        )
