@@ -170,7 +170,8 @@ class EGPOConfig(GRPOConfig):
         dynamic_sampling (`bool`, *optional*, defaults to `False`):
             DAPO's dynamic sampling: groups that carry no learning signal under GRPO (see `dynamic_sampling_metric`)
             are dropped and more prompts are generated until the generation batch is made of informative groups
-            only, or `dynamic_sampling_max_rounds` is reached.
+            only, or `dynamic_sampling_max_rounds` is reached. An extra round generates only the shortfall: the
+            missing groups over the informative fraction seen so far (at least 0.1), at most a generation batch.
         dynamic_sampling_max_rounds (`int`, *optional*, defaults to `10`):
             Most generation rounds for one generation batch, the first included (DAPO's `max_num_gen_batches`).
             When they do not yield enough informative groups, a warning is logged and the batch is completed with

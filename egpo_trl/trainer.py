@@ -152,8 +152,9 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
     proxy's log-probs came from (``egpo/entropy_source``, see ``ENTROPY_SOURCE_CODES``). Under dynamic sampling
     and Guided Error Correction, TRL's reward and length metrics describe the batch trained on. With
     ``edge_grpo``, ``egpo/token_entropy_mean`` (the mean Shannon entropy); with dynamic sampling,
-    ``dynamic_sampling/*`` (rounds needed, fraction of informative groups, whether the cap was hit); with
-    Guided Error Correction, ``gec/*`` (fraction of completions continued, given the answer, replaced).
+    ``dynamic_sampling/*`` (rounds needed, fraction of informative groups, groups generated per group kept,
+    whether the cap was hit); with Guided Error Correction, ``gec/*`` (fraction of completions continued, given
+    the answer, replaced).
     """
 
     _tag_names = ["trl", "egpo"]

@@ -1,7 +1,8 @@
 """DAPO's dynamic sampling (``egpo_trl.sampling.dynamic``) in real runs on TRL's machinery and a tiny Qwen2.
 
-The batch fills with informative groups, rows keep their rewards when they move, the cap stops a run without
-informative groups with a warning, and two processes keep the same groups.
+The batch fills with informative groups, rows keep their rewards when they move, an extra round generates only
+the shortfall, the cap stops a run without informative groups with a warning, and two processes keep the same
+groups and run the same rounds.
 """
 
 from __future__ import annotations
@@ -23,6 +24,24 @@ def half_informative_reward(completions, answer, **kwargs):
 
 def always_wrong(completions, **kwargs):
     return [-1.0] * len(completions)
+
+
+def mostly_informative_reward(completions, answer, **kwargs):
+    """Uninformative (-1 throughout) on 2 of make_prompt_dataset's 8 prompts (answers 10 and 22); parity otherwise."""
+    parity = parity_reward(completions)
+    return [-1.0 if (int(a) - 10) % 12 == 0 else p for a, p in zip(answer, parity)]
+
+
+class RoundRecording(Recording):
+    """Also keeps the prompts each generation round was given (one list of rows per call)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.round_inputs = []
+
+    def _generate_round(self, inputs):
+        self.round_inputs.append([str(row["prompt"]) for row in inputs])
+        return super()._generate_round(inputs)
 
 
 def test_the_mixin_adds_methods_and_overrides_nothing_of_grpo_trainer():
@@ -111,16 +130,21 @@ def test_dynamic_sampling_with_two_processes_keeps_the_same_groups_everywhere(tm
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         lookup[tokenizer.decode(ids, skip_special_tokens=True)] = row["answer"]
 
-    rounds = []
+    smaller = 0
     for first, second in zip(ranks[0]["records"], ranks[1]["records"]):
         # Both processes took the same decisions from the same gathered rewards ...
         assert first["selected"] == second["selected"] and first["rounds"] == second["rounds"]
         torch.testing.assert_close(first["rewards_per_func"], second["rewards_per_func"])
         assert all(torch.equal(a, b) for a, b in zip(first["informative"], second["informative"]))
-        # ... kept one informative group of 4, 2 rows on each process (the group spans both) ...
-        assert not first["cap_hit"] and first["completion_ids"].size(0) == second["completion_ids"].size(0) == 2
-        correct = first["rewards_per_func"][:, 0] > 0
-        assert correct.any() and not correct.all()
+        # ... ran the same generation rounds with the same number of rows, an extra round generating only the
+        # shortfall (its groups split over both processes) ...
+        assert first["round_groups"] == second["round_groups"] and first["round_groups"][0] == 4
+        assert first["round_rows"] == second["round_rows"] == [groups * 2 for groups in first["round_groups"]]
+        smaller += sum(groups < 4 for groups in first["round_groups"][1:])
+        # ... kept 4 informative groups of 4, 8 rows on each process ...
+        assert not first["cap_hit"] and first["completion_ids"].size(0) == second["completion_ids"].size(0) == 8
+        correct = first["rewards_per_func"][:, 0].view(-1, 4) > 0
+        assert (correct.any(dim=1) & ~correct.all(dim=1)).all()
         torch.testing.assert_close(
             torch.cat([first["local_advantages"], second["local_advantages"]]), first["global_advantages"]
         )
@@ -129,10 +153,9 @@ def test_dynamic_sampling_with_two_processes_keeps_the_same_groups_everywhere(tm
             prompts = tokenizer.batch_decode(record["prompt_ids"], skip_special_tokens=True)
             ids = [r[m.bool()] for r, m in zip(record["completion_ids"], record["completion_mask"])]
             completions = tokenizer.batch_decode(ids, skip_special_tokens=True)
-            expected = half_informative_reward(completions, [lookup[p] for p in prompts])
-            torch.testing.assert_close(record["rewards_per_func"][2 * rank : 2 * rank + 2, 0], torch.tensor(expected))
-        rounds.append(first["rounds"])
-    assert max(rounds) > 1, "with half the prompts uninformative some step needs extra rounds"
+            expected = mostly_informative_reward(completions, [lookup[p] for p in prompts])
+            torch.testing.assert_close(record["rewards_per_func"][8 * rank : 8 * rank + 8, 0], torch.tensor(expected))
+    assert smaller > 0, "some step needs an extra round, smaller than a generation batch"
 
 
 @pytest.mark.slow
@@ -153,3 +176,64 @@ def test_dynamic_sampling_metrics_describe_the_kept_batch(tmp_path, tiny_model_d
         assert log["rewards/half_informative_reward/mean"] == pytest.approx(rewards.mean().item(), abs=1e-6)
         assert log["completions/mean_length"] == pytest.approx(lengths.mean().item(), abs=1e-6)
         assert log["completions/max_length"] == lengths.max().item()
+
+
+@pytest.mark.slow
+def test_an_extra_round_generates_only_the_shortfall(tmp_path, tiny_model_dir):
+    from fractions import Fraction
+    from math import ceil
+
+    from egpo_trl.sampling.dynamic import MIN_INFORMATIVE_FRACTION
+
+    # 16 rows of 4 completions: generation batches of 4 groups, of which 1 or 2 are usually uninformative.
+    settings = dict(max_steps=4, per_device_train_batch_size=16, dynamic_sampling=True, dynamic_sampling_max_rounds=8)
+    trainer = RoundRecording(
+        tiny_model_dir, mostly_informative_reward, config(tmp_path, **settings), train_dataset=make_prompt_dataset()
+    )
+    trainer.train()
+
+    calls = iter(trainer.round_inputs)
+    smaller = 0
+    for generated, per_kept in zip(trainer.generated, history(trainer, "dynamic_sampling/generated_per_kept")):
+        batch = generated["batch"]
+        sampling = batch["dynamic_sampling"]
+        target = sampling["target_groups"]
+        assert target == 4 and not sampling["cap_hit"] and len(sampling["selected"]) == target
+        # The generation calls were exactly the recorded rounds: the first with TRL's generation batch, each extra
+        # one with the shortfall over the informative fraction seen so far (at most a generation batch).
+        found = generated_groups = 0
+        for index, (groups, informative) in enumerate(zip(sampling["round_groups"], sampling["informative"])):
+            prompts = next(calls)
+            assert len(prompts) == groups * 4 == informative.numel() * 4
+            assert all(len(set(prompts[g * 4 : g * 4 + 4])) == 1 for g in range(groups)), "4 rows per prompt"
+            if index == 0:
+                assert groups == target
+            else:
+                fraction = max(Fraction(found, generated_groups), MIN_INFORMATIVE_FRACTION)
+                assert groups == min(ceil((target - found) / fraction), target)
+                smaller += groups < target
+            found += int(informative.sum())
+            generated_groups += groups
+        assert per_kept == pytest.approx(generated_groups / target)
+        # The batch trained on: 16 rows, every kept group mixed, each row with its own reward.
+        assert generated["completion_ids"].size(0) == 16
+        correctness = batch["rewards_per_func"][:, 0].view(-1, 4) > 0
+        assert (correctness.any(dim=1) & ~correctness.all(dim=1)).all(), "every kept group is mixed"
+        prompts, completions = texts(trainer, generated)
+        recomputed = mostly_informative_reward(completions, answers_of(trainer, prompts))
+        torch.testing.assert_close(batch["rewards_per_func"][:, 0], torch.tensor(recomputed))
+    assert next(calls, None) is None, "no generation call outside the recorded rounds"
+    assert smaller > 0, "some extra round generates fewer groups than a generation batch"
+
+    # Same seed, same rounds and same batches.
+    again = RoundRecording(
+        tiny_model_dir,
+        mostly_informative_reward,
+        config(tmp_path / "again", **settings),
+        train_dataset=make_prompt_dataset(),
+    )
+    again.train()
+    assert again.round_inputs == trainer.round_inputs
+    for first, second in zip(trainer.generated, again.generated, strict=True):
+        assert first["batch"]["dynamic_sampling"]["selected"] == second["batch"]["dynamic_sampling"]["selected"]
+        assert torch.equal(first["completion_ids"], second["completion_ids"])

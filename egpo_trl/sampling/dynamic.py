@@ -3,20 +3,26 @@
 With ``dynamic_sampling=True`` the trainer generates extra rounds for prompts drawn from the training set until
 the generation batch is made of informative groups (``dynamic_sampling_metric``: groups whose completions are
 not all correct nor all incorrect, or whose rewards are not all equal), up to ``dynamic_sampling_max_rounds``
-rounds. The decision is taken on gathered tensors, so every process keeps the same groups, and the batch keeps
-its shape: TRL's dataloader, epochs, buffering, shuffling and ``num_iterations`` see a normal generation batch.
+rounds. An extra round generates only the shortfall: the missing groups divided by the fraction of informative
+groups seen so far in this generation batch (never more than a generation batch). The decision is taken on
+gathered tensors, so every process keeps the same groups and runs the same rounds with the same number of rows,
+and the batch keeps its shape: TRL's dataloader, epochs, buffering, shuffling and ``num_iterations`` see a normal
+generation batch.
 
 Why a mixin: the feature needs the trainer's state (the accelerator, the metrics, the completions table, TRL's
 generation and scoring of one round), so its methods live on the trainer, but in a class of their own that
 overrides nothing of ``GRPOTrainer``. ``EGPOTrainer._generate_and_score_completions`` calls
 :meth:`DynamicSamplingMixin._dynamic_sampling` when the feature is on; the mixin calls back into the trainer
-for one generation round (``_generate_round``) and for correctness (``_egpo_correct``,
-``_egpo_correctness_index``). ``tests/test_dynamic_sampling.py`` tests it.
+for one generation round (``_generate_round``), for correctness (``_egpo_correct``,
+``_egpo_correctness_index``) and to agree on a count across processes (``_egpo_same_count_across_processes``).
+``tests/test_dynamic_sampling.py`` tests it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -29,14 +35,19 @@ __all__ = ["DynamicSamplingMixin"]
 
 # Batch tensors that are left-padded (the prompt side); every other per-token tensor is right-padded.
 _LEFT_PADDED_KEYS = ("prompt_ids", "prompt_mask")
+# The informative fraction an extra round is sized with when fewer groups than this were informative so far: a
+# batch without (or with almost no) informative groups asks for a whole generation batch, not a division by zero.
+MIN_INFORMATIVE_FRACTION = Fraction(1, 10)
 
 
 class DynamicSamplingMixin:
     """DAPO's dynamic sampling over whole generation batches (``dynamic_sampling=True``).
 
     Methods only, for a ``GRPOTrainer`` subclass that provides ``_generate_round(inputs) -> (output,
-    rewards_per_func)``, ``_egpo_correct`` and ``_egpo_correctness_index`` (:class:`~egpo_trl.trainer.EGPOTrainer`).
-    Logs ``dynamic_sampling/rounds``, ``dynamic_sampling/frac_informative`` and ``dynamic_sampling/cap_hit``.
+    rewards_per_func)``, ``_egpo_correct``, ``_egpo_correctness_index`` and ``_egpo_same_count_across_processes``
+    (:class:`~egpo_trl.trainer.EGPOTrainer`).
+    Logs ``dynamic_sampling/rounds``, ``dynamic_sampling/frac_informative``, ``dynamic_sampling/generated_per_kept``
+    and ``dynamic_sampling/cap_hit``.
     """
 
     def _check_dynamic_sampling(self) -> None:
@@ -73,25 +84,29 @@ class DynamicSamplingMixin:
     def _dynamic_sampling(
         self, inputs: list[dict[str, Any]], num_generations: int
     ) -> tuple[dict[str, Any], torch.Tensor, dict[str, Any]]:
-        """DAPO's dynamic sampling over whole generation batches.
+        """DAPO's dynamic sampling: the generation batch ``inputs``, then extra rounds for the missing groups.
 
         Generates ``inputs`` as TRL would, then, while fewer than ``G`` groups (the generation batch's number of
-        groups) are informative, another round for ``G`` prompts drawn from ``train_dataset``, up to
-        ``dynamic_sampling_max_rounds`` rounds in all. The first ``G`` informative groups, in generation order, make
-        the batch; when the cap stops the search, uninformative groups (first round first) fill it and a warning is
-        logged. Decisions use the gathered rewards, so every process keeps the same groups; rows move between
-        processes as needed, and each keeps its usual number of rows.
+        groups) are informative, another round for prompts drawn from ``train_dataset``, up to
+        ``dynamic_sampling_max_rounds`` rounds in all. An extra round is sized by :meth:`_extra_round_groups`
+        (the shortfall over the informative fraction seen so far, at most ``G`` groups). The first ``G``
+        informative groups, in generation order, make the batch; when the cap stops the search, uninformative
+        groups (first round first) fill it and a warning is logged. Decisions use the gathered rewards, so every
+        process keeps the same groups and generates the same rounds with the same number of rows; rows move
+        between processes as needed, and each keeps its usual number of rows.
         """
         local_rows = len(inputs)
-        global_rows = local_rows * self.accelerator.num_processes
+        processes = self.accelerator.num_processes
+        global_rows = local_rows * processes
         target = global_rows // num_generations
         max_rounds = self.args.dynamic_sampling_max_rounds
         rounds: list[dict[str, Any]] = []
-        found = 0
+        found = generated = 0
         round_inputs = inputs
         marks = []  # the length of each of TRL's metric lists before each round
         for round_index in range(max_rounds):
             marks.append({name: len(values) for name, values in self._metrics["train"].items()})
+            groups = len(round_inputs) * processes // num_generations
             output, rewards_per_func = self._generate_round(round_inputs)
             informative = self._informative_groups(rewards_per_func, num_generations)
             rounds.append(
@@ -99,13 +114,16 @@ class DynamicSamplingMixin:
                     "output": output,
                     "rewards_per_func": rewards_per_func,
                     "informative": informative,
-                    "logs": self._snapshot_logs(global_rows),
+                    "groups": groups,
+                    "logs": self._snapshot_logs(groups * num_generations),
                 }
             )
             found += int(informative.sum().item())
+            generated += groups
             if found >= target or round_index + 1 == max_rounds:
                 break
-            round_inputs = self._refill_inputs(local_rows, num_generations, round_index + 1)
+            extra = self._extra_round_groups(target - found, Fraction(found, generated), target, num_generations)
+            round_inputs = self._refill_inputs(extra, num_generations, round_index + 1)
 
         selected = [
             (r, int(g)) for r, record in enumerate(rounds) for g in torch.nonzero(record["informative"]).flatten()
@@ -113,7 +131,10 @@ class DynamicSamplingMixin:
         cap_hit = len(selected) < target
         if cap_hit:
             fillers = [
-                (r, g) for r, record in enumerate(rounds) for g in range(target) if not record["informative"][g]
+                (r, g)
+                for r, record in enumerate(rounds)
+                for g in range(record["groups"])
+                if not record["informative"][g]
             ]
             fillers = fillers[: target - len(selected)]
             if self.accelerator.is_main_process:
@@ -138,14 +159,15 @@ class DynamicSamplingMixin:
             self._restore_logs(rounds, selected, num_generations, global_rows)
 
         self._keep_batch_metrics(marks, sorted({r for r, _ in selected}), output, rewards_per_func, num_generations)
-        generated = target * len(rounds)
         metrics = self._metrics["train"]
         metrics["dynamic_sampling/rounds"].append(float(len(rounds)))
         metrics["dynamic_sampling/frac_informative"].append(found / generated)
+        metrics["dynamic_sampling/generated_per_kept"].append(generated / target)
         metrics["dynamic_sampling/cap_hit"].append(float(cap_hit))
         sampling = {
             "rounds": len(rounds),
             "target_groups": target,
+            "round_groups": [record["groups"] for record in rounds],
             "informative": [record["informative"] for record in rounds],
             "selected": selected,
             "cap_hit": cap_hit,
@@ -188,15 +210,31 @@ class DynamicSamplingMixin:
                 kept = [v for r in used for v in values[starts[r] : starts[r + 1]]]
             values[:] = before + kept
 
-    def _refill_inputs(self, local_rows: int, num_generations: int, round_index: int) -> list[dict[str, Any]]:
-        """This process's rows of a generation batch of fresh prompts from ``train_dataset``.
+    def _extra_round_groups(self, missing: int, fraction: Fraction, target: int, num_generations: int) -> int:
+        """The number of groups (prompts) the next round generates, the same on every process.
+
+        ``ceil(missing / max(fraction, MIN_INFORMATIVE_FRACTION))``, where ``fraction`` is the informative
+        fraction of the groups generated so far for this generation batch (as verl's DAPO recipe sizes its
+        generation batch from the expected informative fraction), rounded up so that the round's rows split evenly
+        across processes, and at most ``target`` (a generation batch, whose memory use is known to fit). Computed
+        exactly (fractions) from gathered counts, then agreed on across processes (the largest), so every process
+        runs the same generation calls with the same number of prompts.
+        """
+        groups = math.ceil(missing / max(fraction, MIN_INFORMATIVE_FRACTION))
+        unit = self.accelerator.num_processes // math.gcd(self.accelerator.num_processes, num_generations)
+        groups = min(math.ceil(groups / unit) * unit, target)
+        return self._egpo_same_count_across_processes(groups)
+
+    def _refill_inputs(self, num_groups: int, num_generations: int, round_index: int) -> list[dict[str, Any]]:
+        """This process's rows of an extra round of ``num_groups`` fresh prompts from ``train_dataset``.
 
         The prompts are a seeded random draw (from ``seed``, the global step and the round), the same on every
-        process and again after resuming; each prompt is repeated ``num_generations`` times and the global batch
-        is split across processes exactly as TRL's sampler splits it. TRL's own dataloader is not advanced.
+        process and again after resuming; each prompt is repeated ``num_generations`` times and the round's rows
+        are split across processes exactly as TRL's sampler splits a generation batch (``num_groups *
+        num_generations`` must be a multiple of the number of processes). TRL's own dataloader is not advanced.
         """
         dataset = self.train_dataset
-        num_groups = local_rows * self.accelerator.num_processes // num_generations
+        local_rows = num_groups * num_generations // self.accelerator.num_processes
         generator = torch.Generator().manual_seed(
             (self.args.seed + 1) * 1_000_003 + self.state.global_step * 1_009 + round_index
         )
@@ -225,7 +263,6 @@ class DynamicSamplingMixin:
         self, rounds: list[dict[str, Any]], selected: list[tuple[int, int]], num_generations: int, local_rows: int
     ) -> tuple[dict[str, Any], torch.Tensor]:
         """The batch made of the ``selected`` (round, group) pairs: this process's rows and the gathered rewards."""
-        global_rows = local_rows * self.accelerator.num_processes
         first = rounds[0]["output"]
         keys = [
             k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.size(0) == local_rows
@@ -234,9 +271,11 @@ class DynamicSamplingMixin:
         if others:
             raise ValueError(f"dynamic_sampling cannot regroup the batch entries {others} (multimodal inputs?).")
         used = sorted({r for r, _ in selected})  # rounds that contribute a group; the others are never gathered
-        position = {r: i for i, r in enumerate(used)}
+        offset, start_row = {}, 0  # where each used round's rows start in the concatenation of the used rounds
+        for r in used:
+            offset[r], start_row = start_row, start_row + rounds[r]["groups"] * num_generations
         rows = torch.tensor(
-            [position[r] * global_rows + g * num_generations + j for r, g in selected for j in range(num_generations)],
+            [offset[r] + g * num_generations + j for r, g in selected for j in range(num_generations)],
             dtype=torch.long,
         )
         start = self.accelerator.process_index * local_rows
@@ -265,7 +304,7 @@ class DynamicSamplingMixin:
         return output, rewards[rows.to(rewards.device)]
 
     def _snapshot_logs(self, global_rows: int) -> dict[str, Any]:
-        """The completions-table entries TRL logged for the last generation round (the last ``global_rows``)."""
+        """The completions-table entries TRL logged for the last generation round (its ``global_rows`` rows)."""
 
         def tail(values) -> list | None:
             return list(values)[-global_rows:] if len(values) >= global_rows else None
@@ -282,7 +321,10 @@ class DynamicSamplingMixin:
     def _restore_logs(
         self, rounds: list[dict[str, Any]], selected: list[tuple[int, int]], num_generations: int, global_rows: int
     ) -> None:
-        """Make the completions table show the rows of the assembled batch, not those of the last round."""
+        """Make the completions table show the rows of the assembled batch, not those of the rounds.
+
+        ``global_rows`` is the generation batch's size, the table's length: its entries are all this batch's.
+        """
         rows = [(r, g * num_generations + j) for r, g in selected for j in range(num_generations)]
 
         def replace(target, name_path: tuple[str, ...]) -> None:

@@ -1,6 +1,6 @@
 """Train with dynamic sampling in every process of a distributed launch and save what each generation batch kept.
 
-Used by tests/test_baselines_training.py:
+Used by tests/test_dynamic_sampling.py:
 ``python -m torch.distributed.run --nproc_per_node 2 tests/scripts/ddp_dynamic_sampling.py MODEL OUT``.
 """
 
@@ -16,24 +16,32 @@ from conftest import TRAINER_TEST_SETTINGS, make_prompt_dataset, parity_reward, 
 from egpo_trl import EGPOConfig, EGPOTrainer  # noqa: E402
 
 
-def half_informative_reward(completions, answer, **kwargs):
-    """Uninformative (-1 throughout) on prompts with an even answer; the parity reward on the others."""
+def mostly_informative_reward(completions, answer, **kwargs):
+    """Uninformative (-1 throughout) on 2 of make_prompt_dataset's 8 prompts (answers 10 and 22); parity otherwise."""
     parity = parity_reward(completions)
-    return [-1.0 if int(a) % 2 == 0 else p for a, p in zip(answer, parity)]
+    return [-1.0 if (int(a) - 10) % 12 == 0 else p for a, p in zip(answer, parity)]
 
 
 class Recorder(EGPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.records = []
+        self.round_rows = []  # this process's number of rows in each generation round of the current batch
+
+    def _generate_round(self, inputs):
+        self.round_rows.append(len(inputs))
+        return super()._generate_round(inputs)
 
     def _generate_and_score_completions(self, inputs):
+        self.round_rows = []
         output = super()._generate_and_score_completions(inputs)
         batch = self.egpo_last_batch
         sampling = batch["dynamic_sampling"]
         self.records.append(
             {
                 "rounds": sampling["rounds"],
+                "round_groups": sampling["round_groups"],
+                "round_rows": list(self.round_rows),
                 "selected": sampling["selected"],
                 "cap_hit": sampling["cap_hit"],
                 "informative": [flags.cpu() for flags in sampling["informative"]],
@@ -54,14 +62,14 @@ def main(model_dir: str, out_dir: str) -> None:
         output_dir=out_dir,
         **{
             **TRAINER_TEST_SETTINGS,
-            "per_device_train_batch_size": 2,
-            "max_steps": 3,
+            "per_device_train_batch_size": 8,
+            "max_steps": 4,
             "advantage_estimator": "grpo",
             "dynamic_sampling": True,
             "dynamic_sampling_max_rounds": 8,
         },
     )
-    trainer = Recorder(model_dir, half_informative_reward, args, train_dataset=make_prompt_dataset())
+    trainer = Recorder(model_dir, mostly_informative_reward, args, train_dataset=make_prompt_dataset())
     trainer.train()
     save_rank_records(trainer, out_dir)
 
