@@ -87,11 +87,10 @@ CPU_HIDDEN_SIZE = 64  # head size 32: vLLM's CPU attention kernels do not take 1
 
 
 class CanaryError(SystemExit):
-    """Bad input or a missing prerequisite, found before anything is trained (exit status 2)."""
+    """Bad input or a missing prerequisite, found before anything is trained (the script exits with status 2)."""
 
     def __init__(self, message: str):
         super().__init__(f"canary: {message}")
-        self.code = 2
 
 
 # --------------------------------------------------------------------------------------------------- reading runs
@@ -623,4 +622,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except CanaryError as error:
+        print(error, file=sys.stderr)
+        sys.exit(2)
