@@ -552,9 +552,7 @@ def run_all(args: argparse.Namespace, runs: list[dict[str, Any]], settings: dict
 # --------------------------------------------------------------------------------------------------- command line
 def make_parser() -> argparse.ArgumentParser:
     """The canary's command-line options."""
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=("gpu", "cpu"), required=True)
     parser.add_argument("--output", required=True, help="folder for models, runs, logs and canary.json")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
