@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from egpo_trl.script.outputs import PLOT_FILE
+from egpo_trl.script.recipe import MARKER_KEY, load_recipe
 
 __all__ = [
     "TrainScriptArguments",
@@ -166,6 +167,27 @@ class TrainScriptArguments:
             "several launches on one machine its own, e.g. two 4-GPU runs on an 8-GPU node."
         },
     )
+    num_machines: int | None = field(
+        default=None,
+        metadata={
+            "help": "Machines (nodes) of that launch (accelerate's --num_machines; default 1). Run the same command on "
+            "every machine with its own --machine_rank; num_processes is then the total over the machines."
+        },
+    )
+    machine_rank: int | None = field(
+        default=None,
+        metadata={
+            "help": "This machine's rank in a launch over several machines, 0 to num_machines - 1 (0 runs the "
+            "rendezvous)."
+        },
+    )
+    main_process_ip: str | None = field(
+        default=None,
+        metadata={
+            "help": "Address of the machine of rank 0, which every machine of a launch over several machines reaches "
+            "(accelerate's --main_process_ip); its port is main_process_port."
+        },
+    )
     max_prompt_length: int | None = field(
         default=None,
         metadata={
@@ -207,6 +229,10 @@ def make_parser():
     from egpo_trl.config import EGPOConfig
 
     class _TrainParser(TrlParser):
+        def set_defaults_with_config(self, **kwargs) -> list[str]:
+            kwargs.pop(MARKER_KEY, None)  # the line that lets Python run a recipe, not a field
+            return super().set_defaults_with_config(**kwargs)
+
         def error(self, message: str):  # argparse's error prints the whole (very long) usage first
             raise SystemExit(f"egpo-trl train: {message}. Run `egpo-trl train --help-all` for the list of fields.")
 
@@ -252,7 +278,6 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
         SystemExit: with a message naming the fix, for a missing config file, an unknown field (with
             close matches) or a value a config class rejects.
     """
-    import yaml
 
     args = list(sys.argv[1:] if argv is None else argv)
     parser = make_parser()
@@ -262,15 +287,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
             raise SystemExit(
                 "egpo-trl train: --config needs a path to a YAML recipe, e.g. recipes/demo_tiny_cpu.yaml."
             )
+        recipe = load_recipe(args[index + 1])
         config_path = Path(args[index + 1])
-        if not config_path.is_file():
-            raise SystemExit(f"egpo-trl train: the recipe {config_path} does not exist; check the path.")
-        try:
-            recipe = yaml.safe_load(config_path.read_text())
-        except yaml.YAMLError as error:
-            raise SystemExit(f"egpo-trl train: {config_path} is not valid YAML: {error}") from error
-        if not isinstance(recipe, dict):
-            raise SystemExit(f"egpo-trl train: {config_path} must be a YAML mapping of field: value.")
         known = set(known_fields(parser)) | {"env"}
         unknown = [f"--{key}" for key in recipe if key not in known]
         if unknown:
@@ -358,14 +376,16 @@ def option_value(argv: Sequence[str], name: str) -> str | None:
 
 def _batch_problem_from_argv(argv: Sequence[str]) -> str | None:
     """:func:`batch_shape_problem` for the values of the recipe and the command line (the latter wins)."""
-    import yaml
 
     from egpo_trl.config import EGPOConfig
 
     recipe: dict[str, Any] = {}
     path = option_value(argv, "config")
     if path and Path(path).is_file():
-        recipe = yaml.safe_load(Path(path).read_text()) or {}
+        try:
+            recipe = load_recipe(path)
+        except SystemExit:
+            recipe = {}
     defaults = {f.name: f.default for f in EGPOConfig.__dataclass_fields__.values()}
 
     def value(name: str):
