@@ -36,6 +36,7 @@ from egpo_trl.script.resolve import is_local_path, resolve_model_path
 __all__ = [
     "DryRunReport",
     "LaunchPlan",
+    "check_recipe",
     "configure_tracking",
     "dry_run",
     "in_distributed_launch",
@@ -260,6 +261,22 @@ def launch_if_requested(argv: Sequence[str]) -> int | None:
     plan = plan_launch(argv)
     if plan.accelerate_config is None:
         return None
+    offline = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"  # the checks download nothing; the launch gets the environment as it was
+    try:
+        problems = check_recipe(argv).problems
+    finally:
+        if offline is None:
+            del os.environ["HF_HUB_OFFLINE"]
+        else:
+            os.environ["HF_HUB_OFFLINE"] = offline
+    if problems:
+        more = f" ({len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        recipe = f"{plan.recipe} " if plan.recipe else ""
+        raise SystemExit(
+            f"egpo-trl train: {problems[0]}{more} Nothing was launched; `egpo-trl train {recipe}--dry-run` lists "
+            "every check."
+        )
     print(f"Launching: {_printable(launch_command(plan))}", flush=True)
     # `python -m accelerate.commands.launch` is `accelerate launch` without relying on the console script.
     command = launch_command(plan, executable=(sys.executable, "-m", "accelerate.commands.launch"))
@@ -592,6 +609,13 @@ def dry_run(argv: Sequence[str]) -> int:
         0 when no problem was found, 1 otherwise (every problem is listed).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    report = check_recipe(argv)
+    print(report.render(), flush=True)
+    return 1 if report.problems else 0
+
+
+def check_recipe(argv: Sequence[str]) -> DryRunReport:
+    """The checks of ``--dry-run``, without printing: the resolved settings, problems and notes."""
     report = DryRunReport()
     argv = list(argv)
     plan = None
@@ -715,6 +739,4 @@ def dry_run(argv: Sequence[str]) -> int:
         _check_wandb(args, report)
         _check_importance_sampling(args, report)
         _check_disk(args, model_args, report)
-
-    print(report.render(), flush=True)
-    return 1 if report.problems else 0
+    return report

@@ -225,3 +225,15 @@ def test_dry_run_prints_the_command_of_each_machine(capsys):
     assert "--num_machines 2 --machine_rank 1 --main_process_ip node-a -m egpo_trl.train" in out
     assert "1024 completions (64 prompts) per optimizer step" in out
     assert dry_run(argv) == 1 and "needs --main_process_ip" in capsys.readouterr().out
+
+
+def test_train_runs_the_dry_run_checks_before_launching(tmp_path, capsys):
+    argv = ["recipes/egpo_qwen15b.yaml", "--accelerate_config", "recipes/accelerate/ddp.yaml", "--use_vllm", "false"]
+    argv += ["--dataset_name", str(tmp_path / "missing"), "--output_dir", str(tmp_path / "run")]
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    message = str(stop.value)
+    assert len(message.splitlines()) == 1 and "Nothing was launched" in message
+    assert f"dataset {tmp_path / 'missing'} does not exist" in message
+    assert "egpo-trl train recipes/egpo_qwen15b.yaml --dry-run" in message
+    assert "Launching:" not in capsys.readouterr().out
