@@ -9,8 +9,8 @@ reports an unknown field, a missing file or a batch that cannot be cut into whol
 from __future__ import annotations
 
 import difflib
-import math
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from egpo_trl.input_checks import batch_shape_problem, training_value_problems
 from egpo_trl.script.outputs import PLOT_FILE
 from egpo_trl.script.recipe import MARKER_KEY, load_recipe
 
@@ -105,8 +106,9 @@ class TrainScriptArguments:
         default_factory=lambda: ["boxed_accuracy_reward"],
         metadata={
             "help": "Reward functions, by name (boxed_accuracy_reward: +1/-1 on the last \\boxed{}, paper Eq. 1; "
-            "think_format_reward) or import path 'package.module:function'. The first one decides correctness "
-            "unless egpo_correctness_reward names another."
+            "think_format_reward) or import path 'package.module:function' ('my_rewards:my_reward' for "
+            "./my_rewards.py: the current folder is searched first, as `python -m` does). The first one decides "
+            "correctness unless egpo_correctness_reward names another."
         },
     )
     eval_size: int = field(
@@ -279,7 +281,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
             close matches) or a value a config class rejects.
     """
 
-    args = list(sys.argv[1:] if argv is None else argv)
+    args = _join_negative_numbers(list(sys.argv[1:] if argv is None else argv))
     parser = make_parser()
     if "--config" in args:
         index = args.index("--config")
@@ -323,44 +325,25 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
         raise SystemExit("egpo-trl train: torch_num_threads must be >= 0 (0 or unset keeps torch's default).")
     if script_args.eval_size < 0 or script_args.eval_num_samples < 1:
         raise SystemExit("egpo-trl train: eval_size must be >= 0 and eval_num_samples >= 1.")
+    problems = training_value_problems(training_args)
+    if problems:
+        raise SystemExit(f"egpo-trl train: {'; '.join(problems)}.")
     return script_args, training_args, model_args
 
 
-def batch_shape_problem(
-    per_device_train_batch_size: int,
-    processes: int,
-    gradient_accumulation_steps: int,
-    num_generations: int,
-    steps_per_generation: int | None = None,
-    generation_batch_size: int | None = None,
-) -> str | None:
-    """What is wrong with a batch that cannot be cut into groups of ``num_generations``, in the fields users set.
+_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
-    TRL checks ``generation_batch_size`` (per_device_train_batch_size x processes x steps_per_generation, where
-    steps_per_generation defaults to gradient_accumulation_steps); this names those fields instead and suggests a
-    per_device_train_batch_size that works. ``None`` when the batch is fine.
-    """
-    steps_name, steps = "gradient_accumulation_steps", gradient_accumulation_steps
-    if steps_per_generation:
-        steps_name, steps = "steps_per_generation", steps_per_generation
-    if generation_batch_size:
-        if generation_batch_size % num_generations == 0:
-            return None
-        return (
-            f"generation_batch_size={generation_batch_size} is not a multiple of num_generations={num_generations}; "
-            "set it to a multiple (or leave it unset)."
-        )
-    total = per_device_train_batch_size * processes * steps
-    if total % num_generations == 0:
-        return None
-    unit = num_generations // math.gcd(num_generations, processes * steps)
-    suggestion = max(unit, math.ceil(per_device_train_batch_size / unit) * unit)
-    return (
-        f"per_device_train_batch_size {per_device_train_batch_size} x {processes} process(es) x {steps_name} {steps} = "
-        f"{total} completions per generation, not a multiple of num_generations={num_generations} (every prompt needs "
-        f"a whole group); set per_device_train_batch_size to a multiple of {unit}, e.g. --per_device_train_batch_size "
-        f"{suggestion}."
-    )
+
+def _join_negative_numbers(args: list[str]) -> list[str]:
+    """``--learning_rate -1e-4`` -> ``--learning_rate=-1e-4``: argparse takes ``-1e-4`` for an option otherwise."""
+    joined: list[str] = []
+    for item in args:
+        previous = joined[-1] if joined else ""
+        if _NUMBER.fullmatch(item) and previous.startswith("--") and "=" not in previous and previous != "--config":
+            joined[-1] = f"{previous}={item}"
+        else:
+            joined.append(item)
+    return joined
 
 
 def option_value(argv: Sequence[str], name: str) -> str | None:
