@@ -479,7 +479,9 @@ def test_the_python_api_checks_its_inputs_before_loading_the_model(tmp_path, mon
         )
     message = str(error.value)
     assert len(message.splitlines()) == 1
-    assert "train_dataset has no 'answer' column, which boxed_accuracy_reward needs" in message and "solution" in message
+    assert (
+        "train_dataset has no 'answer' column, which boxed_accuracy_reward needs" in message and "solution" in message
+    )
     args.learning_rate = -1e-4
     with pytest.raises(ValueError, match="learning_rate must be >= 0"):
         EGPOTrainer(
