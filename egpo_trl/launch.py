@@ -30,11 +30,13 @@ from typing import Any
 from egpo_trl.script.args import batch_shape_problem, option_value, parse_args
 from egpo_trl.script.data import SYNTHETIC_DATASET_PREFIX, column_problem
 from egpo_trl.script.outputs import RUN_MARKERS
+from egpo_trl.script.recipe import load_recipe, script_problem
 from egpo_trl.script.resolve import is_local_path, resolve_model_path
 
 __all__ = [
     "DryRunReport",
     "LaunchPlan",
+    "check_recipe",
     "configure_tracking",
     "dry_run",
     "in_distributed_launch",
@@ -83,18 +85,7 @@ def in_distributed_launch(environ: dict[str, str] | None = None) -> bool:
 
 
 def _read_yaml(path: str | Path, what: str) -> dict[str, Any]:
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise SystemExit(f"egpo-trl train: the {what} {path} does not exist; check the path.")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise SystemExit(f"egpo-trl train: {path} is not valid YAML: {error}") from error
-    if not isinstance(data, dict):
-        raise SystemExit(f"egpo-trl train: {path} must be a YAML mapping of field: value.")
-    return data
+    return load_recipe(path, what)
 
 
 def _visible_gpus() -> int:
@@ -116,6 +107,9 @@ class LaunchPlan:
         accelerate_settings: that file's contents.
         num_processes: processes of the launch (``None``: the accelerate config's own value).
         main_process_port: the launch's rendezvous port (``None``: accelerate's default).
+        num_machines: machines of the launch (``None``: one); ``num_processes`` is then the total over them.
+        machine_rank: this machine's rank among them.
+        main_process_ip: the address of the machine of rank 0.
         argv: the arguments forwarded to ``egpo_trl.train``.
     """
 
@@ -124,7 +118,14 @@ class LaunchPlan:
     accelerate_settings: dict[str, Any] = field(default_factory=dict)
     num_processes: int | None = None
     main_process_port: int | None = None
+    num_machines: int | None = None
+    machine_rank: int | None = None
+    main_process_ip: str | None = None
     argv: list[str] = field(default_factory=list)
+
+    @property
+    def machines(self) -> int:
+        return self.num_machines or 1
 
     @property
     def distributed_type(self) -> str | None:
@@ -176,17 +177,51 @@ def plan_launch(argv: Sequence[str]) -> LaunchPlan:
         accelerate_config = None
     num_processes = _integer_setting(argv, data, "num_processes", minimum=1)
     main_process_port = _integer_setting(argv, data, "main_process_port", minimum=1)
+    num_machines = _integer_setting(argv, data, "num_machines", minimum=1)
+    machine_rank = _integer_setting(argv, data, "machine_rank", minimum=0)
+    main_process_ip = option_value(argv, "main_process_ip") or data.get("main_process_ip")
+    machines = num_machines or 1
+    if machines > 1 or machine_rank or main_process_ip:
+        if accelerate_config is None:
+            raise SystemExit(
+                "egpo-trl train: num_machines, machine_rank and main_process_ip are settings of an accelerate launch; "
+                "set accelerate_config too (e.g. --accelerate_config recipes/accelerate/ddp.yaml)."
+            )
+        if machine_rank is not None and machine_rank >= machines:
+            raise SystemExit(
+                f"egpo-trl train: machine_rank {machine_rank} is not below num_machines {machines}; number the "
+                "machines 0 to num_machines - 1."
+            )
+        if machines > 1 and not main_process_ip:
+            raise SystemExit(
+                f"egpo-trl train: a launch over {machines} machines needs --main_process_ip (the address of the "
+                "machine of rank 0, which every machine reaches) and --machine_rank on each machine."
+            )
+        if machines > 1 and machine_rank is None:
+            raise SystemExit(
+                f"egpo-trl train: a launch over {machines} machines needs --machine_rank (0 on the machine at "
+                f"{main_process_ip}, 1 to {machines - 1} on the others)."
+            )
     settings: dict[str, Any] = {}
     if accelerate_config is not None:
         settings = _read_yaml(accelerate_config, "accelerate config")
         if num_processes is None and not settings.get("use_cpu"):
-            num_processes = _visible_gpus() or None
+            num_processes = (_visible_gpus() * machines) or None
+    if num_processes is not None and num_processes % machines:
+        raise SystemExit(
+            f"egpo-trl train: num_processes {num_processes} (the total over the machines) is not a multiple of "
+            f"num_machines {machines}; give every machine as many processes, e.g. --num_processes "
+            f"{machines * max(1, num_processes // machines)}."
+        )
     return LaunchPlan(
         recipe=recipe,
         accelerate_config=str(accelerate_config) if accelerate_config is not None else None,
         accelerate_settings=settings,
         num_processes=num_processes,
         main_process_port=main_process_port,
+        num_machines=num_machines,
+        machine_rank=machine_rank,
+        main_process_ip=str(main_process_ip) if main_process_ip else None,
         argv=argv,
     )
 
@@ -198,6 +233,12 @@ def launch_command(plan: LaunchPlan, executable: Sequence[str] = ("accelerate", 
     command = [*executable, "--config_file", plan.accelerate_config]
     if plan.num_processes is not None:
         command += ["--num_processes", str(plan.num_processes)]
+    if plan.num_machines is not None:
+        command += ["--num_machines", str(plan.num_machines)]
+    if plan.machine_rank is not None:
+        command += ["--machine_rank", str(plan.machine_rank)]
+    if plan.main_process_ip is not None:
+        command += ["--main_process_ip", plan.main_process_ip]
     if plan.main_process_port is not None:
         command += ["--main_process_port", str(plan.main_process_port)]
     return [*command, "-m", "egpo_trl.train", *plan.argv]
@@ -220,6 +261,22 @@ def launch_if_requested(argv: Sequence[str]) -> int | None:
     plan = plan_launch(argv)
     if plan.accelerate_config is None:
         return None
+    offline = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"  # the checks download nothing; the launch gets the environment as it was
+    try:
+        problems = check_recipe(argv).problems
+    finally:
+        if offline is None:
+            del os.environ["HF_HUB_OFFLINE"]
+        else:
+            os.environ["HF_HUB_OFFLINE"] = offline
+    if problems:
+        more = f" ({len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        recipe = f"{plan.recipe} " if plan.recipe else ""
+        raise SystemExit(
+            f"egpo-trl train: {problems[0]}{more} Nothing was launched; `egpo-trl train {recipe}--dry-run` lists "
+            "every check."
+        )
     print(f"Launching: {_printable(launch_command(plan))}", flush=True)
     # `python -m accelerate.commands.launch` is `accelerate launch` without relying on the console script.
     command = launch_command(plan, executable=(sys.executable, "-m", "accelerate.commands.launch"))
@@ -552,6 +609,13 @@ def dry_run(argv: Sequence[str]) -> int:
         0 when no problem was found, 1 otherwise (every problem is listed).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    report = check_recipe(argv)
+    print(report.render(), flush=True)
+    return 1 if report.problems else 0
+
+
+def check_recipe(argv: Sequence[str]) -> DryRunReport:
+    """The checks of ``--dry-run``, without printing: the resolved settings, problems and notes."""
     report = DryRunReport()
     argv = list(argv)
     plan = None
@@ -563,6 +627,9 @@ def dry_run(argv: Sequence[str]) -> int:
 
     if plan is not None:
         report.settings.append(("recipe", plan.recipe))
+        script = script_problem(plan.recipe) if plan.recipe else None
+        if script:
+            report.notes.append(script)
         if plan.accelerate_config is None:
             report.settings.append(("launch", "in this process (no accelerate_config)"))
         else:
@@ -570,6 +637,14 @@ def dry_run(argv: Sequence[str]) -> int:
                 ("accelerate config", f"{plan.accelerate_config} ({plan.distributed_type or 'no distributed_type'})")
             )
             report.settings.append(("processes", plan.world_size))
+            if plan.machines > 1:
+                report.settings.append(
+                    (
+                        "machines",
+                        f"{plan.machines} x {plan.world_size // plan.machines} processes; this one is rank "
+                        f"{plan.machine_rank}, rendezvous at {plan.main_process_ip}:{plan.main_process_port or 29500}",
+                    )
+                )
             if plan.uses_deepspeed:
                 report.settings.append(("DeepSpeed ZeRO stage", plan.zero_stage))
                 if importlib.util.find_spec("deepspeed") is None:
@@ -580,10 +655,16 @@ def dry_run(argv: Sequence[str]) -> int:
             gpus = _visible_gpus()
             if not plan.accelerate_settings.get("use_cpu"):
                 if gpus == 0:
-                    report.notes.append(f"this machine sees no GPU; the launch needs {plan.world_size}.")
-                elif gpus < plan.world_size:
+                    report.notes.append(
+                        f"this machine sees no GPU; the launch needs {plan.world_size // plan.machines} on each of "
+                        f"{plan.machines} machine(s)."
+                        if plan.machines > 1
+                        else f"this machine sees no GPU; the launch needs {plan.world_size}."
+                    )
+                elif gpus < plan.world_size // plan.machines:
                     report.problems.append(
-                        f"the launch needs {plan.world_size} GPUs but this machine sees {gpus}; set num_processes."
+                        f"the launch needs {plan.world_size // plan.machines} GPUs on this machine but it sees {gpus}; "
+                        "set num_processes (the total over the machines)."
                     )
         report.command = _printable(launch_command(plan))
 
@@ -658,6 +739,4 @@ def dry_run(argv: Sequence[str]) -> int:
         _check_wandb(args, report)
         _check_importance_sampling(args, report)
         _check_disk(args, model_args, report)
-
-    print(report.render(), flush=True)
-    return 1 if report.problems else 0
+    return report

@@ -76,6 +76,7 @@ from egpo_trl.advantages import (
 )
 from egpo_trl.config import EGPOConfig, distribution_changing_sampling_options
 from egpo_trl.correctness import binary_correctness_features, correctness_reward_index, reward_func_names
+from egpo_trl.input_checks import check_trainer_inputs
 from egpo_trl.resume_state import ExactResumeMixin
 from egpo_trl.rewards import make_overlong_penalty_reward
 from egpo_trl.sampling.dynamic import DynamicSamplingMixin
@@ -161,6 +162,7 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
     _name = "EGPO"
 
     def __init__(self, model, reward_funcs=None, args: EGPOConfig | None = None, *pos_args: Any, **kwargs: Any):
+        model = check_trainer_inputs(model, reward_funcs, args, pos_args, kwargs)  # before anything loads
         if args is None:  # as GRPOTrainer: an output folder named after the model
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = EGPOConfig(f"{model_name.split('/')[-1]}-EGPO")

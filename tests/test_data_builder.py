@@ -454,3 +454,28 @@ def test_missing_columns_and_bad_cli_values(tmp_path, capsys):
     assert "--pool_size expects an integer" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         data_main(["build", "--config", str(RECIPE), "--no_such_setting", "1"])
+
+
+def test_build_without_the_hub_stops_in_one_line(monkeypatch, capsys, tmp_path):
+    """Offline, or with the Hub out of reach, the build says so at once instead of retrying for half a minute."""
+    import time
+
+    from huggingface_hub import constants
+
+    from egpo_trl.data.cli import hub_problem
+
+    output = ["--output_dir", str(tmp_path / "out")]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert data_main(["build", "--config", str(STABLE_RECIPE), *output]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "open-r1/OpenR1-Math-220k" in error and "HF_HUB_OFFLINE is set" in error
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    start = time.monotonic()
+    assert data_main(["build", "--config", str(STABLE_RECIPE), *output]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "http://127.0.0.1:9 cannot be reached" in error
+    assert time.monotonic() - start < 15 and not (tmp_path / "out").exists()
+    # Local inputs and a local tokenizer need no network.
+    assert hub_problem(fixture_config(tmp_path / "local")) is None

@@ -193,3 +193,47 @@ def test_dry_run_sizes_the_checkpoints_and_names_the_importance_sampling_setting
     assert "vLLM importance sampling  off (the paper's setup)" in out
     assert "~107 GB each (7.62B parameters" in out and "save_total_limit 3 keeps ~442 GB" in out
     assert "has 60 GB free but one checkpoint takes ~107 GB" in out
+
+
+def test_launch_over_several_machines_passes_them_to_accelerate():
+    base = ["--config", "recipes/egpo_qwen15b.yaml", "--num_processes", "16", "--num_machines", "2"]
+    plan = plan_launch([*base, "--machine_rank", "1", "--main_process_ip", "10.0.0.1", "--main_process_port", "29611"])
+    assert plan.world_size == 16 and plan.machines == 2
+    assert launch_command(plan)[:14] == [
+        "accelerate", "launch", "--config_file", "recipes/accelerate/zero2.yaml", "--num_processes", "16",
+        "--num_machines", "2", "--machine_rank", "1", "--main_process_ip", "10.0.0.1", "--main_process_port", "29611",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit, match="needs --main_process_ip"):
+        plan_launch([*base, "--machine_rank", "0"])
+    with pytest.raises(SystemExit, match="needs --machine_rank"):
+        plan_launch([*base, "--main_process_ip", "10.0.0.1"])
+    with pytest.raises(SystemExit, match="machine_rank 2 is not below num_machines 2"):
+        plan_launch([*base, "--machine_rank", "2", "--main_process_ip", "10.0.0.1"])
+    with pytest.raises(SystemExit, match="not a multiple of num_machines 2"):
+        plan_launch([*base[:3], "9", *base[4:], "--machine_rank", "0", "--main_process_ip", "h"])
+    with pytest.raises(SystemExit, match="set accelerate_config too"):
+        plan_launch(["--config", "recipes/demo_tiny_cpu.yaml", "--num_machines", "2"])
+
+
+def test_dry_run_prints_the_command_of_each_machine(capsys):
+    from egpo_trl.launch import dry_run
+
+    argv = ["--config", "recipes/egpo_qwen15b.yaml", "--num_processes", "16", "--num_machines", "2"]
+    dry_run([*argv, "--machine_rank", "1", "--main_process_ip", "node-a", "--gradient_accumulation_steps", "16"])
+    out = capsys.readouterr().out
+    assert "2 x 8 processes; this one is rank 1, rendezvous at node-a:29500" in out
+    assert "--num_machines 2 --machine_rank 1 --main_process_ip node-a -m egpo_trl.train" in out
+    assert "1024 completions (64 prompts) per optimizer step" in out
+    assert dry_run(argv) == 1 and "needs --main_process_ip" in capsys.readouterr().out
+
+
+def test_train_runs_the_dry_run_checks_before_launching(tmp_path, capsys):
+    argv = ["recipes/egpo_qwen15b.yaml", "--accelerate_config", "recipes/accelerate/ddp.yaml", "--use_vllm", "false"]
+    argv += ["--dataset_name", str(tmp_path / "missing"), "--output_dir", str(tmp_path / "run")]
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    message = str(stop.value)
+    assert len(message.splitlines()) == 1 and "Nothing was launched" in message
+    assert f"dataset {tmp_path / 'missing'} does not exist" in message
+    assert "egpo-trl train recipes/egpo_qwen15b.yaml --dry-run" in message
+    assert "Launching:" not in capsys.readouterr().out

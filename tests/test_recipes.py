@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -187,27 +190,140 @@ def test_launch_plan_and_command(tmp_path):
     assert plan_launch(["--config", "recipes/demo_tiny_cpu.yaml"]).accelerate_config is None
 
 
-@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "recipes").glob("*.yaml")))
-def test_running_a_recipe_as_a_script_prints_the_right_command(recipe):
-    """`python recipe.yaml` (what `accelerate launch recipe.yaml` runs) says how to run it, not a SyntaxError."""
+ALL_RECIPES = sorted(p.name for p in (REPO / "recipes").glob("*.yaml"))
+# What users write into recipes: LaTeX and Python in comments, and a key appended after the last line.
+RISKY_COMMENT = (
+    '# reward: \\boxed{\\frac{a}{b}} \\x41 \\u00e9 \\N{GREEK SMALL LETTER ALPHA} \\ulcorner """docstring"""\n'
+)
+
+
+def _edited_copy(recipe: str, directory: Path) -> Path:
+    """The recipe with RISKY_COMMENT after its first line and in its middle, and `max_steps: 2` appended."""
+    lines = (REPO / "recipes" / recipe).read_text().splitlines(keepends=True)
+    middle = len(lines) // 2
+    lines = [lines[0], RISKY_COMMENT, *lines[1:middle], RISKY_COMMENT, *lines[middle:], "max_steps: 2\n"]
+    path = directory / recipe
+    path.write_text("".join(lines))
+    return path
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES)
+def test_recipe_is_plain_yaml_and_a_python_program(recipe, tmp_path):
+    """Any YAML tool reads a recipe; Python runs it, whatever its comments say and with a key appended at the end."""
+    from egpo_trl.script.recipe import FOOTER, HEADER, MARKER_KEY, load_recipe, script_problem
+
+    text = (REPO / "recipes" / recipe).read_text()
+    assert text.splitlines()[0] == HEADER and text.splitlines()[-1] == FOOTER
+    plain = yaml.safe_load(text)
+    assert plain.pop(MARKER_KEY) == "r'''" and load_recipe(REPO / "recipes" / recipe) == plain
+    edited = _edited_copy(recipe, tmp_path)
+    assert load_recipe(edited) == {**plain, "max_steps": 2}
+    assert script_problem(REPO / "recipes" / recipe) is None and script_problem(edited) is None
+    # What `python recipe.yaml` compiles: one string from the first line to the last, then the call that trains.
+    tree = ast.parse(edited.read_text())
+    assert isinstance(tree.body[0], ast.AnnAssign) and "max_steps: 1000" not in ast.unparse(tree.body[1:])
+    assert ast.unparse(tree.body[1]) == "from egpo_trl.recipe_launch import run_as_script"
+
+
+def test_python_on_a_recipe_runs_egpo_trl_train(tmp_path):
+    """`python recipe.yaml [overrides]` is `egpo-trl train recipe.yaml [overrides]` (here its dry run)."""
+    edited = _edited_copy("egpo_qwen15b.yaml", tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "RANK")}
     result = subprocess.run(
-        [sys.executable, f"recipes/{recipe}"], capture_output=True, text=True, timeout=60, cwd=REPO
-    )
-    assert result.returncode == 1
-    assert "SyntaxError" not in result.stderr and "Traceback" not in result.stderr, result.stderr
-    assert "is an egpo-trl recipe, not a Python script" in result.stderr
-    assert f"    egpo-trl train recipes/{recipe}\n" in result.stderr
+        [sys.executable, str(edited), "--dry-run", "--seed", "3"], capture_output=True, text=True, timeout=120,
+        cwd=REPO, env=env,
+    )  # fmt: skip
+    assert "Traceback" not in result.stderr, result.stderr
+    assert "Resolved settings:" in result.stdout and "max_steps 2" in result.stdout
+    assert f"--config {edited} --seed 3" in result.stdout  # the launch command it would run
+
+
+def test_a_recipe_broken_for_python_is_reported_and_repaired(tmp_path, capsys):
+    from egpo_trl.script.recipe import _main as repair
+    from egpo_trl.script.recipe import load_recipe, script_problem
+
+    path = _edited_copy("demo_tiny_cpu.yaml", tmp_path)
+    with path.open("a") as file:
+        file.write("dataset_name: synthetic:arithmetic  # not a Python expression\n")
+    before = load_recipe(path)
+    problem = script_problem(path)
+    assert "dataset_name: synthetic:arithmetic" in problem and "after the last line" in problem
+    assert f"python -m egpo_trl.script.recipe {path}" in problem
+    assert dry_run(["--config", str(path), "--output_dir", str(tmp_path / "o")]) == 0  # egpo-trl train still reads it
+    assert problem in capsys.readouterr().out
+    assert repair([str(path)]) == 0
+    assert script_problem(path) is None and load_recipe(path) == before  # nothing lost
+    quoted = tmp_path / "quoted.yaml"
+    quoted.write_text(path.read_text().replace("# LaTeX", "# '''", 1).replace("# reward", "# ''' x", 1))
+    assert "line 2 holds ''', which ends the text Python skips" in script_problem(quoted)
+
+
+def test_launch_options_are_read_from_the_accelerate_command(tmp_path):
+    from egpo_trl.recipe_launch import launch_parent_options
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("")
+    command = [sys.executable, "-c", "import time; time.sleep(60)", "launch"]
+    for options in ([], ["--num_processes", "2", "--config_file", "c.yaml"]):
+        process = subprocess.Popen([*command, *options, str(recipe), "--seed", "1"])
+        try:
+            for _ in range(200):  # until the child has replaced pytest's command line with its own
+                if b"time.sleep" in Path(f"/proc/{process.pid}/cmdline").read_bytes():
+                    break
+                time.sleep(0.05)
+            assert launch_parent_options(process.pid, str(recipe)) == options
+        finally:
+            process.kill()
+            process.wait()
+    assert launch_parent_options(os.getpid(), str(recipe)) is None  # not started by accelerate launch
+
+
+def _accelerate_launch(options, recipe: Path, overrides, tmp_path):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
+        env.pop(name, None)
+    env["HF_HOME"] = str(tmp_path / "hf")  # no default accelerate config from the user's machine
+    command = [sys.executable, "-m", "accelerate.commands.launch", *options, str(recipe), *overrides]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+SHORT = [
+    "--eval_size", "0", "--synthetic_train_size", "16", "--per_device_train_batch_size", "4", "--num_generations",
+    "4", "--max_completion_length", "8", "--plot", "false", "--disable_tqdm", "true",
+]  # fmt: skip
 
 
 @pytest.mark.slow
-def test_accelerate_launch_of_a_recipe_shows_the_egpo_trl_command():
-    result = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "recipes/egpo_qwen15b.yaml"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
+def test_accelerate_launch_of_a_recipe_trains_it(tmp_path):
+    """`accelerate launch recipes/demo_tiny_cpu.yaml` trains, with LaTeX in its comments and a key appended."""
+    from egpo_trl.train import read_metrics
+
+    recipe = _edited_copy("demo_tiny_cpu.yaml", tmp_path)
+    with recipe.open("a") as file:
+        file.write("max_steps: 1\n")
+    result = _accelerate_launch([], recipe, [*SHORT, "--output_dir", str(tmp_path / "run")], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward" in r] == [1]
+
+
+@pytest.mark.slow
+def test_accelerate_launch_uses_the_recipes_accelerate_settings_unless_given_others(tmp_path):
+    from egpo_trl.script.recipe import add_script_lines
+
+    accelerate_config = tmp_path / "cpu.yaml"
+    accelerate_config.write_text(
+        yaml.safe_dump({"distributed_type": "NO", "use_cpu": True, "num_processes": 1, "mixed_precision": "no"})
     )
-    assert result.returncode != 0
-    assert "SyntaxError" not in result.stderr
-    assert "    egpo-trl train recipes/egpo_qwen15b.yaml\n" in result.stderr
+    recipe = _edited_copy("demo_tiny_cpu.yaml", tmp_path)
+    with recipe.open("a") as file:
+        file.write(f"accelerate_config: {accelerate_config}\nmax_steps: 1\n")
+    recipe.write_text(add_script_lines(recipe.read_text()))  # a path is no Python expression: above the last line
+    result = _accelerate_launch([], recipe, [*SHORT, "--output_dir", str(tmp_path / "a")], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"using the recipe's ({accelerate_config})" in result.stdout
+    assert f"Launching: accelerate launch --config_file {accelerate_config} -m egpo_trl.train" in result.stdout
+    assert (tmp_path / "a" / "metrics.jsonl").is_file()
+    result = _accelerate_launch(["--cpu"], recipe, [*SHORT, "--output_dir", str(tmp_path / "b")], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Training with the launch's own settings (--cpu; 1 process(es))" in result.stdout
+    assert "Launching:" not in result.stdout and (tmp_path / "b" / "metrics.jsonl").is_file()

@@ -413,3 +413,83 @@ def test_ctrl_c_saves_a_checkpoint_and_prints_the_resume_command(tmp_path):
     result = egpo_trl(*shlex.split(resume)[1:], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert _train_steps(out) == list(range(1, 31))
+
+
+def test_invalid_training_values_are_refused_before_anything_runs(tmp_path):
+    out = tmp_path / "run"
+    base = ["--config", str(DEMO_RECIPE), "--output_dir", str(out)]
+    for flag in (["--learning_rate", "-1e-4"], ["--learning_rate=-1e-4"]):  # with a space or an equals sign
+        with pytest.raises(SystemExit, match=r"learning_rate must be >= 0 .*got -0\.0001"):
+            parse_args([*base, *flag])
+    with pytest.raises(SystemExit) as stop:
+        main([*base, "--learning_rate", "-1e-4", "--temperature", "0", "--top_p", "1.5", "--eval_size", "5"])
+    message = str(stop.value)
+    assert (
+        len(message.splitlines()) == 1
+        and "temperature must be > 0" in message
+        and "top_p must be in (0, 1]" in message
+    )
+    assert not out.exists()  # refused before the held-out check and before the output folder
+    # A negative value after a space parses where it is valid.
+    assert parse_args([*base, "--seed", "-3", "--learning_rate", "1e-4"])[1].seed == -3
+
+
+def test_a_folder_left_by_a_failed_start_does_not_block_the_rerun(tmp_path):
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    (failed / METRICS_FILE).write_text(json.dumps({"step": 0, "heldout/accuracy": 0.4}) + "\n")
+    prepare_output_dir(str(failed), overwrite=False, resuming=False)
+    assert not (failed / METRICS_FILE).exists()
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    (trained / METRICS_FILE).write_text(json.dumps({"step": 1, "reward": 0.5, "loss": 0.1}) + "\n")
+    with pytest.raises(SystemExit, match="already holds another run"):
+        prepare_output_dir(str(trained), overwrite=False, resuming=False)
+    assert (trained / METRICS_FILE).is_file()
+
+
+def test_reward_import_paths_resolve_from_the_current_folder(tmp_path, monkeypatch):
+    (tmp_path / "cwd_rewards_for_test.py").write_text(
+        "def my_reward(completions, answer, **kwargs):\n    return [1.0 for _ in completions]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    (func,) = resolve_reward_funcs(["cwd_rewards_for_test:my_reward"])
+    assert func.__name__ == "my_reward" and func(["a", "b"], ["1", "2"]) == [1.0, 1.0]
+    with pytest.raises(SystemExit, match="looked for in the current folder"):
+        resolve_reward_funcs(["no_such_module_here:my_reward"])
+
+
+def test_the_python_api_checks_its_inputs_before_loading_the_model(tmp_path, monkeypatch):
+    from datasets import Dataset
+
+    from egpo_trl import EGPOConfig, EGPOTrainer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # not the repository root
+    args = EGPOConfig(
+        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=8, max_steps=1, report_to="none",
+    )  # fmt: skip
+    no_answer = Dataset.from_dict({"prompt": ["Compute 1 + 1."] * 4, "solution": ["2"] * 4})
+    # A model that does not exist: the check must fail first, with its one line.
+    with pytest.raises(ValueError) as error:
+        EGPOTrainer(
+            model="nobody/no-such-model", reward_funcs=boxed_accuracy_reward, args=args, train_dataset=no_answer
+        )
+    message = str(error.value)
+    assert len(message.splitlines()) == 1
+    assert (
+        "train_dataset has no 'answer' column, which boxed_accuracy_reward needs" in message and "solution" in message
+    )
+    args.learning_rate = -1e-4
+    with pytest.raises(ValueError, match="learning_rate must be >= 0"):
+        EGPOTrainer(
+            model="nobody/no-such-model", reward_funcs=boxed_accuracy_reward, args=args, train_dataset=no_answer
+        )
+    args.learning_rate = 1e-4
+    # The shipped model, by builtin name or by its path in the repository, from any folder.
+    dataset = no_answer.rename_column("solution", "answer")
+    for model in ("builtin:tiny-math-qwen2", "egpo_trl/assets/tiny-math-qwen2"):
+        trainer = EGPOTrainer(model=model, reward_funcs=boxed_accuracy_reward, args=args, train_dataset=dataset)
+        assert trainer.model.config.vocab_size > 0 and not Path("egpo_trl").exists()

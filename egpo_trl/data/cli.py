@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import shlex
 import sys
 from typing import Any
@@ -91,6 +92,55 @@ def parse_overrides(values: dict[str, str]) -> dict[str, Any]:
     return parsed
 
 
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_reachable(timeout: float = 3.0) -> str | None:
+    """``None`` when the Hugging Face Hub endpoint answers within ``timeout`` seconds, else why not (one line)."""
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    endpoint = constants.ENDPOINT.rstrip("/")
+    try:
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/api/whoami-v2", method="HEAD"), timeout=timeout)
+    except urllib.error.HTTPError:
+        return None  # it answered (401 without a token): reachable
+    except (urllib.error.URLError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        return f"{endpoint} cannot be reached from this machine ({reason})"
+    return None
+
+
+def hub_problem(config) -> str | None:
+    """Why the build cannot read its Hub inputs or tokenizer here, in one line naming the fix (``None``: it can).
+
+    Inputs read from local files or folders, and a tokenizer given as a local folder, need no network.
+    """
+    remote = [spec.path for spec in config.inputs if spec.path and not os.path.exists(os.path.expanduser(spec.path))]
+    tokenizer = config.tokenizer
+    if tokenizer and not os.path.exists(os.path.expanduser(tokenizer)):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(tokenizer, "tokenizer_config.json"), str):
+            remote.append(f"the tokenizer {tokenizer}")
+    if not remote:
+        return None
+    names = ", ".join(dict.fromkeys(remote))
+    fix = (
+        "build where the Hub can be reached and copy the output folder here, or read local copies (an input's "
+        "`data_files: [/data/openr1/data/train-*.parquet]`, `tokenizer: /path/to/model`)"
+    )
+    if _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(os.environ.get("HF_DATASETS_OFFLINE")):
+        return f"{names} come(s) from the Hugging Face Hub, but HF_HUB_OFFLINE is set; unset it, or {fix}."
+    unreachable = hub_reachable()
+    if unreachable:
+        return f"{names} come(s) from the Hugging Face Hub, but {unreachable}; {fix} (HF_ENDPOINT names a mirror)."
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``egpo-trl data``; returns the process exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -110,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             config = OpenR1DataConfig.from_yaml(config_path, overrides)
         else:
             config = OpenR1DataConfig.from_dict(overrides)
+        problem = hub_problem(config)
+        if problem:
+            print(f"egpo-trl data {command}: {problem}", file=sys.stderr)
+            return 2
         result = build_openr1_dataset(config, command=shlex.join(["egpo-trl", "data", *argv]))
     except (ValueError, FileExistsError, FileNotFoundError) as error:
         print(f"egpo-trl data {command}: error: {error}", file=sys.stderr)

@@ -9,8 +9,8 @@ reports an unknown field, a missing file or a batch that cannot be cut into whol
 from __future__ import annotations
 
 import difflib
-import math
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from egpo_trl.input_checks import batch_shape_problem, training_value_problems
 from egpo_trl.script.outputs import PLOT_FILE
+from egpo_trl.script.recipe import MARKER_KEY, load_recipe
 
 __all__ = [
     "TrainScriptArguments",
@@ -104,8 +106,10 @@ class TrainScriptArguments:
         default_factory=lambda: ["boxed_accuracy_reward"],
         metadata={
             "help": "Reward functions, by name (boxed_accuracy_reward: +1/-1 on the last \\boxed{}, paper Eq. 1; "
-            "think_format_reward) or import path 'package.module:function'. With several, egpo_correctness_reward "
-            "names the one that decides correctness (boxed_accuracy_reward when it is the only accuracy reward)."
+            "think_format_reward) or import path 'package.module:function' ('my_rewards:my_reward' for "
+            "./my_rewards.py: the current folder is searched first, as `python -m` does). With several, "
+            "egpo_correctness_reward names the one that decides correctness (boxed_accuracy_reward when it is the "
+            "only accuracy reward)."
         },
     )
     eval_size: int = field(
@@ -166,6 +170,27 @@ class TrainScriptArguments:
             "several launches on one machine its own, e.g. two 4-GPU runs on an 8-GPU node."
         },
     )
+    num_machines: int | None = field(
+        default=None,
+        metadata={
+            "help": "Machines (nodes) of that launch (accelerate's --num_machines; default 1). Run the same command on "
+            "every machine with its own --machine_rank; num_processes is then the total over the machines."
+        },
+    )
+    machine_rank: int | None = field(
+        default=None,
+        metadata={
+            "help": "This machine's rank in a launch over several machines, 0 to num_machines - 1 (0 runs the "
+            "rendezvous)."
+        },
+    )
+    main_process_ip: str | None = field(
+        default=None,
+        metadata={
+            "help": "Address of the machine of rank 0, which every machine of a launch over several machines reaches "
+            "(accelerate's --main_process_ip); its port is main_process_port."
+        },
+    )
     max_prompt_length: int | None = field(
         default=None,
         metadata={
@@ -207,6 +232,10 @@ def make_parser():
     from egpo_trl.config import EGPOConfig
 
     class _TrainParser(TrlParser):
+        def set_defaults_with_config(self, **kwargs) -> list[str]:
+            kwargs.pop(MARKER_KEY, None)  # the line that lets Python run a recipe, not a field
+            return super().set_defaults_with_config(**kwargs)
+
         def error(self, message: str):  # argparse's error prints the whole (very long) usage first
             raise SystemExit(f"egpo-trl train: {message}. Run `egpo-trl train --help-all` for the list of fields.")
 
@@ -252,9 +281,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
         SystemExit: with a message naming the fix, for a missing config file, an unknown field (with
             close matches) or a value a config class rejects.
     """
-    import yaml
 
-    args = list(sys.argv[1:] if argv is None else argv)
+    args = _join_negative_numbers(list(sys.argv[1:] if argv is None else argv))
     parser = make_parser()
     if "--config" in args:
         index = args.index("--config")
@@ -262,15 +290,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
             raise SystemExit(
                 "egpo-trl train: --config needs a path to a YAML recipe, e.g. recipes/demo_tiny_cpu.yaml."
             )
+        recipe = load_recipe(args[index + 1])
         config_path = Path(args[index + 1])
-        if not config_path.is_file():
-            raise SystemExit(f"egpo-trl train: the recipe {config_path} does not exist; check the path.")
-        try:
-            recipe = yaml.safe_load(config_path.read_text())
-        except yaml.YAMLError as error:
-            raise SystemExit(f"egpo-trl train: {config_path} is not valid YAML: {error}") from error
-        if not isinstance(recipe, dict):
-            raise SystemExit(f"egpo-trl train: {config_path} must be a YAML mapping of field: value.")
         known = set(known_fields(parser)) | {"env"}
         unknown = [f"--{key}" for key in recipe if key not in known]
         if unknown:
@@ -305,6 +326,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
         raise SystemExit("egpo-trl train: torch_num_threads must be >= 0 (0 or unset keeps torch's default).")
     if script_args.eval_size < 0 or script_args.eval_num_samples < 1:
         raise SystemExit("egpo-trl train: eval_size must be >= 0 and eval_num_samples >= 1.")
+    problems = training_value_problems(training_args)
+    if problems:
+        raise SystemExit(f"egpo-trl train: {'; '.join(problems)}.")
     _check_correctness_reward(script_args, training_args)
     return script_args, training_args, model_args
 
@@ -326,41 +350,19 @@ def _check_correctness_reward(script_args: TrainScriptArguments, training_args: 
         raise SystemExit(f"egpo-trl train: {error}") from None
 
 
-def batch_shape_problem(
-    per_device_train_batch_size: int,
-    processes: int,
-    gradient_accumulation_steps: int,
-    num_generations: int,
-    steps_per_generation: int | None = None,
-    generation_batch_size: int | None = None,
-) -> str | None:
-    """What is wrong with a batch that cannot be cut into groups of ``num_generations``, in the fields users set.
+_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
-    TRL checks ``generation_batch_size`` (per_device_train_batch_size x processes x steps_per_generation, where
-    steps_per_generation defaults to gradient_accumulation_steps); this names those fields instead and suggests a
-    per_device_train_batch_size that works. ``None`` when the batch is fine.
-    """
-    steps_name, steps = "gradient_accumulation_steps", gradient_accumulation_steps
-    if steps_per_generation:
-        steps_name, steps = "steps_per_generation", steps_per_generation
-    if generation_batch_size:
-        if generation_batch_size % num_generations == 0:
-            return None
-        return (
-            f"generation_batch_size={generation_batch_size} is not a multiple of num_generations={num_generations}; "
-            "set it to a multiple (or leave it unset)."
-        )
-    total = per_device_train_batch_size * processes * steps
-    if total % num_generations == 0:
-        return None
-    unit = num_generations // math.gcd(num_generations, processes * steps)
-    suggestion = max(unit, math.ceil(per_device_train_batch_size / unit) * unit)
-    return (
-        f"per_device_train_batch_size {per_device_train_batch_size} x {processes} process(es) x {steps_name} {steps} = "
-        f"{total} completions per generation, not a multiple of num_generations={num_generations} (every prompt needs "
-        f"a whole group); set per_device_train_batch_size to a multiple of {unit}, e.g. --per_device_train_batch_size "
-        f"{suggestion}."
-    )
+
+def _join_negative_numbers(args: list[str]) -> list[str]:
+    """``--learning_rate -1e-4`` -> ``--learning_rate=-1e-4``: argparse takes ``-1e-4`` for an option otherwise."""
+    joined: list[str] = []
+    for item in args:
+        previous = joined[-1] if joined else ""
+        if _NUMBER.fullmatch(item) and previous.startswith("--") and "=" not in previous and previous != "--config":
+            joined[-1] = f"{previous}={item}"
+        else:
+            joined.append(item)
+    return joined
 
 
 def option_value(argv: Sequence[str], name: str) -> str | None:
@@ -376,14 +378,16 @@ def option_value(argv: Sequence[str], name: str) -> str | None:
 
 def _batch_problem_from_argv(argv: Sequence[str]) -> str | None:
     """:func:`batch_shape_problem` for the values of the recipe and the command line (the latter wins)."""
-    import yaml
 
     from egpo_trl.config import EGPOConfig
 
     recipe: dict[str, Any] = {}
     path = option_value(argv, "config")
     if path and Path(path).is_file():
-        recipe = yaml.safe_load(Path(path).read_text()) or {}
+        try:
+            recipe = load_recipe(path)
+        except SystemExit:
+            recipe = {}
     defaults = {f.name: f.default for f in EGPOConfig.__dataclass_fields__.values()}
 
     def value(name: str):

@@ -45,6 +45,15 @@ def prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None
     markers = [path / name for name in RUN_MARKERS if (path / name).exists()]
     if not checkpoints and not markers:
         return
+    if not checkpoints and _never_trained(path, markers):
+        for marker in markers:
+            marker.unlink()
+        logger.warning(
+            "%s held what a run that stopped before its first step left (%s): removed.",
+            path,
+            ", ".join(m.name for m in markers),
+        )
+        return
     found = ", ".join(p.name for p in (checkpoints + markers)[:5])
     if not overwrite:
         raise SystemExit(
@@ -58,6 +67,21 @@ def prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None
         if (path / name).is_file():
             (path / name).unlink()
     logger.warning("overwrite_output_dir: removed the earlier run's outputs in %s (%s)", path, found)
+
+
+def _never_trained(path: Path, markers: list[Path]) -> bool:
+    """Whether ``markers`` are only a metrics file without a training step (a start that failed after the held-out
+    check) and the held-out file: nothing a rerun could resume or would want to keep."""
+    if {m.name for m in markers} - {METRICS_FILE, HELDOUT_FILE}:
+        return False
+    metrics = path / METRICS_FILE
+    if not metrics.is_file():
+        return False
+    try:
+        records = read_metrics(metrics)
+    except (OSError, ValueError):
+        return False
+    return not any("loss" in record or "reward" in record for record in records)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

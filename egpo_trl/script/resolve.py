@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -97,6 +99,13 @@ def check_model_exists(
     return path
 
 
+def _current_folder_on_path() -> None:
+    """Put the current folder first on ``sys.path``, as ``python -m`` does, so ``my_rewards:fn`` finds ./my_rewards.py."""
+    here = os.getcwd()
+    if not any(entry in ("", here) or (entry and os.path.abspath(entry) == here) for entry in sys.path):
+        sys.path.insert(0, here)
+
+
 def resolve_reward_funcs(names: Sequence[str]) -> list[Callable[..., list[float]]]:
     """Reward functions from names defined in :mod:`egpo_trl.rewards` or import paths ``pkg.module:func``.
 
@@ -120,10 +129,14 @@ def resolve_reward_funcs(names: Sequence[str]) -> list[Callable[..., list[float]
                 f"egpo-trl train: unknown reward function {name!r}; use one of {sorted(registry)} or an import path "
                 "such as 'my_package.rewards:my_reward'."
             )
+        _current_folder_on_path()
         try:
             func = getattr(importlib.import_module(module_name), attribute)
         except (ImportError, AttributeError) as error:
-            raise SystemExit(f"egpo-trl train: cannot import reward function {name!r}: {error}") from error
+            raise SystemExit(
+                f"egpo-trl train: cannot import reward function {name!r}: {error} (modules are looked for in the "
+                f"current folder, {os.getcwd()}, then on PYTHONPATH and in the installed packages)."
+            ) from error
         if not callable(func):
             raise SystemExit(f"egpo-trl train: {name!r} is not callable.")
         funcs.append(func)

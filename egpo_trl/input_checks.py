@@ -1,0 +1,201 @@
+"""Checks of what a training run is given, shared by ``egpo-trl train`` and the Python API, made before any model
+loads: training values that cannot work, the dataset's columns against the reward functions, and the batch shape.
+
+:func:`check_trainer_inputs` is what ``EGPOTrainer(...)`` calls first: it resolves ``builtin:<name>`` (and the
+shipped model's path from any folder) and raises one ``ValueError`` line naming the fix for bad input, so that
+a missing ``answer`` column is not a traceback from inside the reward after the model has loaded.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "batch_shape_problem",
+    "check_trainer_inputs",
+    "required_columns",
+    "resolve_model_name",
+    "training_value_problems",
+]
+
+# Keyword arguments TRL passes to every reward function: not dataset columns.
+_PASSED_TO_REWARDS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
+_ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+def training_value_problems(args) -> list[str]:
+    """What is wrong with an :class:`~egpo_trl.EGPOConfig`'s values that TRL would only find mid-run (or never).
+
+    Returns:
+        One sentence per problem, naming the field, its value and what it must be; empty when all is well.
+    """
+    problems = []
+
+    def need(ok: bool, name: str, rule: str) -> None:
+        if not ok:
+            problems.append(f"{name} must be {rule}, got {getattr(args, name)!r}")
+
+    need(args.learning_rate >= 0, "learning_rate", ">= 0 (the paper recipes use 1e-6, the CPU demo 1e-4)")
+    need(args.weight_decay >= 0, "weight_decay", ">= 0")
+    need(args.max_grad_norm is None or args.max_grad_norm >= 0, "max_grad_norm", ">= 0 (0 turns clipping off)")
+    need(0 <= args.adam_beta1 < 1, "adam_beta1", "in [0, 1)")
+    need(0 <= args.adam_beta2 < 1, "adam_beta2", "in [0, 1)")
+    need(args.adam_epsilon >= 0, "adam_epsilon", ">= 0")
+    need(args.per_device_train_batch_size >= 1, "per_device_train_batch_size", ">= 1")
+    need(args.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", ">= 1")
+    need(
+        args.steps_per_generation is None or args.steps_per_generation >= 1, "steps_per_generation", ">= 1 (or unset)"
+    )
+    need(args.max_completion_length is None or args.max_completion_length >= 1, "max_completion_length", ">= 1")
+    need(args.num_iterations >= 1, "num_iterations", ">= 1")
+    need(args.temperature > 0, "temperature", "> 0 (GRPO samples its completions; 1.0 in the paper)")
+    need(0 < args.top_p <= 1, "top_p", "in (0, 1]")
+    need(args.top_k is None or args.top_k >= 0, "top_k", ">= 0 (0 or unset: off)")
+    need(args.min_p is None or 0 <= args.min_p <= 1, "min_p", "in [0, 1] (or unset)")
+    need(args.repetition_penalty > 0, "repetition_penalty", "> 0 (1.0: off)")
+    need(args.epsilon >= 0, "epsilon", ">= 0 (0.2 in the paper)")
+    need(args.epsilon_high is None or args.epsilon_high >= 0, "epsilon_high", ">= 0 (or unset: epsilon)")
+    need(args.beta >= 0, "beta", ">= 0 (the KL coefficient; 0 in the paper)")
+    if args.max_steps <= 0:
+        need(args.num_train_epochs > 0, "num_train_epochs", "> 0 when max_steps is unset (nothing would train)")
+    save = str(getattr(args.save_strategy, "value", args.save_strategy))
+    if save == "steps":
+        need(args.save_steps > 0, "save_steps", "> 0 with save_strategy steps (or save_strategy: no)")
+    return problems
+
+
+def batch_shape_problem(
+    per_device_train_batch_size: int,
+    processes: int,
+    gradient_accumulation_steps: int,
+    num_generations: int,
+    steps_per_generation: int | None = None,
+    generation_batch_size: int | None = None,
+) -> str | None:
+    """What is wrong with a batch that cannot be cut into groups of ``num_generations``, in the fields users set.
+
+    TRL checks ``generation_batch_size`` (per_device_train_batch_size x processes x steps_per_generation, where
+    steps_per_generation defaults to gradient_accumulation_steps); this names those fields instead and suggests a
+    per_device_train_batch_size that works. ``None`` when the batch is fine.
+    """
+    steps_name, steps = "gradient_accumulation_steps", gradient_accumulation_steps
+    if steps_per_generation:
+        steps_name, steps = "steps_per_generation", steps_per_generation
+    if generation_batch_size:
+        if generation_batch_size % num_generations == 0:
+            return None
+        return (
+            f"generation_batch_size={generation_batch_size} is not a multiple of num_generations={num_generations}; "
+            "set it to a multiple (or leave it unset)."
+        )
+    total = per_device_train_batch_size * processes * steps
+    if total % num_generations == 0:
+        return None
+    unit = num_generations // math.gcd(num_generations, processes * steps)
+    suggestion = max(unit, math.ceil(per_device_train_batch_size / unit) * unit)
+    return (
+        f"per_device_train_batch_size {per_device_train_batch_size} x {processes} process(es) x {steps_name} {steps} = "
+        f"{total} completions per generation, not a multiple of num_generations={num_generations} (every prompt needs "
+        f"a whole group); set per_device_train_batch_size to a multiple of {unit}, e.g. --per_device_train_batch_size "
+        f"{suggestion}."
+    )
+
+
+def resolve_model_name(model: Any) -> Any:
+    """``builtin:<name>`` -> the shipped model's folder, and ``egpo_trl/assets/<name>`` -> that folder from any
+    current folder; anything else (a model object, a Hub id, an existing path) unchanged."""
+    if not isinstance(model, str):
+        return model
+    from egpo_trl.script.resolve import resolve_model_path
+
+    try:
+        model = resolve_model_path(model)
+    except SystemExit as error:
+        raise ValueError(str(error).replace("egpo-trl train: ", "", 1)) from None
+    path = Path(model)
+    parts = path.parts
+    if not path.exists() and "assets" in parts and parts[-2:-1] == ("assets",) and (_ASSETS / parts[-1]).is_dir():
+        return str(_ASSETS / parts[-1])
+    return model
+
+
+def required_columns(reward_funcs: Sequence[Any]) -> dict[str, str]:
+    """Dataset columns the reward functions need (parameters without a default that TRL does not pass itself),
+    each mapped to the name of a function that needs it."""
+    needed: dict[str, str] = {}
+    for func in reward_funcs:
+        if isinstance(func, str) or not callable(func):
+            continue  # a reward model: it reads the prompt and completion only
+        try:
+            parameters = inspect.signature(func).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        for parameter in parameters:
+            if (
+                parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+                and parameter.default is parameter.empty
+                and parameter.name not in _PASSED_TO_REWARDS
+            ):
+                needed.setdefault(parameter.name, getattr(func, "__name__", repr(func)))
+    return needed
+
+
+def _dataset_problem(dataset: Any, reward_funcs: Sequence[Any]) -> str | None:
+    columns = getattr(dataset, "column_names", None)
+    if isinstance(columns, dict):  # a DatasetDict
+        return (
+            f"train_dataset is a DatasetDict with splits {list(columns)}; pass one split, e.g. "
+            f"train_dataset=dataset[{next(iter(columns), 'train')!r}]."
+        )
+    if not columns:
+        return None  # an IterableDataset without known features, or a plain iterable: checked by TRL as it reads
+    missing = []
+    if "prompt" not in columns:
+        missing.append("'prompt' column (text or chat messages)")
+    for column, func in required_columns(reward_funcs).items():
+        if column not in columns:
+            missing.append(f"{column!r} column, which {func} needs")
+    if not missing:
+        return None
+    renames = [c for c in ("question", "problem", "solution", "final_answer", "ground_truth") if c in columns]
+    hint = f" (e.g. dataset.rename_column({renames[0]!r}, ...))" if renames else ""
+    return f"train_dataset has no {' and no '.join(missing)}; its columns: {', '.join(columns)}. Rename or add them{hint}."
+
+
+def check_trainer_inputs(
+    model: Any, reward_funcs: Any, args: Any, pos_args: Sequence[Any], kwargs: dict[str, Any]
+) -> Any:
+    """What ``EGPOTrainer.__init__`` checks before the model loads; returns the model, ``builtin:`` names resolved.
+
+    Raises:
+        ValueError: one line naming the fix, for invalid training values, a train dataset without the columns
+            the reward functions need, or a batch that cannot be cut into whole groups of ``num_generations``.
+    """
+    model = resolve_model_name(model)
+    if args is None:
+        return model
+    problems = training_value_problems(args)
+    if problems:
+        raise ValueError(f"EGPOConfig: {'; '.join(problems)}.")
+    funcs: list[Callable[..., Any] | str] = (
+        list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    )
+    dataset = pos_args[0] if pos_args else kwargs.get("train_dataset")
+    if dataset is not None:
+        problem = _dataset_problem(dataset, funcs)
+        if problem:
+            raise ValueError(problem)
+    problem = batch_shape_problem(
+        args.per_device_train_batch_size,
+        args.world_size,
+        args.gradient_accumulation_steps,
+        args.num_generations,
+        args.steps_per_generation,
+    )
+    if problem:
+        raise ValueError(problem.replace(" --per_device_train_batch_size ", " per_device_train_batch_size="))
+    return model

@@ -1,0 +1,130 @@
+"""What ``python recipes/<recipe>.yaml`` and ``accelerate launch recipes/<recipe>.yaml`` run: the recipe's training.
+
+The last line of a recipe (see :mod:`egpo_trl.script.recipe`) calls :func:`run_as_script` with the recipe's path;
+the command-line arguments after the recipe are its overrides, as for ``egpo-trl train``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from egpo_trl.launch import in_distributed_launch
+from egpo_trl.script.args import option_value
+from egpo_trl.script.recipe import load_recipe
+
+__all__ = ["launch_parent_options", "run_as_script"]
+
+# Variables `accelerate launch`/torchrun set in the processes they start; cleared before a launch of our own.
+_LAUNCH_VARIABLES_PREFIXES = ("ACCELERATE_", "TORCHELASTIC_", "FSDP_")
+_LAUNCH_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+)
+
+
+def launch_parent_options(ppid: int | None = None, script: str | None = None) -> list[str] | None:
+    """The options given to the ``accelerate launch`` that started this process (``None`` when unknown).
+
+    Read from the parent's command line (Linux ``/proc``): the arguments between ``launch`` and this script.
+    """
+    ppid = os.getppid() if ppid is None else ppid
+    script = sys.argv[0] if script is None else script
+    try:
+        raw = Path(f"/proc/{ppid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    args = [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+    start = next((i for i, a in enumerate(args) if a == "launch" or a.endswith("accelerate.commands.launch")), None)
+    if start is None:
+        return None
+    target = os.path.realpath(script)
+    for index in range(start + 1, len(args)):
+        if os.path.realpath(args[index]) == target:
+            return args[start + 1 : index]
+    return None
+
+
+def _accelerate_default_config() -> str | None:
+    try:
+        from accelerate.commands.config import default_config_file
+    except Exception:  # noqa: BLE001 - an old or broken accelerate: no default config to honour
+        return None
+    return default_config_file if os.path.isfile(default_config_file) else None
+
+
+def run_as_script(path: str, argv: Sequence[str] | None = None) -> int:
+    """Train the recipe ``path``: what ``python <recipe>.yaml`` and ``accelerate launch <recipe>.yaml`` run.
+
+    * ``python recipes/x.yaml [overrides]`` is ``egpo-trl train recipes/x.yaml [overrides]``: it runs
+      ``accelerate launch`` itself when the recipe names an ``accelerate_config``.
+    * Inside ``accelerate launch [options] recipes/x.yaml [overrides]``: when that command was given accelerate
+      options (or accelerate has a default config), its processes train with those settings. When it was given
+      none and the recipe names an ``accelerate_config``, the first process launches the recipe's settings instead
+      (the command is printed) and the others stop; without an ``accelerate_config`` the processes train as
+      launched.
+    """
+    from egpo_trl.train import main
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help", "--help-all", "--dry-run", "--dry_run") for a in argv):
+        return main([path, *argv])
+    if not in_distributed_launch():
+        return main([path, *argv])
+    recipe = load_recipe(path)
+    accelerate_config = option_value(argv, "accelerate_config") or recipe.get("accelerate_config")
+    rank = int(os.environ.get("RANK", "0") or 0)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if accelerate_config is None or str(accelerate_config).lower() in ("", "none", "null", "false"):
+        return main(["--config", path, *argv])
+    given = launch_parent_options()
+    default_config = _accelerate_default_config()
+    if given == [] and default_config is None:
+        if rank != 0:
+            return 0
+        print(
+            f"accelerate launch was given no settings: using the recipe's ({accelerate_config}), as `egpo-trl train "
+            f"{path}` does.",
+            flush=True,
+        )
+        for name in list(os.environ):
+            if name in _LAUNCH_VARIABLES or name.startswith(_LAUNCH_VARIABLES_PREFIXES):
+                del os.environ[name]
+        if world > 1 and option_value(argv, "main_process_port") is None and not recipe.get("main_process_port"):
+            argv = [*argv, "--main_process_port", str(_free_port())]  # the first launch still holds its port
+        return main(["--config", path, *argv])
+    if rank == 0:
+        source = (
+            shlex.join(given)
+            if given
+            else (
+                f"accelerate's default config {default_config}" if default_config else "accelerate launch's settings"
+            )
+        )
+        print(
+            f"Training with the launch's own settings ({source}; {world} process(es)), not the recipe's "
+            f"accelerate_config {accelerate_config}.",
+            flush=True,
+        )
+    return main(["--config", path, *argv])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,152 @@
+"""Training recipes as files that both YAML and Python read: ``accelerate launch recipes/<recipe>.yaml`` trains.
+
+A recipe is a YAML mapping of fields (see :mod:`egpo_trl.script.args`). ``accelerate launch`` and ``python`` run
+the file they are given with the Python interpreter, so a shipped recipe carries two extra lines that keep it plain
+YAML and make it a short Python program at the same time::
+
+    egpo_trl_recipe: r'''  # this line and the last one let `python` and `accelerate launch` run this file
+    model_name_or_path: builtin:tiny-math-qwen2
+    ...
+    #'''; from egpo_trl.recipe_launch import run_as_script; raise SystemExit(run_as_script(__file__))
+
+* YAML reads the first line as one more key (``egpo_trl_recipe``, which every egpo-trl reader drops) and the last
+  line as a comment.
+* Python reads the first line as the start of a raw string that the last line closes, so everything between them,
+  comments with ``\\x``, ``\\u``, ``\\N``, LaTeX or ``\"\"\"`` included, is text; the rest of the last line trains
+  the recipe with the command-line overrides (:func:`egpo_trl.recipe_launch.run_as_script`).
+
+No text codec is involved, so no escape sequence can break the file. What Python cannot ignore is a line after the
+last one whose value is not a Python expression (``max_steps: 5`` is fine, ``dataset_name: synthetic:arithmetic``
+is not) and ``'''`` between the two lines: ``egpo-trl train --dry-run`` reports both in one line, and
+``python -m egpo_trl.script.recipe RECIPE.yaml`` moves such lines above the last line (nothing is deleted).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "FOOTER",
+    "HEADER",
+    "MARKER_KEY",
+    "add_script_lines",
+    "load_recipe",
+    "script_problem",
+]
+
+MARKER_KEY = "egpo_trl_recipe"
+HEADER = f"{MARKER_KEY}: r'''  # this line and the last one let `python` and `accelerate launch` run this file"
+FOOTER = "#'''; from egpo_trl.recipe_launch import run_as_script; raise SystemExit(run_as_script(__file__))"
+# The lines an earlier layout of the recipes used (a `unicode_escape` coding line): recognised and replaced.
+_OLD_HEADER_STARTS = ("# coding: unicode_escape", "# \\nraise SystemExit(")
+_OLD_FOOTER_START = '# \\n"""'
+
+
+def load_recipe(path: str | Path, what: str = "recipe", prog: str = "egpo-trl train") -> dict[str, Any]:
+    """Read a recipe's YAML mapping, without the ``egpo_trl_recipe`` marker key.
+
+    Raises:
+        SystemExit: with a one-line message for a missing file, invalid YAML or a file that is not a mapping.
+    """
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"{prog}: the {what} {path} does not exist; check the path.")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise SystemExit(f"{prog}: {path} is not valid YAML: {error}") from error
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise SystemExit(f"{prog}: {path} must be a YAML mapping of field: value.")
+    data.pop(MARKER_KEY, None)
+    return data
+
+
+def _is_header(line: str) -> bool:
+    return line.startswith(f"{MARKER_KEY}:") or line.startswith(_OLD_HEADER_STARTS)
+
+
+def _is_footer(line: str) -> bool:
+    return line.startswith("#'''") or line.startswith(_OLD_FOOTER_START)
+
+
+def add_script_lines(text: str) -> str:
+    """``text`` with the two lines that let Python run it: the header first and the footer last.
+
+    Earlier header/footer lines are replaced, and lines that were added after the footer are moved above it, in
+    their order; nothing else changes.
+    """
+    lines = text.splitlines()
+    body = [line for line in lines if not _is_header(line) and not _is_footer(line)]
+    while body and not body[-1].strip():
+        body.pop()
+    return "\n".join([HEADER, *body, FOOTER]) + "\n"
+
+
+def script_problem(path: str | Path) -> str | None:
+    """Why ``python``/``accelerate launch`` cannot run the recipe ``path`` as written (``None`` when they can).
+
+    A recipe without the ``egpo_trl_recipe`` line is plain YAML for ``egpo-trl train`` only: that is not a problem.
+    """
+    path = Path(path)
+    text = path.read_text()
+    lines = text.splitlines()
+    if not any(line.startswith(f"{MARKER_KEY}:") for line in lines):
+        return None
+    fix = f"run `python -m egpo_trl.script.recipe {path}` to move it above the last line"
+    footer = next((number for number, line in enumerate(lines, 1) if _is_footer(line)), None)
+    if footer is None:
+        return f"{path} lost its last line (#'''; ...): {fix.replace('move it above', 'restore')}."
+    header = next(number for number, line in enumerate(lines, 1) if line.startswith(f"{MARKER_KEY}:"))
+    quotes = next((n for n in range(header + 1, footer) if "'''" in lines[n - 1]), None)
+    if quotes is not None:
+        return (
+            f"`accelerate launch {path}` would not read it whole: line {quotes} holds ''', which ends the text Python "
+            "skips; write it otherwise (e.g. \\'\\'\\' in a quoted YAML string, or drop it from the comment)."
+        )
+    try:
+        tree = ast.parse(text, filename=str(path))
+    except SyntaxError as error:
+        line = (error.text or "").strip()
+        where = "after the last line" if (error.lineno or 0) > footer else "between the first and last lines"
+        return (
+            f"`accelerate launch {path}` cannot run it: line {error.lineno} ({line}), {where}, is not Python; {fix}."
+        )
+    first = tree.body[0] if tree.body else None
+    if not isinstance(first, ast.AnnAssign) or first.end_lineno != footer:
+        return f"`accelerate launch {path}` would not read it whole: its first line must be the {MARKER_KEY} line."
+    return None
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    """``python -m egpo_trl.script.recipe RECIPE.yaml ...``: add or repair the two lines, in place."""
+    paths = list(sys.argv[1:] if argv is None else argv)
+    if not paths or any(p in ("-h", "--help") for p in paths):
+        print(
+            "usage: python -m egpo_trl.script.recipe RECIPE.yaml [...]\n\nAdds (or repairs) the first and last lines "
+            "that let `accelerate launch RECIPE.yaml` train a recipe; lines written after the last line move above "
+            "it. Nothing else changes."
+        )
+        return 0
+    for name in paths:
+        path = Path(name)
+        before = path.read_text()
+        after = add_script_lines(before)
+        if after != before:
+            path.write_text(after)
+            print(f"{path}: updated.")
+        problem = script_problem(path)
+        if problem:
+            print(problem, file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
