@@ -38,12 +38,15 @@ case $stage in
             [[ -f $SHAPES/$shape/config.json ]] || "$PY" benchmarks/real_shapes.py --output "$SHAPES" --shapes "$shape" \
                 --device cuda "${tiktoken[@]}" >> "$RUNS/$name/build.log" 2>&1
         done
-        EXTRA="--reward_funcs benchmarks.timing_rewards:coin_flip_reward --save_strategy no --save_final_model false ${EXTRA:-}" \
+        EGPO_COUNT_VLLM_CALLS=1 EXTRA="--reward_funcs benchmarks.timing_rewards:coin_flip_reward --save_strategy no --save_final_model false ${EXTRA:-}" \
             STEPS=${STEPS:-2} bash benchmarks/gpu_recipes.sh "$RUNS/$name/runs" "$SHAPES" "$@" > "$RUNS/$name/recipes.log" 2>&1
-        # vLLM's sleep mode: how often each run put the engine to sleep (once per generation batch is the target).
+        # How often each run synced the weights into vLLM, woke it and put it to sleep (once per generation batch each
+        # is the target; the first wake-up comes with the engine's start).
         for log in "$RUNS/$name"/runs/*/train.log; do
-            printf '%s: vLLM slept %s times\n' "$(basename "$(dirname "$log")")" "$(grep -c 'Sleep mode freed' "$log")"
-        done | tee "$RUNS/$name/sleeps.txt"
+            printf '%s (%s steps): weight syncs %s, wake-ups %s, sleeps %s\n' "$(basename "$(dirname "$log")")" "${STEPS:-2}" \
+                "$(grep -c 'vllm-call sync_weights' "$log")" "$(grep -c 'vllm-call wake_up' "$log")" \
+                "$(grep -c 'vllm-call sleep' "$log")"
+        done | tee "$RUNS/$name/vllm_calls.txt"
         cat "$RUNS/$name/recipes.log"
         ;;
     resume)

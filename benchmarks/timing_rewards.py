@@ -22,3 +22,35 @@ def _text(completion) -> str:
 def coin_flip_reward(completions, **kwargs) -> list[float]:
     """+1.0 or -1.0 for each completion, from the parity of a hash of its text."""
     return [1.0 if hashlib.sha256(_text(c).encode()).digest()[0] % 2 else -1.0 for c in completions]
+
+
+def _count_vllm_calls() -> None:
+    """With ``EGPO_COUNT_VLLM_CALLS=1``, print one ``vllm-call <name>`` line to stderr for each weight sync, wake-up
+    and sleep of the colocated vLLM engine (the module is imported by every training process before the trainer is
+    built, so the count covers the whole run). ``benchmarks/gpu_checks.sh`` counts them per run."""
+    import functools
+    import sys
+
+    def counted(owner, name):
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            print(f"vllm-call {name}", file=sys.stderr, flush=True)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, wrapper)
+
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    counted(VLLMGeneration, "sync_weights")
+    try:
+        from vllm import LLM
+    except ImportError:  # transformers generation: no engine to wake
+        return
+    counted(LLM, "sleep")
+    counted(LLM, "wake_up")
+
+
+if __import__("os").environ.get("EGPO_COUNT_VLLM_CALLS") == "1":
+    _count_vllm_calls()
