@@ -1,12 +1,17 @@
-"""Every part of TRL beyond its documented API that egpo_trl relies on, checked against the installed TRL.
+"""Every part of TRL and transformers beyond their documented API that egpo_trl relies on, checked against the
+installed versions.
 
-``EGPOTrainer`` overrides private methods of ``GRPOTrainer``, reads attributes its ``__init__`` sets, relies on the
-shapes of what its private methods return, and imports helpers from TRL's internal modules. A TRL release may change
-any of these without notice. The tables below list them all, in one place, with the file that uses each; the single
-test checks the installed TRL against every entry and fails with one message that lists everything missing or
-changed, so that an upgrade fails here first rather than deep inside a training step.
+``EGPOTrainer`` overrides private methods of ``GRPOTrainer`` and of transformers' ``Trainer``, reads and restores
+attributes they set, relies on the shapes of what their private methods return, patches TRL's vLLM generator and
+imports helpers from TRL's internal modules. A release may change any of these without notice. The tables below list
+them all, in one place, with the file that uses each; the first test checks the installed TRL and transformers
+against every entry and fails with one message that lists everything missing or changed, so that an upgrade fails
+here first rather than deep inside a training step (or a resumed one).
 
-When egpo_trl starts to use another of TRL's internals, add it here.
+vLLM's own internals (the colocated engine's sleep and wake-up, the CPU weight reload, sampling seeds) are listed in
+``VLLM``; the second test checks them when vLLM is installed and is skipped otherwise.
+
+When egpo_trl starts to use another internal of TRL, transformers or vLLM, add it here.
 """
 
 from __future__ import annotations
@@ -28,6 +33,24 @@ FUNCTIONS = [
     ("trl.models.utils", "disable_gradient_checkpointing", ["model", "gradient_checkpointing_kwargs"], "trainer.py"),
     ("trl.data_utils", "is_conversational", ["example"], "egpo_trl/sampling/gec.py"),
     ("trl.trainer.utils", "selective_log_softmax", ["logits", "index", "temperature"], "benchmarks/is_gap.py"),
+    ("trl.trainer.utils", "nanstd", ["tensor", "dim", "keepdim"], "egpo_trl/trainer.py"),
+    ("trl.trainer.utils", "is_async_callable", ["func"], "egpo_trl/sampling/gec.py (rescoring async rewards)"),
+    (
+        "trl.trainer.utils",
+        "add_fused_lm_head",
+        ["model", "temperature", "cast_lm_head_to_fp32", "outputs"],
+        "egpo_trl/old_logps.py (the fused_lm_head=True forward GRPOTrainer installs)",
+    ),
+]
+
+# Module-level values of TRL and transformers that egpo_trl relies on: (module, name, expected value, used by).
+CONSTANTS = [
+    (
+        "transformers.trainer_utils",
+        "PREFIX_CHECKPOINT_DIR",
+        "checkpoint",
+        "egpo_trl/resume_state.py, egpo_trl/script/resume.py (checkpoint-<step> folders)",
+    ),
 ]
 
 # Private methods of GRPOTrainer that EGPOTrainer overrides or calls: (name, leading parameter names after self,
@@ -43,7 +66,26 @@ METHODS = [
         "trainer.py (override, and the extra entropy pass)",
     ),
     ("_compute_loss", ["model", "inputs"], "tests/recording.py"),
-    ("_save_checkpoint", ["model", "trial"], "egpo_trl/script/resume.py (Ctrl-C checkpoint)"),
+    ("__init__", ["model", "reward_funcs", "args"], "trainer.py (passes them positionally)"),
+    # transformers.Trainer's, overridden by ExactResumeMixin (egpo_trl/resume_state.py) for exact resume.
+    (
+        "_save_checkpoint",
+        ["model", "trial"],
+        "resume_state.py (override: saves GRPO's state too), script/resume.py (Ctrl-C checkpoint)",
+    ),
+    ("_load_rng_state", ["checkpoint"], "resume_state.py (override: restores GRPO's state)"),
+    ("_get_train_sampler", ["dataset"], "resume_state.py (override: keeps the sampler)"),
+    (
+        "_init_training_state",
+        ["max_steps", "num_update_steps_per_epoch", "num_train_epochs", "resume_from_checkpoint", "trial"],
+        "resume_state.py (override: replays the sampler's permutations of the epochs trained)",
+    ),
+    (
+        "_maybe_log_save_evaluate",
+        ["tr_loss", "grad_norm", "model", "trial", "epoch", "ignore_keys_for_eval", "start_time", "learning_rate"],
+        "resume_state.py (override: the step-boundary snapshot for the Ctrl-C checkpoint)",
+    ),
+    ("_get_output_dir", ["trial"], "resume_state.py (the checkpoint folder)"),
 ]
 
 # Everything of GRPOTrainer that EGPOTrainer or its mixins define again, on purpose. Any other name they share (a
@@ -56,6 +98,12 @@ OVERRIDES = {
     "_generate",
     "_generate_and_score_completions",
     "_get_per_token_logps_and_entropies",
+    # ExactResumeMixin (egpo_trl/resume_state.py): transformers.Trainer's, for exact resume.
+    "_save_checkpoint",
+    "_load_rng_state",
+    "_get_train_sampler",
+    "_init_training_state",
+    "_maybe_log_save_evaluate",
 }
 
 # Attributes GRPOTrainer.__init__ sets that egpo_trl reads (or, for the generation settings, changes for a while):
@@ -104,6 +152,29 @@ INSTANCE_ATTRIBUTES = [
     ("tools", lambda v: v is None or isinstance(v, list), "list or None", "sampling/common.py"),
     ("rollout_func", lambda v: v is None, "None here", "sampling/common.py"),
     ("environment_factories", lambda v: v is None, "None here", "sampling/common.py"),
+    ("_is_vlm", lambda v: v is False, "False for a text model", "sampling/common.py"),
+    (
+        "multi_objective_aggregation",
+        lambda v: v in ("sum_then_normalize", "normalize_then_sum"),
+        "'sum_then_normalize' or 'normalize_then_sum'",
+        "trainer.py",
+    ),
+    (
+        "_pending_extra_logs",
+        lambda v: isinstance(v, collections.defaultdict) and v.default_factory is list,
+        "defaultdict(list)",
+        "sampling/gec.py (moves what reward functions log between the two scorings of a round)",
+    ),
+    (
+        "_pending_metrics",
+        lambda v: isinstance(v, collections.defaultdict) and v.default_factory is list,
+        "defaultdict(list)",
+        "sampling/gec.py",
+    ),
+    ("_step", lambda v: v == 0, "0 (the micro-step counter)", "resume_state.py (saved and restored)"),
+    ("_buffered_inputs", lambda v: v is None, "None (the generation batch buffer)", "resume_state.py"),
+    ("train_dataset", lambda v: v is not None and len(v) > 0, "the dataset", "sampling/dynamic.py, gec.py"),
+    ("processing_class", lambda v: hasattr(v, "pad_token_id"), "the tokenizer", "trainer.py, gec.py, run.py"),
 ]
 
 # Text that TRL's source must contain: each is a behaviour egpo_trl relies on and a signature cannot show.
@@ -159,6 +230,186 @@ SOURCE = [
     ("VLLMGeneration._init_vllm", "self.llm = LLM(", "the colocated engine", "vllm_cpu.py"),
     ("VLLMGeneration.sync_weights", "", "replaced on CPU builds by cpu_sync_weights", "vllm_cpu.py"),
     ("VLLMGeneration._iter_named_params", "", "the weights cpu_sync_weights streams", "vllm_cpu.py"),
+    (
+        "VLLMGeneration.sync_weights",
+        "self._iter_named_params()",
+        "every sync path reads the weights from _iter_named_params (patched to freeze the sampler's weights)",
+        "benchmarks/canary_rewards.py",
+    ),
+    (
+        "VLLMGeneration.sync_weights",
+        'if self.mode == "colocate" and self.enable_sleep_mode: empty_cache() '
+        "# required to avoid OOM in some cases "
+        'self.llm.wake_up(tags=["weights"]) self._llm_weights_sleeping = False',
+        "a sync wakes a sleeping engine's weights (GEC's awake block syncs when they were discarded)",
+        "sampling/gec.py",
+    ),
+    ("VLLMGeneration.__init__", "self.enable_sleep_mode = enable_sleep_mode", "sleep mode flag", "sampling/gec.py"),
+    (
+        "VLLMGeneration.__init__",
+        "self.tensor_parallel_size = tensor_parallel_size",
+        "the ranks of one tensor-parallel group share a sampling seed",
+        "resume_state.py",
+    ),
+    ("VLLMGeneration.__init__", "self.max_completion_length = max_completion_length", "length limit", "gec.py"),
+    (
+        "VLLMGeneration._init_vllm",
+        "self._llm_weights_sleeping = self.enable_sleep_mode",
+        "whether the engine's weights were discarded",
+        "sampling/gec.py",
+    ),
+    (
+        "VLLMGeneration.generate",
+        'if self.enable_sleep_mode: self.llm.wake_up(tags=["kv_cache"])',
+        "generate wakes the engine only in sleep mode (GEC turns the flag off to keep it awake over a round)",
+        "sampling/gec.py",
+    ),
+    (
+        "VLLMGeneration.generate",
+        "if self.enable_sleep_mode: self.llm.sleep(level=2) self._llm_weights_sleeping = True",
+        "generate puts the engine to sleep only in sleep mode, discarding the weights (level 2)",
+        "sampling/gec.py",
+    ),
+    (
+        "VLLMGeneration.generate",
+        'if self.mode == "colocate" and self.enable_sleep_mode and self._llm_weights_sleeping: self.sync_weights()',
+        "discarded weights are pushed again before generating",
+        "sampling/gec.py",
+    ),
+    (
+        "VLLMGeneration.generate",
+        "self.llm.generate(vllm_prompts, sampling_params=sampling_params, use_tqdm=False)",
+        "one SamplingParams per call, passed to the engine's generate (wrapped to give each prompt its own seed)",
+        "resume_state.py",
+    ),
+    (
+        "GRPOTrainer.__init__",
+        "self._last_loaded_step = -1",
+        "the step whose weights vLLM holds",
+        "sampling/gec.py",
+    ),
+    (
+        "GRPOTrainer._generate_single_turn",
+        "if self.state.global_step != self._last_loaded_step: with profiling_context(self, "
+        '"sync_weights"): self.vllm_generation.sync_weights() self._last_loaded_step = self.state.global_step',
+        "weights are synced once per step, keyed on _last_loaded_step (GEC's awake block sets it after its sync)",
+        "sampling/gec.py",
+    ),
+    (
+        "GRPOTrainer.__init__",
+        "add_fused_lm_head( self.model.get_base_model() if is_peft_model(self.model) else self.model, "
+        "temperature=self.temperature, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32, "
+        'outputs=("log_probs", "entropy"), )',
+        "the policy gets TRL's fused LM head with entropies, at the sampling temperature",
+        "old_logps.py",
+    ),
+    (
+        "GRPOTrainer._generate_and_score_completions",
+        "self._pending_extra_logs.clear()",
+        "what reward functions log is flushed after scoring (GEC puts one value per row back before that)",
+        "sampling/gec.py",
+    ),
+    (
+        "GRPOTrainer._generate_and_score_completions",
+        "self._pending_metrics.clear()",
+        "scalars reward functions log are flushed after scoring",
+        "sampling/gec.py",
+    ),
+    (
+        "GRPOTrainer._prepare_inputs",
+        "if self._step % generate_every == 0 or self._buffered_inputs is None:",
+        "a generation batch is generated at a multiple of _step or when no buffer is held (restored on resume)",
+        "resume_state.py",
+    ),
+    (
+        "GRPOTrainer._prepare_inputs",
+        "inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]",
+        "steps train on slices of the buffered generation batch",
+        "resume_state.py",
+    ),
+    (
+        "GRPOTrainer.get_train_dataloader",
+        "sampler_fn=self._get_train_sampler",
+        "the training sampler comes from _get_train_sampler (ExactResumeMixin keeps it)",
+        "resume_state.py",
+    ),
+    (
+        "RepeatSampler.__iter__",
+        "indexes = torch.randperm(self.num_samples, generator=self.generator).tolist()",
+        "one permutation per epoch from the seeded generator (replayed for the epochs trained on resume)",
+        "resume_state.py",
+    ),
+    ("RepeatSampler.__init__", "self.shuffle = shuffle", "read before replaying permutations", "resume_state.py"),
+    (
+        "Trainer._inner_training_loop",
+        "epochs_trained, steps_trained_in_current_epoch = self._init_training_state(",
+        "_init_training_state returns (epochs trained, steps trained in the epoch)",
+        "resume_state.py",
+    ),
+    (
+        "Trainer._run_epoch",
+        "self._load_rng_state(resume_from_checkpoint)",
+        "on resume the RNG states are restored just before the first step (where GRPO's state is restored too)",
+        "resume_state.py",
+    ),
+    (
+        "Trainer._inner_training_loop",
+        "self._tr_loss = torch.tensor(0.0, device=args.device)",
+        "the loss not yet logged, a tensor restored in place",
+        "resume_state.py",
+    ),
+    (
+        "Trainer._inner_training_loop",
+        "self._globalstep_last_logged = self.state.global_step",
+        "the step of the last log, saved and restored",
+        "resume_state.py",
+    ),
+    (
+        "Trainer._run_epoch",
+        "self._maybe_log_save_evaluate( self._tr_loss,",
+        "each step ends in _maybe_log_save_evaluate (the step-boundary snapshot)",
+        "resume_state.py",
+    ),
+    (
+        "Trainer._save_checkpoint",
+        'checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"',
+        "the checkpoint folder, which ExactResumeMixin writes its state into",
+        "resume_state.py",
+    ),
+    (
+        "Trainer._save_checkpoint",
+        "run_dir = self._get_output_dir(trial=trial)",
+        "the checkpoint folder's parent",
+        "resume_state.py",
+    ),
+    (
+        "ProgressCallback.__init__",
+        "self.training_bar = None",
+        "the progress bar CompactProgressCallback sets its postfix on",
+        "egpo_trl/script/callbacks.py",
+    ),
+]
+
+# vLLM's own internals, checked only when vLLM is installed: (module, qualified name, parameter names it must take
+# (None: it must exist), used by). The engine's attribute chain llm.llm_engine.model_executor.driver_worker
+# .model_runner (vllm_cpu.py) exists only on a running engine and is not checked here.
+VLLM = [
+    ("vllm", "LLM.generate", ["prompts", "sampling_params"], "resume_state.py (per-prompt sampling seeds)"),
+    ("vllm", "LLM.sleep", ["level"], "sampling/gec.py, benchmarks/timing_rewards.py (counted)"),
+    ("vllm", "LLM.wake_up", ["tags"], "sampling/gec.py, benchmarks/timing_rewards.py (counted)"),
+    ("vllm", "LLM.reset_prefix_cache", None, "vllm_cpu.py (after a CPU weight reload)"),
+    ("vllm", "SamplingParams.clone", None, "resume_state.py (one SamplingParams per prompt)"),
+    ("vllm", "SamplingParams.seed", None, "resume_state.py"),
+    (
+        "vllm.v1.worker.cpu_model_runner",
+        "CPUModelRunner.reload_weights",
+        ["weights_iterator", "is_checkpoint_format"],
+        "vllm_cpu.py (cpu_sync_weights)",
+    ),
+    ("vllm.platforms", "current_platform.is_cpu", None, "vllm_cpu.py (is_vllm_cpu_build)"),
+    ("vllm.utils.cpu_resource_utils", "get_allowed_cpu_list", None, "vllm_cpu.py (memory check)"),
+    ("vllm.utils.cpu_resource_utils", "get_memory_node_info", None, "vllm_cpu.py (memory check)"),
+    ("vllm.utils.cpu_resource_utils", "get_visible_memory_node", None, "vllm_cpu.py (memory check)"),
 ]
 
 # What TRL's private methods return, checked by calling them on a real trainer: (method, what is expected).
@@ -170,6 +421,7 @@ RETURNS = [
     ("_generate_single_turn", "a pair (completion_ids, logprobs)"),
     ("_calculate_rewards", "a tensor [completions, reward functions]"),
     ("_get_per_token_logps_and_entropies", "a triple (logps, entropies, aux_loss)"),
+    ("model(..., fused_lm_head=True)", "an output with log_probs and entropy, each [rows, columns]"),
     (
         "_generate_and_score_completions",
         "a dict with prompt_ids, prompt_mask, completion_ids, completion_mask and advantages",
@@ -197,9 +449,17 @@ def _parameters(func) -> list[str]:
     return names[1:] if names and names[0] == "self" else names
 
 
+def _squeezed(text: str) -> str:
+    """``text`` with every run of whitespace made one space (source texts are matched across line breaks)."""
+    return " ".join(text.split())
+
+
 def _static_problems() -> list[str]:
+    from transformers import Trainer
+    from transformers.trainer_callback import ProgressCallback
     from trl import GRPOConfig, GRPOTrainer
     from trl.generation.vllm_generation import VLLMGeneration
+    from trl.trainer.utils import RepeatSampler
 
     from egpo_trl.trainer import _FORWARD_KEYS
 
@@ -213,6 +473,10 @@ def _static_problems() -> list[str]:
         found = _parameters(func)
         if found[: len(expected)] != expected:
             problems.append(f"{module_name}.{name}: parameters {found}, expected to start with {expected} ({used_by})")
+    for module_name, name, expected, used_by in CONSTANTS:
+        value = getattr(importlib.import_module(module_name), name, None)
+        if value != expected:
+            problems.append(f"{module_name}.{name} is {value!r}, expected {expected!r} ({used_by})")
     for name, expected, used_by in METHODS:
         method = getattr(GRPOTrainer, name, None)
         if not callable(method):
@@ -243,13 +507,19 @@ def _static_problems() -> list[str]:
             f"EGPOTrainer and GRPOTrainer now share {sorted(shared)}: unexpected {unexpected} (rename egpo_trl's, or "
             f"make it a deliberate override), no longer in TRL {gone}"
         )
-    owners = {"GRPOTrainer": GRPOTrainer, "VLLMGeneration": VLLMGeneration}
+    owners = {
+        "GRPOTrainer": GRPOTrainer,
+        "VLLMGeneration": VLLMGeneration,
+        "Trainer": Trainer,
+        "RepeatSampler": RepeatSampler,
+        "ProgressCallback": ProgressCallback,
+    }
     for path, text, why, used_by in SOURCE:
         owner, _, attribute = path.partition(".")
         member = getattr(owners[owner], attribute, None)
         if member is None:
             problems.append(f"{path} is gone ({why}); used by {used_by}")
-        elif text and text not in inspect.getsource(member):
+        elif text and _squeezed(text) not in _squeezed(inspect.getsource(member)):
             problems.append(f"{path} no longer contains {text!r}: {why} ({used_by})")
     fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
     sampling = {
@@ -331,6 +601,20 @@ def _instance_problems(trainer) -> list[str]:
             f"{len(result) if isinstance(result, tuple) else '?'}, expected "
             f"{returns['_get_per_token_logps_and_entropies']}"
         )
+
+    # TRL's fused LM head, called as egpo_trl.old_logps calls it.
+    input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+    attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, : output["prompt_ids"].size(1)] = -100
+    with torch.no_grad():
+        fused = trainer.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+    shapes = [getattr(getattr(fused, key, None), "shape", None) for key in ("log_probs", "entropy")]
+    if any(shape is None or tuple(shape[:1]) != (input_ids.size(0),) for shape in shapes):
+        problems.append(
+            f"the policy's forward with fused_lm_head=True returned {type(fused).__name__} with log_probs/entropy "
+            f"shapes {shapes}, expected {returns['model(..., fused_lm_head=True)']} (old_logps.py)"
+        )
     return problems
 
 
@@ -348,5 +632,30 @@ def test_every_trl_internal_egpo_trl_relies_on_is_there(tmp_path, tiny_model_dir
         pytest.fail(
             f"TRL {trl.__version__} changed {len(problems)} of the internals egpo_trl relies on (tests/"
             "test_trl_surface.py lists them all):\n  - " + "\n  - ".join(problems),
+            pytrace=False,
+        )
+
+
+def test_every_vllm_internal_egpo_trl_relies_on_is_there():
+    pytest.importorskip("vllm", reason="vLLM is not installed: its internals are checked where it is")
+    problems = []
+    for module_name, path, expected, used_by in VLLM:
+        try:
+            member = importlib.import_module(module_name)
+            for part in path.split("."):
+                member = getattr(member, part) if hasattr(member, part) else member.__dataclass_fields__[part]
+        except (ImportError, AttributeError, KeyError, TypeError) as error:
+            problems.append(f"{module_name}.{path} is gone ({error!r}); used by {used_by}")
+            continue
+        if expected is not None:
+            missing = [name for name in expected if name not in _parameters(member)]
+            if missing:
+                problems.append(f"{module_name}.{path} no longer takes {missing} ({used_by})")
+    if problems:
+        import vllm
+
+        pytest.fail(
+            f"vLLM {vllm.__version__} changed {len(problems)} of the internals egpo_trl relies on (VLLM in tests/"
+            "test_trl_surface.py):\n  - " + "\n  - ".join(problems),
             pytrace=False,
         )
