@@ -11,8 +11,9 @@ Two tasks (``--task``):
   samples and only about 5% of the groups of 8 are entirely incorrect, so NSR and EGPO's clamp seldom act.
 * ``active``: levels 4, 5 and 6 of the same generator (four to six operations), where the paper's mechanisms are
   active. Measured on the shipped model (100 ``test`` problems per level x 8 samples at T = 1): level 4 is right
-  on 31% of samples with 8% of groups entirely incorrect, level 5 on 23% (15%), level 6 on 5% (79%); the mix is
-  right on about 20% of samples with about a third of the groups entirely incorrect, so NSR fires, EGPO's
+  on 31% of samples with 8% of groups entirely incorrect, level 5 on 23% (15%), level 6 on 5% (79%); the mix (150
+  ``test`` problems, 50 per level) is right on 19.2% of samples with 32% of the groups entirely incorrect (150
+  ``train`` problems: 19.8%, 37%), so NSR fires, EGPO's
   weights spread against the clamp bounds and GRPO's zero-advantage groups are common. Held-out: 150 problems
   (50 per level) x 8 samples. Defaults: 5 seeds (0-4) for GRPO, DAPO, both EDGE-GRPO variants (GEC only on
   all-incorrect groups, ``edge_gec_scope: all_incorrect_groups``, and no GEC) and EGPO; 3 (0-2) for the rest.
