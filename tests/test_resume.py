@@ -54,7 +54,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_resume_from_a_checkpoint_inside_a_generation_batch_is_exact(reference, tmp_path, capsys):
+def test_resume_from_a_checkpoint_inside_a_generation_batch_is_exact(reference, tmp_path, capsys, caplog):
     ref_out, ref_rows, ref_weights = reference
     out = tmp_path / "run"
     shutil.copytree(ref_out / "checkpoint-3", out / "checkpoint-3")  # as if the run had stopped after step 3
@@ -64,6 +64,7 @@ def test_resume_from_a_checkpoint_inside_a_generation_batch_is_exact(reference, 
     assert main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
     printed = capsys.readouterr().out
     assert "Held-out accuracy before training" in printed and "stored by the run resumed" in printed
+    assert "cannot be resumed exactly" not in caplog.text and "has no egpo_resume_state" not in caplog.text
     assert _rows(out) == ref_rows
     assert _digest(out / "model.safetensors") == ref_weights
     times = [r["time_s"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
@@ -93,6 +94,44 @@ def test_ctrl_c_inside_a_step_then_resume_is_exact(reference, tmp_path, monkeypa
     assert main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
     assert _rows(out) == ref_rows
     assert _digest(out / "model.safetensors") == ref_weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change", ["steps_per_generation", "process_count", "older_state"])
+def test_a_state_saved_with_another_layout_is_ignored_with_a_warning(reference, tmp_path, caplog, change):
+    """The generation buffer of checkpoint-3 belongs to its process count and batch shape: a resume with other ones
+    (or from a state that does not record them) ignores it, says so, and still trains to the end."""
+    import torch
+
+    from egpo_trl.resume_state import RESUME_STATE_NAME
+
+    ref_out = reference[0]
+    out = tmp_path / "run"
+    shutil.copytree(ref_out / "checkpoint-3", out / "checkpoint-3")
+    shutil.copy(ref_out / "metrics.jsonl", out / "metrics.jsonl")
+    state_file = out / "checkpoint-3" / RESUME_STATE_NAME
+    saved = torch.load(state_file, weights_only=True)
+    assert saved["layout"]["steps_per_generation"] == 2 and saved["layout"]["world_size"] == 1
+    assert saved["buffered_inputs"] is not None  # a batch in progress, which an exact resume would train on
+    run = [*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true", "--eval_size", "0"]
+    if change == "steps_per_generation":
+        run += ["--steps_per_generation", "1"]
+        expected = "steps_per_generation=2 (now 1)"
+    elif change == "process_count":  # as saved by two processes
+        state_file.rename(state_file.with_name(RESUME_STATE_NAME.replace(".pt", "_0.pt")))
+        shutil.copy(
+            state_file.with_name(RESUME_STATE_NAME.replace(".pt", "_0.pt")),
+            state_file.with_name(RESUME_STATE_NAME.replace(".pt", "_1.pt")),
+        )
+        expected = "egpo_resume_state_0.pt, egpo_resume_state_1.pt but not egpo_resume_state.pt"
+    else:
+        del saved["layout"]
+        torch.save(saved, state_file)
+        expected = "does not record the process count"
+    with caplog.at_level("WARNING", logger="egpo_trl.resume_state"):
+        assert main(run) == 0
+    assert "cannot be resumed exactly" in caplog.text and expected in caplog.text
+    assert [r["step"] for r in _rows(out) if "loss" in r] == [1, 2, 3, 4]
 
 
 @pytest.mark.slow
