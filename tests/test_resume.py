@@ -148,6 +148,43 @@ def test_resuming_a_finished_run_trains_nothing(reference, tmp_path, capsys):
     assert {p: (_digest(p), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("crashed_in", ["heldout_after", "save_model"])
+def test_a_run_stopped_after_its_last_checkpoint_gets_its_final_outputs(reference, tmp_path, capsys, crashed_in):
+    """Trained to the end and checkpointed, then stopped during the held-out evaluation after training (or while
+    saving the model): the resume writes what is missing from the last checkpoint, trains no step, and a further
+    resume has nothing left to do."""
+    import json
+
+    ref_out, ref_rows, ref_weights = reference
+    out = tmp_path / "run"
+    shutil.copytree(ref_out, out)
+    for name in ("model.safetensors", "config.json", "training_args.bin"):
+        (out / name).unlink()
+    if crashed_in == "heldout_after":
+        heldout = json.loads((out / "heldout.json").read_text())
+        del heldout["after"]
+        (out / "heldout.json").write_text(json.dumps(heldout))
+        lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+        (out / "metrics.jsonl").write_text("".join(line for line in lines if '"after"' not in line))
+    kept = _digest(out / "metrics.jsonl") if crashed_in == "save_model" else None
+    capsys.readouterr()
+    assert main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
+    printed = capsys.readouterr().out
+    assert "is at the run's last step" in printed and "the trained model" in printed
+    assert ("the held-out evaluation after training" in printed) == (crashed_in == "heldout_after")
+    assert _digest(out / "model.safetensors") == ref_weights  # checkpoint-4's weights, no step trained
+    assert _rows(out) == ref_rows  # the same records, the evaluation after training included, nothing added
+    assert json.loads((out / "heldout.json").read_text())["after"]["step"] == 4
+    if kept is not None:
+        assert _digest(out / "metrics.jsonl") == kept  # the stored evaluation after training is not run again
+    assert not (out / "checkpoint-5").exists()
+    before = {p: _digest(p) for p in out.rglob("*") if p.is_file()}
+    assert main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
+    assert "nothing to train" in capsys.readouterr().out
+    assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
+
+
 def test_generation_seeds_depend_on_the_place_in_the_run_only():
     base = generation_seed(0, 5, 0, 0, 0)
     assert generation_seed(0, 5, 0, 0, 0) == base  # the same place, the same seed: in a resumed run too

@@ -20,9 +20,11 @@ __all__ = [
     "checkpoint_step",
     "finished_message",
     "interrupted_message",
+    "missing_final_outputs",
     "resume_checkpoint",
     "resumed_time",
     "save_interrupted",
+    "stored_heldout_after",
     "stored_heldout_before",
     "truncate_metrics",
 ]
@@ -82,6 +84,49 @@ def finished_message(training_args, checkpoint: str | Path) -> str | None:
         f"({setting}); the outputs in {training_args.output_dir} are left as they are (raise --max_steps to train "
         "further)."
     )
+
+
+#: The weight files ``save_model`` writes (one of them), and the file it writes last.
+_MODEL_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+)
+_LAST_SAVED_FILE = "training_args.bin"
+
+
+def missing_final_outputs(output_dir: str | Path, save_final_model: bool, heldout: bool) -> list[str]:
+    """The outputs a finished run writes after its last step that ``output_dir`` lacks (empty when none is missing).
+
+    ``save_final_model``: the trained model (a weight file and ``training_args.bin``, which ``save_model`` writes
+    last). ``heldout`` (the held-out evaluation is on): the ``after`` record of ``heldout.json``, required when
+    that file holds the ``before`` record (a run whose held-out check was skipped, with sharded weights, writes
+    neither).
+    """
+    from egpo_trl.script.outputs import HELDOUT_FILE
+
+    output_dir = Path(output_dir)
+    missing = []
+    if save_final_model and not (
+        any((output_dir / name).is_file() for name in _MODEL_FILES) and (output_dir / _LAST_SAVED_FILE).is_file()
+    ):
+        missing.append("the trained model")
+    if heldout and (output_dir / HELDOUT_FILE).is_file():
+        records = json.loads((output_dir / HELDOUT_FILE).read_text())
+        if records.get("before") and not records.get("after"):
+            missing.append("the held-out evaluation after training")
+    return missing
+
+
+def stored_heldout_after(output_dir: str | Path) -> dict | None:
+    """The held-out evaluation after training stored in ``output_dir``'s ``heldout.json``, or ``None``."""
+    from egpo_trl.script.outputs import HELDOUT_FILE
+
+    path = Path(output_dir) / HELDOUT_FILE
+    return json.loads(path.read_text()).get("after") if path.is_file() else None
 
 
 def stored_heldout_before(output_dir: str | Path, num_problems: int, num_samples: int, temperature: float):
