@@ -185,6 +185,42 @@ def test_a_run_stopped_after_its_last_checkpoint_gets_its_final_outputs(referenc
     assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
 
 
+def test_the_stored_heldout_evaluation_is_reused_only_for_the_same_problems_model_and_settings(tmp_path):
+    import json
+
+    from datasets import Dataset
+
+    from egpo_trl.script.outputs import HELDOUT_FILE, METRICS_FILE
+    from egpo_trl.script.resume import heldout_fingerprint, stored_heldout_before
+
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": str(i + 1)} for i in range(3)]
+    heldout = Dataset.from_list(rows)
+    settings = {
+        "num_problems": 3,
+        "num_samples": 1,
+        "temperature": 1.0,
+        "heldout_sha256": heldout_fingerprint(heldout),
+        "model": "some/model",
+        "max_new_tokens": 16,
+    }
+    # Only metrics.jsonl (no heldout.json): its record says nothing of the settings, so it is not used.
+    (tmp_path / METRICS_FILE).write_text(json.dumps({"step": 0, "heldout/accuracy": 0.5, "heldout/stage": "before"}))
+    assert stored_heldout_before(tmp_path, settings) is None
+    before = {"accuracy": 0.5, **settings, "step": 0}
+    (tmp_path / HELDOUT_FILE).write_text(json.dumps({"before": before}))
+    assert stored_heldout_before(tmp_path, settings) == before
+    # Another answer, the same problems in another order, another model or another length: evaluated again.
+    changed = Dataset.from_list([*rows[:2], {**rows[2], "answer": "5"}])
+    assert heldout_fingerprint(changed) != settings["heldout_sha256"]
+    assert heldout_fingerprint(Dataset.from_list(rows[::-1])) != settings["heldout_sha256"]
+    assert heldout_fingerprint(Dataset.from_list(rows)) == settings["heldout_sha256"]
+    for key, value in [("heldout_sha256", heldout_fingerprint(changed)), ("model", "other"), ("max_new_tokens", 8)]:
+        assert stored_heldout_before(tmp_path, {**settings, key: value}) is None
+    # A record written before these settings were stored is not trusted either.
+    (tmp_path / HELDOUT_FILE).write_text(json.dumps({"before": {"accuracy": 0.5, "num_problems": 3}}))
+    assert stored_heldout_before(tmp_path, settings) is None
+
+
 def test_generation_seeds_depend_on_the_place_in_the_run_only():
     base = generation_seed(0, 5, 0, 0, 0)
     assert generation_seed(0, 5, 0, 0, 0) == base  # the same place, the same seed: in a resumed run too

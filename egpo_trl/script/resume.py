@@ -19,6 +19,7 @@ from egpo_trl.script.outputs import read_metrics
 __all__ = [
     "checkpoint_step",
     "finished_message",
+    "heldout_fingerprint",
     "interrupted_message",
     "missing_final_outputs",
     "resume_checkpoint",
@@ -129,28 +130,29 @@ def stored_heldout_after(output_dir: str | Path) -> dict | None:
     return json.loads(path.read_text()).get("after") if path.is_file() else None
 
 
-def stored_heldout_before(output_dir: str | Path, num_problems: int, num_samples: int, temperature: float):
-    """The held-out evaluation before training that a run stored in ``output_dir`` (``heldout.json``, else the
-    ``before`` record of ``metrics.jsonl``), when it was made with the same settings; else ``None``."""
-    from egpo_trl.script.outputs import HELDOUT_FILE, METRICS_FILE
+def heldout_fingerprint(heldout) -> str:
+    """A SHA-256 of the held-out problems (each row's ``prompt`` and ``answer``, in order)."""
+    import hashlib
 
-    output_dir = Path(output_dir)
-    heldout = output_dir / HELDOUT_FILE
-    if heldout.is_file():
-        before = json.loads(heldout.read_text()).get("before")
-        if (
-            before
-            and before.get("num_problems") == num_problems
-            and before.get("num_samples") == num_samples
-            and before.get("temperature") == temperature
-        ):
-            return before
+    digest = hashlib.sha256()
+    for prompt, answer in zip(heldout["prompt"], heldout["answer"], strict=True):
+        digest.update(json.dumps([prompt, answer], sort_keys=True, default=str).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def stored_heldout_before(output_dir: str | Path, settings: dict) -> dict | None:
+    """The held-out evaluation before training that a run stored in ``output_dir``'s ``heldout.json``, when it was
+    made with the same ``settings`` (every key must hold the same value in the stored record: the problems'
+    fingerprint, the model, the number of problems and samples, the sampling settings); else ``None``."""
+    from egpo_trl.script.outputs import HELDOUT_FILE
+
+    heldout = Path(output_dir) / HELDOUT_FILE
+    if not heldout.is_file():
         return None
-    metrics = output_dir / METRICS_FILE
-    if metrics.is_file():
-        for record in read_metrics(metrics):
-            if record.get("heldout/stage") == "before":
-                return {"accuracy": record["heldout/accuracy"], "temperature": temperature, "step": 0}
+    before = json.loads(heldout.read_text()).get("before")
+    if before and all(before.get(key) == value for key, value in settings.items()):
+        return before
     return None
 
 

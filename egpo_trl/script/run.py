@@ -24,6 +24,7 @@ from egpo_trl.script.resolve import check_model_exists, resolve_model_path, reso
 from egpo_trl.script.resume import (
     checkpoint_step,
     finished_message,
+    heldout_fingerprint,
     missing_final_outputs,
     resume_checkpoint,
     resumed_time,
@@ -83,6 +84,23 @@ def _correctness_name(trainer) -> str | None:
 
 def _eval_temperature(script_args, training_args) -> float:
     return training_args.temperature if script_args.eval_temperature is None else script_args.eval_temperature
+
+
+def _heldout_settings(script_args, training_args, model_args, heldout) -> dict[str, Any]:
+    """What a held-out evaluation's result depends on, stored with it in ``heldout.json``: a resumed run reuses
+    the stored evaluation before training only when all of these are the same."""
+    return {
+        "num_problems": len(heldout),
+        "num_samples": script_args.eval_num_samples,
+        "temperature": _eval_temperature(script_args, training_args),
+        "heldout_sha256": heldout_fingerprint(heldout),
+        "model": str(model_args.model_name_or_path),
+        "model_revision": model_args.model_revision,
+        "max_new_tokens": training_args.max_completion_length,
+        "top_p": training_args.top_p,
+        "top_k": training_args.top_k or 0,
+        "seed": training_args.seed,
+    }
 
 
 def _heldout(trainer, script_args, training_args, heldout, label: str):
@@ -211,12 +229,13 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         )
     summary: dict[str, Any] = {"output_dir": str(output_dir), "heldout_before": None, "heldout_after": None}
     heldout_records: dict[str, Any] = {}
+    settings: dict[str, Any] = {}
     if heldout is not None and is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        temperature = _eval_temperature(script_args, training_args)
+        settings = _heldout_settings(script_args, training_args, model_args, heldout)
         stored = None
         if resume is not None:
-            stored = stored_heldout_before(output_dir, len(heldout), script_args.eval_num_samples, temperature)
+            stored = stored_heldout_before(output_dir, settings)
         if stored is not None:  # a resumed run: the evaluation before training was made by the run it continues
             print(
                 f"Held-out accuracy before training: {stored['accuracy']:.1%} (stored by the run resumed)", flush=True
@@ -226,7 +245,7 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         else:
             result, temperature = _heldout(trainer, script_args, training_args, heldout, "before training")
             summary["heldout_before"] = result.accuracy
-            heldout_records["before"] = {**result.to_dict(), "temperature": temperature, "step": 0}
+            heldout_records["before"] = {**result.to_dict(), **settings, "temperature": temperature, "step": 0}
             heldout_path.write_text(json.dumps(heldout_records, indent=2) + "\n")  # kept for a resumed run
             if resume is None:
                 metrics.write({"step": 0, "heldout/accuracy": result.accuracy, "heldout/stage": "before"})
@@ -258,7 +277,7 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         result, temperature = _heldout(trainer, script_args, training_args, heldout, "after training")
         summary["heldout_after"] = result.accuracy
         step = trainer.state.global_step
-        heldout_records["after"] = {**result.to_dict(), "temperature": temperature, "step": step}
+        heldout_records["after"] = {**result.to_dict(), **settings, "temperature": temperature, "step": step}
         metrics.write({"step": step, "heldout/accuracy": result.accuracy, "heldout/stage": "after"})
     if script_args.save_final_model:
         trainer.save_model(str(output_dir))
