@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -454,10 +455,22 @@ def test_reward_import_paths_resolve_from_the_current_folder(tmp_path, monkeypat
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    # A module installed elsewhere, and a local file of the same name that must not shadow it after the import.
+    installed = tmp_path / "site"
+    installed.mkdir()
+    (installed / "later_import_for_test.py").write_text("WHERE = 'installed'\n")
+    (tmp_path / "later_import_for_test.py").write_text("WHERE = 'current folder'\n")
+    sys.path.append(str(installed))
     (func,) = resolve_reward_funcs(["cwd_rewards_for_test:my_reward"])
     assert func.__name__ == "my_reward" and func(["a", "b"], ["1", "2"]) == [1.0, 1.0]
+    assert str(tmp_path) not in sys.path and "" not in sys.path  # on sys.path only during the import
+    monkeypatch.delitem(sys.modules, "later_import_for_test", raising=False)
+    assert importlib.import_module("later_import_for_test").WHERE == "installed"
+    monkeypatch.delitem(sys.modules, "later_import_for_test")
+    monkeypatch.delitem(sys.modules, "cwd_rewards_for_test")
     with pytest.raises(SystemExit, match="looked for in the current folder"):
         resolve_reward_funcs(["no_such_module_here:my_reward"])
+    assert str(tmp_path) not in sys.path
 
 
 def test_the_python_api_checks_its_inputs_before_loading_the_model(tmp_path, monkeypatch):
