@@ -506,3 +506,33 @@ def test_the_python_api_checks_its_inputs_before_loading_the_model(tmp_path, mon
     for model in ("builtin:tiny-math-qwen2", "egpo_trl/assets/tiny-math-qwen2"):
         trainer = EGPOTrainer(model=model, reward_funcs=boxed_accuracy_reward, args=args, train_dataset=dataset)
         assert trainer.model.config.vocab_size > 0 and not Path("egpo_trl").exists()
+
+
+def test_values_and_rewards_that_trl_accepts_are_not_refused(tmp_path):
+    import torch
+
+    from egpo_trl import EGPOConfig
+    from egpo_trl.input_checks import required_columns, training_value_problems
+
+    def env_reward(prompts, completions, completion_ids, environments, trainer_state, log_extra, log_metric):
+        return [0.0 for _ in completions]
+
+    def column_reward(completions, answer, level, **kwargs):
+        return [0.0 for _ in completions]
+
+    # TRL passes environments (with environment_factory) and its other keywords itself; a reward model, loaded or
+    # named by an id, reads the prompt and completion only; a plain function's own parameters are columns.
+    rewards = [env_reward, torch.nn.Linear(2, 1), "some-org/some-reward-model", column_reward]
+    assert required_columns(rewards) == {"answer": "column_reward", "level": "column_reward"}
+
+    args = EGPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4,
+        max_steps=1, report_to="none", top_k=-1, max_grad_norm=-1.0,
+    )  # fmt: skip
+    # top_k=-1 is vLLM's "off" (as 0 is): accepted with vLLM; transformers' generation would refuse it mid-run.
+    problems = training_value_problems(args)
+    assert len(problems) == 1 and "top_k=-1 turns top-k off in vLLM only" in problems[0] and "top_k=0" in problems[0]
+    args.use_vllm = True
+    assert training_value_problems(args) == []
+    args.top_k = -2
+    assert training_value_problems(args) == ["top_k must be >= -1 (0, -1 or unset: off), got -2"]

@@ -98,7 +98,7 @@ def _heldout_settings(script_args, training_args, model_args, heldout) -> dict[s
         "model_revision": model_args.model_revision,
         "max_new_tokens": training_args.max_completion_length,
         "top_p": training_args.top_p,
-        "top_k": training_args.top_k or 0,
+        "top_k": max(training_args.top_k or 0, 0),
         "seed": training_args.seed,
     }
 
@@ -117,7 +117,7 @@ def _heldout(trainer, script_args, training_args, heldout, label: str):
         num_samples=script_args.eval_num_samples,
         temperature=temperature,
         top_p=training_args.top_p,
-        top_k=training_args.top_k or 0,
+        top_k=max(training_args.top_k or 0, 0),  # -1 is vLLM's "off", 0 transformers'
         batch_size=script_args.eval_batch_size,
         seed=training_args.seed,
     )
