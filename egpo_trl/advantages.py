@@ -195,8 +195,17 @@ def _scored_and_correct(r: torch.Tensor, correct: torch.Tensor | None) -> tuple[
     if correct is None:
         is_correct = torch.gt(r, 0, out=torch.empty_like(r))  # NaN > 0 is False
     else:
-        is_correct = correct.view(r.shape).bool().to(r.dtype).mul_(scored)
+        is_correct = correct.view(r.shape).gt(0).to(r.dtype).mul_(scored)  # NaN (no verdict) > 0 is False
     return scored, is_correct
+
+
+def _judged(scored: torch.Tensor, correct: torch.Tensor | None) -> torch.Tensor:
+    """``[G, N]`` 1.0 / 0.0 mask of the rows with a correctness verdict: scored, and (for a floating-point
+    ``correct``) not NaN there. A row without a verdict is neither correct nor incorrect."""
+    if correct is None or not correct.is_floating_point():
+        return scored
+    judged = correct.view(scored.shape)
+    return torch.eq(judged, judged).to(scored.dtype).mul_(scored)
 
 
 def _group_types(
@@ -358,7 +367,10 @@ def egpo_advantages(
         entropy_eps: :math:`\varepsilon_H` in Eq. 8.
         clamp, renorm, nsr, nsr_weighting: the paper's switches and ablations C1-C6.
         scale_rewards: how mixed-group advantages are scaled, as TRL's ``scale_rewards``.
-        correct: optional ``bool Tensor[B]`` overriding ``rewards > 0`` as the correctness signal.
+        correct: optional ``Tensor[B]`` overriding ``rewards > 0`` as the correctness signal: bool, or float
+            (> 0 correct, else incorrect) with NaN for a row the verifier gave no verdict on. Such a row is neither
+            correct nor incorrect: it does not count towards the group type, gets no NSR advantage and weight 1
+            (its reward still enters a mixed group's GRPO advantage).
         nsr_scale: half the reward gap between a correct and an incorrect completion, in reward units (see
             step 7); used with ``scale_rewards`` "batch" and "none".
         group_advantages: optional ``Tensor[B]`` of GRPO advantages computed elsewhere (TRL's
@@ -385,7 +397,10 @@ def egpo_advantages(
     r = rewards.view(-1, n)
     scored, is_correct = _scored_and_correct(r, correct)  # [G, N], 1.0 / 0.0
     scored_count = scored.sum(dim=1, keepdim=True)
-    group_type, mixed, all_incorrect = _group_types(scored_count, is_correct.sum(dim=1, keepdim=True))
+    judged = _judged(scored, correct)  # rows with a correctness verdict: they alone type the group
+    group_type, mixed, all_incorrect = _group_types(
+        judged.sum(dim=1, keepdim=True), is_correct.sum(dim=1, keepdim=True)
+    )
 
     # Base advantage, Eq. 11: GRPO's on mixed groups, -1 (NSR) on the scored rows of entirely-incorrect groups,
     # 0 elsewhere. Dividing by NaN outside mixed groups (mixed / mixed is 0 / 0 there) and nan_to_num select
@@ -403,7 +418,7 @@ def egpo_advantages(
             nsr_value = -nsr_scale / denominator  # 0-dim tensor: the batch std + 1e-4
         else:
             nsr_value = -float(nsr_scale)
-        base = base + all_incorrect * scored * nsr_value
+        base = base + all_incorrect * judged * nsr_value
 
     # Raw weights, Eq. 8, with NaN marking the invalid entries until the end: h - h is NaN for a NaN or infinite
     # entropy, and dividing by the scored mask (0 / 0) marks unscored rows.
@@ -436,6 +451,8 @@ def egpo_advantages(
 
     if nsr_weighting == "unit":  # C4
         weights = torch.where(all_incorrect.bool(), 1.0, weights)
+    if judged is not scored:  # a row without a verdict is neither side of the clamp: weight 1
+        weights = torch.where(judged.bool(), weights, 1.0)
 
     return AdvantageOutput(
         advantages=(weights * base).view(-1),
@@ -481,7 +498,8 @@ def grpo_advantages(
         if denominator is not None:
             advantages.div_(denominator)
         advantages = advantages.nan_to_num_(nan=0.0).view(-1)
-    group_type, _, _ = _group_types(scored_count, is_correct.sum(dim=1, keepdim=True))
+    judged_count = _judged(scored, correct).sum(dim=1, keepdim=True)
+    group_type, _, _ = _group_types(judged_count, is_correct.sum(dim=1, keepdim=True))
     ones = torch.ones_like(rewards)
     return AdvantageOutput(
         advantages=advantages,
@@ -532,6 +550,7 @@ def nsr_advantages(
     n = num_generations
     r = rewards.view(-1, n)
     scored, is_correct = _scored_and_correct(r, correct)
+    scored = _judged(scored, correct)  # NSR learns from the verifier's verdicts only
     group_type, _, _ = _group_types(scored.sum(dim=1, keepdim=True), is_correct.sum(dim=1, keepdim=True))
     scored, is_correct = scored.bool(), is_correct.bool()
     advantages = torch.where(is_correct, torch.full_like(r, float(positive_weight)), torch.full_like(r, -1.0))

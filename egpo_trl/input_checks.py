@@ -22,8 +22,17 @@ __all__ = [
     "training_value_problems",
 ]
 
-# Keyword arguments TRL passes to every reward function: not dataset columns.
-_PASSED_TO_REWARDS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
+# Keyword arguments TRL 1.16's GRPOTrainer passes to reward functions itself (``environments`` when the trainer
+# has environments): not dataset columns.
+_PASSED_TO_REWARDS = {
+    "prompts",
+    "completions",
+    "completion_ids",
+    "trainer_state",
+    "log_extra",
+    "log_metric",
+    "environments",
+}
 _ASSETS = Path(__file__).resolve().parent / "assets"
 
 
@@ -41,7 +50,6 @@ def training_value_problems(args) -> list[str]:
 
     need(args.learning_rate >= 0, "learning_rate", ">= 0 (the paper recipes use 1e-6, the CPU demo 1e-4)")
     need(args.weight_decay >= 0, "weight_decay", ">= 0")
-    need(args.max_grad_norm is None or args.max_grad_norm >= 0, "max_grad_norm", ">= 0 (0 turns clipping off)")
     need(0 <= args.adam_beta1 < 1, "adam_beta1", "in [0, 1)")
     need(0 <= args.adam_beta2 < 1, "adam_beta2", "in [0, 1)")
     need(args.adam_epsilon >= 0, "adam_epsilon", ">= 0")
@@ -54,7 +62,12 @@ def training_value_problems(args) -> list[str]:
     need(args.num_iterations >= 1, "num_iterations", ">= 1")
     need(args.temperature > 0, "temperature", "> 0 (GRPO samples its completions; 1.0 in the paper)")
     need(0 < args.top_p <= 1, "top_p", "in (0, 1]")
-    need(args.top_k is None or args.top_k >= 0, "top_k", ">= 0 (0 or unset: off)")
+    need(args.top_k is None or args.top_k >= -1, "top_k", ">= -1 (0, -1 or unset: off)")
+    if args.top_k == -1 and not getattr(args, "use_vllm", False):
+        problems.append(
+            "top_k=-1 turns top-k off in vLLM only; transformers' generation (use_vllm is off) refuses it mid-run: "
+            "use top_k=0"
+        )
     need(args.min_p is None or 0 <= args.min_p <= 1, "min_p", "in [0, 1] (or unset)")
     need(args.repetition_penalty > 0, "repetition_penalty", "> 0 (1.0: off)")
     need(args.epsilon >= 0, "epsilon", ">= 0 (0.2 in the paper)")
@@ -127,9 +140,11 @@ def required_columns(reward_funcs: Sequence[Any]) -> dict[str, str]:
     """Dataset columns the reward functions need (parameters without a default that TRL does not pass itself),
     each mapped to the name of a function that needs it."""
     needed: dict[str, str] = {}
+    import torch
+
     for func in reward_funcs:
-        if isinstance(func, str) or not callable(func):
-            continue  # a reward model: it reads the prompt and completion only
+        if isinstance(func, (str, torch.nn.Module)) or not callable(func):
+            continue  # a reward model (an id, a path or a loaded module): it reads the prompt and completion only
         try:
             parameters = inspect.signature(func).parameters.values()
         except (TypeError, ValueError):

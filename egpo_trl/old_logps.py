@@ -128,6 +128,13 @@ def no_grad_completion_logps(
     prompt_width = prompt_ids.size(1)
     device = completion_ids.device
     if num_columns == 0:
+        # Nothing to score here, but the count is asked all the same: with several processes it gathers the other
+        # processes' counts, and a process that skipped it (or the forwards it implies) would leave them waiting.
+        target = 0
+        if num_micro_batches is not None:
+            target = num_micro_batches(0) if callable(num_micro_batches) else num_micro_batches
+        if target > 0:
+            _dummy_forwards(model, prompt_ids, prompt_mask, target, autocast)
         empty = completion_ids.new_zeros(batch, 0, dtype=torch.float32)
         return empty, (empty.clone() if compute_entropy else None)
     widths = completion_widths(completion_mask)
@@ -152,3 +159,22 @@ def no_grad_completion_logps(
                 raise RuntimeError("The model's fused LM head does not compute entropies; is the TRL version 1.16.0?")
             entropies[rows, :width] = outputs.entropy[:, -width:].float()
     return logps, entropies
+
+
+def _dummy_forwards(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    count: int,
+    autocast: Callable[[], AbstractContextManager],
+) -> None:
+    """``count`` forwards of one short row whose results are discarded: the share of a process with nothing to
+    score in forwards that gather sharded parameters from every process (ZeRO-3, FSDP)."""
+    if prompt_ids.numel() > 0:
+        input_ids, attention_mask = prompt_ids[:1], torch.ones_like(prompt_mask[:1])
+    else:
+        input_ids = torch.zeros(1, 1, dtype=torch.long, device=prompt_ids.device)
+        attention_mask = torch.ones_like(input_ids)
+    for _ in range(count):
+        with autocast():
+            model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids, fused_lm_head=True)

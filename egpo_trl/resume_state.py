@@ -11,7 +11,10 @@ more state between steps, which a resumed ``GRPOTrainer`` loses:
 * the prompt order of later epochs (the training sampler's generator has drawn one permutation per epoch).
 
 :class:`ExactResumeMixin` saves these into every checkpoint (``egpo_resume_state.pt``, one per process) and
-restores them where ``Trainer`` restores the RNG states, just before the first step after the resume.
+restores them where ``Trainer`` restores the RNG states, just before the first step after the resume. The state
+records the process count and batch shape it was saved with (``per_device_train_batch_size``,
+``steps_per_generation``, ``num_iterations``, ``gradient_accumulation_steps``); a resume with other values, or with
+another number of processes, ignores it on every process (with a warning: that resume is not exact).
 
 A Ctrl-C arrives in the middle of a step, after that step's generation has consumed random numbers. The mixin keeps
 a snapshot of the state at the end of the last finished step (RNG states included), and
@@ -46,6 +49,8 @@ __all__ = ["RESUME_STATE_NAME", "ExactResumeMixin", "generation_seed"]
 RESUME_STATE_NAME = "egpo_resume_state.pt"
 # Attributes restored as they were (plain numbers).
 _COUNTERS = ("_step", "_globalstep_last_logged", "_gec_calls")
+# The arguments that, with the process count, fix the layout of the saved generation buffer and micro-step counter.
+_LAYOUT_ARGS = ("per_device_train_batch_size", "steps_per_generation", "num_iterations", "gradient_accumulation_steps")
 
 
 def generation_seed(seed: int, global_step: int, call: int, instance: int, index: int) -> int:
@@ -131,7 +136,38 @@ class ExactResumeMixin:
         state["metrics_train"] = {key: list(values) for key, values in self._metrics["train"].items()}
         tr_loss = getattr(self, "_tr_loss", None)
         state["tr_loss"] = tr_loss.detach().clone().cpu() if isinstance(tr_loss, torch.Tensor) else None
+        state["layout"] = self._egpo_batch_layout()
         return state
+
+    def _egpo_batch_layout(self) -> dict[str, int]:
+        """The process count and batch shape that the saved generation buffer and micro-step counter belong to."""
+        args = self.args
+        return {
+            "world_size": int(args.world_size),
+            "process_index": int(args.process_index),
+            **{name: int(getattr(args, name)) for name in _LAYOUT_ARGS},
+        }
+
+    def _egpo_layout_mismatch(self, checkpoint: str, state: dict[str, Any] | None) -> str | None:
+        """Why this process cannot restore ``state`` (its own file in ``checkpoint``, ``None`` when absent), or
+        ``None`` when it can."""
+        if state is None:
+            others = sorted(
+                name
+                for name in os.listdir(checkpoint)
+                if name.startswith(RESUME_STATE_NAME[: -len(".pt")]) and name.endswith(".pt")
+            )
+            if others:
+                return f"it holds {', '.join(others)} but not {os.path.basename(self._egpo_state_file(checkpoint))}"
+            return None  # no state at all: reported as such
+        saved = state.get("layout")
+        if saved is None:
+            return "its saved state does not record the process count and batch shape (an older version)"
+        current = self._egpo_batch_layout()
+        differ = [f"{key}={saved.get(key)} (now {value})" for key, value in current.items() if saved.get(key) != value]
+        if differ:
+            return "it was saved with " + ", ".join(differ)
+        return None
 
     def _egpo_restore_resume_state(self, state: dict[str, Any]) -> None:
         for name in _COUNTERS:
@@ -169,15 +205,34 @@ class ExactResumeMixin:
         if checkpoint is None:
             return
         path = self._egpo_state_file(checkpoint)
-        if not os.path.isfile(path):
+        state = torch.load(path, weights_only=True) if os.path.isfile(path) else None
+        mismatch = self._egpo_layout_mismatch(checkpoint, state)
+        usable = state is not None and mismatch is None
+        if self.args.world_size > 1:
+            # Every process must decide alike: a process restoring a generation batch in progress while another
+            # generates a new one would make their collective calls mismatch. Restore only where all of them can.
+            flags = self.accelerator.gather(torch.tensor([1 if usable else 0], device=self.accelerator.device))
+            if usable and int(flags.min()) == 0:
+                usable, mismatch = False, "another process cannot restore its own saved state"
+        if usable:
+            self._egpo_restore_resume_state(state)
+            return
+        if mismatch is not None:
+            logger.warning(
+                "%s cannot be resumed exactly: %s. Its GRPO state (the generation batch in progress, the micro-step "
+                "counter and the metrics not yet logged) is ignored on every process; the weights, optimizer and "
+                "schedule are restored, and the run generates a new batch at its first step, so it does not "
+                "continue exactly as it would have.",
+                checkpoint,
+                mismatch,
+            )
+        else:
             logger.warning(
                 "%s has no %s (saved by another trainer or an older version): the run resumes, but not exactly as "
                 "it would have continued (a generation batch in progress is generated again).",
                 checkpoint,
                 os.path.basename(path),
             )
-            return
-        self._egpo_restore_resume_state(torch.load(path, weights_only=True))
 
     # ------------------------------------------------------------------ data order of later epochs
     def _get_train_sampler(self, *args: Any, **kwargs: Any):

@@ -457,8 +457,9 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
 
         output.pop(_LENGTHS_KEY, None)
         output.pop(_TRUNCATED_KEY, None)
-        scored = ~torch.isnan(rewards_per_func).all(dim=1)
-        self._egpo_log_metrics(mode, result, entropies, num_generations, scored=scored)
+        # Rows without a correctness verdict are neither correct nor incorrect in the per-correctness metrics.
+        judged = ~torch.isnan(rewards_per_func[:, self._egpo_correctness_index])
+        self._egpo_log_metrics(mode, result, entropies, num_generations, scored=judged)
         self.egpo_last_batch = {
             "rewards_per_func": rewards_per_func,
             "entropies": entropies["nll"],
@@ -697,6 +698,10 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
         rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
         rewards[unscorable] = torch.nan
         correct, incorrect_value = self._egpo_correct(rewards_per_func)
+        no_verdict = torch.isnan(rewards_per_func[:, self._egpo_correctness_index])
+        if no_verdict.any():
+            # The correctness reward gave some rows no verdict (None): neither correct nor incorrect (NaN).
+            correct = correct.float().masked_fill(no_verdict, float("nan"))
         kwargs = self._estimator_kwargs()
         if self.args.multi_objective_aggregation == "normalize_then_sum":
             kwargs["group_advantages"] = normalize_then_sum_advantages(
@@ -751,8 +756,9 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
         num_generations: int,
         scored: torch.Tensor | None = None,
     ) -> None:
-        """Log the ``egpo/*`` metrics of a generation batch. ``scored`` marks the rows some reward function scored
-        (the others are neither correct nor incorrect: they are left out of the per-correctness means)."""
+        """Log the ``egpo/*`` metrics of a generation batch. ``scored`` marks the rows the correctness reward
+        function gave a verdict (the others are neither correct nor incorrect: they are left out of the
+        per-correctness means)."""
         metrics = self._metrics[mode]
         group_type = result.group_type[::num_generations]
         for name, code in (

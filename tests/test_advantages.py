@@ -316,3 +316,25 @@ def test_permuting_a_group_permutes_its_advantages(batch, rng):
     a = egpo_advantages(rewards, entropies, n)
     b = egpo_advantages(rewards[full], entropies[full], n)
     torch.testing.assert_close(a.advantages[full], b.advantages, rtol=1e-5, atol=1e-6)
+
+
+def test_a_row_without_a_verdict_does_not_type_its_group_nor_get_a_clamped_weight():
+    from egpo_trl.advantages import egpo_advantages
+
+    nan = float("nan")
+    rewards = t(1.0, -1.0, 0.5, -1.0, -1.0, 0.5, -1.0, -1.0)
+    correct = t(1.0, 0.0, nan, 0.0, 0.0, nan, 0.0, 0.0)
+    entropies = t(0.2, 0.4, 3.0, 0.6, 0.2, 3.0, 0.4, 0.6)
+    out = egpo_advantages(rewards, entropies, 4, correct=correct)
+    # Group 1 is mixed (one correct, two incorrect verdicts); group 2 entirely incorrect by its verdicts.
+    assert out.group_type.tolist() == [1] * 4 + [0] * 4
+    assert out.correct.tolist() == [True, False, False, False, False, False, False, False]
+    assert out.weights[2] == 1 and out.weights[5] == 1  # neither side of the clamp
+    assert out.base_advantages[5] == 0  # no NSR advantage without a verdict
+    close(out.base_advantages[[4, 6, 7]], [-1.0, -1.0, -1.0])
+    # Its reward still enters the mixed group's GRPO advantage, as a row with a verdict would.
+    r = rewards[:4]
+    close(out.base_advantages[2], ((r[2] - r.mean()) / (r.std() + 1e-4)).item())
+    # The same rows with a bool verdict (no row left without one) type the groups as before.
+    judged = egpo_advantages(rewards, entropies, 4, correct=torch.nan_to_num(correct, nan=0.0) > 0)
+    assert judged.group_type.tolist() == [1] * 4 + [0] * 4 and judged.base_advantages[5] == -1

@@ -100,6 +100,49 @@ def test_padding_refuses_a_count_above_the_gathered_maximum():
         pad_continuation_batch([[1], [2]], [1, 1], filler=[0])
 
 
+def _reward_model_and_batch(tiny_model_dir):
+    from transformers import AutoConfig, AutoTokenizer, Qwen2ForSequenceClassification
+
+    config_ = AutoConfig.from_pretrained(tiny_model_dir, num_labels=1)
+    torch.manual_seed(0)
+    model = Qwen2ForSequenceClassification(config_).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    batch = tokenizer(["1 + 1 = 2", "2 + 2 = 5", "3 + 3 = 6"], return_tensors="pt", padding=True)
+    return model, dict(batch)
+
+
+@pytest.mark.parametrize("always_forward", [False, True])
+def test_a_reward_model_with_no_rewritten_rows_runs_a_discarded_forward_across_processes(
+    tiny_model_dir, always_forward
+):
+    """Under ZeRO-3 every forward is collective: with several processes, a process with nothing to re-score still
+    runs the reward model once (on one row), and its scores stay the cached ones."""
+    from egpo_trl.sampling.gec import _RowSubsetRewardModel
+
+    model, batch = _reward_model_and_batch(tiny_model_dir)
+    batch_sizes = []
+    model.register_forward_hook(
+        lambda module, args, kwargs, output: batch_sizes.append(len(kwargs["input_ids"])), with_kwargs=True
+    )
+    cached = torch.tensor([0.25, -1.0, 0.5])
+    wrapped = _RowSubsetRewardModel(model, [], cached, 3, always_forward=always_forward)
+    with torch.no_grad():
+        logits = wrapped(**batch).logits
+    torch.testing.assert_close(logits[:, 0], cached)
+    assert batch_sizes == ([1] if always_forward else [])
+
+    # With rows to re-score, only those rows go through the model, and only their scores change.
+    batch_sizes.clear()
+    wrapped = _RowSubsetRewardModel(model, [1], cached, 3, always_forward=always_forward)
+    with torch.no_grad():
+        logits = wrapped(**batch).logits[:, 0]
+        expected = model(**batch).logits[1, 0]
+    assert batch_sizes[0] == 1
+    torch.testing.assert_close(logits[[0, 2]], cached[[0, 2]])
+    torch.testing.assert_close(logits[1], expected, rtol=1e-4, atol=1e-4)
+
+
 # ----------------------------------------------------------------------------- real runs
 def solution_dataset():
     dataset = make_prompt_dataset()

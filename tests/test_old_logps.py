@@ -109,3 +109,28 @@ def test_plan_groups_rows_of_similar_length_within_the_budget():
 def test_pass_sizes_must_be_positive(tmp_path, name, value):
     with pytest.raises(ValueError, match=name):
         config(tmp_path, **{name: value})
+
+
+@pytest.mark.parametrize("others", [0, 2])
+def test_a_process_with_no_completion_tokens_still_asks_for_the_count_and_runs_as_many_forwards(trainer, others):
+    """With empty completions there is nothing to score, but the count function (a gather over processes in a
+    multi-process run) is called, and the forwards the other processes run are matched by discarded ones."""
+    from egpo_trl.old_logps import no_grad_completion_logps
+
+    batch = padded_batch(trainer.model.config.vocab_size, [5, 3], [0, 0])
+    batch["completion_ids"] = batch["completion_ids"][:, :0]
+    batch["completion_mask"] = batch["completion_mask"][:, :0]
+    asked, forwards = [], []
+    handle = trainer.model.register_forward_hook(lambda *args: forwards.append(1))
+    try:
+        logps, entropies = no_grad_completion_logps(
+            trainer.model,
+            **batch,
+            compute_entropy=True,
+            num_micro_batches=lambda count: asked.append(count) or max(count, others),
+        )
+    finally:
+        handle.remove()
+    assert asked == [0]  # this process plans no forward; the largest count over processes decides
+    assert len(forwards) == others
+    assert logps.shape == entropies.shape == (2, 0)

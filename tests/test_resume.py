@@ -54,7 +54,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_resume_from_a_checkpoint_inside_a_generation_batch_is_exact(reference, tmp_path, capsys):
+def test_resume_from_a_checkpoint_inside_a_generation_batch_is_exact(reference, tmp_path, capsys, caplog):
     ref_out, ref_rows, ref_weights = reference
     out = tmp_path / "run"
     shutil.copytree(ref_out / "checkpoint-3", out / "checkpoint-3")  # as if the run had stopped after step 3
@@ -64,6 +64,7 @@ def test_resume_from_a_checkpoint_inside_a_generation_batch_is_exact(reference, 
     assert main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
     printed = capsys.readouterr().out
     assert "Held-out accuracy before training" in printed and "stored by the run resumed" in printed
+    assert "cannot be resumed exactly" not in caplog.text and "has no egpo_resume_state" not in caplog.text
     assert _rows(out) == ref_rows
     assert _digest(out / "model.safetensors") == ref_weights
     times = [r["time_s"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
@@ -96,6 +97,44 @@ def test_ctrl_c_inside_a_step_then_resume_is_exact(reference, tmp_path, monkeypa
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("change", ["steps_per_generation", "process_count", "older_state"])
+def test_a_state_saved_with_another_layout_is_ignored_with_a_warning(reference, tmp_path, caplog, change):
+    """The generation buffer of checkpoint-3 belongs to its process count and batch shape: a resume with other ones
+    (or from a state that does not record them) ignores it, says so, and still trains to the end."""
+    import torch
+
+    from egpo_trl.resume_state import RESUME_STATE_NAME
+
+    ref_out = reference[0]
+    out = tmp_path / "run"
+    shutil.copytree(ref_out / "checkpoint-3", out / "checkpoint-3")
+    shutil.copy(ref_out / "metrics.jsonl", out / "metrics.jsonl")
+    state_file = out / "checkpoint-3" / RESUME_STATE_NAME
+    saved = torch.load(state_file, weights_only=True)
+    assert saved["layout"]["steps_per_generation"] == 2 and saved["layout"]["world_size"] == 1
+    assert saved["buffered_inputs"] is not None  # a batch in progress, which an exact resume would train on
+    run = [*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true", "--eval_size", "0"]
+    if change == "steps_per_generation":
+        run += ["--steps_per_generation", "1"]
+        expected = "steps_per_generation=2 (now 1)"
+    elif change == "process_count":  # as saved by two processes
+        state_file.rename(state_file.with_name(RESUME_STATE_NAME.replace(".pt", "_0.pt")))
+        shutil.copy(
+            state_file.with_name(RESUME_STATE_NAME.replace(".pt", "_0.pt")),
+            state_file.with_name(RESUME_STATE_NAME.replace(".pt", "_1.pt")),
+        )
+        expected = "egpo_resume_state_0.pt, egpo_resume_state_1.pt but not egpo_resume_state.pt"
+    else:
+        del saved["layout"]
+        torch.save(saved, state_file)
+        expected = "does not record the process count"
+    with caplog.at_level("WARNING", logger="egpo_trl.resume_state"):
+        assert main(run) == 0
+    assert "cannot be resumed exactly" in caplog.text and expected in caplog.text
+    assert [r["step"] for r in _rows(out) if "loss" in r] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
 def test_resuming_a_finished_run_trains_nothing(reference, tmp_path, capsys):
     ref_out = reference[0]
     out = tmp_path / "run"
@@ -107,6 +146,79 @@ def test_resuming_a_finished_run_trains_nothing(reference, tmp_path, capsys):
     assert len(printed) == 1 and printed[0].startswith("egpo-trl train: nothing to train: ")
     assert "step 4" in printed[0] and "max_steps=4" in printed[0]
     assert {p: (_digest(p), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("crashed_in", ["heldout_after", "save_model"])
+def test_a_run_stopped_after_its_last_checkpoint_gets_its_final_outputs(reference, tmp_path, capsys, crashed_in):
+    """Trained to the end and checkpointed, then stopped during the held-out evaluation after training (or while
+    saving the model): the resume writes what is missing from the last checkpoint, trains no step, and a further
+    resume has nothing left to do."""
+    import json
+
+    ref_out, ref_rows, ref_weights = reference
+    out = tmp_path / "run"
+    shutil.copytree(ref_out, out)
+    for name in ("model.safetensors", "config.json", "training_args.bin"):
+        (out / name).unlink()
+    if crashed_in == "heldout_after":
+        heldout = json.loads((out / "heldout.json").read_text())
+        del heldout["after"]
+        (out / "heldout.json").write_text(json.dumps(heldout))
+        lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+        (out / "metrics.jsonl").write_text("".join(line for line in lines if '"after"' not in line))
+    kept = _digest(out / "metrics.jsonl") if crashed_in == "save_model" else None
+    capsys.readouterr()
+    assert main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
+    printed = capsys.readouterr().out
+    assert "is at the run's last step" in printed and "the trained model" in printed
+    assert ("the held-out evaluation after training" in printed) == (crashed_in == "heldout_after")
+    assert _digest(out / "model.safetensors") == ref_weights  # checkpoint-4's weights, no step trained
+    assert _rows(out) == ref_rows  # the same records, the evaluation after training included, nothing added
+    assert json.loads((out / "heldout.json").read_text())["after"]["step"] == 4
+    if kept is not None:
+        assert _digest(out / "metrics.jsonl") == kept  # the stored evaluation after training is not run again
+    assert not (out / "checkpoint-5").exists()
+    before = {p: _digest(p) for p in out.rglob("*") if p.is_file()}
+    assert main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
+    assert "nothing to train" in capsys.readouterr().out
+    assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_the_stored_heldout_evaluation_is_reused_only_for_the_same_problems_model_and_settings(tmp_path):
+    import json
+
+    from datasets import Dataset
+
+    from egpo_trl.script.outputs import HELDOUT_FILE, METRICS_FILE
+    from egpo_trl.script.resume import heldout_fingerprint, stored_heldout_before
+
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": str(i + 1)} for i in range(3)]
+    heldout = Dataset.from_list(rows)
+    settings = {
+        "num_problems": 3,
+        "num_samples": 1,
+        "temperature": 1.0,
+        "heldout_sha256": heldout_fingerprint(heldout),
+        "model": "some/model",
+        "max_new_tokens": 16,
+    }
+    # Only metrics.jsonl (no heldout.json): its record says nothing of the settings, so it is not used.
+    (tmp_path / METRICS_FILE).write_text(json.dumps({"step": 0, "heldout/accuracy": 0.5, "heldout/stage": "before"}))
+    assert stored_heldout_before(tmp_path, settings) is None
+    before = {"accuracy": 0.5, **settings, "step": 0}
+    (tmp_path / HELDOUT_FILE).write_text(json.dumps({"before": before}))
+    assert stored_heldout_before(tmp_path, settings) == before
+    # Another answer, the same problems in another order, another model or another length: evaluated again.
+    changed = Dataset.from_list([*rows[:2], {**rows[2], "answer": "5"}])
+    assert heldout_fingerprint(changed) != settings["heldout_sha256"]
+    assert heldout_fingerprint(Dataset.from_list(rows[::-1])) != settings["heldout_sha256"]
+    assert heldout_fingerprint(Dataset.from_list(rows)) == settings["heldout_sha256"]
+    for key, value in [("heldout_sha256", heldout_fingerprint(changed)), ("model", "other"), ("max_new_tokens", 8)]:
+        assert stored_heldout_before(tmp_path, {**settings, key: value}) is None
+    # A record written before these settings were stored is not trusted either.
+    (tmp_path / HELDOUT_FILE).write_text(json.dumps({"before": {"accuracy": 0.5, "num_problems": 3}}))
+    assert stored_heldout_before(tmp_path, settings) is None
 
 
 def test_generation_seeds_depend_on_the_place_in_the_run_only():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -454,10 +455,22 @@ def test_reward_import_paths_resolve_from_the_current_folder(tmp_path, monkeypat
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    # A module installed elsewhere, and a local file of the same name that must not shadow it after the import.
+    installed = tmp_path / "site"
+    installed.mkdir()
+    (installed / "later_import_for_test.py").write_text("WHERE = 'installed'\n")
+    (tmp_path / "later_import_for_test.py").write_text("WHERE = 'current folder'\n")
+    sys.path.append(str(installed))
     (func,) = resolve_reward_funcs(["cwd_rewards_for_test:my_reward"])
     assert func.__name__ == "my_reward" and func(["a", "b"], ["1", "2"]) == [1.0, 1.0]
+    assert str(tmp_path) not in sys.path and "" not in sys.path  # on sys.path only during the import
+    monkeypatch.delitem(sys.modules, "later_import_for_test", raising=False)
+    assert importlib.import_module("later_import_for_test").WHERE == "installed"
+    monkeypatch.delitem(sys.modules, "later_import_for_test")
+    monkeypatch.delitem(sys.modules, "cwd_rewards_for_test")
     with pytest.raises(SystemExit, match="looked for in the current folder"):
         resolve_reward_funcs(["no_such_module_here:my_reward"])
+    assert str(tmp_path) not in sys.path
 
 
 def test_the_python_api_checks_its_inputs_before_loading_the_model(tmp_path, monkeypatch):
@@ -493,3 +506,33 @@ def test_the_python_api_checks_its_inputs_before_loading_the_model(tmp_path, mon
     for model in ("builtin:tiny-math-qwen2", "egpo_trl/assets/tiny-math-qwen2"):
         trainer = EGPOTrainer(model=model, reward_funcs=boxed_accuracy_reward, args=args, train_dataset=dataset)
         assert trainer.model.config.vocab_size > 0 and not Path("egpo_trl").exists()
+
+
+def test_values_and_rewards_that_trl_accepts_are_not_refused(tmp_path):
+    import torch
+
+    from egpo_trl import EGPOConfig
+    from egpo_trl.input_checks import required_columns, training_value_problems
+
+    def env_reward(prompts, completions, completion_ids, environments, trainer_state, log_extra, log_metric):
+        return [0.0 for _ in completions]
+
+    def column_reward(completions, answer, level, **kwargs):
+        return [0.0 for _ in completions]
+
+    # TRL passes environments (with environment_factory) and its other keywords itself; a reward model, loaded or
+    # named by an id, reads the prompt and completion only; a plain function's own parameters are columns.
+    rewards = [env_reward, torch.nn.Linear(2, 1), "some-org/some-reward-model", column_reward]
+    assert required_columns(rewards) == {"answer": "column_reward", "level": "column_reward"}
+
+    args = EGPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4,
+        max_steps=1, report_to="none", top_k=-1, max_grad_norm=-1.0,
+    )  # fmt: skip
+    # top_k=-1 is vLLM's "off" (as 0 is): accepted with vLLM; transformers' generation would refuse it mid-run.
+    problems = training_value_problems(args)
+    assert len(problems) == 1 and "top_k=-1 turns top-k off in vLLM only" in problems[0] and "top_k=0" in problems[0]
+    args.use_vllm = True
+    assert training_value_problems(args) == []
+    args.top_k = -2
+    assert training_value_problems(args) == ["top_k must be >= -1 (0, -1 or unset: off), got -2"]

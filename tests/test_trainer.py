@@ -251,3 +251,44 @@ def test_unscored_completions_count_neither_as_correct_nor_as_incorrect_in_the_m
     assert log["egpo/entropy_correct"] == pytest.approx(entropies[correct].mean().item(), abs=1e-6)
     weights = batch["result"].weights
     assert log["egpo/weight_incorrect"] == pytest.approx(weights[incorrect].mean().item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("estimator", ["egpo", "nsr", "grpo"])
+def test_a_row_the_verifier_gives_no_verdict_is_neither_correct_nor_incorrect(tmp_path, tiny_model_dir, estimator):
+    """The verifier returns None for some rows that a format reward still scores: those rows do not type their group,
+    get no NSR advantage and are left out of the per-correctness metrics; the GRPO advantages stay TRL's."""
+
+    def verifier(completions, **kwargs):
+        # Per group of 4: the first row of the first group and the whole second group get no verdict.
+        return [None if i % 8 == 0 or i % 8 >= 4 else -1.0 for i in range(len(completions))]
+
+    def format_reward(completions, **kwargs):
+        return [0.5] * len(completions)
+
+    args = config(
+        tmp_path, max_steps=1, advantage_estimator=estimator, egpo_correctness_reward="verifier",
+        reward_weights=[1.0, 1.0],
+    )  # fmt: skip
+    trainer = EGPOTrainer(tiny_model_dir, [verifier, format_reward], args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    batch = trainer.egpo_last_batch
+    result, rewards_per_func = batch["result"], batch["rewards_per_func"]
+    no_verdict = torch.isnan(rewards_per_func[:, 0])
+    assert no_verdict.tolist() == [True, False, False, False, True, True, True, True]
+    assert not torch.isnan(rewards_per_func[:, 1]).any()  # the format reward scored every row
+    assert not result.correct[no_verdict].any()
+    # First group: its judged rows are all incorrect; second group: no verdict at all, whatever its rewards.
+    assert result.group_type.tolist() == [0] * 4 + [-1] * 4
+    logged = trainer.state.log_history[0]
+    assert logged["egpo/frac_all_incorrect"] == 0.5
+    rewards = (rewards_per_func * torch.tensor([1.0, 1.0])).nansum(dim=1)
+    if estimator == "grpo":  # TRL's advantages of the summed rewards (-0.5 / 0.5 in group 1, uniform in group 2)
+        expected = torch.cat([(r - r.mean()) / (r.std() + 1e-4) for r in rewards.view(-1, 4)])
+        torch.testing.assert_close(result.advantages, expected)
+    else:
+        torch.testing.assert_close(result.advantages[no_verdict], torch.zeros(int(no_verdict.sum())))
+        assert (result.advantages[~no_verdict] < 0).all()  # NSR: the judged incorrect rows only
+        assert (result.weights[no_verdict] == 1).all()
+    if estimator == "egpo":
+        nll = batch["entropies"][1:4]
+        assert logged["egpo/entropy_incorrect"] == pytest.approx(nll[torch.isfinite(nll)].mean().item(), rel=1e-5)

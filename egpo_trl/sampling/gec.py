@@ -84,24 +84,42 @@ def pad_continuation_batch(prompts: list[list[int]], counts: list[int], filler: 
 
 class _RowSubsetRewardModel(torch.nn.Module):
     """A reward model that scores only the given rows of TRL's tokenized batch and returns ``cached`` for the others
-    (see :meth:`GuidedErrorCorrectionMixin._gec_rescore`)."""
+    (see :meth:`GuidedErrorCorrectionMixin._gec_rescore`).
 
-    def __init__(self, model: torch.nn.Module, rows: list[int], cached: torch.Tensor, batch_size: int):
+    With ``always_forward`` (any run of several processes), the model runs a forward even when this process has no
+    rows to score: on the batch's first row, whose score is discarded. A model sharded with DeepSpeed ZeRO-3 gathers
+    its parameters from every process in each forward, so a process that skipped the forward while another ran one
+    would leave the other waiting forever.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        rows: list[int],
+        cached: torch.Tensor,
+        batch_size: int,
+        always_forward: bool = False,
+    ):
         super().__init__()
         self.model = model
         self.rows, self.cached, self.batch_size = rows, cached, batch_size
+        self.always_forward = always_forward
 
     def forward(self, **inputs):
         scores = self.cached.clone()
+        if not self.rows and not (self.always_forward and self.batch_size > 0):
+            return SimpleNamespace(logits=scores.unsqueeze(1))
+        rows = self.rows or [0]  # a one-row dummy forward, discarded, when this process has nothing to score
+        index = torch.tensor(rows, device=scores.device)
+        chosen = {
+            key: value[index.to(value.device)]
+            if torch.is_tensor(value) and value.dim() >= 1 and value.size(0) == self.batch_size
+            else value
+            for key, value in inputs.items()
+        }
+        logits = self.model(**chosen).logits[:, 0].to(scores.dtype)
         if self.rows:
-            index = torch.tensor(self.rows, device=scores.device)
-            chosen = {
-                key: value[index.to(value.device)]
-                if torch.is_tensor(value) and value.dim() >= 1 and value.size(0) == self.batch_size
-                else value
-                for key, value in inputs.items()
-            }
-            scores[index] = self.model(**chosen).logits[:, 0].to(scores.dtype)
+            scores[index] = logits
         return SimpleNamespace(logits=scores.unsqueeze(1))
 
 
@@ -398,7 +416,7 @@ class GuidedErrorCorrectionMixin:
 
         def wrap(i: int, func):
             if isinstance(func, torch.nn.Module):
-                return _RowSubsetRewardModel(func, rows, cached[:, i], n)
+                return _RowSubsetRewardModel(func, rows, cached[:, i], n, self.accelerator.num_processes > 1)
 
             def arguments(kwargs):
                 kwargs = {key: subset(value) for key, value in kwargs.items()}

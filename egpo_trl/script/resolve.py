@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 __all__ = ["BUILTIN_MODEL_PREFIX", "check_model_exists", "is_local_path", "resolve_model_path", "resolve_reward_funcs"]
@@ -99,11 +100,25 @@ def check_model_exists(
     return path
 
 
-def _current_folder_on_path() -> None:
-    """Put the current folder first on ``sys.path``, as ``python -m`` does, so ``my_rewards:fn`` finds ./my_rewards.py."""
+@contextmanager
+def _current_folder_on_path():
+    """Put the current folder first on ``sys.path`` while the block runs, as ``python -m`` does, so that
+    ``my_rewards:fn`` finds ./my_rewards.py. It is taken off again afterwards (a module imported meanwhile stays
+    in ``sys.modules``): a local file named like a later import (``vllm.py``, ``deepspeed.py``) must not shadow it.
+    """
     here = os.getcwd()
-    if not any(entry in ("", here) or (entry and os.path.abspath(entry) == here) for entry in sys.path):
-        sys.path.insert(0, here)
+    if any(entry in ("", here) or (entry and os.path.abspath(entry) == here) for entry in sys.path):
+        yield  # already there (``python -m``): leave sys.path as it is
+        return
+    sys.path.insert(0, here)
+    importlib.invalidate_caches()
+    try:
+        yield
+    finally:
+        try:
+            sys.path.remove(here)
+        except ValueError:  # the imported module took it off itself
+            pass
 
 
 def resolve_reward_funcs(names: Sequence[str]) -> list[Callable[..., list[float]]]:
@@ -129,9 +144,10 @@ def resolve_reward_funcs(names: Sequence[str]) -> list[Callable[..., list[float]
                 f"egpo-trl train: unknown reward function {name!r}; use one of {sorted(registry)} or an import path "
                 "such as 'my_package.rewards:my_reward'."
             )
-        _current_folder_on_path()
         try:
-            func = getattr(importlib.import_module(module_name), attribute)
+            with _current_folder_on_path():
+                module = importlib.import_module(module_name)
+            func = getattr(module, attribute)
         except (ImportError, AttributeError) as error:
             raise SystemExit(
                 f"egpo-trl train: cannot import reward function {name!r}: {error} (modules are looked for in the "

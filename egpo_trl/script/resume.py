@@ -19,10 +19,13 @@ from egpo_trl.script.outputs import read_metrics
 __all__ = [
     "checkpoint_step",
     "finished_message",
+    "heldout_fingerprint",
     "interrupted_message",
+    "missing_final_outputs",
     "resume_checkpoint",
     "resumed_time",
     "save_interrupted",
+    "stored_heldout_after",
     "stored_heldout_before",
     "truncate_metrics",
 ]
@@ -84,28 +87,72 @@ def finished_message(training_args, checkpoint: str | Path) -> str | None:
     )
 
 
-def stored_heldout_before(output_dir: str | Path, num_problems: int, num_samples: int, temperature: float):
-    """The held-out evaluation before training that a run stored in ``output_dir`` (``heldout.json``, else the
-    ``before`` record of ``metrics.jsonl``), when it was made with the same settings; else ``None``."""
-    from egpo_trl.script.outputs import HELDOUT_FILE, METRICS_FILE
+#: The weight files ``save_model`` writes (one of them), and the file it writes last.
+_MODEL_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+)
+_LAST_SAVED_FILE = "training_args.bin"
+
+
+def missing_final_outputs(output_dir: str | Path, save_final_model: bool, heldout: bool) -> list[str]:
+    """The outputs a finished run writes after its last step that ``output_dir`` lacks (empty when none is missing).
+
+    ``save_final_model``: the trained model (a weight file and ``training_args.bin``, which ``save_model`` writes
+    last). ``heldout`` (the held-out evaluation is on): the ``after`` record of ``heldout.json``, required when
+    that file holds the ``before`` record (a run whose held-out check was skipped, with sharded weights, writes
+    neither).
+    """
+    from egpo_trl.script.outputs import HELDOUT_FILE
 
     output_dir = Path(output_dir)
-    heldout = output_dir / HELDOUT_FILE
-    if heldout.is_file():
-        before = json.loads(heldout.read_text()).get("before")
-        if (
-            before
-            and before.get("num_problems") == num_problems
-            and before.get("num_samples") == num_samples
-            and before.get("temperature") == temperature
-        ):
-            return before
+    missing = []
+    if save_final_model and not (
+        any((output_dir / name).is_file() for name in _MODEL_FILES) and (output_dir / _LAST_SAVED_FILE).is_file()
+    ):
+        missing.append("the trained model")
+    if heldout and (output_dir / HELDOUT_FILE).is_file():
+        records = json.loads((output_dir / HELDOUT_FILE).read_text())
+        if records.get("before") and not records.get("after"):
+            missing.append("the held-out evaluation after training")
+    return missing
+
+
+def stored_heldout_after(output_dir: str | Path) -> dict | None:
+    """The held-out evaluation after training stored in ``output_dir``'s ``heldout.json``, or ``None``."""
+    from egpo_trl.script.outputs import HELDOUT_FILE
+
+    path = Path(output_dir) / HELDOUT_FILE
+    return json.loads(path.read_text()).get("after") if path.is_file() else None
+
+
+def heldout_fingerprint(heldout) -> str:
+    """A SHA-256 of the held-out problems (each row's ``prompt`` and ``answer``, in order)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for prompt, answer in zip(heldout["prompt"], heldout["answer"], strict=True):
+        digest.update(json.dumps([prompt, answer], sort_keys=True, default=str).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def stored_heldout_before(output_dir: str | Path, settings: dict) -> dict | None:
+    """The held-out evaluation before training that a run stored in ``output_dir``'s ``heldout.json``, when it was
+    made with the same ``settings`` (every key must hold the same value in the stored record: the problems'
+    fingerprint, the model, the number of problems and samples, the sampling settings); else ``None``."""
+    from egpo_trl.script.outputs import HELDOUT_FILE
+
+    heldout = Path(output_dir) / HELDOUT_FILE
+    if not heldout.is_file():
         return None
-    metrics = output_dir / METRICS_FILE
-    if metrics.is_file():
-        for record in read_metrics(metrics):
-            if record.get("heldout/stage") == "before":
-                return {"accuracy": record["heldout/accuracy"], "temperature": temperature, "step": 0}
+    before = json.loads(heldout.read_text()).get("before")
+    if before and all(before.get(key) == value for key, value in settings.items()):
+        return before
     return None
 
 

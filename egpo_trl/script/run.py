@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_callback import ProgressCallback, TrainerCallback
 
 from egpo_trl.script.args import TrainScriptArguments
 from egpo_trl.script.callbacks import PLUS_MINUS_ONE, CompactProgressCallback, MetricsCallback
@@ -24,9 +24,12 @@ from egpo_trl.script.resolve import check_model_exists, resolve_model_path, reso
 from egpo_trl.script.resume import (
     checkpoint_step,
     finished_message,
+    heldout_fingerprint,
+    missing_final_outputs,
     resume_checkpoint,
     resumed_time,
     save_interrupted,
+    stored_heldout_after,
     stored_heldout_before,
     truncate_metrics,
 )
@@ -83,6 +86,23 @@ def _eval_temperature(script_args, training_args) -> float:
     return training_args.temperature if script_args.eval_temperature is None else script_args.eval_temperature
 
 
+def _heldout_settings(script_args, training_args, model_args, heldout) -> dict[str, Any]:
+    """What a held-out evaluation's result depends on, stored with it in ``heldout.json``: a resumed run reuses
+    the stored evaluation before training only when all of these are the same."""
+    return {
+        "num_problems": len(heldout),
+        "num_samples": script_args.eval_num_samples,
+        "temperature": _eval_temperature(script_args, training_args),
+        "heldout_sha256": heldout_fingerprint(heldout),
+        "model": str(model_args.model_name_or_path),
+        "model_revision": model_args.model_revision,
+        "max_new_tokens": training_args.max_completion_length,
+        "top_p": training_args.top_p,
+        "top_k": max(training_args.top_k or 0, 0),
+        "seed": training_args.seed,
+    }
+
+
 def _heldout(trainer, script_args, training_args, heldout, label: str):
     from egpo_trl.heldout import heldout_accuracy
 
@@ -97,7 +117,7 @@ def _heldout(trainer, script_args, training_args, heldout, label: str):
         num_samples=script_args.eval_num_samples,
         temperature=temperature,
         top_p=training_args.top_p,
-        top_k=training_args.top_k or 0,
+        top_k=max(training_args.top_k or 0, 0),  # -1 is vLLM's "off", 0 transformers'
         batch_size=script_args.eval_batch_size,
         seed=training_args.seed,
     )
@@ -130,15 +150,39 @@ def run(script_args: TrainScriptArguments, training_args, model_args) -> dict[st
         torch.set_num_threads(threads)
 
 
+class _CheckpointLoaded(Exception):
+    """Raised by :class:`_StopBeforeTraining` once ``Trainer.train`` has loaded the checkpoint."""
+
+
+class _StopBeforeTraining(TrainerCallback):
+    """Ends ``Trainer.train`` when training begins: the checkpoint is loaded, no step has run."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        raise _CheckpointLoaded
+
+
 def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[str, Any]:
     wall_start = time.time()
     resume = resume_checkpoint(training_args)
+    finish_only = False  # the checkpoint is at the last step, but what a run writes after its last step is missing
     if resume is not None:
         finished = finished_message(training_args, resume)
-        if finished is not None:  # nothing loads, nothing is written
+        if finished is not None:
+            missing = missing_final_outputs(
+                training_args.output_dir, script_args.save_final_model, heldout=script_args.eval_size > 0
+            )
+            if not missing:  # nothing loads, nothing is written
+                if os.environ.get("RANK", "0") == "0":
+                    print(finished, flush=True)
+                return {"output_dir": str(training_args.output_dir), "heldout_before": None, "heldout_after": None}
+            finish_only = True
             if os.environ.get("RANK", "0") == "0":
-                print(finished, flush=True)
-            return {"output_dir": str(training_args.output_dir), "heldout_before": None, "heldout_after": None}
+                print(
+                    f"egpo-trl train: {resume} is at the run's last step, but {' and '.join(missing)} "
+                    f"{'are' if len(missing) > 1 else 'is'} missing from {training_args.output_dir}: loading the "
+                    "checkpoint to write them, without training.",
+                    flush=True,
+                )
     prepare_output_dir(training_args.output_dir, script_args.overwrite_output_dir, resuming=resume is not None)
 
     check_model_exists(model_args.model_name_or_path, model_args.model_revision, training_args.trust_remote_code)
@@ -153,7 +197,8 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     )
     correctness_name = _correctness_name(trainer)
     time_offset = 0.0
-    if resume is not None and metrics_path.is_file() and trainer.accelerator.is_main_process:
+    stored_after = stored_heldout_after(output_dir) if finish_only else None
+    if resume is not None and metrics_path.is_file() and trainer.accelerator.is_main_process and not stored_after:
         truncate_metrics(metrics_path, checkpoint_step(resume))
         time_offset = resumed_time(metrics_path, checkpoint_step(resume))
     metrics = MetricsCallback(
@@ -184,12 +229,13 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         )
     summary: dict[str, Any] = {"output_dir": str(output_dir), "heldout_before": None, "heldout_after": None}
     heldout_records: dict[str, Any] = {}
+    settings: dict[str, Any] = {}
     if heldout is not None and is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        temperature = _eval_temperature(script_args, training_args)
+        settings = _heldout_settings(script_args, training_args, model_args, heldout)
         stored = None
         if resume is not None:
-            stored = stored_heldout_before(output_dir, len(heldout), script_args.eval_num_samples, temperature)
+            stored = stored_heldout_before(output_dir, settings)
         if stored is not None:  # a resumed run: the evaluation before training was made by the run it continues
             print(
                 f"Held-out accuracy before training: {stored['accuracy']:.1%} (stored by the run resumed)", flush=True
@@ -199,24 +245,39 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         else:
             result, temperature = _heldout(trainer, script_args, training_args, heldout, "before training")
             summary["heldout_before"] = result.accuracy
-            heldout_records["before"] = {**result.to_dict(), "temperature": temperature, "step": 0}
+            heldout_records["before"] = {**result.to_dict(), **settings, "temperature": temperature, "step": 0}
             heldout_path.write_text(json.dumps(heldout_records, indent=2) + "\n")  # kept for a resumed run
             if resume is None:
                 metrics.write({"step": 0, "heldout/accuracy": result.accuracy, "heldout/stage": "before"})
     trainer.accelerator.wait_for_everyone()
 
-    try:
-        train_output = trainer.train(resume_from_checkpoint=resume)
-    except KeyboardInterrupt:
-        save_interrupted(trainer)
-        raise
-    summary["train_runtime_s"] = train_output.metrics.get("train_runtime")
+    if finish_only:
+        # Trainer loads the checkpoint (weights, and the DeepSpeed/FSDP wrapping) inside train(); stop it there,
+        # before its first step: resumed at its last step, it would otherwise train one step more.
+        trainer.add_callback(_StopBeforeTraining())
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+        except _CheckpointLoaded:
+            pass
+        finally:
+            trainer.remove_callback(_StopBeforeTraining)
+    else:
+        try:
+            train_output = trainer.train(resume_from_checkpoint=resume)
+        except KeyboardInterrupt:
+            save_interrupted(trainer)
+            raise
+        summary["train_runtime_s"] = train_output.metrics.get("train_runtime")
 
-    if heldout is not None and is_main:
+    if heldout is not None and is_main and stored_after:
+        print(f"Held-out accuracy after training: {stored_after['accuracy']:.1%} (stored by the run resumed)")
+        summary["heldout_after"] = stored_after["accuracy"]
+        heldout_records["after"] = stored_after
+    elif heldout is not None and is_main:
         result, temperature = _heldout(trainer, script_args, training_args, heldout, "after training")
         summary["heldout_after"] = result.accuracy
         step = trainer.state.global_step
-        heldout_records["after"] = {**result.to_dict(), "temperature": temperature, "step": step}
+        heldout_records["after"] = {**result.to_dict(), **settings, "temperature": temperature, "step": step}
         metrics.write({"step": step, "heldout/accuracy": result.accuracy, "heldout/stage": "after"})
     if script_args.save_final_model:
         trainer.save_model(str(output_dir))
