@@ -636,6 +636,7 @@ def test_every_trl_internal_egpo_trl_relies_on_is_there(tmp_path, tiny_model_dir
         )
 
 
+@pytest.mark.vllm
 def test_every_vllm_internal_egpo_trl_relies_on_is_there():
     pytest.importorskip("vllm", reason="vLLM is not installed: its internals are checked where it is")
     problems = []
