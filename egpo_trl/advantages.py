@@ -54,10 +54,12 @@ __all__ = [
     "get_entropy_input",
     "grpo_advantages",
     "normalize_then_sum_advantages",
+    "normalize_then_sum_rewards",
     "nsr_advantages",
     "register_advantage_estimator",
     "sequence_entropy",
     "sequence_mean",
+    "weighted_reward_sum",
 ]
 
 ClampMode = Literal["asymmetric", "symmetric", "negative_only", "positive_only", "none"]
@@ -632,6 +634,40 @@ def edge_grpo_advantages(
     )
 
 
+def weighted_reward_sum(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor) -> torch.Tensor:
+    """Each completion's reward, the ``reward_weights``-weighted sum over reward functions, as GRPOTrainer forms it:
+    NaN (a function that did not score the completion) counts as 0, and rows no function scored are NaN.
+
+    Args:
+        rewards_per_func: ``Tensor[B, K]``, NaN where a function did not score a completion.
+        reward_weights: ``Tensor[K]``.
+
+    Returns:
+        ``Tensor[B]``.
+    """
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    return rewards.masked_fill(unscorable, float("nan"))
+
+
+def normalize_then_sum_rewards(
+    rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, num_generations: int
+) -> torch.Tensor:
+    """The rewards GRPOTrainer normalises under ``multi_objective_aggregation="normalize_then_sum"``: each reward
+    function's rewards normalised within the group ((r - mean) / (std + 1e-4), unbiased std), then summed with
+    ``reward_weights``. ``Tensor[B, K]`` -> ``Tensor[B]``; ``B`` a multiple of
+    ``num_generations``."""
+    num_funcs = rewards_per_func.size(1)
+    grouped = rewards_per_func.view(-1, num_generations, num_funcs)
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = _nanstd(grouped, dim=1).unsqueeze(1) if num_generations > 1 else torch.zeros_like(mean_k)
+    reward_k = ((grouped - mean_k) / (std_k + STD_EPS)).view(-1, num_funcs)
+    rewards = (reward_k * reward_weights.to(reward_k.device).unsqueeze(0)).nansum(dim=1)
+    # NaN where no function scored the completion (a function's normalised reward can be NaN where it did score it:
+    # a group it scored once has no std).
+    return rewards.masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))
+
+
 def normalize_then_sum_advantages(
     rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, num_generations: int
 ) -> torch.Tensor:
@@ -657,14 +693,7 @@ def normalize_then_sum_advantages(
             f"{tuple(rewards_per_func.shape)}."
         )
     _check_layout(rewards_per_func[:, 0], num_generations)
-    num_funcs = rewards_per_func.size(1)
-    unscorable = torch.isnan(rewards_per_func).all(dim=1)
-    grouped = rewards_per_func.view(-1, num_generations, num_funcs)
-    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
-    std_k = _nanstd(grouped, dim=1).unsqueeze(1) if num_generations > 1 else torch.zeros_like(mean_k)
-    reward_k = ((grouped - mean_k) / (std_k + STD_EPS)).view(-1, num_funcs)
-    rewards = (reward_k * reward_weights.to(reward_k.device).unsqueeze(0)).nansum(dim=1)
-    rewards[unscorable] = torch.nan
+    rewards = normalize_then_sum_rewards(rewards_per_func, reward_weights, num_generations)
     std = _nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
     advantages = (rewards - torch.nanmean(rewards)) / (std + STD_EPS)
     return torch.nan_to_num(advantages, nan=0.0)

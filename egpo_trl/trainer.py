@@ -71,8 +71,10 @@ from egpo_trl.advantages import (
     get_advantage_estimator,
     get_entropy_input,
     normalize_then_sum_advantages,
+    normalize_then_sum_rewards,
     sequence_entropy,
     sequence_mean,
+    weighted_reward_sum,
 )
 from egpo_trl.config import EGPOConfig, distribution_changing_sampling_options
 from egpo_trl.correctness import binary_correctness_features, correctness_reward_index, reward_func_names
@@ -327,21 +329,13 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
     def _egpo_reward_metrics(self, rewards_per_func: torch.Tensor, num_generations: int) -> dict[str, float]:
         """TRL's reward metrics (``rewards/<name>/mean|std``, ``reward``, ``reward_std``, ``frac_reward_zero_std``) of
         the global rewards ``rewards_per_func``, computed as ``GRPOTrainer`` computes them."""
-        device = rewards_per_func.device
-        weights = self.reward_weights.to(device).unsqueeze(0)
         values: dict[str, float] = {}
         for i, name in enumerate(self.reward_func_names):
             values[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
             values[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
-        unscorable = torch.isnan(rewards_per_func).all(dim=1)
-        rewards = (rewards_per_func * weights).nansum(dim=1)
-        rewards[unscorable] = torch.nan
+        rewards = weighted_reward_sum(rewards_per_func, self.reward_weights)
         if self.multi_objective_aggregation == "normalize_then_sum":
-            grouped = rewards_per_func.view(-1, num_generations, len(self.reward_funcs))
-            mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
-            std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
-            normalized = (((grouped - mean_k) / (std_k + 1e-4)).view(-1, len(self.reward_funcs)) * weights).nansum(1)
-            normalized[unscorable] = torch.nan
+            normalized = normalize_then_sum_rewards(rewards_per_func, self.reward_weights, num_generations)
             std = nanstd(normalized).expand_as(normalized) if normalized.numel() > 1 else torch.zeros_like(rewards)
         elif self.scale_rewards == "batch":
             std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
@@ -508,6 +502,7 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
         token_entropies = output.pop(_TOKEN_ENTROPY_KEY, None)
         need_nll = self._egpo_entropy_input == "nll" or self.args.egpo_entropy_metrics
         need_shannon = self._egpo_entropy_input == "shannon"
+        mask, fallback = self._egpo_loss_mask(output)
         logps, source = None, "none"
         if need_nll:
             if output.get("old_per_token_logps") is not None:
@@ -522,10 +517,10 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
                 # estimator alike (the baselines' egpo/entropy_* metrics come from the source EGPO's proxy would);
                 # by default ("policy") the proxy comes from the policy's own pass below, as verl computes pi_old.
                 # With top-p, top-k, min-p, penalties, min_tokens, structured outputs or another temperature in
-                # generation_kwargs they are those of another distribution, so the
-                # pass below is used whatever the setting.
+                # generation_kwargs they are those of another distribution, so the pass below is used whatever the
+                # setting.
                 logps, source = output["sampling_per_token_logps"], "sampling_per_token_logps"
-                if self._egpo_any_nan(logps, self._egpo_loss_mask(output)[0]):
+                if self._egpo_any_nan(logps, mask):
                     # Guided Error Correction's injected tokens have no sampling log-prob (NaN): the proxy of a
                     # rewritten completion would be NaN (weight 1). The policy's pass below gives the whole batch.
                     logps, source = None, "none"
@@ -539,7 +534,6 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
                 logps, source = forward_logps, "forward"
             if need_shannon and token_entropies is None:
                 token_entropies = forward_entropies
-        mask, fallback = self._egpo_loss_mask(output)
         nll = self.accelerator.gather(sequence_entropy(logps, mask)) if need_nll else None
         shannon = self.accelerator.gather(sequence_mean(token_entropies, mask)) if need_shannon else None
         if fallback is not None:
@@ -693,10 +687,7 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
     ) -> AdvantageOutput:
         """Advantages on the global batch from TRL's per-function rewards and the entropies."""
         device = rewards_per_func.device
-        unscorable = torch.isnan(rewards_per_func).all(dim=1)
-        # The weighted reward sum, exactly as GRPOTrainer forms it.
-        rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
-        rewards[unscorable] = torch.nan
+        rewards = weighted_reward_sum(rewards_per_func, self.reward_weights)  # exactly as GRPOTrainer forms it
         correct, incorrect_value = self._egpo_correct(rewards_per_func)
         no_verdict = torch.isnan(rewards_per_func[:, self._egpo_correctness_index])
         if no_verdict.any():

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from egpo_trl.advantages import weighted_reward_sum
 from egpo_trl.sampling.common import refuse_unsupported_generation
 
 logger = logging.getLogger(__name__)
@@ -73,9 +74,7 @@ class DynamicSamplingMixin:
             scored = ~torch.isnan(values)
             n_correct = (self._egpo_correct(rewards_per_func)[0].view(-1, num_generations) & scored).sum(dim=1)
             return (n_correct > 0) & (n_correct < scored.sum(dim=1))
-        unscorable = torch.isnan(rewards_per_func).all(dim=1)
-        rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
-        rewards = rewards.masked_fill(unscorable, float("nan")).view(-1, num_generations)
+        rewards = weighted_reward_sum(rewards_per_func, self.reward_weights).view(-1, num_generations)
         scored = ~torch.isnan(rewards)
         highest = torch.where(scored, rewards, torch.full_like(rewards, -float("inf"))).max(dim=1).values
         lowest = torch.where(scored, rewards, torch.full_like(rewards, float("inf"))).min(dim=1).values
