@@ -45,28 +45,15 @@ def _load_any(script_args: TrainScriptArguments):
 
 
 def _reward_columns(reward_funcs: Sequence[str]) -> dict[str, str]:
-    """Dataset columns the reward functions require (parameters without a default), mapped to a function name."""
-    import inspect
+    """Dataset columns the reward functions require (:func:`egpo_trl.input_checks.required_columns`), mapped to a
+    function name."""
+    from egpo_trl.input_checks import required_columns
 
-    passed = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "kwargs"}
-    needed: dict[str, str] = {}
     try:
         funcs = resolve_reward_funcs(reward_funcs)
     except SystemExit:
-        return needed  # reported where the reward functions are built
-    for func in funcs:
-        try:
-            parameters = inspect.signature(func).parameters.values()
-        except (TypeError, ValueError):
-            continue
-        for parameter in parameters:
-            required = parameter.default is inspect.Parameter.empty and parameter.kind in (
-                inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                inspect.Parameter.KEYWORD_ONLY,
-            )
-            if required and parameter.name not in passed:
-                needed.setdefault(parameter.name, getattr(func, "__name__", str(func)))
-    return needed
+        return {}  # reported where the reward functions are built
+    return required_columns(funcs)
 
 
 def column_problem(columns: Sequence[str], script_args: TrainScriptArguments) -> str | None:
