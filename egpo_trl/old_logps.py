@@ -130,19 +130,16 @@ def no_grad_completion_logps(
     if num_columns == 0:
         # Nothing to score here, but the count is asked all the same: with several processes it gathers the other
         # processes' counts, and a process that skipped it (or the forwards it implies) would leave them waiting.
-        target = 0
-        if num_micro_batches is not None:
-            target = num_micro_batches(0) if callable(num_micro_batches) else num_micro_batches
+        target = _micro_batch_target(num_micro_batches, 0)
         if target > 0:
             _dummy_forwards(model, prompt_ids, prompt_mask, target, autocast)
         empty = completion_ids.new_zeros(batch, 0, dtype=torch.float32)
         return empty, (empty.clone() if compute_entropy else None)
     widths = completion_widths(completion_mask)
     plan = plan_micro_batches(widths, prompt_width, tokens_per_batch, batch_size)
-    if num_micro_batches is not None:
-        target = num_micro_batches(len(plan)) if callable(num_micro_batches) else num_micro_batches
-        if target > len(plan):
-            plan = plan_micro_batches(widths, prompt_width, tokens_per_batch, batch_size, num_micro_batches=target)
+    target = _micro_batch_target(num_micro_batches, len(plan))
+    if target > len(plan):
+        plan = plan_micro_batches(widths, prompt_width, tokens_per_batch, batch_size, num_micro_batches=target)
     logps = torch.zeros(batch, num_columns, dtype=torch.float32, device=device)
     entropies = torch.zeros_like(logps) if compute_entropy else None
     for rows, width in plan:
@@ -159,6 +156,13 @@ def no_grad_completion_logps(
                 raise RuntimeError("The model's fused LM head does not compute entropies; is the TRL version 1.16.0?")
             entropies[rows, :width] = outputs.entropy[:, -width:].float()
     return logps, entropies
+
+
+def _micro_batch_target(num_micro_batches: int | Callable[[int], int] | None, planned: int) -> int:
+    """How many forwards to run when this process planned ``planned`` (see :func:`no_grad_completion_logps`)."""
+    if num_micro_batches is None:
+        return planned
+    return num_micro_batches(planned) if callable(num_micro_batches) else num_micro_batches
 
 
 def _dummy_forwards(
