@@ -39,7 +39,14 @@ On a 4-GPU machine, from the repository root (each command fits in 10 minutes; t
     # on an 8-GPU machine the 7B pair runs side by side: --gpus 0,1,2,3 4,5,6,7 (and no --methods)
 
 The 7B shape needs 4 GPUs of 80 GB per run (ZeRO-3 over 2 leaves no room for vLLM: about 56 GB of weights, grads
-and Adam moments per GPU). Without ``--model`` the shape is built under ``OUTPUT/models``. On one GPU (1.5B only;
+and Adam moments per GPU), or 2 GPUs of 141 GB (H200). With 64-token completions the recipe's 2 rows per micro-batch
+make 32 micro-batches per GPU, each gathering every ZeRO-3 shard; ``--per-device-batch 16`` keeps 128 completions
+per step in 4 (the same optimizer step, far fewer gathers)::
+
+    python benchmarks/canary.py --mode gpu --shape qwen7b --model /tmp/shapes/qwen7b --gpus 0,1 --methods egpo \\
+        --per-device-batch 16 --output /tmp/canary/qwen7b_2gpu
+
+Without ``--model`` the shape is built under ``OUTPUT/models``. On one GPU (1.5B only;
 EGPO, then GRPO, about 10 minutes: to stay within a 10-minute slot, give one method per command as above)::
 
     python benchmarks/canary.py --mode gpu --shape qwen15b --model /tmp/shapes/qwen15b --gpus 0 \\
@@ -311,7 +318,7 @@ def plan_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
                 f"{method}; `--summarize --output {args.output}` prints its table."
             )
         processes = len(gpus) if gpus else 1
-        per_device = int(_read_recipe(recipe).get("per_device_train_batch_size", 1))
+        per_device = args.per_device_batch or int(_read_recipe(recipe).get("per_device_train_batch_size", 1))
         if args.mode == "cpu":
             per_device = args.completions  # one process, no accumulation: one generation batch per step
         batch = per_device * processes
@@ -568,6 +575,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--completion-length", type=int, default=None, help="max_completion_length")
     parser.add_argument("--completions", type=int, default=None, help="completions per optimizer step")
+    parser.add_argument(
+        "--per-device-batch",
+        type=int,
+        default=None,
+        help="GPU mode: per_device_train_batch_size (default: the recipe's; the accumulation follows --completions)",
+    )
     parser.add_argument("--num-generations", type=int, default=None, help="completions per prompt")
     parser.add_argument("--threshold", type=float, default=None, help="PASS when the rise exceeds it")
     parser.add_argument("--window", type=int, default=WINDOW, help="steps averaged at each end (default 5)")

@@ -6,8 +6,9 @@ Reads, per recipe, ``OUT_DIR/RECIPE/{command.txt,exit_status,gpu_memory.csv,run/
 itself. Columns: the card and the number of GPUs, the DeepSpeed stage, completions per optimizer step, the peak GPU
 memory of any GPU of the run as the driver reports it (vLLM's memory pool included), then per step: its seconds
 (TRL's ``step_time``), of which generation (``timing/generation_s``: vLLM's wake-up, weight sync and sampling),
-the old-policy log-prob pass (``timing/old_logps_s``) and the rest (scoring, advantages and the
-forward/backward/optimizer step); completion tokens per second over the step; TRL's importance-sampling ratio
+the old-policy log-prob pass (``timing/old_logps_s``), Guided Error Correction (``timing/gec_s``: its scoring,
+rewrites and continuations; EDGE-GRPO only) and the rest (scoring, advantages and the forward/backward/optimizer
+step); completion tokens per second over the step; TRL's importance-sampling ratio
 (mean and min, when the correction is on), loss and gradient norm. Standard library plus PyYAML.
 """
 
@@ -103,6 +104,7 @@ def summarize(folder: Path) -> list[dict]:
                 step_s=step_time,
                 generation_s=generation,
                 old_logps_s=old_logps,
+                gec_s=record.get("timing/gec_s"),
                 rest_s=step_time - scored if scored is not None else None,
                 mean_length=mean_length,
                 tokens_per_s=completions * mean_length / step_time if mean_length else None,
@@ -127,6 +129,7 @@ COLUMNS = [
     ("step_s", "step s", "{:.1f}"),
     ("generation_s", "generation s", "{:.1f}"),
     ("old_logps_s", "old log-probs s", "{:.2f}"),
+    ("gec_s", "GEC s", "{:.1f}"),
     ("rest_s", "scoring + training s", "{:.1f}"),
     ("mean_length", "mean length", "{:.0f}"),
     ("tokens_per_s", "completion tok/s", "{:.0f}"),

@@ -286,7 +286,8 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
             with self._egpo_timed("generation_s"):
                 result = super()._generate(prompts)
             if gec:
-                result = self._guided_error_correction(prompts, result)  # GuidedErrorCorrectionMixin
+                with self._egpo_timed("gec_s"):  # scoring, rewrites and continuations
+                    result = self._guided_error_correction(prompts, result)  # GuidedErrorCorrectionMixin
         lengths, truncated = self._egpo_completion_lengths(result[1], result[2])
         self._egpo_round_lengths = (lengths, truncated)
         if gec:  # TRL logged the lengths of the completions as sampled: log those of the rewritten ones instead

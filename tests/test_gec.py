@@ -174,6 +174,9 @@ def test_guided_error_correction_rewrites_incorrect_completions(tmp_path, tiny_m
     metrics = trainer.state.log_history[0]
     # The random tiny model never answers correctly: every completion is eligible and rewritten.
     assert metrics["gec/frac_eligible"] == 1.0 and metrics[f"gec/frac_{strategy}"] == 1.0
+    # Its time is logged apart from the sampling's, and both within the round's.
+    assert 0 < metrics["timing/gec_s"] < metrics["timing/generate_and_score_s"]
+    assert metrics["timing/generation_s"] + metrics["timing/gec_s"] <= metrics["timing/generate_and_score_s"]
     assert generated["completion_mask"].sum(dim=1).max() <= 24
     if strategy == "answer":
         assert all(c.endswith(f"\\boxed{{{a}}}") for c, a in zip(completions, answers)), completions

@@ -352,16 +352,18 @@ class GuidedErrorCorrectionMixin:
         ):
             yield
             return
-        if generation._llm_weights_sleeping:  # the weights were discarded: push the current ones (this wakes them)
-            generation.sync_weights()
-            self._last_loaded_step = self.state.global_step
-        generation.llm.wake_up(tags=["kv_cache"])
+        with self._egpo_timed("generation_s"):  # counted as generation, as TRL's own wake-up and sync are
+            if generation._llm_weights_sleeping:  # the weights were discarded: push the current ones (this wakes them)
+                generation.sync_weights()
+                self._last_loaded_step = self.state.global_step
+            generation.llm.wake_up(tags=["kv_cache"])
         generation.enable_sleep_mode = False  # TRL's generate neither wakes nor sleeps the engine inside the block
         try:
             yield
         finally:
             generation.enable_sleep_mode = True
-            generation.llm.sleep(level=2)
+            with self._egpo_timed("generation_s"):
+                generation.llm.sleep(level=2)
             generation._llm_weights_sleeping = True
 
     def _gec_score_sampled(self, inputs, prompts, completions, completion_ids):
