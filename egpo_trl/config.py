@@ -148,8 +148,9 @@ class EGPOConfig(GRPOConfig):
             engines' numerical differences (up to 6% of a completion's proxy in `docs/multi_gpu.md`).
         egpo_entropy_metrics (`bool`, *optional*, defaults to `True`):
             Compute the entropy proxy (and the `egpo/entropy_*` metrics) even when the advantage estimator does not
-            use it (`grpo`, `nsr`). It costs one no-grad forward pass per generation batch when TRL has not computed
-            the old log-probs anyway; `False` skips it.
+            use it (`grpo`, `nsr`). With one optimizer step per generation batch, the log-probs come from the
+            loss's own forward (the weights that sampled the batch), at no cost; otherwise from TRL's old log-probs,
+            or one no-grad pass (a policy with active dropout). `False` skips it.
         egpo_entropy_tokens_per_batch (`int`, *optional*, defaults to `65536`):
             Token budget of one micro-batch of that no-grad pass (rows times their padded prompt-plus-completion
             width). Rows of similar completion length run together, each micro-batch cut to its longest completion,
@@ -209,6 +210,7 @@ class EGPOConfig(GRPOConfig):
             Text appended to an incorrect completion before the policy continues it.
         edge_gec_answer_template (`str`, *optional*):
             Text appended to an incorrect completion to give it the reference answer; `{answer}` is replaced by it.
+            Inside a box, keep the box's braces around it: `\\boxed{{answer}}` gives `\\boxed{13}`.
         edge_gec_max_new_tokens (`int`, *optional*, defaults to `256`):
             Most tokens the policy generates after the reflection cue. A corrected completion never exceeds
             `max_completion_length`: the original part is shortened to leave room for the injected text and, for a
@@ -297,7 +299,8 @@ class EGPOConfig(GRPOConfig):
         default=True,
         metadata={
             "help": "Compute the entropy proxy and the egpo/entropy_* metrics even when the advantage estimator does "
-            "not use it (grpo, nsr); may cost one no-grad forward pass per generation batch."
+            "not use it (grpo, nsr); free with one optimizer step per generation batch (the loss's forward gives "
+            "the log-probs), else TRL's old log-probs or one no-grad pass."
         },
     )
     egpo_entropy_tokens_per_batch: int = field(
@@ -536,4 +539,15 @@ class EGPOConfig(GRPOConfig):
             raise ValueError(
                 "edge_gec_answer_template must contain '{answer}', where the reference answer goes; got "
                 f"{self.edge_gec_answer_template!r}."
+            )
+        from egpo_trl.rewards import extract_last_boxed
+
+        probe = "17/3"
+        rendered = self.edge_gec_answer_template.replace("{answer}", probe)
+        if ("\\boxed" in rendered or "\\fbox" in rendered) and extract_last_boxed(rendered) != probe:
+            raise ValueError(
+                f"edge_gec_answer_template {self.edge_gec_answer_template!r} gives {rendered!r} for the answer "
+                f"{probe!r}, whose last box does not hold the answer, so the correctness reward would score every "
+                "injected answer as wrong. Keep the box's own braces around the placeholder, e.g. "
+                "' The answer is \\boxed{{answer}}.' (the placeholder '{answer}' inside the braces of \\boxed{...})."
             )

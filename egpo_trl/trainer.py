@@ -106,19 +106,65 @@ _FORWARD_KEYS = (
 # Per-token entropies captured from TRL's old-log-prob pass travel in the batch under this key until used.
 _TOKEN_ENTROPY_KEY = "egpo_token_entropies"
 #: ``egpo/entropy_source``: where the entropy proxy's log-probs came from (the same for every advantage estimator).
-ENTROPY_SOURCE_CODES = {"none": 0, "old_per_token_logps": 1, "forward": 2, "sampling_per_token_logps": 3}
+ENTROPY_SOURCE_CODES = {
+    "none": 0,
+    "old_per_token_logps": 1,
+    "forward": 2,
+    "sampling_per_token_logps": 3,
+    "training_forward": 4,
+}
 ENTROPY_SOURCE_NAMES = {
     "none": "nothing (egpo_entropy_metrics is off and the estimator does not read it)",
     "old_per_token_logps": "TRL's old-policy log-probs",
     "forward": "one no-grad pass of the policy",
     "sampling_per_token_logps": "vLLM's sampling log-probs (egpo_entropy_logps='sampler')",
+    "training_forward": "the loss's own forward of the old policy (metrics only, no extra pass)",
 }
+# Each row's index in its generation batch (this process's rows), carried through TRL's shuffling and splitting so
+# that the loss's forward can hand its log-probs back to the deferred entropy metrics.
+_ROW_KEY = "egpo_row_index"
 # Per-row completion lengths and truncation of a generation round (after Guided Error Correction), carried in the
 # batch (so that dynamic sampling regroups them with their rows) until the batch's length metrics are logged.
 _LENGTHS_KEY = "egpo_completion_lengths"
 _TRUNCATED_KEY = "egpo_completion_truncated"
 # TRL's importance-sampling correction multiplies the loss by its ratios: below this mean, the run is told.
 IS_RATIO_WARNING_THRESHOLD = 0.5
+
+
+def _mean_of(values: torch.Tensor, where: torch.Tensor) -> float | None:
+    """The mean of ``values`` over ``where`` (``None`` when empty)."""
+    return values[where].mean().item() if where.any() else None
+
+
+def _judged_rows(result: AdvantageOutput, scored: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The correct and the incorrect rows among those with a verdict (``scored``) in a scored group."""
+    if scored is None:
+        scored = torch.ones_like(result.correct)
+    scored = scored.to(result.correct.device)
+    return result.correct & scored, ~result.correct & scored & (result.group_type != -1)
+
+
+def _has_active_dropout(model: torch.nn.Module) -> bool:
+    """Whether a training-mode forward of ``model`` drops anything: a dropout module with p > 0 (LoRA's included), or
+    a configured attention/hidden dropout probability above 0 (applied functionally by many architectures)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "to_dict") and _config_has_dropout(config.to_dict()):
+            return True
+    return False
+
+
+def _config_has_dropout(config: dict) -> bool:
+    """Whether a model config (as a dict, sub-configs included) sets a dropout probability above 0."""
+    for key, value in config.items():
+        if isinstance(value, dict) and _config_has_dropout(value):
+            return True
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if isinstance(key, str) and ("dropout" in key or "pdrop" in key) and numeric and value > 0:
+            return True
+    return False
 
 
 class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionMixin, GRPOTrainer):
@@ -266,7 +312,10 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
         if not torch.is_grad_enabled():  # an old-policy (or reference) pass, not the loss's forward
             with self._egpo_timed("old_logps_s"):
                 return self._egpo_no_grad_logps(model, *args, compute_entropy=compute_entropy, **kwargs)
-        return super()._get_per_token_logps_and_entropies(model, *args, compute_entropy=compute_entropy, **kwargs)
+        result = super()._get_per_token_logps_and_entropies(model, *args, compute_entropy=compute_entropy, **kwargs)
+        if getattr(self, "_egpo_loss_rows", None) is not None and self._egpo_deferred_entropies is not None:
+            self._egpo_record_loss_logps(result[0])  # the loss's forward: the deferred entropy metrics' log-probs
+        return result
 
     def _egpo_no_grad_logps(self, model, *args, compute_entropy=False, **kwargs):
         if getattr(self, "_egpo_capture_entropy", False):
@@ -353,6 +402,8 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         sampling = None
+        if mode == "train":
+            self._egpo_drop_unfinished_deferred()
         self._egpo_timings = {}
         start = time.perf_counter()
         if mode == "train" and self.args.dynamic_sampling:  # DynamicSamplingMixin
@@ -434,7 +485,7 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
         sampling: dict[str, Any] | None,
     ) -> dict[str, Any]:
         """Advantages of the final generation batch from its gathered rewards and entropies, written back for TRL."""
-        entropies = self._egpo_entropies(output)
+        entropies = self._egpo_entropies(output, mode)
         estimator_entropies = {"nll": entropies["nll"], "shannon": entropies["shannon"], "none": None}[
             self._egpo_entropy_input
         ]
@@ -466,6 +517,12 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
         }
         if sampling is not None:
             self.egpo_last_batch["dynamic_sampling"] = sampling
+        if entropies.get("deferred") is not None:
+            # The egpo/entropy_* metrics follow once the loss's forwards have seen every row of this batch.
+            entropies["deferred"].update(
+                mode=mode, result=result, scored=judged, batch=self.egpo_last_batch, rows=output[_ROW_KEY].numel()
+            )
+            self._egpo_deferred_entropies = entropies["deferred"]
         return output
 
     # ------------------------------------------------------------------ entropies
@@ -491,14 +548,15 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
         fallback = ((chosen != 0).sum(dim=1) == 0) & ((mask != 0).sum(dim=1) > 0)
         return torch.where(fallback.unsqueeze(1), mask, chosen), fallback
 
-    def _egpo_entropies(self, output: dict[str, Any]) -> dict[str, Any]:
+    def _egpo_entropies(self, output: dict[str, Any], mode: str = "train") -> dict[str, Any]:
         """Global per-completion entropies of this generation batch.
 
         Returns a dict with ``nll`` (``Tensor[B_global]``, the Eq. 5 proxy, or ``None`` when neither the estimator
-        nor ``egpo_entropy_metrics`` asks for it), ``shannon`` (the mean Shannon entropy, for estimators that read
-        it, else ``None``), ``source`` (where the proxy's log-probs came from: ``old_per_token_logps``,
-        ``sampling_per_token_logps``, ``forward`` or ``none``) and ``extra_pass`` (whether this method ran a forward
-        pass of its own).
+        nor ``egpo_entropy_metrics`` asks for it, or when the metrics are deferred), ``shannon`` (the mean Shannon
+        entropy, for estimators that read it, else ``None``), ``source`` (where the proxy's log-probs came from:
+        ``old_per_token_logps``, ``sampling_per_token_logps``, ``forward``, ``training_forward`` or ``none``),
+        ``extra_pass`` (whether this method ran a forward pass of its own) and ``deferred`` (``None``, or the state of
+        metrics that the loss's forwards complete, see :meth:`_egpo_defers_entropy_metrics`).
         """
         token_entropies = output.pop(_TOKEN_ENTROPY_KEY, None)
         need_nll = self._egpo_entropy_input == "nll" or self.args.egpo_entropy_metrics
@@ -526,6 +584,19 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
                     # rewritten completion would be NaN (weight 1). The policy's pass below gives the whole batch.
                     logps, source = None, "none"
                     self._egpo_warn_sampler_nan()
+        deferred = None
+        metrics_only = self._egpo_entropy_input == "none"
+        if need_nll and logps is None and metrics_only and self._egpo_defers_entropy_metrics(mode):
+            # Only the metrics need the proxy, and the loss's forward of each row computes the old policy's log-probs
+            # anyway: take them from there instead of a pass of their own.
+            rows, columns = output["completion_ids"].shape
+            deferred = {
+                "mask": mask,
+                "logps": torch.zeros(rows, columns, dtype=torch.float32, device=mask.device),
+                "seen": torch.zeros(rows, dtype=torch.bool, device=mask.device),
+            }
+            output[_ROW_KEY] = torch.arange(rows, device=mask.device)
+            need_nll, source = False, "training_forward"
         extra_pass = (need_nll and logps is None) or (need_shannon and token_entropies is None)
         if extra_pass:
             forward_logps, forward_entropies = self._egpo_forward(
@@ -546,7 +617,66 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
             "source": source,
             "extra_pass": extra_pass,
             "scope_fallback": fallback,
+            "deferred": deferred,
         }
+
+    def _egpo_defers_entropy_metrics(self, mode: str) -> bool:
+        """Whether this training batch's ``egpo/entropy_*`` metrics can come from the loss's own forwards.
+
+        That is the case when TRL skips its old-log-prob pass (one optimizer step per generation batch, no
+        importance-sampling correction): the loss's forward of each row then runs with the weights that sampled it
+        (TRL uses its log-probs as the old ones), so its log-probs are the old policy's, as a no-grad pass would
+        give them up to floating-point effects of another batch composition. Not when the policy has active dropout
+        (the loss's forward runs in training mode), nor for evaluation batches, which no loss sees.
+        """
+        if mode != "train" or self._trl_computes_old_logps():
+            return False
+        if getattr(self, "_egpo_policy_has_dropout", None) is None:
+            self._egpo_policy_has_dropout = _has_active_dropout(self.model)
+        return not self._egpo_policy_has_dropout
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        rows = inputs.get(_ROW_KEY) if isinstance(inputs, dict) else None
+        deferred = getattr(self, "_egpo_deferred_entropies", None)
+        self._egpo_loss_rows = rows if deferred is not None and model.training else None
+        try:
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        finally:
+            self._egpo_loss_rows = None
+
+    def _egpo_record_loss_logps(self, logps: torch.Tensor) -> None:
+        """Keep the loss forward's log-probs of its rows for the deferred entropy metrics; log them once every row
+        of the generation batch has been seen (the same micro-batch on every process)."""
+        deferred, rows = self._egpo_deferred_entropies, self._egpo_loss_rows
+        self._egpo_loss_rows = None  # one forward per micro-batch
+        if logps.shape != (rows.numel(), deferred["logps"].size(1)):  # pragma: no cover - TRL 1.16 keeps the width
+            return
+        fresh = ~deferred["seen"][rows]  # under num_iterations > 1 a row comes back: its first forward counts
+        deferred["logps"][rows[fresh]] = logps.detach()[fresh].float()
+        deferred["seen"][rows] = True
+        if bool(deferred["seen"].all()):
+            self._egpo_deferred_entropies = None
+            nll = self.accelerator.gather(sequence_entropy(deferred["logps"], deferred["mask"]))
+            deferred["batch"]["entropies"] = nll
+            self._egpo_append_metrics(
+                deferred["mode"], self._egpo_entropy_values(deferred["result"], nll, deferred["scored"])
+            )
+
+    def _egpo_drop_unfinished_deferred(self) -> None:
+        """Warn when the previous batch's deferred entropy metrics never saw all its rows (a loss path that does not
+        compute per-token log-probs): they are not logged rather than logged from part of the batch."""
+        deferred = getattr(self, "_egpo_deferred_entropies", None)
+        if deferred is None:
+            return
+        self._egpo_deferred_entropies = None
+        if not getattr(self, "_egpo_deferred_warned", False) and self.accelerator.is_main_process:
+            self._egpo_deferred_warned = True
+            logger.warning(
+                "The egpo/entropy_* metrics of a batch were not logged: its loss did not compute per-token log-probs "
+                "for every row. Set egpo_entropy_metrics: false to skip them, or report this with your configuration."
+            )
 
     def _egpo_say_entropy_source(self, source: str) -> None:
         """Log (once, and again whenever it changes) where the entropy proxy's log-probs come from."""
@@ -759,40 +889,48 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
             ("frac_all_incorrect", GROUP_ALL_INCORRECT),
         ):
             metrics[f"egpo/{name}"].append((group_type == code).float().mean().item())
-        if scored is None:
-            scored = torch.ones_like(result.correct)
-        scored = scored.to(result.correct.device)
-        correct = result.correct & scored
-        incorrect = ~result.correct & scored & (result.group_type != -1)
-
-        def mean_of(values: torch.Tensor, where: torch.Tensor) -> float | None:
-            return values[where].mean().item() if where.any() else None
-
+        correct, incorrect = _judged_rows(result, scored)
         values = {
-            "weight_correct": mean_of(result.weights, correct),
-            "weight_incorrect": mean_of(result.weights, incorrect),
+            "weight_correct": _mean_of(result.weights, correct),
+            "weight_incorrect": _mean_of(result.weights, incorrect),
         }
         if entropies["nll"] is not None:
-            nll = entropies["nll"].float().to(result.weights.device)
-            finite = torch.isfinite(nll)
-            values["entropy_mean"] = mean_of(nll, finite)
-            values["entropy_correct"] = mean_of(nll, correct & finite)
-            values["entropy_incorrect"] = mean_of(nll, incorrect & finite)
-            if values["entropy_correct"] is not None and values["entropy_incorrect"] is not None:
-                values["entropy_gap"] = values["entropy_incorrect"] - values["entropy_correct"]
-            valid = finite & (result.group_type != -1)
-            if valid.any() and self.args.advantage_estimator == "egpo":
-                raw = result.raw_weights[valid]
-                values["frac_at_lambda_min"] = (raw <= self.args.egpo_lambda_min).float().mean().item()
-                values["frac_at_lambda_max"] = (raw >= self.args.egpo_lambda_max).float().mean().item()
+            values.update(self._egpo_entropy_values(result, entropies["nll"], scored))
         if entropies["shannon"] is not None:
             shannon = entropies["shannon"].float()
-            values["token_entropy_mean"] = mean_of(shannon, torch.isfinite(shannon))
+            values["token_entropy_mean"] = _mean_of(shannon, torch.isfinite(shannon))
         values["entropy_extra_pass"] = float(entropies["extra_pass"])
         values["entropy_source"] = float(ENTROPY_SOURCE_CODES[entropies["source"]])
         self._egpo_say_entropy_source(entropies["source"])
         if entropies.get("scope_fallback") is not None:
             values["frac_entropy_scope_fallback"] = entropies["scope_fallback"].float().mean().item()
+        self._egpo_append_metrics(mode, values)
+
+    def _egpo_append_metrics(self, mode: str, values: dict[str, float | None]) -> None:
+        """Append ``egpo/<name>`` values to this step's metrics; an undefined mean (no correct completion, say) is
+        left out, not logged as NaN."""
+        metrics = self._metrics[mode]
         for name, value in values.items():
-            if value is not None:  # an undefined mean (no correct completion, say) is left out, not logged as NaN
+            if value is not None:
                 metrics[f"egpo/{name}"].append(value)
+
+    def _egpo_entropy_values(
+        self, result: AdvantageOutput, nll: torch.Tensor, scored: torch.Tensor | None
+    ) -> dict[str, float | None]:
+        """The ``egpo/entropy_*`` (and clamp-bound) metrics of a batch from its global entropy proxy ``nll``."""
+        correct, incorrect = _judged_rows(result, scored)
+        nll = nll.float().to(result.weights.device)
+        finite = torch.isfinite(nll)
+        values = {
+            "entropy_mean": _mean_of(nll, finite),
+            "entropy_correct": _mean_of(nll, correct & finite),
+            "entropy_incorrect": _mean_of(nll, incorrect & finite),
+        }
+        if values["entropy_correct"] is not None and values["entropy_incorrect"] is not None:
+            values["entropy_gap"] = values["entropy_incorrect"] - values["entropy_correct"]
+        valid = finite & (result.group_type != -1)
+        if valid.any() and self.args.advantage_estimator == "egpo":
+            raw = result.raw_weights[valid]
+            values["frac_at_lambda_min"] = (raw <= self.args.egpo_lambda_min).float().mean().item()
+            values["frac_at_lambda_max"] = (raw >= self.args.egpo_lambda_max).float().mean().item()
+        return values

@@ -239,12 +239,19 @@ def test_baseline_defaults(tmp_path):
         ({"edge_gec_reflect_prob": 1.5}, r"edge_gec_reflect_prob must be a number in \[0.0, 1.0\]"),
         ({"edge_gec_reflect_prob": 0.6, "edge_gec_answer_prob": 0.6}, "sum to at most 1"),
         ({"edge_gec_answer_template": "the answer is"}, "must contain '{answer}'"),
+        # the placeholder as the box's content loses the box's braces: "\\boxed13", which no reward reads
+        ({"edge_gec_answer_template": "The answer is \\boxed{answer}."}, "whose last box does not hold the answer"),
         ({"advantage_estimator": "nsr", "multi_objective_aggregation": "normalize_then_sum"}, "sum_then_normalize"),
     ],
 )
 def test_bad_baseline_settings_are_refused_with_the_fix(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         make(tmp_path, **kwargs)
+
+
+@pytest.mark.parametrize("template", [" The answer is \\boxed{{answer}}.", " So the answer is {answer}."])
+def test_answer_templates_that_give_the_answer_are_accepted(tmp_path, template):
+    assert make(tmp_path, edge_gec_answer_template=template).edge_gec_answer_template == template
 
 
 # ----------------------------------------------------------------------------- recipes

@@ -145,5 +145,68 @@ def test_every_estimator_logs_the_entropy_metrics_from_the_source_egpo_uses(tmp_
         sources[estimator] = batch["entropy_source"]
         assert trainer.state.log_history[0]["egpo/entropy_source"] == ENTROPY_SOURCE_CODES[batch["entropy_source"]]
         assert torch.isfinite(batch["entropies"]).all()
-    expected = "sampling_per_token_logps" if entropy_logps == "sampler" else "forward"
-    assert sources == dict.fromkeys(sources, expected)
+        assert "egpo/entropy_mean" in trainer.state.log_history[0]
+    if entropy_logps == "sampler":  # vLLM's log-probs, for every estimator
+        assert sources == dict.fromkeys(sources, "sampling_per_token_logps")
+    else:
+        # The policy's log-probs at the sampling weights: the estimators that use them run a pass of their own; for
+        # GRPO and NSR, whose advantages do not read them, the loss's forward gives them (same values, next test).
+        assert sources == {
+            "egpo": "forward",
+            "grpo": "training_forward",
+            "edge_grpo": "forward",
+            "nsr": "training_forward",
+        }
+
+
+class PassOnlyRecording(Recording):
+    """Never takes the entropy metrics from the loss's forward: the no-grad pass gives them, as for EGPO."""
+
+    def _egpo_defers_entropy_metrics(self, mode):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(per_device_train_batch_size=8),  # one micro-batch per generation batch
+        dict(per_device_train_batch_size=4, gradient_accumulation_steps=2),  # two, with TRL's shuffle between
+        dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, steps_per_generation=2, num_iterations=2),
+    ],
+    ids=["one-micro-batch", "accumulation", "two-iterations"],
+)
+def test_grpo_entropy_metrics_from_the_loss_forward_equal_the_pass(tmp_path, tiny_model_dir, shape):
+    """The free metrics are the old policy's: the same per-completion proxy and logged values as the no-grad pass
+    EGPO runs, row for row, through TRL's shuffling and splitting (and a second iteration over the same rows)."""
+    runs = {}
+    for name, cls in (("loss", Recording), ("pass", PassOnlyRecording)):
+        args = config(tmp_path / name, max_steps=2, advantage_estimator="grpo", **shape)
+        trainer = cls(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+        trainer.train()
+        runs[name] = trainer
+    loss, passed = runs["loss"], runs["pass"]
+    assert [g["batch"]["entropy_source"] for g in loss.generated] == ["training_forward"] * len(loss.generated)
+    assert [g["batch"]["entropy_source"] for g in passed.generated] == ["forward"] * len(passed.generated)
+    for a, b in zip(loss.generated, passed.generated, strict=True):
+        torch.testing.assert_close(a["completion_ids"], b["completion_ids"])  # the same completions were sampled
+        torch.testing.assert_close(a["batch"]["entropies"], b["batch"]["entropies"], rtol=1e-5, atol=1e-5)
+    for a, b in zip(loss.state.log_history, passed.state.log_history, strict=True):
+        for key in ("egpo/entropy_mean", "egpo/entropy_correct", "egpo/entropy_incorrect", "egpo/entropy_gap"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-5), key
+        if "loss" in b:
+            assert a["egpo/entropy_extra_pass"] == 0.0 and b["egpo/entropy_extra_pass"] == 1.0
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)  # training itself is unchanged
+
+
+@pytest.mark.slow
+def test_grpo_entropy_metrics_take_the_pass_when_the_policy_has_dropout(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attention_dropout=0.1)
+    args = config(tmp_path, max_steps=1, advantage_estimator="grpo")
+    trainer = Recording(model, parity_reward, args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    assert trainer.generated[0]["batch"]["entropy_source"] == "forward"
+    assert trainer.state.log_history[0]["egpo/entropy_extra_pass"] == 1.0

@@ -66,6 +66,11 @@ METHODS = [
         "trainer.py (override, and the extra entropy pass)",
     ),
     ("_compute_loss", ["model", "inputs"], "tests/recording.py"),
+    (
+        "compute_loss",
+        ["model", "inputs", "return_outputs", "num_items_in_batch"],
+        "trainer.py (override: marks the rows of the loss's forward for the deferred entropy metrics)",
+    ),
     ("__init__", ["model", "reward_funcs", "args"], "trainer.py (passes them positionally)"),
     # transformers.Trainer's, overridden by ExactResumeMixin (egpo_trl/resume_state.py) for exact resume.
     (
@@ -98,6 +103,7 @@ OVERRIDES = {
     "_generate",
     "_generate_and_score_completions",
     "_get_per_token_logps_and_entropies",
+    "compute_loss",
     # ExactResumeMixin (egpo_trl/resume_state.py): transformers.Trainer's, for exact resume.
     "_save_checkpoint",
     "_load_rng_state",
@@ -190,6 +196,18 @@ SOURCE = [
         "GRPOTrainer._generate_and_score_completions",
         "self._calculate_rewards(inputs, prompts, completions, ",
         "scoring goes through _calculate_rewards (where the per-function rewards are captured)",
+        "trainer.py",
+    ),
+    (
+        "GRPOTrainer._compute_loss",
+        "per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(",
+        "the loss's forward goes through _get_per_token_logps_and_entropies (the deferred entropy metrics read it)",
+        "trainer.py",
+    ),
+    (
+        "GRPOTrainer.compute_loss",
+        "return self._compute_loss(model, inputs)",
+        "compute_loss runs the loss's forward (EGPOTrainer.compute_loss marks its rows first)",
         "trainer.py",
     ),
     (

@@ -1,6 +1,8 @@
 """Train EGPO for a few steps in every process of a distributed launch and save what each step computed.
 
-Used by tests/test_distributed.py: ``accelerate launch --cpu --num_processes 2 tests/scripts/ddp_egpo.py MODEL OUT``.
+Used by tests/test_distributed.py: ``torchrun --nproc_per_node 2 tests/scripts/ddp_egpo.py MODEL OUT [PER_DEVICE
+[ESTIMATOR]]``. GRPO's entropy metrics come from the loss's forwards, after the generation step: each record keeps
+its batch and reads the entropies once training is done.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from egpo_trl import EGPOConfig, EGPOTrainer  # noqa: E402
 class Recorder(EGPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.records = []
+        self.records, self.batches = [], []
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -26,7 +28,6 @@ class Recorder(EGPOTrainer):
         self.records.append(
             {
                 "rewards_per_func": batch["rewards_per_func"].cpu(),
-                "entropies": batch["entropies"].cpu(),
                 "global_advantages": batch["result"].advantages.cpu(),
                 "local_advantages": output["advantages"].cpu(),
                 "prompt_ids": output["prompt_ids"].cpu(),
@@ -36,17 +37,24 @@ class Recorder(EGPOTrainer):
                 "source": batch["entropy_source"],
             }
         )
+        self.batches.append(batch)
         return output
 
 
-def main(model_dir: str, out_dir: str, per_device: int) -> None:
-    args = EGPOConfig(
-        output_dir=out_dir, **{**TRAINER_TEST_SETTINGS, "per_device_train_batch_size": per_device, "max_steps": 2}
-    )
+def main(model_dir: str, out_dir: str, per_device: int, estimator: str) -> None:
+    settings = {"per_device_train_batch_size": per_device, "max_steps": 2, "advantage_estimator": estimator}
+    args = EGPOConfig(output_dir=out_dir, **{**TRAINER_TEST_SETTINGS, **settings})
     trainer = Recorder(model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
     trainer.train()
+    for record, batch in zip(trainer.records, trainer.batches, strict=True):
+        record["entropies"] = batch["entropies"].cpu()
     save_rank_records(trainer, out_dir)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 2)
+    main(
+        sys.argv[1],
+        sys.argv[2],
+        int(sys.argv[3]) if len(sys.argv) > 3 else 2,
+        sys.argv[4] if len(sys.argv) > 4 else "egpo",
+    )
