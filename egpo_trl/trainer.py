@@ -335,6 +335,7 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
             with self._egpo_timed("generation_s"):
                 result = super()._generate(prompts)
             if gec:
+                sampled_lengths = self._egpo_completion_lengths(result[1], result[2])[0]
                 with self._egpo_timed("gec_s"):  # scoring, rewrites and continuations
                     result = self._guided_error_correction(prompts, result)  # GuidedErrorCorrectionMixin
         lengths, truncated = self._egpo_completion_lengths(result[1], result[2])
@@ -344,6 +345,9 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
             for name, value in self._egpo_length_metrics(lengths, truncated).items():
                 if metrics.get(name):
                     metrics[name][-1] = value
+            # ... and counted their tokens in num_tokens: count the rewritten ones' instead.
+            self.state.num_input_tokens_seen += self.accelerator.gather(lengths - sampled_lengths).sum().item()
+            metrics["num_tokens"] = [self.state.num_input_tokens_seen]
         return result
 
     def _egpo_completion_lengths(
