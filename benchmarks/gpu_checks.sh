@@ -3,6 +3,8 @@
 #
 #   bash benchmarks/gpu_checks.sh fullbatch RESULTS JOB [JOB ...]  # paper recipes at the full per-GPU batch,
 #                                                                  # coin-flip reward (groups mixed), 2 steps
+#   bash benchmarks/gpu_checks.sh pair RESULTS JOB_A JOB_B           # two fullbatch jobs at the same time on disjoint
+#                                                                  # GPUs of one machine, then their step-time ratio
 #   bash benchmarks/gpu_checks.sh resume RESULTS                    # resume with vLLM colocate + ZeRO-2 against an
 #                                                                  # uninterrupted run and a second one
 #
@@ -30,6 +32,26 @@ tiktoken=()
 [[ -n ${QWEN_TIKTOKEN:-} ]] && tiktoken=(--tiktoken-file "$QWEN_TIKTOKEN")
 
 case $stage in
+    pair)
+        # The same machine and the same moment for both: timings compare without a machine-to-machine spread.
+        [[ $# -eq 2 ]] || { echo "pair takes two jobs, e.g. grpo_qwen15b@0:32 edge_grpo_qwen15b@1:32" >&2; exit 2; }
+        PORT=29500 RUNS=$RUNS/$name/a bash "$0" fullbatch "$RUNS/$name-results-a" "$1" > "$RUNS/$name/a.log" 2>&1 &
+        PORT=29600 RUNS=$RUNS/$name/b bash "$0" fullbatch "$RUNS/$name-results-b" "$2" > "$RUNS/$name/b.log" 2>&1 &
+        wait
+        cat "$RUNS/$name/a.log" "$RUNS/$name/b.log"
+        "$PY" - "$RUNS/$name" <<'PY' | tee "$RUNS/$name/ratio.txt"
+import glob, json, sys
+rows = {}
+for side in ("a", "b"):
+    for path in glob.glob(f"{sys.argv[1]}/{side}/*/runs/summary.json"):
+        for row in json.load(open(path)):
+            if isinstance(row.get("step_s"), (int, float)):
+                rows.setdefault(side, {})[row["step"]] = (row["recipe"], row["step_s"])
+a, b = rows.get("a", {}), rows.get("b", {})
+for step in sorted(set(a) & set(b)):
+    print(f"step {step}: {b[step][0]} {b[step][1]:.1f} s / {a[step][0]} {a[step][1]:.1f} s = {b[step][1] / a[step][1]:.3f}")
+PY
+        ;;
     fullbatch)
         for job in "$@"; do
             recipe=${job%%[@:]*}
