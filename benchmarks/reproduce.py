@@ -40,7 +40,8 @@ seed, accuracy before and after with their sampling errors, the share of all-inc
 steps, the shares of EGPO weights at each clamp bound, the mean weights of correct and incorrect completions, the
 entropy gap and AUCs before and after, the card), ``summary.json`` (the same, kept for older readers) and
 ``tables.md``: per-method means over seeds and paired differences against GRPO (same seed) with a paired t-test
-and a two-sided sign test. Finished runs are read back, not trained again (``--rerun`` retrains them).
+and a two-sided sign test, and ``headline.png``: each method's accuracy change and its paired difference against
+GRPO, seed by seed. Finished runs are read back, not trained again (``--rerun`` retrains them).
 """
 
 from __future__ import annotations
@@ -486,6 +487,63 @@ def tables_markdown(records: list[dict], methods: list[str], baseline: str = "GR
     return "\n".join(lines) + "\n"
 
 
+def headline_figure(records: list[dict], methods: list[str], path: Path, baseline: str = "GRPO") -> Path | None:
+    """The headline comparison as a PNG: each method's held-out accuracy change (every seed, and the mean with its
+    standard deviation), and its paired difference against ``baseline`` after training (same seeds). ``None`` when
+    no run finished."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = {m: [r for r in records if r["method"] == m and not r.get("failed")] for m in methods}
+    shown = [m for m in methods if rows[m]]
+    if not shown:
+        return None
+    paired = [m for m in shown if m != baseline and rows.get(baseline)]
+    fig, axes = plt.subplots(1, 2 if paired else 1, figsize=(12 if paired else 6.5, 0.45 * len(shown) + 1.8))
+    axes = list(axes) if paired else [axes]
+
+    def panel(ax, names, values_of, title, xlabel):
+        for y, name in enumerate(names):
+            values = [100 * v for v in values_of(name)]
+            ax.scatter(values, [y] * len(values), s=14, color="0.55", zorder=2)
+            if values:
+                mean = statistics.mean(values)
+                std = statistics.stdev(values) if len(values) > 1 else 0.0
+                ax.errorbar(mean, y, xerr=std, fmt="o", color="C3" if name == "EGPO" else "C0", capsize=3, zorder=3)
+        ax.axvline(0, color="0.3", lw=0.8)
+        ax.set_yticks(range(len(names)), names)
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.grid(axis="x", alpha=0.3)
+
+    panel(
+        axes[0],
+        shown,
+        lambda m: [r["accuracy_after"] - r["accuracy_before"] for r in rows[m]],
+        "Held-out accuracy change (dots: seeds; bar: mean ± std)",
+        "points",
+    )
+    if paired:
+        base = {r["seed"]: r["accuracy_after"] for r in rows[baseline]}
+        panel(
+            axes[1],
+            paired,
+            lambda m: [r["accuracy_after"] - base[r["seed"]] for r in rows[m] if r["seed"] in base],
+            f"After training, minus {baseline} (same seed)",
+            "points",
+        )
+    card = next((r.get("card") for r in records if r.get("card")), None)
+    if card:
+        fig.suptitle(f"{len({r['seed'] for r in records})} seeds; {card}", fontsize=9, y=0.995)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def card_name(device: str, gpu: int | None) -> str:
     """The card a run used, for the records (the CPU's kind on CPU)."""
     if device == "cuda" and gpu is not None:
@@ -593,7 +651,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {method} | {fmt(before)} | {fmt(after)} | {fmt(delta, signed=True)} | {gap} |")
     print("\nPaired difference in held-out accuracy after training, each method minus GRPO, same seeds:\n")
     print(tables.split("Paired difference", 1)[1].split("\n\n", 2)[1] if "Paired difference" in tables else "-")
+    figure = headline_figure(records, methods, output / "headline.png")
     print(f"\nAll tables: {output / 'tables.md'}; one record per run: {output / 'reproduction.json'}")
+    if figure is not None:
+        print(f"The headline comparison as a plot: {figure}")
 
 
 if __name__ == "__main__":

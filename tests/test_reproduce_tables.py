@@ -155,3 +155,15 @@ def test_one_active_run_end_to_end_writes_the_records_and_tables(tmp_path):
     for stage in ("diagnostics_before", "diagnostics_after"):
         assert set(record[stage]) >= {"auc_thinking", "auc_answer", "gap"}, record
     assert "| GRPO | 1 |" in (tmp_path / "tables.md").read_text()
+
+
+def test_headline_figure_plots_every_finished_method(tmp_path):
+    records = make_records({"GRPO": 0.05, "EGPO": 0.08, "NSR": -0.02}, range(3))
+    records.append({"method": "DAPO", "seed": 0, "failed": "exit status 1"})
+    path = reproduce.headline_figure(records, ["GRPO", "DAPO", "EGPO", "NSR"], tmp_path / "headline.png")
+    assert path == tmp_path / "headline.png" and path.stat().st_size > 10_000
+    from PIL import Image
+
+    width, height = Image.open(path).size
+    assert width > 1000 and height > 200  # two panels side by side
+    assert reproduce.headline_figure([records[-1]], ["DAPO"], tmp_path / "none.png") is None
