@@ -173,8 +173,9 @@ class PassOnlyRecording(Recording):
         dict(per_device_train_batch_size=8),  # one micro-batch per generation batch
         dict(per_device_train_batch_size=4, gradient_accumulation_steps=2),  # two, with TRL's shuffle between
         dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, steps_per_generation=2, num_iterations=2),
+        dict(dynamic_sampling=True, dynamic_sampling_max_rounds=4, loss_type="dapo"),  # the batch kept from rounds
     ],
-    ids=["one-micro-batch", "accumulation", "two-iterations"],
+    ids=["one-micro-batch", "accumulation", "two-iterations", "dynamic-sampling"],
 )
 def test_grpo_entropy_metrics_from_the_loss_forward_equal_the_pass(tmp_path, tiny_model_dir, shape):
     """The free metrics are the old policy's: the same per-completion proxy and logged values as the no-grad pass
