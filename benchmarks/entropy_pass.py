@@ -18,6 +18,9 @@ The floor is the forward's matrix FLOPs, ``2 * parameters * tokens`` (tokens act
         --prompt-length 200 --token-budgets 16384 65536 131072 --json /tmp/entropy_pass.json
     python benchmarks/entropy_pass.py --tiny            # CPU smoke run on the tiny test model
 
+``--attn eager`` (or another ``attn_implementation``) loads the model with that attention; ``--profile 25`` prints
+the 25 costliest kernels of one pass (``torch.profiler``), to see where the time over the floor goes.
+
 ``--lengths spread`` draws completion lengths uniformly between a quarter of ``--completion-length`` and all of it
 (trained models stop at different lengths); the default ``full`` makes every completion full length, as random
 weights do. Prints one table; ``--json`` writes the rows.
@@ -96,7 +99,9 @@ def timed(fn, device: torch.device, repeats: int, warmup: int) -> tuple[float, f
     return statistics.median(seconds), peak, result
 
 
-def make_trainer(model: str, dtype: str, temperature: float, per_device_batch: int, out_dir: str) -> EGPOTrainer:
+def make_trainer(
+    model: str, dtype: str, temperature: float, per_device_batch: int, out_dir: str, attn: str | None = None
+) -> EGPOTrainer:
     """An EGPOTrainer around ``model`` (no training): the policy with TRL's fused LM head, as in a run."""
     from datasets import Dataset
 
@@ -109,12 +114,27 @@ def make_trainer(model: str, dtype: str, temperature: float, per_device_batch: i
         temperature=temperature,
         bf16=dtype == "bfloat16",
         use_cpu=not torch.cuda.is_available(),
-        model_init_kwargs={"dtype": getattr(torch, dtype)},
+        model_init_kwargs={"dtype": getattr(torch, dtype), **({"attn_implementation": attn} if attn else {})},
         report_to="none",
         max_steps=1,
     )
     dataset = Dataset.from_list([{"prompt": "1 + 1 =", "answer": "2"}] * per_device_batch)
     return EGPOTrainer(model, boxed_accuracy_reward, args, train_dataset=dataset)
+
+
+def profile_table(trainer: EGPOTrainer, batch: dict, budget: int, entropy: bool, device, rows: int) -> str:
+    """One pass under ``torch.profiler``: its ``rows`` costliest operators by device time (CPU time on CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    trainer.args.egpo_entropy_tokens_per_batch = budget
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        trainer._egpo_forward(batch, compute_entropy=entropy)
+        _sync(device)
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    return f"profile of one pass ({budget} tokens per forward), by {key}:\n" + prof.key_averages().table(
+        sort_by=key, row_limit=rows
+    )
 
 
 def run(argv: list[str] | None = None) -> list[dict]:
@@ -137,6 +157,14 @@ def run(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--mfu", type=float, default=0.5, help="fraction of the peak the floor assumes")
     parser.add_argument("--skip-trl", action="store_true", help="time only the new pass")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--attn", default=None, help="attn_implementation (e.g. sdpa, eager; default: the model's)")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, profile one pass at the first token budget and print its N costliest kernels",
+    )
     args = parser.parse_args(argv)
     if not args.tiny and not args.model:
         parser.error("give --model FOLDER (see benchmarks/real_shapes.py), or --tiny for a CPU smoke run")
@@ -150,7 +178,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
             args.completions, args.prompt_length, args.completion_length = 8, 12, 24
             args.per_device_batch, args.token_budgets = 2, [64, 4096]
     dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
-    trainer = make_trainer(args.model, dtype, args.temperature, args.per_device_batch, work)
+    trainer = make_trainer(args.model, dtype, args.temperature, args.per_device_batch, work, args.attn)
     model = trainer.model
     device = next(model.parameters()).device
     params = sum(p.numel() for p in model.parameters())
@@ -207,6 +235,8 @@ def run(argv: list[str] | None = None) -> list[dict]:
         peak = "-" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}"
         diff = f"{row['max_abs_diff']:.2e}" if "max_abs_diff" in row else "-"
         print(f"{row['pass']:<32} {row['seconds']:>9.3f} {row['ratio_to_floor']:>8.2f} {peak:>9} {diff:>12}")
+    if args.profile:
+        print(profile_table(trainer, batch, args.token_budgets[0], args.entropy, device, args.profile))
     if args.json:
         meta = {
             "model": args.model,
