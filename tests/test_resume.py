@@ -244,3 +244,72 @@ def test_resume_in_a_later_epoch_keeps_the_prompt_order(tmp_path):
     assert main([*run, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
     assert _rows(out) == _rows(reference)
     assert _digest(out / "model.safetensors") == _digest(reference / "model.safetensors")
+
+
+# Two steps with a checkpoint after each: the runs the tests below resume, copy or resume into.
+SHORT = [*RUN, "--max_steps", "2", "--save_steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    """A finished two-step run (held-out at 1 sample, T=1): its folder, to copy from and never to change."""
+    out = tmp_path_factory.mktemp("short") / "run"
+    assert main([*SHORT, "--output_dir", str(out)]) == 0
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    return out
+
+
+def _files(folder: Path) -> dict[Path, tuple[str, int]]:
+    return {p: (_digest(p), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+def _heldout_records(out: Path) -> dict[str, float]:
+    """The ``heldout/accuracy`` of each stage in ``metrics.jsonl`` (each stage must appear once)."""
+    records = [r for r in read_metrics(out / "metrics.jsonl") if "heldout/stage" in r]
+    stages = [r["heldout/stage"] for r in records]
+    assert sorted(stages) == sorted(set(stages)), stages
+    return {r["heldout/stage"]: r["heldout/accuracy"] for r in records}
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_folder_does_not_resume_the_run_in_output_dir(short_run, tmp_path):
+    """Resuming from a checkpoint of run A into a folder that holds run B is refused, as a new run there is: B's
+    files stay as they were. Into a new folder it starts a new run from A's checkpoint, and A is left alone."""
+    other = tmp_path / "other"
+    shutil.copytree(short_run, other)
+    kept, source = _files(other), _files(short_run)
+    start_from = ["--resume_from_checkpoint", str(short_run / "checkpoint-1")]
+    with pytest.raises(SystemExit, match="already holds another run") as refused:
+        main([*SHORT, "--seed", "7", "--output_dir", str(other), *start_from])
+    assert "--overwrite_output_dir" in str(refused.value) and "new --output_dir" in str(refused.value)
+    assert "--resume_from_checkpoint true" not in str(refused.value)  # that would resume B, not start from A
+    assert _files(other) == kept
+    with pytest.raises(SystemExit, match="already holds another run"):  # a checkpoint at the run's last step too
+        main([*SHORT, "--output_dir", str(other), "--resume_from_checkpoint", str(short_run / "checkpoint-2")])
+    assert _files(other) == kept
+
+    new = tmp_path / "new"
+    assert main([*SHORT, "--output_dir", str(new), *start_from]) == 0
+    assert _files(short_run) == source  # nothing of run A truncated or rewritten
+    assert [r["step"] for r in _rows(new) if "loss" in r] == [2]  # step 2 trained from checkpoint-1's state
+    assert _rows(new) == [r for r in _rows(short_run) if r.get("step") != 1]  # and logged as run A logged it
+    assert _digest(new / "model.safetensors") == _digest(short_run / "model.safetensors")
+    assert set(_heldout_records(new)) == {"before", "after"}
+    assert sorted(p.name for p in new.glob("checkpoint-*")) == ["checkpoint-2"]
+
+
+def test_only_a_checkpoint_inside_output_dir_resumes_its_run(tmp_path, monkeypatch):
+    from egpo_trl.script.resume import resumes_own_run
+
+    run = tmp_path / "run"
+    (run / "checkpoint-1").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "checkpoint-1").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(run)
+    monkeypatch.chdir(tmp_path)
+    assert resumes_own_run(str(run / "checkpoint-1"), str(run))
+    assert resumes_own_run("run/checkpoint-1", str(run))  # relative paths are resolved
+    assert resumes_own_run(str(run / "checkpoint-1"), "link")  # and links
+    assert resumes_own_run("run/../run/checkpoint-1/", "run")
+    assert not resumes_own_run("elsewhere/checkpoint-1", "run")
+    assert not resumes_own_run("run/checkpoint-1", "run/checkpoint-1/sub")
+    assert not resumes_own_run(None, "run")

@@ -2,7 +2,8 @@
 
 A run writes ``metrics.jsonl`` (one JSON object per logged step and per held-out evaluation),
 ``training_curves.png``, ``heldout.json`` and the trained model into ``output_dir``. Without
-``overwrite_output_dir`` a folder that holds another run's outputs is refused.
+``overwrite_output_dir`` a folder that holds another run's outputs is refused, unless the run resumes from one of
+that folder's own checkpoints (a checkpoint of another folder starts a new run, refused there as any new run is).
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ HELDOUT_FILE = "heldout.json"
 RUN_MARKERS = (METRICS_FILE, HELDOUT_FILE, "trainer_state.json", "model.safetensors", "adapter_model.safetensors")
 
 
-def prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
+def prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool, start_from: str | None = None) -> None:
     """Refuse (or, with ``overwrite``, clear) an output folder holding an earlier run's checkpoints or outputs.
 
     Nothing is deleted unless ``overwrite`` is set; then only the earlier run's checkpoints and the files
-    this command writes are removed. Resuming keeps everything.
+    this command writes are removed. ``resuming`` (the run resumes from one of this folder's own checkpoints)
+    keeps everything. ``start_from``: a checkpoint of another folder that the new run starts from (the refusal
+    names it, and does not suggest resuming this folder's run).
     """
     path = Path(output_dir)
     if not path.is_dir() or resuming:
@@ -55,6 +58,12 @@ def prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None
         )
         return
     found = ", ".join(p.name for p in (checkpoints + markers)[:5])
+    if not overwrite and start_from is not None:
+        raise SystemExit(
+            f"egpo-trl train: {path} already holds another run ({found}), and {start_from} is not one of its "
+            "checkpoints: a run started from it would write over that run. Choose a new --output_dir for it (a "
+            "'{timestamp}' in it makes one per run), or replace the earlier run with --overwrite_output_dir true."
+        )
     if not overwrite:
         raise SystemExit(
             f"egpo-trl train: {path} already holds another run ({found}). Choose a new --output_dir (a "

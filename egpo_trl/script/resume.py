@@ -24,6 +24,7 @@ __all__ = [
     "missing_final_outputs",
     "resume_checkpoint",
     "resumed_time",
+    "resumes_own_run",
     "save_interrupted",
     "stored_heldout_after",
     "stored_heldout_before",
@@ -51,6 +52,15 @@ def resume_checkpoint(training_args) -> str | None:
     elif isinstance(resume, str) and resume.lower() in ("false", "none", ""):
         resume = None
     return resume
+
+
+def resumes_own_run(checkpoint: str | Path | None, output_dir: str | Path) -> bool:
+    """Whether resuming from ``checkpoint`` continues the run in ``output_dir``: the checkpoint lies inside that
+    folder (both paths resolved; ``resume_from_checkpoint=true`` names the folder's own latest one). A checkpoint of
+    another folder starts a new run in ``output_dir`` from its weights and training state instead."""
+    if checkpoint is None:
+        return False
+    return Path(checkpoint).resolve().is_relative_to(Path(output_dir).resolve())
 
 
 def checkpoint_step(checkpoint: str | Path) -> int:

@@ -28,6 +28,7 @@ from egpo_trl.script.resume import (
     missing_final_outputs,
     resume_checkpoint,
     resumed_time,
+    resumes_own_run,
     save_interrupted,
     stored_heldout_after,
     stored_heldout_before,
@@ -164,6 +165,15 @@ class _StopBeforeTraining(TrainerCallback):
 def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[str, Any]:
     wall_start = time.time()
     resume = resume_checkpoint(training_args)
+    # Only a checkpoint inside output_dir continues the run there; one of another folder starts a new run in
+    # output_dir from its weights and training state, so that folder must hold no other run (as for any new run).
+    own_run = resumes_own_run(resume, training_args.output_dir)
+    prepare_output_dir(
+        training_args.output_dir,
+        script_args.overwrite_output_dir,
+        resuming=own_run,
+        start_from=None if own_run else resume,
+    )
     finish_only = False  # the checkpoint is at the last step, but what a run writes after its last step is missing
     if resume is not None:
         finished = finished_message(training_args, resume)
@@ -183,7 +193,6 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
                     "checkpoint to write them, without training.",
                     flush=True,
                 )
-    prepare_output_dir(training_args.output_dir, script_args.overwrite_output_dir, resuming=resume is not None)
 
     check_model_exists(model_args.model_name_or_path, model_args.model_revision, training_args.trust_remote_code)
     train_dataset, heldout = load_datasets(script_args, seed=training_args.seed)
@@ -197,8 +206,8 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     )
     correctness_name = _correctness_name(trainer)
     time_offset = 0.0
-    stored_after = stored_heldout_after(output_dir) if finish_only else None
-    if resume is not None and metrics_path.is_file() and trainer.accelerator.is_main_process and not stored_after:
+    stored_after = stored_heldout_after(output_dir) if finish_only and own_run else None
+    if own_run and metrics_path.is_file() and trainer.accelerator.is_main_process and not stored_after:
         truncate_metrics(metrics_path, checkpoint_step(resume))
         time_offset = resumed_time(metrics_path, checkpoint_step(resume))
     metrics = MetricsCallback(
@@ -234,7 +243,7 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         output_dir.mkdir(parents=True, exist_ok=True)
         settings = _heldout_settings(script_args, training_args, model_args, heldout)
         stored = None
-        if resume is not None:
+        if own_run:
             stored = stored_heldout_before(output_dir, settings)
         if stored is not None:  # a resumed run: the evaluation before training was made by the run it continues
             print(
@@ -247,7 +256,7 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
             summary["heldout_before"] = result.accuracy
             heldout_records["before"] = {**result.to_dict(), **settings, "temperature": temperature, "step": 0}
             heldout_path.write_text(json.dumps(heldout_records, indent=2) + "\n")  # kept for a resumed run
-            if resume is None:
+            if not own_run:  # a new run (from a checkpoint of another folder, too) starts its metrics with it
                 metrics.write({"step": 0, "heldout/accuracy": result.accuracy, "heldout/stage": "before"})
     trainer.accelerator.wait_for_everyone()
 
