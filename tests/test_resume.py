@@ -259,6 +259,10 @@ def short_run(tmp_path_factory):
     return out
 
 
+# Other held-out settings than the short run's.
+NEW_EVAL = ["--eval_num_samples", "3", "--eval_temperature", "0.3"]
+
+
 def _files(folder: Path) -> dict[Path, tuple[str, int]]:
     return {p: (_digest(p), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
 
@@ -269,6 +273,21 @@ def _heldout_records(out: Path) -> dict[str, float]:
     stages = [r["heldout/stage"] for r in records]
     assert sorted(stages) == sorted(set(stages)), stages
     return {r["heldout/stage"]: r["heldout/accuracy"] for r in records}
+
+
+def _set_stored_accuracy(out: Path, stage: str, accuracy: float) -> None:
+    """Write ``accuracy`` as the stored held-out result of ``stage`` in both ``heldout.json`` and ``metrics.jsonl``:
+    a value no evaluation of 3 problems can give, so a stale record shows."""
+    import json
+
+    heldout = json.loads((out / "heldout.json").read_text())
+    heldout[stage]["accuracy"] = accuracy
+    (out / "heldout.json").write_text(json.dumps(heldout))
+    records = read_metrics(out / "metrics.jsonl")
+    for record in records:
+        if record.get("heldout/stage") == stage:
+            record["heldout/accuracy"] = accuracy
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 @pytest.mark.slow
@@ -313,3 +332,51 @@ def test_only_a_checkpoint_inside_output_dir_resumes_its_run(tmp_path, monkeypat
     assert not resumes_own_run("elsewhere/checkpoint-1", "run")
     assert not resumes_own_run("run/checkpoint-1", "run/checkpoint-1/sub")
     assert not resumes_own_run(None, "run")
+
+
+@pytest.mark.slow
+def test_a_recomputed_heldout_evaluation_before_training_replaces_the_stored_one_in_metrics(short_run, tmp_path):
+    """Resumed with other evaluation settings, the evaluation before training runs again: ``metrics.jsonl`` (and
+    so the curves) and ``heldout.json`` then hold the new result, the other records stay where they were."""
+    import json
+
+    out = tmp_path / "run"
+    shutil.copytree(short_run / "checkpoint-1", out / "checkpoint-1")
+    for name in ("metrics.jsonl", "heldout.json"):
+        shutil.copy(short_run / name, out / name)
+    _set_stored_accuracy(out, "before", 0.123)
+    assert main([*SHORT, "--output_dir", str(out), "--resume_from_checkpoint", "true", *NEW_EVAL]) == 0
+    heldout = json.loads((out / "heldout.json").read_text())
+    assert (heldout["before"]["num_samples"], heldout["before"]["temperature"]) == (3, 0.3)
+    assert heldout["before"]["accuracy"] != 0.123
+    assert _heldout_records(out) == {"before": heldout["before"]["accuracy"], "after": heldout["after"]["accuracy"]}
+    records = read_metrics(out / "metrics.jsonl")
+    assert records[0] == {"step": 0, "heldout/accuracy": heldout["before"]["accuracy"], "heldout/stage": "before"}
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    assert [r for r in _rows(out) if r.get("step") == 1] == [r for r in _rows(short_run) if r.get("step") == 1]
+
+
+def test_a_heldout_record_replaces_the_one_of_its_stage_in_place(tmp_path):
+    import json
+
+    from egpo_trl.script.outputs import put_heldout_record
+
+    path = tmp_path / "metrics.jsonl"
+    before = {"step": 0, "heldout/accuracy": 0.0, "heldout/stage": "before"}
+    steps = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}]
+    after = {"step": 2, "heldout/accuracy": 0.5, "heldout/stage": "after"}
+    put_heldout_record(path, before)  # a new file
+    assert read_metrics(path) == [before]
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*steps, after]))
+    put_heldout_record(path, before)  # none stored: the step-0 record goes first
+    assert read_metrics(path) == [before, *steps, after]
+    new_before = {**before, "heldout/accuracy": 0.25}
+    put_heldout_record(path, new_before)
+    assert read_metrics(path) == [new_before, *steps, after]
+    new_after = {**after, "heldout/accuracy": 0.75}
+    put_heldout_record(path, new_after)
+    assert read_metrics(path) == [new_before, *steps, new_after]
+    path.write_text("".join(json.dumps(r) + "\n" for r in steps))
+    put_heldout_record(path, after)  # none stored: the final record goes last
+    assert read_metrics(path) == [*steps, after]
+    assert not list(tmp_path.glob("*.tmp"))

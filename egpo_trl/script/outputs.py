@@ -22,6 +22,7 @@ __all__ = [
     "PLOT_FILE",
     "RUN_MARKERS",
     "prepare_output_dir",
+    "put_heldout_record",
     "read_metrics",
     "remove_if_empty",
 ]
@@ -97,6 +98,31 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl`` file."""
     with Path(path).open() as handle:
         return [json.loads(line) for line in handle if line.strip()]
+
+
+def put_heldout_record(path: str | Path, record: dict[str, Any]) -> None:
+    """Write a held-out evaluation's record (``heldout/stage`` ``before`` or ``after``) into ``metrics.jsonl``.
+
+    It replaces the record of the same stage where the file holds one (an evaluation run again on a resume, with
+    other settings), else goes first (``before``, the step-0 record) or last (``after``). Every other record stays
+    where it is. The file is rewritten whole, through a temporary file, so that a crash leaves the old one.
+    """
+    path = Path(path)
+    records = read_metrics(path) if path.is_file() else []
+    stage = record["heldout/stage"]
+    places = [i for i, r in enumerate(records) if r.get("heldout/stage") == stage]
+    if places:
+        records[places[0]] = record
+        for index in reversed(places[1:]):
+            del records[index]
+    elif stage == "before":
+        records.insert(0, record)
+    else:
+        records.append(record)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text("".join(json.dumps(r, default=float) + "\n" for r in records))
+    temporary.replace(path)
 
 
 def remove_if_empty(path: Path) -> None:

@@ -18,7 +18,14 @@ from transformers.trainer_callback import ProgressCallback, TrainerCallback
 from egpo_trl.script.args import TrainScriptArguments
 from egpo_trl.script.callbacks import PLUS_MINUS_ONE, CompactProgressCallback, MetricsCallback
 from egpo_trl.script.data import load_datasets
-from egpo_trl.script.outputs import HELDOUT_FILE, METRICS_FILE, PLOT_FILE, prepare_output_dir, read_metrics
+from egpo_trl.script.outputs import (
+    HELDOUT_FILE,
+    METRICS_FILE,
+    PLOT_FILE,
+    prepare_output_dir,
+    put_heldout_record,
+    read_metrics,
+)
 from egpo_trl.script.plots import plot_metrics
 from egpo_trl.script.resolve import check_model_exists, resolve_model_path, resolve_reward_funcs
 from egpo_trl.script.resume import (
@@ -256,8 +263,11 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
             summary["heldout_before"] = result.accuracy
             heldout_records["before"] = {**result.to_dict(), **settings, "temperature": temperature, "step": 0}
             heldout_path.write_text(json.dumps(heldout_records, indent=2) + "\n")  # kept for a resumed run
-            if not own_run:  # a new run (from a checkpoint of another folder, too) starts its metrics with it
-                metrics.write({"step": 0, "heldout/accuracy": result.accuracy, "heldout/stage": "before"})
+            # The step-0 record: first in a new run's metrics.jsonl; a resumed run evaluating again (other settings)
+            # replaces the one stored, so that the metrics and the curves show what heldout.json holds.
+            put_heldout_record(
+                metrics_path, {"step": 0, "heldout/accuracy": result.accuracy, "heldout/stage": "before"}
+            )
     trainer.accelerator.wait_for_everyone()
 
     if finish_only:
