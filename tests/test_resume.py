@@ -380,3 +380,40 @@ def test_a_heldout_record_replaces_the_one_of_its_stage_in_place(tmp_path):
     put_heldout_record(path, after)  # none stored: the final record goes last
     assert read_metrics(path) == [*steps, after]
     assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_a_stored_heldout_evaluation_after_training_is_reused_only_with_the_same_settings(short_run, tmp_path):
+    """A finished run that lacks its model, resumed with other evaluation settings: both evaluations run again
+    with the new settings, and ``heldout.json`` and ``metrics.jsonl`` agree."""
+    import json
+
+    out = tmp_path / "run"
+    shutil.copytree(short_run, out)
+    (out / "model.safetensors").unlink()
+    _set_stored_accuracy(out, "after", 0.123)
+    assert main([*SHORT, "--output_dir", str(out), "--resume_from_checkpoint", "true", *NEW_EVAL]) == 0
+    heldout = json.loads((out / "heldout.json").read_text())
+    for stage in ("before", "after"):
+        assert (heldout[stage]["num_samples"], heldout[stage]["temperature"]) == (3, 0.3), stage
+    assert heldout["after"]["accuracy"] != 0.123 and heldout["after"]["step"] == 2
+    assert _heldout_records(out) == {"before": heldout["before"]["accuracy"], "after": heldout["after"]["accuracy"]}
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1, 2]
+    assert _digest(out / "model.safetensors") == _digest(short_run / "model.safetensors")
+
+
+def test_stored_heldout_evaluations_are_reused_only_with_the_same_settings(tmp_path):
+    import json
+
+    from egpo_trl.script.outputs import HELDOUT_FILE
+    from egpo_trl.script.resume import stored_heldout_after
+
+    settings = {"num_samples": 1, "temperature": 1.0, "model": "some/model"}
+    assert stored_heldout_after(tmp_path, settings) is None
+    after = {"accuracy": 0.5, **settings, "step": 2}
+    (tmp_path / HELDOUT_FILE).write_text(json.dumps({"before": {**after, "step": 0}, "after": after}))
+    assert stored_heldout_after(tmp_path, settings) == after
+    assert stored_heldout_after(tmp_path, {**settings, "step": 2}) == after
+    assert stored_heldout_after(tmp_path, {**settings, "step": 3}) is None  # made at another step
+    assert stored_heldout_after(tmp_path, {**settings, "num_samples": 3}) is None
+    assert stored_heldout_after(tmp_path, {**settings, "temperature": 0.3}) is None

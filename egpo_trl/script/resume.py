@@ -132,12 +132,10 @@ def missing_final_outputs(output_dir: str | Path, save_final_model: bool, heldou
     return missing
 
 
-def stored_heldout_after(output_dir: str | Path) -> dict | None:
-    """The held-out evaluation after training stored in ``output_dir``'s ``heldout.json``, or ``None``."""
-    from egpo_trl.script.outputs import HELDOUT_FILE
-
-    path = Path(output_dir) / HELDOUT_FILE
-    return json.loads(path.read_text()).get("after") if path.is_file() else None
+def stored_heldout_after(output_dir: str | Path, settings: dict) -> dict | None:
+    """The held-out evaluation after training stored in ``output_dir``'s ``heldout.json``, when it was made with
+    the same ``settings`` (as :func:`stored_heldout_before`; a ``step`` among them must match too); else ``None``."""
+    return _stored_heldout(output_dir, "after", settings)
 
 
 def heldout_fingerprint(heldout) -> str:
@@ -155,14 +153,18 @@ def stored_heldout_before(output_dir: str | Path, settings: dict) -> dict | None
     """The held-out evaluation before training that a run stored in ``output_dir``'s ``heldout.json``, when it was
     made with the same ``settings`` (every key must hold the same value in the stored record: the problems'
     fingerprint, the model, the number of problems and samples, the sampling settings); else ``None``."""
+    return _stored_heldout(output_dir, "before", settings)
+
+
+def _stored_heldout(output_dir: str | Path, stage: str, settings: dict) -> dict | None:
     from egpo_trl.script.outputs import HELDOUT_FILE
 
     heldout = Path(output_dir) / HELDOUT_FILE
     if not heldout.is_file():
         return None
-    before = json.loads(heldout.read_text()).get("before")
-    if before and all(before.get(key) == value for key, value in settings.items()):
-        return before
+    record = json.loads(heldout.read_text()).get(stage)
+    if record and all(record.get(key) == value for key, value in settings.items()):
+        return record
     return None
 
 

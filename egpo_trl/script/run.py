@@ -212,8 +212,14 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         output_dir / HELDOUT_FILE,
     )
     correctness_name = _correctness_name(trainer)
+    if heldout is not None and _shards_parameters(trainer):
+        logger.warning("The held-out check runs on one process and cannot generate with sharded weights: skipped.")
+        heldout = None
+    settings = _heldout_settings(script_args, training_args, model_args, heldout) if heldout is not None else {}
     time_offset = 0.0
-    stored_after = stored_heldout_after(output_dir) if finish_only and own_run else None
+    stored_after = None  # a finished run's evaluation after training, made at its last step with these settings
+    if finish_only and own_run:
+        stored_after = stored_heldout_after(output_dir, {**settings, "step": checkpoint_step(resume)})
     if own_run and metrics_path.is_file() and trainer.accelerator.is_main_process and not stored_after:
         truncate_metrics(metrics_path, checkpoint_step(resume))
         time_offset = resumed_time(metrics_path, checkpoint_step(resume))
@@ -228,9 +234,6 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         trainer.remove_callback(ProgressCallback)
         trainer.add_callback(CompactProgressCallback(correctness_name))
 
-    if heldout is not None and _shards_parameters(trainer):
-        logger.warning("The held-out check runs on one process and cannot generate with sharded weights: skipped.")
-        heldout = None
     if is_main:
         length = (
             f"{training_args.max_steps} steps"
@@ -245,10 +248,8 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         )
     summary: dict[str, Any] = {"output_dir": str(output_dir), "heldout_before": None, "heldout_after": None}
     heldout_records: dict[str, Any] = {}
-    settings: dict[str, Any] = {}
     if heldout is not None and is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        settings = _heldout_settings(script_args, training_args, model_args, heldout)
         stored = None
         if own_run:
             stored = stored_heldout_before(output_dir, settings)
@@ -297,7 +298,7 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         summary["heldout_after"] = result.accuracy
         step = trainer.state.global_step
         heldout_records["after"] = {**result.to_dict(), **settings, "temperature": temperature, "step": step}
-        metrics.write({"step": step, "heldout/accuracy": result.accuracy, "heldout/stage": "after"})
+        put_heldout_record(metrics_path, {"step": step, "heldout/accuracy": result.accuracy, "heldout/stage": "after"})
     if script_args.save_final_model:
         trainer.save_model(str(output_dir))
     if is_main:
