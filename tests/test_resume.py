@@ -244,3 +244,176 @@ def test_resume_in_a_later_epoch_keeps_the_prompt_order(tmp_path):
     assert main([*run, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
     assert _rows(out) == _rows(reference)
     assert _digest(out / "model.safetensors") == _digest(reference / "model.safetensors")
+
+
+# Two steps with a checkpoint after each: the runs the tests below resume, copy or resume into.
+SHORT = [*RUN, "--max_steps", "2", "--save_steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    """A finished two-step run (held-out at 1 sample, T=1): its folder, to copy from and never to change."""
+    out = tmp_path_factory.mktemp("short") / "run"
+    assert main([*SHORT, "--output_dir", str(out)]) == 0
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    return out
+
+
+# Other held-out settings than the short run's.
+NEW_EVAL = ["--eval_num_samples", "3", "--eval_temperature", "0.3"]
+
+
+def _files(folder: Path) -> dict[Path, tuple[str, int]]:
+    return {p: (_digest(p), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+def _heldout_records(out: Path) -> dict[str, float]:
+    """The ``heldout/accuracy`` of each stage in ``metrics.jsonl`` (each stage must appear once)."""
+    records = [r for r in read_metrics(out / "metrics.jsonl") if "heldout/stage" in r]
+    stages = [r["heldout/stage"] for r in records]
+    assert sorted(stages) == sorted(set(stages)), stages
+    return {r["heldout/stage"]: r["heldout/accuracy"] for r in records}
+
+
+def _set_stored_accuracy(out: Path, stage: str, accuracy: float) -> None:
+    """Write ``accuracy`` as the stored held-out result of ``stage`` in both ``heldout.json`` and ``metrics.jsonl``:
+    a value no evaluation of 3 problems can give, so a stale record shows."""
+    import json
+
+    heldout = json.loads((out / "heldout.json").read_text())
+    heldout[stage]["accuracy"] = accuracy
+    (out / "heldout.json").write_text(json.dumps(heldout))
+    records = read_metrics(out / "metrics.jsonl")
+    for record in records:
+        if record.get("heldout/stage") == stage:
+            record["heldout/accuracy"] = accuracy
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_folder_does_not_resume_the_run_in_output_dir(short_run, tmp_path):
+    """Resuming from a checkpoint of run A into a folder that holds run B is refused, as a new run there is: B's
+    files stay as they were. Into a new folder it starts a new run from A's checkpoint, and A is left alone."""
+    other = tmp_path / "other"
+    shutil.copytree(short_run, other)
+    kept, source = _files(other), _files(short_run)
+    start_from = ["--resume_from_checkpoint", str(short_run / "checkpoint-1")]
+    with pytest.raises(SystemExit, match="already holds another run") as refused:
+        main([*SHORT, "--seed", "7", "--output_dir", str(other), *start_from])
+    assert "--overwrite_output_dir" in str(refused.value) and "new --output_dir" in str(refused.value)
+    assert "--resume_from_checkpoint true" not in str(refused.value)  # that would resume B, not start from A
+    assert _files(other) == kept
+    with pytest.raises(SystemExit, match="already holds another run"):  # a checkpoint at the run's last step too
+        main([*SHORT, "--output_dir", str(other), "--resume_from_checkpoint", str(short_run / "checkpoint-2")])
+    assert _files(other) == kept
+
+    new = tmp_path / "new"
+    assert main([*SHORT, "--output_dir", str(new), *start_from]) == 0
+    assert _files(short_run) == source  # nothing of run A truncated or rewritten
+    assert [r["step"] for r in _rows(new) if "loss" in r] == [2]  # step 2 trained from checkpoint-1's state
+    assert _rows(new) == [r for r in _rows(short_run) if r.get("step") != 1]  # and logged as run A logged it
+    assert _digest(new / "model.safetensors") == _digest(short_run / "model.safetensors")
+    assert set(_heldout_records(new)) == {"before", "after"}
+    assert sorted(p.name for p in new.glob("checkpoint-*")) == ["checkpoint-2"]
+
+
+def test_only_a_checkpoint_inside_output_dir_resumes_its_run(tmp_path, monkeypatch):
+    from egpo_trl.script.resume import resumes_own_run
+
+    run = tmp_path / "run"
+    (run / "checkpoint-1").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "checkpoint-1").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(run)
+    monkeypatch.chdir(tmp_path)
+    assert resumes_own_run(str(run / "checkpoint-1"), str(run))
+    assert resumes_own_run("run/checkpoint-1", str(run))  # relative paths are resolved
+    assert resumes_own_run(str(run / "checkpoint-1"), "link")  # and links
+    assert resumes_own_run("run/../run/checkpoint-1/", "run")
+    assert not resumes_own_run("elsewhere/checkpoint-1", "run")
+    assert not resumes_own_run("run/checkpoint-1", "run/checkpoint-1/sub")
+    assert not resumes_own_run(None, "run")
+
+
+@pytest.mark.slow
+def test_a_recomputed_heldout_evaluation_before_training_replaces_the_stored_one_in_metrics(short_run, tmp_path):
+    """Resumed with other evaluation settings, the evaluation before training runs again: ``metrics.jsonl`` (and
+    so the curves) and ``heldout.json`` then hold the new result, the other records stay where they were."""
+    import json
+
+    out = tmp_path / "run"
+    shutil.copytree(short_run / "checkpoint-1", out / "checkpoint-1")
+    for name in ("metrics.jsonl", "heldout.json"):
+        shutil.copy(short_run / name, out / name)
+    _set_stored_accuracy(out, "before", 0.123)
+    assert main([*SHORT, "--output_dir", str(out), "--resume_from_checkpoint", "true", *NEW_EVAL]) == 0
+    heldout = json.loads((out / "heldout.json").read_text())
+    assert (heldout["before"]["num_samples"], heldout["before"]["temperature"]) == (3, 0.3)
+    assert heldout["before"]["accuracy"] != 0.123
+    assert _heldout_records(out) == {"before": heldout["before"]["accuracy"], "after": heldout["after"]["accuracy"]}
+    records = read_metrics(out / "metrics.jsonl")
+    assert records[0] == {"step": 0, "heldout/accuracy": heldout["before"]["accuracy"], "heldout/stage": "before"}
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    assert [r for r in _rows(out) if r.get("step") == 1] == [r for r in _rows(short_run) if r.get("step") == 1]
+
+
+def test_a_heldout_record_replaces_the_one_of_its_stage_in_place(tmp_path):
+    import json
+
+    from egpo_trl.script.outputs import put_heldout_record
+
+    path = tmp_path / "metrics.jsonl"
+    before = {"step": 0, "heldout/accuracy": 0.0, "heldout/stage": "before"}
+    steps = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}]
+    after = {"step": 2, "heldout/accuracy": 0.5, "heldout/stage": "after"}
+    put_heldout_record(path, before)  # a new file
+    assert read_metrics(path) == [before]
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*steps, after]))
+    put_heldout_record(path, before)  # none stored: the step-0 record goes first
+    assert read_metrics(path) == [before, *steps, after]
+    new_before = {**before, "heldout/accuracy": 0.25}
+    put_heldout_record(path, new_before)
+    assert read_metrics(path) == [new_before, *steps, after]
+    new_after = {**after, "heldout/accuracy": 0.75}
+    put_heldout_record(path, new_after)
+    assert read_metrics(path) == [new_before, *steps, new_after]
+    path.write_text("".join(json.dumps(r) + "\n" for r in steps))
+    put_heldout_record(path, after)  # none stored: the final record goes last
+    assert read_metrics(path) == [*steps, after]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_a_stored_heldout_evaluation_after_training_is_reused_only_with_the_same_settings(short_run, tmp_path):
+    """A finished run that lacks its model, resumed with other evaluation settings: both evaluations run again
+    with the new settings, and ``heldout.json`` and ``metrics.jsonl`` agree."""
+    import json
+
+    out = tmp_path / "run"
+    shutil.copytree(short_run, out)
+    (out / "model.safetensors").unlink()
+    _set_stored_accuracy(out, "after", 0.123)
+    assert main([*SHORT, "--output_dir", str(out), "--resume_from_checkpoint", "true", *NEW_EVAL]) == 0
+    heldout = json.loads((out / "heldout.json").read_text())
+    for stage in ("before", "after"):
+        assert (heldout[stage]["num_samples"], heldout[stage]["temperature"]) == (3, 0.3), stage
+    assert heldout["after"]["accuracy"] != 0.123 and heldout["after"]["step"] == 2
+    assert _heldout_records(out) == {"before": heldout["before"]["accuracy"], "after": heldout["after"]["accuracy"]}
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1, 2]
+    assert _digest(out / "model.safetensors") == _digest(short_run / "model.safetensors")
+
+
+def test_stored_heldout_evaluations_are_reused_only_with_the_same_settings(tmp_path):
+    import json
+
+    from egpo_trl.script.outputs import HELDOUT_FILE
+    from egpo_trl.script.resume import stored_heldout_after
+
+    settings = {"num_samples": 1, "temperature": 1.0, "model": "some/model"}
+    assert stored_heldout_after(tmp_path, settings) is None
+    after = {"accuracy": 0.5, **settings, "step": 2}
+    (tmp_path / HELDOUT_FILE).write_text(json.dumps({"before": {**after, "step": 0}, "after": after}))
+    assert stored_heldout_after(tmp_path, settings) == after
+    assert stored_heldout_after(tmp_path, {**settings, "step": 2}) == after
+    assert stored_heldout_after(tmp_path, {**settings, "step": 3}) is None  # made at another step
+    assert stored_heldout_after(tmp_path, {**settings, "num_samples": 3}) is None
+    assert stored_heldout_after(tmp_path, {**settings, "temperature": 0.3}) is None

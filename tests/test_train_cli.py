@@ -128,6 +128,10 @@ def test_output_dir_with_another_run_is_refused_unless_overwrite_or_resume(tmp_p
     (out / "notes.txt").write_text("keep me")
     with pytest.raises(SystemExit, match="overwrite_output_dir"):
         prepare_output_dir(str(out), overwrite=False, resuming=False)
+    # A new run started from a checkpoint of another folder: refused too, without suggesting to resume this one.
+    with pytest.raises(SystemExit, match="/elsewhere/checkpoint-3 is not one of its checkpoints") as refused:
+        prepare_output_dir(str(out), overwrite=False, resuming=False, start_from="/elsewhere/checkpoint-3")
+    assert "--overwrite_output_dir true" in str(refused.value) and "resume_from_checkpoint" not in str(refused.value)
     prepare_output_dir(str(out), overwrite=False, resuming=True)  # resuming keeps everything
     assert (out / "checkpoint-10").is_dir()
     prepare_output_dir(str(out), overwrite=True, resuming=False)

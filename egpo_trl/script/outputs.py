@@ -2,7 +2,8 @@
 
 A run writes ``metrics.jsonl`` (one JSON object per logged step and per held-out evaluation),
 ``training_curves.png``, ``heldout.json`` and the trained model into ``output_dir``. Without
-``overwrite_output_dir`` a folder that holds another run's outputs is refused.
+``overwrite_output_dir`` a folder that holds another run's outputs is refused, unless the run resumes from one of
+that folder's own checkpoints (a checkpoint of another folder starts a new run, refused there as any new run is).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = [
     "PLOT_FILE",
     "RUN_MARKERS",
     "prepare_output_dir",
+    "put_heldout_record",
     "read_metrics",
     "remove_if_empty",
 ]
@@ -32,11 +34,13 @@ HELDOUT_FILE = "heldout.json"
 RUN_MARKERS = (METRICS_FILE, HELDOUT_FILE, "trainer_state.json", "model.safetensors", "adapter_model.safetensors")
 
 
-def prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
+def prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool, start_from: str | None = None) -> None:
     """Refuse (or, with ``overwrite``, clear) an output folder holding an earlier run's checkpoints or outputs.
 
     Nothing is deleted unless ``overwrite`` is set; then only the earlier run's checkpoints and the files
-    this command writes are removed. Resuming keeps everything.
+    this command writes are removed. ``resuming`` (the run resumes from one of this folder's own checkpoints)
+    keeps everything. ``start_from``: a checkpoint of another folder that the new run starts from (the refusal
+    names it, and does not suggest resuming this folder's run).
     """
     path = Path(output_dir)
     if not path.is_dir() or resuming:
@@ -55,6 +59,12 @@ def prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None
         )
         return
     found = ", ".join(p.name for p in (checkpoints + markers)[:5])
+    if not overwrite and start_from is not None:
+        raise SystemExit(
+            f"egpo-trl train: {path} already holds another run ({found}), and {start_from} is not one of its "
+            "checkpoints: a run started from it would write over that run. Choose a new --output_dir for it (a "
+            "'{timestamp}' in it makes one per run), or replace the earlier run with --overwrite_output_dir true."
+        )
     if not overwrite:
         raise SystemExit(
             f"egpo-trl train: {path} already holds another run ({found}). Choose a new --output_dir (a "
@@ -88,6 +98,31 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl`` file."""
     with Path(path).open() as handle:
         return [json.loads(line) for line in handle if line.strip()]
+
+
+def put_heldout_record(path: str | Path, record: dict[str, Any]) -> None:
+    """Write a held-out evaluation's record (``heldout/stage`` ``before`` or ``after``) into ``metrics.jsonl``.
+
+    It replaces the record of the same stage where the file holds one (an evaluation run again on a resume, with
+    other settings), else goes first (``before``, the step-0 record) or last (``after``). Every other record stays
+    where it is. The file is rewritten whole, through a temporary file, so that a crash leaves the old one.
+    """
+    path = Path(path)
+    records = read_metrics(path) if path.is_file() else []
+    stage = record["heldout/stage"]
+    places = [i for i, r in enumerate(records) if r.get("heldout/stage") == stage]
+    if places:
+        records[places[0]] = record
+        for index in reversed(places[1:]):
+            del records[index]
+    elif stage == "before":
+        records.insert(0, record)
+    else:
+        records.append(record)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text("".join(json.dumps(r, default=float) + "\n" for r in records))
+    temporary.replace(path)
 
 
 def remove_if_empty(path: Path) -> None:

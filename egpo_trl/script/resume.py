@@ -24,6 +24,7 @@ __all__ = [
     "missing_final_outputs",
     "resume_checkpoint",
     "resumed_time",
+    "resumes_own_run",
     "save_interrupted",
     "stored_heldout_after",
     "stored_heldout_before",
@@ -51,6 +52,15 @@ def resume_checkpoint(training_args) -> str | None:
     elif isinstance(resume, str) and resume.lower() in ("false", "none", ""):
         resume = None
     return resume
+
+
+def resumes_own_run(checkpoint: str | Path | None, output_dir: str | Path) -> bool:
+    """Whether resuming from ``checkpoint`` continues the run in ``output_dir``: the checkpoint lies inside that
+    folder (both paths resolved; ``resume_from_checkpoint=true`` names the folder's own latest one). A checkpoint of
+    another folder starts a new run in ``output_dir`` from its weights and training state instead."""
+    if checkpoint is None:
+        return False
+    return Path(checkpoint).resolve().is_relative_to(Path(output_dir).resolve())
 
 
 def checkpoint_step(checkpoint: str | Path) -> int:
@@ -122,12 +132,10 @@ def missing_final_outputs(output_dir: str | Path, save_final_model: bool, heldou
     return missing
 
 
-def stored_heldout_after(output_dir: str | Path) -> dict | None:
-    """The held-out evaluation after training stored in ``output_dir``'s ``heldout.json``, or ``None``."""
-    from egpo_trl.script.outputs import HELDOUT_FILE
-
-    path = Path(output_dir) / HELDOUT_FILE
-    return json.loads(path.read_text()).get("after") if path.is_file() else None
+def stored_heldout_after(output_dir: str | Path, settings: dict) -> dict | None:
+    """The held-out evaluation after training stored in ``output_dir``'s ``heldout.json``, when it was made with
+    the same ``settings`` (as :func:`stored_heldout_before`; a ``step`` among them must match too); else ``None``."""
+    return _stored_heldout(output_dir, "after", settings)
 
 
 def heldout_fingerprint(heldout) -> str:
@@ -145,14 +153,18 @@ def stored_heldout_before(output_dir: str | Path, settings: dict) -> dict | None
     """The held-out evaluation before training that a run stored in ``output_dir``'s ``heldout.json``, when it was
     made with the same ``settings`` (every key must hold the same value in the stored record: the problems'
     fingerprint, the model, the number of problems and samples, the sampling settings); else ``None``."""
+    return _stored_heldout(output_dir, "before", settings)
+
+
+def _stored_heldout(output_dir: str | Path, stage: str, settings: dict) -> dict | None:
     from egpo_trl.script.outputs import HELDOUT_FILE
 
     heldout = Path(output_dir) / HELDOUT_FILE
     if not heldout.is_file():
         return None
-    before = json.loads(heldout.read_text()).get("before")
-    if before and all(before.get(key) == value for key, value in settings.items()):
-        return before
+    record = json.loads(heldout.read_text()).get(stage)
+    if record and all(record.get(key) == value for key, value in settings.items()):
+        return record
     return None
 
 

@@ -18,7 +18,14 @@ from transformers.trainer_callback import ProgressCallback, TrainerCallback
 from egpo_trl.script.args import TrainScriptArguments
 from egpo_trl.script.callbacks import PLUS_MINUS_ONE, CompactProgressCallback, MetricsCallback
 from egpo_trl.script.data import load_datasets
-from egpo_trl.script.outputs import HELDOUT_FILE, METRICS_FILE, PLOT_FILE, prepare_output_dir, read_metrics
+from egpo_trl.script.outputs import (
+    HELDOUT_FILE,
+    METRICS_FILE,
+    PLOT_FILE,
+    prepare_output_dir,
+    put_heldout_record,
+    read_metrics,
+)
 from egpo_trl.script.plots import plot_metrics
 from egpo_trl.script.resolve import check_model_exists, resolve_model_path, resolve_reward_funcs
 from egpo_trl.script.resume import (
@@ -28,6 +35,7 @@ from egpo_trl.script.resume import (
     missing_final_outputs,
     resume_checkpoint,
     resumed_time,
+    resumes_own_run,
     save_interrupted,
     stored_heldout_after,
     stored_heldout_before,
@@ -164,6 +172,15 @@ class _StopBeforeTraining(TrainerCallback):
 def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[str, Any]:
     wall_start = time.time()
     resume = resume_checkpoint(training_args)
+    # Only a checkpoint inside output_dir continues the run there; one of another folder starts a new run in
+    # output_dir from its weights and training state, so that folder must hold no other run (as for any new run).
+    own_run = resumes_own_run(resume, training_args.output_dir)
+    prepare_output_dir(
+        training_args.output_dir,
+        script_args.overwrite_output_dir,
+        resuming=own_run,
+        start_from=None if own_run else resume,
+    )
     finish_only = False  # the checkpoint is at the last step, but what a run writes after its last step is missing
     if resume is not None:
         finished = finished_message(training_args, resume)
@@ -183,7 +200,6 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
                     "checkpoint to write them, without training.",
                     flush=True,
                 )
-    prepare_output_dir(training_args.output_dir, script_args.overwrite_output_dir, resuming=resume is not None)
 
     check_model_exists(model_args.model_name_or_path, model_args.model_revision, training_args.trust_remote_code)
     train_dataset, heldout = load_datasets(script_args, seed=training_args.seed)
@@ -196,9 +212,15 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         output_dir / HELDOUT_FILE,
     )
     correctness_name = _correctness_name(trainer)
+    if heldout is not None and _shards_parameters(trainer):
+        logger.warning("The held-out check runs on one process and cannot generate with sharded weights: skipped.")
+        heldout = None
+    settings = _heldout_settings(script_args, training_args, model_args, heldout) if heldout is not None else {}
     time_offset = 0.0
-    stored_after = stored_heldout_after(output_dir) if finish_only else None
-    if resume is not None and metrics_path.is_file() and trainer.accelerator.is_main_process and not stored_after:
+    stored_after = None  # a finished run's evaluation after training, made at its last step with these settings
+    if finish_only and own_run:
+        stored_after = stored_heldout_after(output_dir, {**settings, "step": checkpoint_step(resume)})
+    if own_run and metrics_path.is_file() and trainer.accelerator.is_main_process and not stored_after:
         truncate_metrics(metrics_path, checkpoint_step(resume))
         time_offset = resumed_time(metrics_path, checkpoint_step(resume))
     metrics = MetricsCallback(
@@ -212,9 +234,6 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         trainer.remove_callback(ProgressCallback)
         trainer.add_callback(CompactProgressCallback(correctness_name))
 
-    if heldout is not None and _shards_parameters(trainer):
-        logger.warning("The held-out check runs on one process and cannot generate with sharded weights: skipped.")
-        heldout = None
     if is_main:
         length = (
             f"{training_args.max_steps} steps"
@@ -229,12 +248,10 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         )
     summary: dict[str, Any] = {"output_dir": str(output_dir), "heldout_before": None, "heldout_after": None}
     heldout_records: dict[str, Any] = {}
-    settings: dict[str, Any] = {}
     if heldout is not None and is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        settings = _heldout_settings(script_args, training_args, model_args, heldout)
         stored = None
-        if resume is not None:
+        if own_run:
             stored = stored_heldout_before(output_dir, settings)
         if stored is not None:  # a resumed run: the evaluation before training was made by the run it continues
             print(
@@ -247,8 +264,11 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
             summary["heldout_before"] = result.accuracy
             heldout_records["before"] = {**result.to_dict(), **settings, "temperature": temperature, "step": 0}
             heldout_path.write_text(json.dumps(heldout_records, indent=2) + "\n")  # kept for a resumed run
-            if resume is None:
-                metrics.write({"step": 0, "heldout/accuracy": result.accuracy, "heldout/stage": "before"})
+            # The step-0 record: first in a new run's metrics.jsonl; a resumed run evaluating again (other settings)
+            # replaces the one stored, so that the metrics and the curves show what heldout.json holds.
+            put_heldout_record(
+                metrics_path, {"step": 0, "heldout/accuracy": result.accuracy, "heldout/stage": "before"}
+            )
     trainer.accelerator.wait_for_everyone()
 
     if finish_only:
@@ -278,7 +298,7 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         summary["heldout_after"] = result.accuracy
         step = trainer.state.global_step
         heldout_records["after"] = {**result.to_dict(), **settings, "temperature": temperature, "step": step}
-        metrics.write({"step": step, "heldout/accuracy": result.accuracy, "heldout/stage": "after"})
+        put_heldout_record(metrics_path, {"step": step, "heldout/accuracy": result.accuracy, "heldout/stage": "after"})
     if script_args.save_final_model:
         trainer.save_model(str(output_dir))
     if is_main:
