@@ -417,3 +417,35 @@ def test_stored_heldout_evaluations_are_reused_only_with_the_same_settings(tmp_p
     assert stored_heldout_after(tmp_path, {**settings, "step": 3}) is None  # made at another step
     assert stored_heldout_after(tmp_path, {**settings, "num_samples": 3}) is None
     assert stored_heldout_after(tmp_path, {**settings, "temperature": 0.3}) is None
+
+
+def test_a_finished_run_continued_and_stopped_after_its_last_checkpoint_writes_that_steps_outputs(
+    short_run, tmp_path, capsys
+):
+    """A finished 2-step run continued to 3 steps that stopped after saving checkpoint-3, before its final outputs:
+    the folder still holds the step-2 model and evaluation, which must not pass for step 3's."""
+    import json
+
+    short3 = [*SHORT, "--max_steps", "3"]
+    continued = tmp_path / "continued"  # the same continuation, uninterrupted
+    shutil.copytree(short_run, continued)
+    assert main([*short3, "--output_dir", str(continued), "--resume_from_checkpoint", "true"]) == 0
+    assert json.loads((continued / "trainer_state.json").read_text())["global_step"] == 3
+    stopped = tmp_path / "stopped"
+    shutil.copytree(short_run, stopped)
+    shutil.copytree(continued / "checkpoint-3", stopped / "checkpoint-3")
+    capsys.readouterr()
+    assert main([*short3, "--output_dir", str(stopped), "--resume_from_checkpoint", "true"]) == 0
+    out = capsys.readouterr().out
+    assert "the trained model and the held-out evaluation after training are missing" in out
+    assert _digest(stopped / "model.safetensors") == _digest(continued / "model.safetensors")
+    assert _digest(stopped / "model.safetensors") != _digest(short_run / "model.safetensors")
+    heldout = json.loads((stopped / "heldout.json").read_text())
+    assert (
+        heldout["after"]["step"] == 3
+        and heldout["after"] == json.loads((continued / "heldout.json").read_text())["after"]
+    )
+    # Run again: now everything is there, and nothing is trained or written.
+    before = _files(stopped)
+    assert main([*short3, "--output_dir", str(stopped), "--resume_from_checkpoint", "true"]) == 0
+    assert _files(stopped) == before

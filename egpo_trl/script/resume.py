@@ -109,27 +109,47 @@ _MODEL_FILES = (
 _LAST_SAVED_FILE = "training_args.bin"
 
 
-def missing_final_outputs(output_dir: str | Path, save_final_model: bool, heldout: bool) -> list[str]:
+def missing_final_outputs(
+    output_dir: str | Path, save_final_model: bool, heldout: bool, step: int | None = None
+) -> list[str]:
     """The outputs a finished run writes after its last step that ``output_dir`` lacks (empty when none is missing).
 
     ``save_final_model``: the trained model (a weight file and ``training_args.bin``, which ``save_model`` writes
-    last). ``heldout`` (the held-out evaluation is on): the ``after`` record of ``heldout.json``, required when
-    that file holds the ``before`` record (a run whose held-out check was skipped, with sharded weights, writes
-    neither).
+    last, then ``trainer_state.json`` with the step it belongs to). ``heldout`` (the held-out evaluation is on): the
+    ``after`` record of ``heldout.json``, required when that file holds the ``before`` record (a run whose held-out
+    check was skipped, with sharded weights, writes neither). With ``step`` (the last checkpoint's), outputs that
+    say they belong to another step count as missing: a finished run continued with more steps that stopped after
+    its last checkpoint still holds the earlier run's model and evaluation.
     """
     from egpo_trl.script.outputs import HELDOUT_FILE
 
     output_dir = Path(output_dir)
     missing = []
-    if save_final_model and not (
+    model_saved = (
         any((output_dir / name).is_file() for name in _MODEL_FILES) and (output_dir / _LAST_SAVED_FILE).is_file()
-    ):
+    )
+    if save_final_model and not (model_saved and _saved_step(output_dir / FINAL_STATE_FILE) in (None, step)):
         missing.append("the trained model")
     if heldout and (output_dir / HELDOUT_FILE).is_file():
         records = json.loads((output_dir / HELDOUT_FILE).read_text())
-        if records.get("before") and not records.get("after"):
+        after = records.get("after")
+        if records.get("before") and (not after or (step is not None and after.get("step", step) != step)):
             missing.append("the held-out evaluation after training")
     return missing
+
+
+#: Written into output_dir after the final model (``Trainer.save_state``): its ``global_step`` dates that model.
+FINAL_STATE_FILE = "trainer_state.json"
+
+
+def _saved_step(path: Path) -> int | None:
+    """``global_step`` of a ``trainer_state.json`` (``None`` when there is none: a run from before it was written)."""
+    if not path.is_file():
+        return None
+    try:
+        return int(json.loads(path.read_text())["global_step"])
+    except (ValueError, KeyError, TypeError):
+        return -1  # unreadable: the model it dates cannot be trusted to be the last step's
 
 
 def stored_heldout_after(output_dir: str | Path, settings: dict) -> dict | None:

@@ -186,7 +186,10 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         finished = finished_message(training_args, resume)
         if finished is not None:
             missing = missing_final_outputs(
-                training_args.output_dir, script_args.save_final_model, heldout=script_args.eval_size > 0
+                training_args.output_dir,
+                script_args.save_final_model,
+                heldout=script_args.eval_size > 0,
+                step=checkpoint_step(resume),
             )
             if not missing:  # nothing loads, nothing is written
                 if os.environ.get("RANK", "0") == "0":
@@ -301,6 +304,7 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         put_heldout_record(metrics_path, {"step": step, "heldout/accuracy": result.accuracy, "heldout/stage": "after"})
     if script_args.save_final_model:
         trainer.save_model(str(output_dir))
+        trainer.save_state()  # trainer_state.json: the step this model belongs to (read by a later resume)
     if is_main:
         files = [metrics_path]
         if heldout_records:
