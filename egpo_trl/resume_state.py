@@ -259,6 +259,8 @@ class ExactResumeMixin:
                 "global_step": self.state.global_step,
                 "optimizer_steps": _optimizer_steps(self.optimizer),
                 "rng": _rng_states(),
+                # GRPO counts a generation's tokens when it generates, in the middle of a step.
+                "num_input_tokens_seen": self.state.num_input_tokens_seen,
                 "resume_state": {
                     **{name: getattr(self, name) for name in _COUNTERS if hasattr(self, name)},
                     "buffered_inputs": getattr(self, "_buffered_inputs", None),
@@ -271,7 +273,7 @@ class ExactResumeMixin:
         """Save the checkpoint of the last finished step after an interruption in the middle of the next one.
 
         The weights, optimizer and scheduler have not changed since that step; the RNG states, the generation
-        buffer and the pending metrics are put back to what they were at its end, so the checkpoint is the one a
+        buffer, the pending metrics and the count of tokens seen are put back to what they were at its end, so the checkpoint is the one a
         regular save at that step writes. Returns why nothing was saved, or ``None`` once saved.
         """
         boundary = self._egpo_boundary
@@ -281,6 +283,7 @@ class ExactResumeMixin:
         if boundary["optimizer_steps"] != _optimizer_steps(self.optimizer):
             return "the interruption came during an optimizer update"
         _set_rng_states(boundary["rng"])
+        self.state.num_input_tokens_seen = boundary["num_input_tokens_seen"]
         state = boundary["resume_state"]
         for name in _COUNTERS:
             if name in state:

@@ -449,3 +449,36 @@ def test_a_finished_run_continued_and_stopped_after_its_last_checkpoint_writes_t
     before = _files(stopped)
     assert main([*short3, "--output_dir", str(stopped), "--resume_from_checkpoint", "true"]) == 0
     assert _files(stopped) == before
+
+
+@pytest.mark.slow
+def test_ctrl_c_then_resume_is_exact_with_entropy_metrics_from_the_loss_forward(tmp_path, monkeypatch):
+    """GRPO takes its egpo/entropy_* metrics from the loss's forwards (two micro-batches per step here): a run
+    stopped between them and resumed logs the same metrics, those included, and ends with the same weights."""
+    from egpo_trl.trainer import EGPOTrainer
+
+    run = [
+        *RUN, "--advantage_estimator", "grpo", "--steps_per_generation", "2", "--gradient_accumulation_steps", "2",
+        "--per_device_train_batch_size", "2", "--model_init_kwargs", "{}",
+    ]  # fmt: skip
+    reference = tmp_path / "reference"
+    assert main([*run, "--output_dir", str(reference)]) == 0
+    ref_rows = _rows(reference)
+    assert all(r["egpo/entropy_source"] == 4 and "egpo/entropy_mean" in r for r in ref_rows if "loss" in r)
+    out = tmp_path / "run"
+    calls = []
+    training_step = EGPOTrainer.training_step
+
+    def interrupted(self, *args, **kwargs):
+        loss = training_step(self, *args, **kwargs)
+        calls.append(self.state.global_step)
+        if len(calls) == 3:  # step 2's first micro-batch ran; its second has not
+            os.kill(os.getpid(), signal.SIGINT)
+        return loss
+
+    monkeypatch.setattr(EGPOTrainer, "training_step", interrupted)
+    assert main([*run, "--output_dir", str(out)]) == 130
+    monkeypatch.undo()
+    assert main([*run, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
+    assert _rows(out) == ref_rows  # num_tokens too: the interrupted step's generation is not counted twice
+    assert _digest(out / "model.safetensors") == _digest(reference / "model.safetensors")
