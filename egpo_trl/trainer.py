@@ -145,8 +145,9 @@ def _judged_rows(result: AdvantageOutput, scored: torch.Tensor | None) -> tuple[
 
 
 def _has_active_dropout(model: torch.nn.Module) -> bool:
-    """Whether a training-mode forward of ``model`` drops anything: a dropout module with p > 0 (LoRA's included), or
-    a configured attention/hidden dropout probability above 0 (applied functionally by many architectures)."""
+    """Whether a training-mode forward of ``model`` is random: a dropout module with p > 0 (LoRA's included), or a
+    configured dropout probability, router jitter noise (mixture-of-experts routing in training mode), layer drop or
+    drop path above 0 (applied functionally by many architectures)."""
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
             return True
@@ -156,13 +157,17 @@ def _has_active_dropout(model: torch.nn.Module) -> bool:
     return False
 
 
+#: Parts of config keys whose positive values make a training-mode forward random.
+_STOCHASTIC_KEYS = ("dropout", "pdrop", "jitter", "layerdrop", "drop_path", "stochastic_depth")
+
+
 def _config_has_dropout(config: dict) -> bool:
     """Whether a model config (as a dict, sub-configs included) sets a dropout probability above 0."""
     for key, value in config.items():
         if isinstance(value, dict) and _config_has_dropout(value):
             return True
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if isinstance(key, str) and ("dropout" in key or "pdrop" in key) and numeric and value > 0:
+        if isinstance(key, str) and numeric and value > 0 and any(word in key for word in _STOCHASTIC_KEYS):
             return True
     return False
 

@@ -211,3 +211,13 @@ def test_grpo_entropy_metrics_take_the_pass_when_the_policy_has_dropout(tmp_path
     trainer.train()
     assert trainer.generated[0]["batch"]["entropy_source"] == "forward"
     assert trainer.state.log_history[0]["egpo/entropy_extra_pass"] == 1.0
+
+
+def test_stochastic_training_forwards_are_recognised_from_the_config():
+    from egpo_trl.trainer import _config_has_dropout
+
+    assert not _config_has_dropout({"attention_dropout": 0.0, "id2label": {0: "LABEL_0"}, "use_cache": True})
+    assert _config_has_dropout({"attention_dropout": 0.1})
+    assert _config_has_dropout({"router_jitter_noise": 0.01})  # mixture-of-experts routing noise in training mode
+    assert _config_has_dropout({"text_config": {"layerdrop": 0.1}})  # sub-configs too
+    assert _config_has_dropout({"drop_path_rate": 0.1})

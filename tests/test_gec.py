@@ -203,6 +203,24 @@ def test_guided_error_correction_needs_the_answer_column(tmp_path, tiny_model_di
         EGPOTrainer(tiny_model_dir, parity_reward, config(tmp_path, edge_gec=True), train_dataset=dataset)
 
 
+@pytest.mark.slow
+def test_an_answer_template_the_boxed_reward_cannot_read_is_refused(tmp_path, tiny_model_dir):
+    template = " The answer is {answer}."  # no box: boxed_accuracy_reward would score every injected answer -1
+    args = config(tmp_path, edge_gec=True, edge_gec_answer_template=template)
+    with pytest.raises(ValueError, match="boxed_accuracy_reward .the correctness reward. cannot read"):
+        EGPOTrainer(tiny_model_dir, boxed_accuracy_reward, args, train_dataset=make_prompt_dataset())
+    # Another correctness reward may read it; with no answer injected at all the template is never used.
+    EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    no_injection = config(
+        tmp_path,
+        edge_gec=True,
+        edge_gec_answer_template=template,
+        edge_gec_answer_prob=0.0,
+        edge_gec_solution_prob=0.0,
+    )
+    EGPOTrainer(tiny_model_dir, boxed_accuracy_reward, no_injection, train_dataset=make_prompt_dataset())
+
+
 def gec_config(tmp_path, **overrides):
     settings = dict(
         max_steps=1,

@@ -331,6 +331,8 @@ def test_only_a_checkpoint_inside_output_dir_resumes_its_run(tmp_path, monkeypat
     assert resumes_own_run("run/../run/checkpoint-1/", "run")
     assert not resumes_own_run("elsewhere/checkpoint-1", "run")
     assert not resumes_own_run("run/checkpoint-1", "run/checkpoint-1/sub")
+    assert not resumes_own_run("run/old_run/checkpoint-1", "run")  # another run kept inside the folder
+    assert not resumes_own_run("run/my-weights", "run")  # not one of the folder's checkpoint-<step> folders
     assert not resumes_own_run(None, "run")
 
 

@@ -24,7 +24,7 @@ import torch
 from trl.data_utils import is_conversational
 from trl.trainer.utils import is_async_callable
 
-from egpo_trl.rewards import answers_match, extract_last_boxed
+from egpo_trl.rewards import answers_match, boxed_accuracy_reward, extract_last_boxed
 from egpo_trl.sampling.common import refuse_unsupported_generation
 
 logger = logging.getLogger(__name__)
@@ -146,6 +146,7 @@ class GuidedErrorCorrectionMixin:
             raise ValueError(
                 f"edge_gec needs the reference answers in an `answer` column of train_dataset; it has {columns}."
             )
+        self._check_gec_answer_template(columns)
         if args.edge_gec_solution_prob > 0 and "solution" not in columns and self.accelerator.is_main_process:
             logger.warning(
                 "edge_gec_solution_prob=%g but train_dataset has no `solution` column: that share of the incorrect "
@@ -153,6 +154,24 @@ class GuidedErrorCorrectionMixin:
                 "replaced by a reference solution; gec/frac_solution_as_answer logs it. Add a `solution` column, "
                 "or set edge_gec_solution_prob=0 (and give its probability to edge_gec_answer_prob) to say so.",
                 args.edge_gec_solution_prob,
+            )
+
+    def _check_gec_answer_template(self, columns: list[str]) -> None:
+        """Refuse an answer template the correctness reward cannot read, when it is the package's boxed reward: every
+        injected answer would be scored as wrong (and trained on as a wrong completion)."""
+        args = self.args
+        injects = args.edge_gec_answer_prob > 0 or (args.edge_gec_solution_prob > 0 and "solution" not in columns)
+        index = getattr(self, "_egpo_correctness_index", None)
+        if not injects or index is None or self.reward_funcs[index] is not boxed_accuracy_reward:
+            return
+        probe = "17/3"
+        rendered = args.edge_gec_answer_template.replace("{answer}", probe)
+        if extract_last_boxed(rendered) != probe:
+            raise ValueError(
+                f"edge_gec_answer_template {args.edge_gec_answer_template!r} gives {rendered!r} for the answer "
+                f"{probe!r}, which boxed_accuracy_reward (the correctness reward) cannot read: every injected answer "
+                "would be scored as wrong. Put the answer in a box, e.g. ' The answer is \\boxed{{answer}}.' (the "
+                "default template does)."
             )
 
     def _guided_error_correction(self, prompts: list, result: tuple) -> tuple:

@@ -9,6 +9,7 @@ sampling seeds) lives with the trainer: :mod:`egpo_trl.resume_state`.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from collections.abc import Sequence
@@ -55,12 +56,17 @@ def resume_checkpoint(training_args) -> str | None:
 
 
 def resumes_own_run(checkpoint: str | Path | None, output_dir: str | Path) -> bool:
-    """Whether resuming from ``checkpoint`` continues the run in ``output_dir``: the checkpoint lies inside that
-    folder (both paths resolved; ``resume_from_checkpoint=true`` names the folder's own latest one). A checkpoint of
-    another folder starts a new run in ``output_dir`` from its weights and training state instead."""
+    """Whether resuming from ``checkpoint`` continues the run in ``output_dir``: the checkpoint is one of that
+    folder's own ``checkpoint-<step>`` folders, directly inside it (both paths resolved; ``resume_from_checkpoint=
+    true`` names the folder's own latest one). A checkpoint of another folder, a subfolder of ``output_dir``
+    included (an earlier run kept there), starts a new run in ``output_dir`` from its weights and training state."""
     if checkpoint is None:
         return False
-    return Path(checkpoint).resolve().is_relative_to(Path(output_dir).resolve())
+    checkpoint = Path(checkpoint).resolve()
+    return (
+        checkpoint.parent == Path(output_dir).resolve()
+        and re.fullmatch(r"checkpoint-\d+", checkpoint.name) is not None
+    )
 
 
 def checkpoint_step(checkpoint: str | Path) -> int:
