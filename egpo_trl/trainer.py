@@ -35,6 +35,11 @@ Where the log-probs come from (the paper's "zero-overhead" proxy):
   forward+backward; :mod:`egpo_trl.old_logps` sizes its micro-batches by a token budget and skips right padding,
   and ``benchmarks/entropy_pass.py`` and ``docs/multi_gpu.md`` measure it.
 
+Estimators whose advantages do not read the proxy (``grpo``, ``nsr``) still log it (``egpo_entropy_metrics``). In
+the last case they take it from the loss's own forward instead of a pass: with one optimizer step per generation
+batch that forward runs with the weights that sampled the batch, and every row goes through it before the step
+ends (``egpo/entropy_source`` 4; not with a random training-mode forward, such as active dropout).
+
 The baselines run through the same trainer (``docs/baselines.md``):
 
 * ``advantage_estimator="edge_grpo"`` reads full-distribution Shannon entropies. When TRL computes the
