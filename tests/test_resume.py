@@ -71,25 +71,33 @@ def test_resume_from_a_checkpoint_inside_a_generation_batch_is_exact(reference, 
     assert times == sorted(times)  # the clock continues, it does not restart at 0
 
 
-@pytest.mark.slow
-def test_ctrl_c_inside_a_step_then_resume_is_exact(reference, tmp_path, monkeypatch):
+def _interrupted_run(monkeypatch, argv: list[str], after_micro_batches: int) -> int:
+    """``main(argv)`` with a Ctrl-C (SIGINT) right after the given number of micro-batches (training steps)."""
     from egpo_trl.trainer import EGPOTrainer
 
-    _, ref_rows, ref_weights = reference
-    out = tmp_path / "run"
     calls = []
     training_step = EGPOTrainer.training_step
 
     def interrupted(self, *args, **kwargs):
         loss = training_step(self, *args, **kwargs)
         calls.append(self.state.global_step)
-        if len(calls) == 2:  # step 2's forward and backward drew random numbers; its optimizer step has not run
+        if len(calls) == after_micro_batches:
             os.kill(os.getpid(), signal.SIGINT)
         return loss
 
     monkeypatch.setattr(EGPOTrainer, "training_step", interrupted)
-    assert main([*RUN, "--output_dir", str(out)]) == 130
-    monkeypatch.undo()
+    try:
+        return main(argv)
+    finally:
+        monkeypatch.undo()
+
+
+@pytest.mark.slow
+def test_ctrl_c_inside_a_step_then_resume_is_exact(reference, tmp_path, monkeypatch):
+    _, ref_rows, ref_weights = reference
+    out = tmp_path / "run"
+    # After the 2nd micro-batch: step 2's forward and backward drew random numbers; its optimizer step has not run.
+    assert _interrupted_run(monkeypatch, [*RUN, "--output_dir", str(out)], after_micro_batches=2) == 130
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
     assert main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
     assert _rows(out) == ref_rows
@@ -457,8 +465,6 @@ def test_a_finished_run_continued_and_stopped_after_its_last_checkpoint_writes_t
 def test_ctrl_c_then_resume_is_exact_with_entropy_metrics_from_the_loss_forward(tmp_path, monkeypatch):
     """GRPO takes its egpo/entropy_* metrics from the loss's forwards (two micro-batches per step here): a run
     stopped between them and resumed logs the same metrics, those included, and ends with the same weights."""
-    from egpo_trl.trainer import EGPOTrainer
-
     run = [
         *RUN, "--advantage_estimator", "grpo", "--steps_per_generation", "2", "--gradient_accumulation_steps", "2",
         "--per_device_train_batch_size", "2", "--model_init_kwargs", "{}",
@@ -468,19 +474,8 @@ def test_ctrl_c_then_resume_is_exact_with_entropy_metrics_from_the_loss_forward(
     ref_rows = _rows(reference)
     assert all(r["egpo/entropy_source"] == 4 and "egpo/entropy_mean" in r for r in ref_rows if "loss" in r)
     out = tmp_path / "run"
-    calls = []
-    training_step = EGPOTrainer.training_step
-
-    def interrupted(self, *args, **kwargs):
-        loss = training_step(self, *args, **kwargs)
-        calls.append(self.state.global_step)
-        if len(calls) == 3:  # step 2's first micro-batch ran; its second has not
-            os.kill(os.getpid(), signal.SIGINT)
-        return loss
-
-    monkeypatch.setattr(EGPOTrainer, "training_step", interrupted)
-    assert main([*run, "--output_dir", str(out)]) == 130
-    monkeypatch.undo()
+    # After the 3rd micro-batch: step 2's first micro-batch ran, its second has not.
+    assert _interrupted_run(monkeypatch, [*run, "--output_dir", str(out)], after_micro_batches=3) == 130
     assert main([*run, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
     assert _rows(out) == ref_rows  # num_tokens too: the interrupted step's generation is not counted twice
     assert _digest(out / "model.safetensors") == _digest(reference / "model.safetensors")
