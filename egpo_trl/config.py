@@ -415,6 +415,11 @@ class EGPOConfig(GRPOConfig):
                 raise ValueError(f"{name}={value!r} is not supported; set it to one of: {', '.join(choices)}.")
 
         choose("advantage_estimator", self.advantage_estimator, sorted(ADVANTAGE_ESTIMATORS))
+        if self.max_steps == 0:  # transformers would train one step while saying it trains by epochs
+            raise ValueError(
+                "max_steps=0 is not a length: use a positive number of optimizer steps, or -1 to train for "
+                "num_train_epochs."
+            )
         choose("egpo_clamp", self.egpo_clamp, CLAMP_MODES)
         choose("egpo_renorm", self.egpo_renorm, RENORM_MODES)
         choose("egpo_nsr_weighting", self.egpo_nsr_weighting, NSR_WEIGHTINGS)

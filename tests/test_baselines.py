@@ -228,6 +228,7 @@ def test_baseline_defaults(tmp_path):
     ("kwargs", "message"),
     [
         ({"advantage_estimator": "dapo"}, "advantage_estimator='dapo' is not supported"),
+        ({"max_steps": 0}, "max_steps=0 is not a length"),
         ({"dynamic_sampling_max_rounds": 0}, "dynamic_sampling_max_rounds must be an integer >= 1"),
         ({"dynamic_sampling_metric": "acc"}, "dynamic_sampling_metric='acc'"),
         ({"overlong_buffer_length": 0}, "overlong_buffer_length must be an integer >= 1"),

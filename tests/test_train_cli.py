@@ -132,9 +132,11 @@ def test_output_dir_with_another_run_is_refused_unless_overwrite_or_resume(tmp_p
     with pytest.raises(SystemExit, match="/elsewhere/checkpoint-3 is not one of its checkpoints") as refused:
         prepare_output_dir(str(out), overwrite=False, resuming=False, start_from="/elsewhere/checkpoint-3")
     assert "--overwrite_output_dir true" in str(refused.value) and "resume_from_checkpoint" not in str(refused.value)
-    prepare_output_dir(str(out), overwrite=False, resuming=True)  # resuming keeps everything
+    prepare_output_dir(str(out), overwrite=False, resuming=True)()  # resuming keeps everything
     assert (out / "checkpoint-10").is_dir()
-    prepare_output_dir(str(out), overwrite=True, resuming=False)
+    clear = prepare_output_dir(str(out), overwrite=True, resuming=False)
+    assert (out / "checkpoint-10").is_dir()  # nothing is removed until the run has loaded what it needs
+    clear()
     assert not (out / "checkpoint-10").exists() and not (out / METRICS_FILE).exists()
     assert (out / "notes.txt").read_text() == "keep me"
     prepare_output_dir(str(tmp_path / "fresh"), overwrite=False, resuming=False)  # a new folder is fine
@@ -443,7 +445,7 @@ def test_a_folder_left_by_a_failed_start_does_not_block_the_rerun(tmp_path):
     failed = tmp_path / "failed"
     failed.mkdir()
     (failed / METRICS_FILE).write_text(json.dumps({"step": 0, "heldout/accuracy": 0.4}) + "\n")
-    prepare_output_dir(str(failed), overwrite=False, resuming=False)
+    prepare_output_dir(str(failed), overwrite=False, resuming=False)()
     assert not (failed / METRICS_FILE).exists()
     trained = tmp_path / "trained"
     trained.mkdir()
@@ -540,3 +542,44 @@ def test_values_and_rewards_that_trl_accepts_are_not_refused(tmp_path):
     assert training_value_problems(args) == []
     args.top_k = -2
     assert training_value_problems(args) == ["top_k must be >= -1 (0, -1 or unset: off), got -2"]
+
+
+@pytest.mark.slow
+def test_overwrite_removes_the_earlier_run_only_once_the_run_has_loaded(tmp_path):
+    """--overwrite_output_dir with a typo in the model path: the command fails and the earlier run is still there."""
+    out = tmp_path / "run"
+    argv = ["--config", str(DEMO_RECIPE), *TINY_TRAIN, "--output_dir", str(out), "--max_steps", "1"]
+    assert main(argv) == 0
+    before = sorted(p.name for p in out.rglob("*"))
+    with pytest.raises(SystemExit, match="does not exist"):
+        main([*argv, "--overwrite_output_dir", "true", "--model_name_or_path", str(tmp_path / "typo-model")])
+    assert sorted(p.name for p in out.rglob("*")) == before
+
+
+def test_output_dir_over_the_model_folder_is_refused(tmp_path):
+    from egpo_trl.tiny_model import tiny_model_path
+
+    model = tmp_path / "base"
+    import shutil
+
+    shutil.copytree(tiny_model_path(), model)
+    weights = sorted(p.name for p in model.iterdir())
+    for out, overwrite in ((model, "true"), (model / "trained", "false"), (tmp_path, "false")):
+        argv = ["--config", str(DEMO_RECIPE), *TINY_TRAIN, "--model_name_or_path", str(model)]
+        with pytest.raises(SystemExit, match="the model folder the run starts from"):
+            main([*argv, "--output_dir", str(out), "--overwrite_output_dir", overwrite, "--max_steps", "1"])
+    assert sorted(p.name for p in model.iterdir()) == weights
+
+
+def test_resume_true_into_a_missing_folder_or_one_without_checkpoints_says_what_to_do(tmp_path):
+    from types import SimpleNamespace
+
+    from egpo_trl.script.resume import resume_checkpoint
+
+    missing = SimpleNamespace(resume_from_checkpoint="true", output_dir=str(tmp_path / "outputs" / "run-20261126"))
+    with pytest.raises(SystemExit, match="does not exist. Give the earlier run's folder with --output_dir"):
+        resume_checkpoint(missing)
+    (tmp_path / "finished").mkdir()
+    empty = SimpleNamespace(resume_from_checkpoint="true", output_dir=str(tmp_path / "finished"))
+    with pytest.raises(SystemExit, match="has no checkpoint-. folder .a run saves them with --save_strategy"):
+        resume_checkpoint(empty)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ __all__ = [
     "PLOT_FILE",
     "RUN_MARKERS",
     "prepare_output_dir",
+    "refuse_output_dir_over_model",
     "put_heldout_record",
     "read_metrics",
     "remove_if_empty",
@@ -34,30 +36,37 @@ HELDOUT_FILE = "heldout.json"
 RUN_MARKERS = (METRICS_FILE, HELDOUT_FILE, "trainer_state.json", "model.safetensors", "adapter_model.safetensors")
 
 
-def prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool, start_from: str | None = None) -> None:
-    """Refuse (or, with ``overwrite``, clear) an output folder holding an earlier run's checkpoints or outputs.
+def prepare_output_dir(
+    output_dir: str, overwrite: bool, resuming: bool, start_from: str | None = None
+) -> Callable[[], None]:
+    """Refuse an output folder holding an earlier run's checkpoints or outputs, unless ``overwrite``.
 
-    Nothing is deleted unless ``overwrite`` is set; then only the earlier run's checkpoints and the files
-    this command writes are removed. ``resuming`` (the run resumes from one of this folder's own checkpoints)
-    keeps everything. ``start_from``: a checkpoint of another folder that the new run starts from (the refusal
-    names it, and does not suggest resuming this folder's run).
+    Returns the function that clears it, to call once everything else the run needs has been checked and loaded (a
+    typo in the model path, say, must not cost the earlier run): with ``overwrite``, only the earlier run's
+    checkpoints and the files this command writes are removed; without, only what a run that stopped before its
+    first step left. ``resuming`` (the run resumes from one of this folder's own checkpoints) keeps everything.
+    ``start_from``: a checkpoint of another folder that the new run starts from (the refusal names it, and does not
+    suggest resuming this folder's run).
     """
     path = Path(output_dir)
     if not path.is_dir() or resuming:
-        return
+        return _nothing_to_clear
     checkpoints = sorted(p for p in path.glob("checkpoint-*") if p.is_dir())
     markers = [path / name for name in RUN_MARKERS if (path / name).exists()]
     if not checkpoints and not markers:
-        return
+        return _nothing_to_clear
     if not checkpoints and _never_trained(path, markers):
-        for marker in markers:
-            marker.unlink()
-        logger.warning(
-            "%s held what a run that stopped before its first step left (%s): removed.",
-            path,
-            ", ".join(m.name for m in markers),
-        )
-        return
+
+        def clear_failed_start() -> None:
+            for marker in markers:
+                marker.unlink(missing_ok=True)
+            logger.warning(
+                "%s held what a run that stopped before its first step left (%s): removed.",
+                path,
+                ", ".join(m.name for m in markers),
+            )
+
+        return clear_failed_start
     found = ", ".join(p.name for p in (checkpoints + markers)[:5])
     if not overwrite and start_from is not None:
         raise SystemExit(
@@ -71,12 +80,34 @@ def prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool, start_f
             "'{timestamp}' in it makes one per run), resume with --resume_from_checkpoint true, or replace it with "
             "--overwrite_output_dir true."
         )
-    for checkpoint in checkpoints:
-        shutil.rmtree(checkpoint)
-    for name in (*RUN_MARKERS, PLOT_FILE):
-        if (path / name).is_file():
-            (path / name).unlink()
-    logger.warning("overwrite_output_dir: removed the earlier run's outputs in %s (%s)", path, found)
+
+    def clear_earlier_run() -> None:
+        for checkpoint in checkpoints:
+            shutil.rmtree(checkpoint, ignore_errors=True)  # every process of a launch may clear it
+        for name in (*RUN_MARKERS, PLOT_FILE):
+            (path / name).unlink(missing_ok=True)
+        logger.warning("overwrite_output_dir: removed the earlier run's outputs in %s (%s)", path, found)
+
+    return clear_earlier_run
+
+
+def _nothing_to_clear() -> None:
+    return None
+
+
+def refuse_output_dir_over_model(output_dir: str, model_name_or_path: str) -> None:
+    """Refuse an ``output_dir`` that is the local model folder the run starts from, or lies inside it or around it:
+    the run's outputs (and ``--overwrite_output_dir``) would write over the weights it loads."""
+    model = Path(str(model_name_or_path)).expanduser()
+    if not model.is_dir():
+        return  # a Hub name, or a builtin model: nothing of the user's to write over
+    model, out = model.resolve(), Path(output_dir).expanduser().resolve()
+    if out == model or out.is_relative_to(model) or model.is_relative_to(out):
+        raise SystemExit(
+            f"egpo-trl train: --output_dir {output_dir} {'is' if out == model else 'overlaps'} the model folder the "
+            f"run starts from ({model_name_or_path}): the run would write over the weights it loads. Choose another "
+            "--output_dir (a '{timestamp}' in it makes one per run)."
+        )
 
 
 def _never_trained(path: Path, markers: list[Path]) -> bool:

@@ -44,11 +44,18 @@ def resume_checkpoint(training_args) -> str | None:
 
     resume = training_args.resume_from_checkpoint
     if isinstance(resume, str) and resume.lower() in ("true", "last", "latest"):
+        if not Path(training_args.output_dir).is_dir():
+            raise SystemExit(
+                f"egpo-trl train: resume_from_checkpoint=true but the folder {training_args.output_dir} does not "
+                "exist. Give the earlier run's folder with --output_dir (a '{timestamp}' in a recipe's output_dir "
+                "names a new folder on every run), or a checkpoint path."
+            )
         resume = get_last_checkpoint(training_args.output_dir)
         if resume is None:
             raise SystemExit(
                 f"egpo-trl train: resume_from_checkpoint=true but {training_args.output_dir} has no checkpoint-* "
-                "folder; give a checkpoint path or start a new run."
+                "folder (a run saves them with --save_strategy steps or epoch); give a checkpoint path or start a "
+                "new run, e.g. from its saved model with --model_name_or_path and a new --output_dir."
             )
     elif isinstance(resume, str) and resume.lower() in ("false", "none", ""):
         resume = None

@@ -25,6 +25,7 @@ from egpo_trl.script.outputs import (
     prepare_output_dir,
     put_heldout_record,
     read_metrics,
+    refuse_output_dir_over_model,
 )
 from egpo_trl.script.plots import plot_metrics
 from egpo_trl.script.resolve import check_model_exists, resolve_model_path, resolve_reward_funcs
@@ -175,7 +176,8 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     # Only a checkpoint inside output_dir continues the run there; one of another folder starts a new run in
     # output_dir from its weights and training state, so that folder must hold no other run (as for any new run).
     own_run = resumes_own_run(resume, training_args.output_dir)
-    prepare_output_dir(
+    refuse_output_dir_over_model(training_args.output_dir, model_args.model_name_or_path)
+    clear_output_dir = prepare_output_dir(
         training_args.output_dir,
         script_args.overwrite_output_dir,
         resuming=own_run,
@@ -207,6 +209,7 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     check_model_exists(model_args.model_name_or_path, model_args.model_revision, training_args.trust_remote_code)
     train_dataset, heldout = load_datasets(script_args, seed=training_args.seed)
     trainer = build_trainer(script_args, training_args, model_args, train_dataset)
+    clear_output_dir()  # with --overwrite_output_dir: only now that the model, data and rewards have loaded
     is_main = trainer.accelerator.is_main_process
     output_dir = Path(training_args.output_dir)
     metrics_path, plot_path, heldout_path = (
