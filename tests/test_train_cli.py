@@ -564,11 +564,15 @@ def test_output_dir_over_the_model_folder_is_refused(tmp_path):
 
     shutil.copytree(tiny_model_path(), model)
     weights = sorted(p.name for p in model.iterdir())
-    for out, overwrite in ((model, "true"), (model / "trained", "false"), (tmp_path, "false")):
-        argv = ["--config", str(DEMO_RECIPE), *TINY_TRAIN, "--model_name_or_path", str(model)]
-        with pytest.raises(SystemExit, match="the model folder the run starts from"):
-            main([*argv, "--output_dir", str(out), "--overwrite_output_dir", overwrite, "--max_steps", "1"])
+    argv = ["--config", str(DEMO_RECIPE), *TINY_TRAIN, "--model_name_or_path", str(model), "--max_steps", "1"]
+    for overwrite in ("false", "true"):
+        with pytest.raises(SystemExit, match="is the model folder the run starts from"):
+            main([*argv, "--output_dir", str(model), "--overwrite_output_dir", overwrite])
     assert sorted(p.name for p in model.iterdir()) == weights
+    from egpo_trl.script.outputs import refuse_output_dir_over_model
+
+    refuse_output_dir_over_model(str(model / "trained"), str(model))  # its own files, beside the model's: fine
+    refuse_output_dir_over_model(str(tmp_path / "run"), "Qwen/Qwen2.5-Math-1.5B")  # a Hub name
 
 
 def test_resume_true_into_a_missing_folder_or_one_without_checkpoints_says_what_to_do(tmp_path):

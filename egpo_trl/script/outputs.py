@@ -96,17 +96,18 @@ def _nothing_to_clear() -> None:
 
 
 def refuse_output_dir_over_model(output_dir: str, model_name_or_path: str) -> None:
-    """Refuse an ``output_dir`` that is the local model folder the run starts from, or lies inside it or around it:
-    the run's outputs (and ``--overwrite_output_dir``) would write over the weights it loads."""
+    """Refuse an ``output_dir`` that is the local model folder the run starts from: the final model (and
+    ``--overwrite_output_dir``) would write over the weights it loads. A folder inside it or around it is fine: the
+    run writes its own files there, never the model folder's."""
     model = Path(str(model_name_or_path)).expanduser()
     if not model.is_dir():
         return  # a Hub name, or a builtin model: nothing of the user's to write over
     model, out = model.resolve(), Path(output_dir).expanduser().resolve()
-    if out == model or out.is_relative_to(model) or model.is_relative_to(out):
+    if out == model:
         raise SystemExit(
-            f"egpo-trl train: --output_dir {output_dir} {'is' if out == model else 'overlaps'} the model folder the "
-            f"run starts from ({model_name_or_path}): the run would write over the weights it loads. Choose another "
-            "--output_dir (a '{timestamp}' in it makes one per run)."
+            f"egpo-trl train: --output_dir {output_dir} is the model folder the run starts from "
+            f"({model_name_or_path}): the run would write over the weights it loads. Choose another --output_dir (a "
+            "'{timestamp}' in it makes one per run)."
         )
 
 
