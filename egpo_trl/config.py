@@ -545,14 +545,13 @@ class EGPOConfig(GRPOConfig):
                 "edge_gec_answer_template must contain '{answer}', where the reference answer goes; got "
                 f"{self.edge_gec_answer_template!r}."
             )
-        from egpo_trl.rewards import extract_last_boxed
+        from egpo_trl.rewards import TEMPLATE_PROBE_ANSWER, answer_template_probe
 
-        probe = "17/3"
-        rendered = self.edge_gec_answer_template.replace("{answer}", probe)
-        if ("\\boxed" in rendered or "\\fbox" in rendered) and extract_last_boxed(rendered) != probe:
+        rendered, readable = answer_template_probe(self.edge_gec_answer_template)
+        if ("\\boxed" in rendered or "\\fbox" in rendered) and not readable:
             raise ValueError(
                 f"edge_gec_answer_template {self.edge_gec_answer_template!r} gives {rendered!r} for the answer "
-                f"{probe!r}, whose last box does not hold the answer, so the correctness reward would score every "
+                f"{TEMPLATE_PROBE_ANSWER!r}, whose last box does not hold the answer, so the correctness reward would score every "
                 "injected answer as wrong. Keep the box's own braces around the placeholder, e.g. "
                 "' The answer is \\boxed{{answer}}.' (the placeholder '{answer}' inside the braces of \\boxed{...})."
             )

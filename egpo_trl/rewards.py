@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CORRECT_REWARD",
     "INCORRECT_REWARD",
+    "answer_template_probe",
     "answers_match",
     "boxed_accuracy_reward",
     "completion_text",
@@ -76,6 +77,17 @@ def completion_text(completion: Any) -> str:
     if isinstance(completion, Sequence):
         return "".join(completion_text(message) for message in completion)
     return str(completion)
+
+
+#: The answer :func:`answer_template_probe` renders a template with (a fraction: braces, a slash).
+TEMPLATE_PROBE_ANSWER = "17/3"
+
+
+def answer_template_probe(template: str) -> tuple[str, bool]:
+    """``template`` with ``{answer}`` replaced by :data:`TEMPLATE_PROBE_ANSWER`, and whether the last box of the result
+    holds exactly that answer (what :func:`boxed_accuracy_reward` reads)."""
+    rendered = template.replace("{answer}", TEMPLATE_PROBE_ANSWER)
+    return rendered, extract_last_boxed(rendered) == TEMPLATE_PROBE_ANSWER
 
 
 def extract_last_boxed(text: str) -> str | None:

@@ -24,7 +24,13 @@ import torch
 from trl.data_utils import is_conversational
 from trl.trainer.utils import is_async_callable
 
-from egpo_trl.rewards import answers_match, boxed_accuracy_reward, extract_last_boxed
+from egpo_trl.rewards import (
+    TEMPLATE_PROBE_ANSWER,
+    answer_template_probe,
+    answers_match,
+    boxed_accuracy_reward,
+    extract_last_boxed,
+)
 from egpo_trl.sampling.common import refuse_unsupported_generation
 
 logger = logging.getLogger(__name__)
@@ -164,12 +170,11 @@ class GuidedErrorCorrectionMixin:
         index = getattr(self, "_egpo_correctness_index", None)
         if not injects or index is None or self.reward_funcs[index] is not boxed_accuracy_reward:
             return
-        probe = "17/3"
-        rendered = args.edge_gec_answer_template.replace("{answer}", probe)
-        if extract_last_boxed(rendered) != probe:
+        rendered, readable = answer_template_probe(args.edge_gec_answer_template)
+        if not readable:
             raise ValueError(
                 f"edge_gec_answer_template {args.edge_gec_answer_template!r} gives {rendered!r} for the answer "
-                f"{probe!r}, which boxed_accuracy_reward (the correctness reward) cannot read: every injected answer "
+                f"{TEMPLATE_PROBE_ANSWER!r}, which boxed_accuracy_reward (the correctness reward) cannot read: every injected answer "
                 "would be scored as wrong. Put the answer in a box, e.g. ' The answer is \\boxed{{answer}}.' (the "
                 "default template does)."
             )
