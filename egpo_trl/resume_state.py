@@ -273,8 +273,9 @@ class ExactResumeMixin:
         """Save the checkpoint of the last finished step after an interruption in the middle of the next one.
 
         The weights, optimizer and scheduler have not changed since that step; the RNG states, the generation
-        buffer, the pending metrics and the count of tokens seen are put back to what they were at its end, so the checkpoint is the one a
-        regular save at that step writes. Returns why nothing was saved, or ``None`` once saved.
+        buffer, the pending metrics and the count of tokens seen are put back to what they were at its end, so the
+        checkpoint is the one a regular save at that step writes. Returns why nothing was saved, or ``None`` once
+        saved.
         """
         boundary = self._egpo_boundary
         step = self.state.global_step

@@ -149,7 +149,7 @@ def _judged_rows(result: AdvantageOutput, scored: torch.Tensor | None) -> tuple[
     return result.correct & scored, ~result.correct & scored & (result.group_type != -1)
 
 
-def _has_active_dropout(model: torch.nn.Module) -> bool:
+def _random_training_forward(model: torch.nn.Module) -> bool:
     """Whether a training-mode forward of ``model`` is random: a dropout module with p > 0 (LoRA's included), or a
     configured dropout probability, router jitter noise (mixture-of-experts routing in training mode), layer drop or
     drop path above 0 (applied functionally by many architectures)."""
@@ -157,7 +157,7 @@ def _has_active_dropout(model: torch.nn.Module) -> bool:
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
             return True
         config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "to_dict") and _config_has_dropout(config.to_dict()):
+        if config is not None and hasattr(config, "to_dict") and _config_makes_forward_random(config.to_dict()):
             return True
     return False
 
@@ -166,10 +166,11 @@ def _has_active_dropout(model: torch.nn.Module) -> bool:
 _STOCHASTIC_KEYS = ("dropout", "pdrop", "jitter", "layerdrop", "drop_path", "stochastic_depth")
 
 
-def _config_has_dropout(config: dict) -> bool:
-    """Whether a model config (as a dict, sub-configs included) sets a dropout probability above 0."""
+def _config_makes_forward_random(config: dict) -> bool:
+    """Whether a model config (as a dict, sub-configs included) sets a dropout, jitter, layer-drop or drop-path value
+    above 0 (:data:`_STOCHASTIC_KEYS`)."""
     for key, value in config.items():
-        if isinstance(value, dict) and _config_has_dropout(value):
+        if isinstance(value, dict) and _config_makes_forward_random(value):
             return True
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
         if isinstance(key, str) and numeric and value > 0 and any(word in key for word in _STOCHASTIC_KEYS):
@@ -533,9 +534,7 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
             self.egpo_last_batch["dynamic_sampling"] = sampling
         if entropies.get("deferred") is not None:
             # The egpo/entropy_* metrics follow once the loss's forwards have seen every row of this batch.
-            entropies["deferred"].update(
-                mode=mode, result=result, scored=judged, batch=self.egpo_last_batch, rows=output[_ROW_KEY].numel()
-            )
+            entropies["deferred"].update(mode=mode, result=result, scored=judged, batch=self.egpo_last_batch)
             self._egpo_deferred_entropies = entropies["deferred"]
         return output
 
@@ -645,9 +644,9 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
         """
         if mode != "train" or self._trl_computes_old_logps():
             return False
-        if getattr(self, "_egpo_policy_has_dropout", None) is None:
-            self._egpo_policy_has_dropout = _has_active_dropout(self.model)
-        return not self._egpo_policy_has_dropout
+        if getattr(self, "_egpo_random_training_forward", None) is None:
+            self._egpo_random_training_forward = _random_training_forward(self.model)
+        return not self._egpo_random_training_forward
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         rows = inputs.get(_ROW_KEY) if isinstance(inputs, dict) else None
