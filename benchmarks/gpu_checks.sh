@@ -3,8 +3,9 @@
 #
 #   bash benchmarks/gpu_checks.sh fullbatch RESULTS JOB [JOB ...]  # paper recipes at the full per-GPU batch,
 #                                                                  # coin-flip reward (groups mixed), 2 steps
-#   bash benchmarks/gpu_checks.sh pair RESULTS JOB_A JOB_B           # two fullbatch jobs at the same time on disjoint
-#                                                                  # GPUs of one machine, then their step-time ratio
+#   bash benchmarks/gpu_checks.sh pair RESULTS BASE JOB [JOB ...]    # fullbatch jobs at the same time on disjoint
+#                                                                  # GPUs of one machine, then each job's step time
+#                                                                  # over BASE's, step by step
 #   bash benchmarks/gpu_checks.sh resume RESULTS                    # resume with vLLM colocate + ZeRO-2 against an
 #                                                                  # uninterrupted run and a second one
 #
@@ -33,23 +34,40 @@ tiktoken=()
 
 case $stage in
     pair)
-        # The same machine and the same moment for both: timings compare without a machine-to-machine spread.
-        [[ $# -eq 2 ]] || { echo "pair takes two jobs, e.g. grpo_qwen15b@0:32 edge_grpo_qwen15b@1:32" >&2; exit 2; }
-        PORT=29500 RUNS=$RUNS/$name/a bash "$0" fullbatch "$RUNS/$name-results-a" "$1" > "$RUNS/$name/a.log" 2>&1 &
-        PORT=29600 RUNS=$RUNS/$name/b bash "$0" fullbatch "$RUNS/$name-results-b" "$2" > "$RUNS/$name/b.log" 2>&1 &
+        # The same machine and the same moment for all: timings compare without a machine-to-machine spread.
+        [[ $# -ge 2 ]] || { echo "pair takes a base job and one or more others, e.g. grpo_qwen15b@0:32 edge_grpo_qwen15b@1:32" >&2; exit 2; }
+        # Shapes first, once: jobs started together would otherwise build the same folder at the same time.
+        for job in "$@"; do
+            recipe=${job%%[@:]*}
+            shape=${recipe#*_}
+            [[ $recipe == edge_grpo_* ]] && shape=${recipe#edge_grpo_}
+            [[ -f $SHAPES/$shape/config.json ]] || "$PY" benchmarks/real_shapes.py --output "$SHAPES" --shapes "$shape" \
+                --device cuda "${tiktoken[@]}" >> "$RUNS/$name/build.log" 2>&1
+        done
+        sides=()
+        for job in "$@"; do
+            side=${#sides[@]}
+            sides+=("$side")
+            PORT=$((29500 + 100 * side)) RUNS=$RUNS/$name/$side bash "$0" fullbatch "$RUNS/$name-results-$side" "$job" \
+                > "$RUNS/$name/$side.log" 2>&1 &
+        done
         wait
-        cat "$RUNS/$name/a.log" "$RUNS/$name/b.log"
-        "$PY" - "$RUNS/$name" <<'PY' | tee "$RUNS/$name/ratio.txt"
+        for side in "${sides[@]}"; do cat "$RUNS/$name/$side.log"; done
+        "$PY" - "$RUNS/$name" "${#sides[@]}" <<'PY' | tee "$RUNS/$name/ratio.txt"
 import glob, json, sys
-rows = {}
-for side in ("a", "b"):
+rows = []
+for side in range(int(sys.argv[2])):
+    steps = {}
     for path in glob.glob(f"{sys.argv[1]}/{side}/*/runs/summary.json"):
         for row in json.load(open(path)):
             if isinstance(row.get("step_s"), (int, float)):
-                rows.setdefault(side, {})[row["step"]] = (row["recipe"], row["step_s"])
-a, b = rows.get("a", {}), rows.get("b", {})
-for step in sorted(set(a) & set(b)):
-    print(f"step {step}: {b[step][0]} {b[step][1]:.1f} s / {a[step][0]} {a[step][1]:.1f} s = {b[step][1] / a[step][1]:.3f}")
+                steps[row["step"]] = (row["recipe"], row["step_s"])
+    rows.append(steps)
+base = rows[0]
+for other in rows[1:]:
+    for step in sorted(set(base) & set(other)):
+        print(f"step {step}: {other[step][0]} {other[step][1]:.1f} s / {base[step][0]} {base[step][1]:.1f} s"
+              f" = {other[step][1] / base[step][1]:.3f}")
 PY
         ;;
     fullbatch)
