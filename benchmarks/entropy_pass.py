@@ -21,6 +21,9 @@ The floor is the forward's matrix FLOPs, ``2 * parameters * tokens`` (tokens act
 ``--attn eager`` (or another ``attn_implementation``) loads the model with that attention; ``--profile 25`` prints
 the 25 costliest kernels of one pass (``torch.profiler``), to see where the time over the floor goes.
 
+``--masked`` also times each budget with the rows left in TRL's layout (left-padded prompts, an attention mask), as
+the pass ran before it shifted rows past their prompt padding, and prints the largest difference between the two.
+
 ``--lengths spread`` draws completion lengths uniformly between a quarter of ``--completion-length`` and all of it
 (trained models stop at different lengths); the default ``full`` makes every completion full length, as random
 weights do. Prints one table; ``--json`` writes the rows.
@@ -41,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from egpo_trl import EGPOConfig, EGPOTrainer  # noqa: E402
+from egpo_trl.old_logps import can_realign, no_grad_completion_logps  # noqa: E402
 
 H100_BF16_TFLOPS = 989.0
 
@@ -157,6 +161,9 @@ def run(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--mfu", type=float, default=0.5, help="fraction of the peak the floor assumes")
     parser.add_argument("--skip-trl", action="store_true", help="time only the new pass")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument(
+        "--masked", action="store_true", help="also time the masked layout (no shifting past prompt padding)"
+    )
     parser.add_argument("--attn", default=None, help="attn_implementation (e.g. sdpa, eager; default: the model's)")
     parser.add_argument(
         "--profile",
@@ -222,19 +229,45 @@ def run(argv: list[str] | None = None) -> list[dict]:
         if reference is not None:
             row["max_abs_diff"] = float((logps - reference).abs().max())
         rows.append(row)
+        if args.masked:
+
+            def masked_pass(budget=budget):
+                model.eval()
+                try:
+                    return no_grad_completion_logps(
+                        model,
+                        **batch,
+                        compute_entropy=args.entropy,
+                        tokens_per_batch=budget,
+                        autocast=trainer.accelerator.autocast,
+                        realign=False,
+                    )[0]
+                finally:
+                    model.train()
+
+            seconds, peak, masked = timed(masked_pass, device, args.repeats, args.warmup)
+            rows.append(
+                {
+                    "pass": f"egpo masked (tokens/forward {budget})",
+                    "seconds": seconds,
+                    "peak_gib": peak,
+                    "max_abs_diff": float((masked - logps).abs().max()),
+                }
+            )
     for row in rows:
         row.update(floor_s=floor, ratio_to_floor=row["seconds"] / floor)
 
     print(
         f"model {args.model} ({params / 1e9:.3f}B parameters, {dtype}) on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; "
         f"{args.completions} completions, {tokens} tokens present ({args.lengths} lengths), entropy {args.entropy}; "
-        f"floor = 2 * params * tokens at {args.mfu:.0%} of {args.peak_tflops:g} TFLOP/s = {floor:.3f} s"
+        f"floor = 2 * params * tokens at {args.mfu:.0%} of {args.peak_tflops:g} TFLOP/s = {floor:.3f} s; "
+        f"rows shifted past prompt padding: {can_realign(model, batch['prompt_mask'], batch['completion_mask'])}"
     )
-    print(f"{'pass':<32} {'seconds':>9} {'x floor':>8} {'peak GiB':>9} {'max |dlogp|':>12}")
+    print(f"{'pass':<40} {'seconds':>9} {'x floor':>8} {'peak GiB':>9} {'max |dlogp|':>12}")  # vs trl, or vs egpo
     for row in rows:
         peak = "-" if row["peak_gib"] is None else f"{row['peak_gib']:.1f}"
         diff = f"{row['max_abs_diff']:.2e}" if "max_abs_diff" in row else "-"
-        print(f"{row['pass']:<32} {row['seconds']:>9.3f} {row['ratio_to_floor']:>8.2f} {peak:>9} {diff:>12}")
+        print(f"{row['pass']:<40} {row['seconds']:>9.3f} {row['ratio_to_floor']:>8.2f} {peak:>9} {diff:>12}")
     if args.profile:
         print(profile_table(trainer, batch, args.token_budgets[0], args.entropy, device, args.profile))
     if args.json:

@@ -14,6 +14,14 @@ one) is work for nothing. This module plans the pass:
   positions after a token never change its log-prob in a causal model, so they are not computed. Prompts keep
   their left padding, so every token keeps the position TRL's pass gives it.
 
+* when the model allows it (a Llama/Mistral/Qwen-family decoder with full causal attention in every layer, PyTorch's
+  SDPA or eager attention) and the masks are plain padding (prompts padded on the left, completions on the right),
+  each row is shifted left past its prompt padding and given its original positions as ``position_ids``. The
+  micro-batch then needs no attention mask: SDPA runs its causal flash kernel instead of the memory-efficient kernel
+  with an explicit mask (measured on an H100: that masked kernel took 37% of the pass at 3,272 tokens per row), and
+  each token sees the same tokens at the same positions as in TRL's pass. Anything else (other architectures or
+  attention implementations, sliding windows, holes in a mask) takes the masked path.
+
 The log-probs themselves come from TRL's fused LM head (``add_fused_lm_head``, which ``GRPOTrainer`` installs on
 the policy): the model's own forward with ``fused_lm_head=True`` runs the backbone and projects only the scored
 (completion) positions through the output layer in tiles, accumulating in float32 without materialising the
@@ -29,7 +37,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-__all__ = ["completion_widths", "plan_micro_batches", "no_grad_completion_logps"]
+__all__ = ["can_realign", "completion_widths", "plan_micro_batches", "no_grad_completion_logps"]
 
 #: Default token budget of one micro-batch of the no-grad pass (rows x padded width).
 DEFAULT_TOKENS_PER_BATCH = 65536
@@ -108,6 +116,7 @@ def no_grad_completion_logps(
     batch_size: int | None = None,
     num_micro_batches: int | Callable[[int], int] | None = None,
     autocast: Callable[[], AbstractContextManager] = nullcontext,
+    realign: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and, when asked, Shannon entropies) of the completion tokens under ``model``.
 
@@ -119,6 +128,8 @@ def no_grad_completion_logps(
         num_micro_batches: a fixed number of micro-batches, or a function from this process's planned count to the
             count to run (e.g. the largest over processes); see :func:`plan_micro_batches`.
         autocast: a context manager factory the forward runs under (the accelerator's autocast).
+        realign: shift rows past their prompt padding and run without an attention mask (see the module's notes);
+            ``None`` (default) does so when :func:`can_realign` allows it, ``False`` always uses the masked path.
 
     Returns:
         ``(logps, entropies)``, each ``[B, C]`` float32 with ``C = completion_ids.size(1)``, 0 at the columns that are
@@ -142,8 +153,24 @@ def no_grad_completion_logps(
         plan = plan_micro_batches(widths, prompt_width, tokens_per_batch, batch_size, num_micro_batches=target)
     logps = torch.zeros(batch, num_columns, dtype=torch.float32, device=device)
     entropies = torch.zeros_like(logps) if compute_entropy else None
+    if realign is None:
+        realign = can_realign(model, prompt_mask, completion_mask)
     for rows, width in plan:
         rows = rows.to(device)
+        if realign:
+            row_logps, row_entropies = _realigned_forward(
+                model,
+                prompt_ids[rows],
+                prompt_mask[rows],
+                completion_ids[rows, :width],
+                widths[rows].to(device),
+                compute_entropy,
+                autocast,
+            )
+            logps[rows, :width] = row_logps
+            if compute_entropy:
+                entropies[rows, :width] = row_entropies
+            continue
         input_ids = torch.cat([prompt_ids[rows], completion_ids[rows, :width]], dim=1)
         attention_mask = torch.cat([prompt_mask[rows], completion_mask[rows, :width]], dim=1)
         labels = input_ids.masked_fill(attention_mask == 0, -100)
@@ -155,6 +182,92 @@ def no_grad_completion_logps(
             if outputs.entropy is None:  # pragma: no cover - GRPOTrainer asks its fused head for entropies
                 raise RuntimeError("The model's fused LM head does not compute entropies; is the TRL version 1.16.0?")
             entropies[rows, :width] = outputs.entropy[:, -width:].float()
+    return logps, entropies
+
+
+#: Model types whose decoder takes its positions from ``position_ids`` alone (rotary embeddings) and whose attention
+#: is causal self-attention over the sequence: shifting a row and passing its original positions changes nothing.
+REALIGN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
+
+
+def _unwrapped_config(model: torch.nn.Module):
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def can_realign(model: torch.nn.Module, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> bool:
+    """Whether the pass may shift rows past their prompt padding and run without an attention mask.
+
+    True for a decoder of :data:`REALIGN_MODEL_TYPES` with full causal attention in every layer under PyTorch's SDPA
+    or eager attention (never FlashAttention, which reads packed sequences from ``position_ids``), when every prompt
+    mask is zeros then ones and every completion mask ones then zeros, and every row with a scored token has a
+    prompt token before it.
+    """
+    config = _unwrapped_config(model)
+    if config is None or getattr(config, "model_type", None) not in REALIGN_MODEL_TYPES:
+        return False
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        if any(kind != "full_attention" for kind in layer_types):
+            return False
+    elif getattr(config, "use_sliding_window", False) or (
+        getattr(config, "model_type", None) == "mistral" and getattr(config, "sliding_window", None) is not None
+    ):
+        return False
+    if prompt_mask.numel() and bool((prompt_mask[:, 1:] < prompt_mask[:, :-1]).any()):
+        return False  # a prompt mask with a hole or right padding
+    if completion_mask.numel() and bool((completion_mask[:, 1:] > completion_mask[:, :-1]).any()):
+        return False  # a completion mask with a hole (a masked span followed by scored tokens)
+    scored = completion_mask.sum(dim=1) > 0
+    if prompt_mask.size(1) == 0:
+        return not bool(scored.any())
+    return not bool((scored & (prompt_mask.sum(dim=1) == 0)).any())
+
+
+def _realigned_forward(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    widths: torch.Tensor,
+    compute_entropy: bool,
+    autocast: Callable[[], AbstractContextManager],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One micro-batch with every row shifted left past its prompt padding: ``[rows, width]`` log-probs (and
+    entropies) of the completion tokens, 0 after each row's ``widths``.
+
+    In TRL's layout a row's real tokens are contiguous, from column ``pad`` (its prompt padding) to the end of its
+    completion, and column ``c`` has position ``c``. Here row ``i`` starts at column 0 with ``position_ids`` ``pad_i,
+    pad_i + 1, ...``: the same tokens at the same positions, with only right padding, which a causal model never
+    attends to from an earlier token. So no attention mask is passed.
+    """
+    prompt_width = prompt_ids.size(1)
+    width = completion_ids.size(1)
+    device = prompt_ids.device
+    prompt_lengths = prompt_mask.sum(dim=1)
+    pads = prompt_width - prompt_lengths
+    length = max(int((prompt_lengths + widths).max()), 2)
+    full = torch.cat([prompt_ids, completion_ids], dim=1)
+    columns = torch.arange(length, device=device)
+    source = columns[None, :] + pads[:, None]  # the column of TRL's layout each shifted column holds
+    input_ids = full.gather(1, source.clamp(max=full.size(1) - 1))
+    completion_column = source - prompt_width
+    scored = (completion_column >= 0) & (completion_column < widths[:, None])
+    labels = input_ids.masked_fill(~scored, -100)
+    with autocast():
+        outputs = model(input_ids=input_ids, position_ids=source, labels=labels, fused_lm_head=True)
+    # log_probs[:, j] scores the token at shifted column j + 1; completion token k sits at column prompt_length + k.
+    index = (prompt_lengths - 1).clamp(min=0)[:, None] + torch.arange(width, device=device)[None, :]
+    index = index.clamp(max=outputs.log_probs.size(1) - 1)
+    keep = torch.arange(width, device=device)[None, :] < widths[:, None]
+    logps = outputs.log_probs.gather(1, index).float().masked_fill(~keep, 0.0)
+    entropies = None
+    if compute_entropy:
+        if outputs.entropy is None:  # pragma: no cover - GRPOTrainer asks its fused head for entropies
+            raise RuntimeError("The model's fused LM head does not compute entropies; is the TRL version 1.16.0?")
+        entropies = outputs.entropy.gather(1, index).float().masked_fill(~keep, 0.0)
     return logps, entropies
 
 

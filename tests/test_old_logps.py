@@ -105,12 +105,6 @@ def test_plan_groups_rows_of_similar_length_within_the_budget():
     assert len(plan_micro_batches(widths, 2, tokens_per_batch=10**6, num_micro_batches=99)) == 6
 
 
-@pytest.mark.parametrize(("name", "value"), [("egpo_entropy_tokens_per_batch", 0), ("egpo_entropy_batch_size", -2)])
-def test_pass_sizes_must_be_positive(tmp_path, name, value):
-    with pytest.raises(ValueError, match=name):
-        config(tmp_path, **{name: value})
-
-
 @pytest.mark.parametrize("others", [0, 2])
 def test_a_process_with_no_completion_tokens_still_asks_for_the_count_and_runs_as_many_forwards(trainer, others):
     """With empty completions there is nothing to score, but the count function (a gather over processes in a
@@ -134,3 +128,99 @@ def test_a_process_with_no_completion_tokens_still_asks_for_the_count_and_runs_a
     assert asked == [0]  # this process plans no forward; the largest count over processes decides
     assert len(forwards) == others
     assert logps.shape == entropies.shape == (2, 0)
+
+
+def test_realigned_rows_give_trls_values(trainer):
+    """Rows shifted past their prompt padding, with their original positions and no attention mask, score every
+    completion token as TRL's masked pass does."""
+    from egpo_trl.old_logps import can_realign, no_grad_completion_logps
+
+    batch = padded_batch(trainer.model.config.vocab_size, [5, 9, 3, 9, 7, 1, 6], [4, 11, 0, 7, 11, 2, 9], seed=3)
+    assert can_realign(trainer.model, batch["prompt_mask"], batch["completion_mask"])
+    expected_logps, expected_entropies = trl_pass(trainer, batch, compute_entropy=True)
+    calls = []
+    handle = trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(kwargs), with_kwargs=True
+    )
+    trainer.model.eval()
+    try:
+        autocast = trainer.accelerator.autocast  # as the trainer runs the pass (and TRL's helper above)
+        logps, entropies = no_grad_completion_logps(
+            trainer.model, **batch, compute_entropy=True, tokens_per_batch=40, autocast=autocast
+        )
+        masked_logps, _ = no_grad_completion_logps(
+            trainer.model, **batch, tokens_per_batch=40, realign=False, autocast=autocast
+        )
+    finally:
+        handle.remove()
+        trainer.model.train()
+    realigned = calls[: len(calls) // 2]
+    assert realigned and all(call.get("attention_mask") is None and "position_ids" in call for call in realigned)
+    assert all(call.get("attention_mask") is not None for call in calls[len(calls) // 2 :])
+    torch.testing.assert_close(logps, expected_logps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropies, expected_entropies, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(masked_logps, expected_logps, rtol=1e-5, atol=1e-5)
+    scored = batch["completion_mask"].bool()
+    assert (logps[~scored] == 0).all() and (logps[scored] < 0).all()
+
+
+def test_realigned_pass_under_sdpa_matches_the_masked_pass(trainer):
+    """The default attention (SDPA): the causal kernel without a mask against the masked kernel, to SDPA's rounding."""
+    from egpo_trl.old_logps import can_realign, no_grad_completion_logps
+
+    batch = padded_batch(trainer.model.config.vocab_size, [6, 2, 8, 8], [10, 3, 0, 12], seed=4)
+    trainer.model.set_attn_implementation("sdpa")
+    trainer.model.eval()
+    try:
+        assert can_realign(trainer.model, batch["prompt_mask"], batch["completion_mask"])
+        realigned, _ = no_grad_completion_logps(trainer.model, **batch, autocast=trainer.accelerator.autocast)
+        masked, _ = no_grad_completion_logps(
+            trainer.model, **batch, realign=False, autocast=trainer.accelerator.autocast
+        )
+    finally:
+        trainer.model.set_attn_implementation("eager")
+        trainer.model.train()
+    torch.testing.assert_close(realigned, masked, rtol=1e-3, atol=1e-3)
+
+
+def test_masks_with_holes_and_other_attention_take_the_masked_path(trainer):
+    from egpo_trl.old_logps import can_realign, no_grad_completion_logps
+
+    batch = padded_batch(trainer.model.config.vocab_size, [5, 4, 3], [6, 8, 5], seed=5)
+    model = trainer.model
+    assert can_realign(model, batch["prompt_mask"], batch["completion_mask"])
+    holed = {**batch, "completion_mask": batch["completion_mask"].clone()}
+    holed["completion_mask"][1, 2:4] = 0  # a masked span followed by scored tokens (e.g. a tool's output)
+    assert not can_realign(model, holed["prompt_mask"], holed["completion_mask"])
+    right_padded_prompt = batch["prompt_mask"].flip(1)
+    assert not can_realign(model, right_padded_prompt, batch["completion_mask"])
+    no_prompt = batch["prompt_mask"].clone()
+    no_prompt[2] = 0
+    assert not can_realign(model, no_prompt, batch["completion_mask"])
+    # The holed batch still gets TRL's values (through the masked path).
+    expected, _ = trl_pass(trainer, holed, compute_entropy=False)
+    model.eval()
+    try:
+        logps, _ = no_grad_completion_logps(model, **holed, autocast=trainer.accelerator.autocast)
+    finally:
+        model.train()
+    torch.testing.assert_close(logps, expected, rtol=1e-5, atol=1e-5)
+    # Attention implementations and layouts where a shifted row could see other tokens are left alone.
+    config = model.config
+    saved = (config._attn_implementation, config.layer_types)
+    try:
+        config._attn_implementation = "flash_attention_2"
+        assert not can_realign(model, batch["prompt_mask"], batch["completion_mask"])
+        config._attn_implementation = saved[0]
+        config.layer_types = ["sliding_attention"] * len(saved[1])
+        assert not can_realign(model, batch["prompt_mask"], batch["completion_mask"])
+    finally:
+        config._attn_implementation, config.layer_types = saved
+    assert can_realign(model, batch["prompt_mask"], batch["completion_mask"])
+
+
+@pytest.mark.parametrize(("name", "value"), [("egpo_entropy_tokens_per_batch", 0), ("egpo_entropy_batch_size", -2)])
+def test_pass_sizes_must_be_positive(tmp_path, name, value):
+    # Last in this file: building a config resets accelerate's shared state, which the module's trainer uses.
+    with pytest.raises(ValueError, match=name):
+        config(tmp_path, **{name: value})
