@@ -27,7 +27,7 @@ Usage::
     python benchmarks/reproduce.py --task active --device cuda --parallel 16 \\
         --output benchmarks/results/reproduce_active_h100
     # the same on the GPUs of one host: run i goes to card i % (number of visible cards)
-    python benchmarks/reproduce.py --task active --device cuda --parallel 48 --output benchmarks/results/reproduce_active_h100x4
+    python benchmarks/reproduce.py --task active --device cuda --parallel 46 --threads 1 --output benchmarks/results/reproduce_active_h100x4
     # a CPU smoke run of the pipeline
     python benchmarks/reproduce.py --task active --methods GRPO EGPO --seeds 0 --max-steps 3 --eval-size 12 \\
         --parallel 1 --output /tmp/reproduce_smoke
@@ -537,7 +537,9 @@ def headline_figure(records: list[dict], methods: list[str], path: Path, baselin
         )
     card = next((r.get("card") for r in records if r.get("card")), None)
     if card:
-        fig.suptitle(f"{len({r['seed'] for r in records})} seeds; {card}", fontsize=9, y=0.995)
+        counts = sorted({len(runs) for runs in rows.values() if runs})
+        seeds = " or ".join(str(n) for n in counts)
+        fig.suptitle(f"{seeds} seeds per method (dots); {card}", fontsize=9, y=0.995)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
