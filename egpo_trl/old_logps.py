@@ -37,7 +37,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-__all__ = ["can_realign", "completion_widths", "plan_micro_batches", "no_grad_completion_logps"]
+__all__ = ["can_realign", "completion_widths", "plan_micro_batches", "no_grad_completion_logps", "shifted_logps"]
 
 #: Default token budget of one micro-batch of the no-grad pass (rows x padded width).
 DEFAULT_TOKENS_PER_BATCH = 65536
@@ -269,6 +269,37 @@ def _realigned_forward(
             raise RuntimeError("The model's fused LM head does not compute entropies; is the TRL version 1.16.0?")
         entropies = outputs.entropy.gather(1, index).float().masked_fill(~keep, 0.0)
     return logps, entropies
+
+
+def shifted_logps(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    batch_size: int | None = None,
+    compute_entropy: bool = False,
+    autocast: Callable[[], AbstractContextManager] = nullcontext,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """TRL's ``_get_per_token_logps_and_entropies`` for a text-only batch, with every row shifted past its prompt
+    padding (see :func:`can_realign`, which the caller checks): ``batch_size`` rows per forward (all by default), the
+    last ``logits_to_keep`` columns scored, each forward cut to its longest row. Works with and without gradients.
+
+    Returns ``(logps, entropies)``, each ``[B, logits_to_keep]``, 0 where the completion mask is 0 after a row's last
+    scored token (TRL's fused head gives 0 there too); ``entropies`` is ``None`` unless ``compute_entropy``.
+    """
+    prompt_ids, completion_ids = input_ids[:, :-logits_to_keep], input_ids[:, -logits_to_keep:]
+    prompt_mask, completion_mask = attention_mask[:, :-logits_to_keep], attention_mask[:, -logits_to_keep:]
+    widths = completion_widths(completion_mask)
+    batch_size = batch_size or input_ids.size(0)
+    all_logps, all_entropies = [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        rows = slice(start, start + batch_size)
+        logps, entropies = _realigned_forward(
+            model, prompt_ids[rows], prompt_mask[rows], completion_ids[rows], widths[rows], compute_entropy, autocast
+        )
+        all_logps.append(logps)
+        all_entropies.append(entropies)
+    return torch.cat(all_logps, dim=0), (torch.cat(all_entropies, dim=0) if compute_entropy else None)
 
 
 def _micro_batch_target(num_micro_batches: int | Callable[[int], int] | None, planned: int) -> int:

@@ -323,7 +323,7 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
         if not torch.is_grad_enabled():  # an old-policy (or reference) pass, not the loss's forward
             with self._egpo_timed("old_logps_s"):
                 return self._egpo_no_grad_logps(model, *args, compute_entropy=compute_entropy, **kwargs)
-        result = super()._get_per_token_logps_and_entropies(model, *args, compute_entropy=compute_entropy, **kwargs)
+        result = self._egpo_trl_pass(model, *args, compute_entropy=compute_entropy, **kwargs)
         if getattr(self, "_egpo_loss_rows", None) is not None and self._egpo_deferred_entropies is not None:
             self._egpo_record_loss_logps(result[0])  # the loss's forward: the deferred entropy metrics' log-probs
         return result
@@ -332,12 +332,56 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
         if getattr(self, "_egpo_capture_entropy", False):
             # TRL's old-log-prob pass of this generation batch: have it return the Shannon entropies too.
             self._egpo_capture_entropy = False
-            logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
-                model, *args, compute_entropy=True, **kwargs
-            )
+            logps, entropies, aux_loss = self._egpo_trl_pass(model, *args, compute_entropy=True, **kwargs)
             self._egpo_captured_entropies = entropies
             return logps, entropies if compute_entropy else None, aux_loss
-        return super()._get_per_token_logps_and_entropies(model, *args, compute_entropy=compute_entropy, **kwargs)
+        return self._egpo_trl_pass(model, *args, compute_entropy=compute_entropy, **kwargs)
+
+    def _egpo_trl_pass(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **others,
+    ):
+        """TRL's log-prob pass, or with ``egpo_shift_prompt_padding`` the same with rows shifted past their prompt
+        padding (:func:`egpo_trl.old_logps.shifted_logps`) where :func:`~egpo_trl.old_logps.can_realign` allows it:
+        text-only batches (no image inputs), no MoE auxiliary loss, and masks that are plain padding."""
+        if (
+            getattr(self.args, "egpo_shift_prompt_padding", False)
+            and not compute_aux_loss
+            and logits_to_keep > 0
+            and all(value is None for value in others.values())
+        ):
+            from egpo_trl.old_logps import can_realign, shifted_logps
+
+            unwrapped = self.accelerator.unwrap_model(model)
+            prompt_mask, completion_mask = attention_mask[:, :-logits_to_keep], attention_mask[:, -logits_to_keep:]
+            if can_realign(unwrapped, prompt_mask, completion_mask):
+                logps, entropies = shifted_logps(
+                    model,
+                    input_ids,
+                    attention_mask,
+                    logits_to_keep,
+                    batch_size=batch_size,
+                    compute_entropy=compute_entropy,
+                    autocast=self.accelerator.autocast,
+                )
+                return logps, entropies, None
+        return super()._get_per_token_logps_and_entropies(
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size=batch_size,
+            compute_entropy=compute_entropy,
+            compute_aux_loss=compute_aux_loss,
+            **others,
+        )
 
     def _generate(self, prompts: list):
         gec = self.args.edge_gec and self.model.training and getattr(self, "_egpo_round_inputs", None) is not None

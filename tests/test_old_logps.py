@@ -219,6 +219,82 @@ def test_masks_with_holes_and_other_attention_take_the_masked_path(trainer):
     assert can_realign(model, batch["prompt_mask"], batch["completion_mask"])
 
 
+def test_shifted_rows_in_trls_passes_give_trls_values_and_gradients(trainer):
+    """egpo_shift_prompt_padding: the loss's forward (with gradients) and TRL's no-grad passes run on shifted rows with
+    no attention mask, and give TRL's log-probs, entropies and parameter gradients."""
+    batch = padded_batch(trainer.model.config.vocab_size, [5, 9, 3, 9, 7, 1], [4, 11, 0, 7, 11, 2], seed=6)
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    logits_to_keep = batch["completion_ids"].size(1)
+    model = trainer.model
+    masks = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: masks.append(kwargs.get("attention_mask")), with_kwargs=True
+    )
+
+    def pass_with_gradients(shift: bool):
+        trainer.args.egpo_shift_prompt_padding = shift
+        model.zero_grad()
+        logps, entropies, aux = trainer._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size=4, compute_entropy=True
+        )
+        (logps * batch["completion_mask"]).sum().backward()
+        grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+        with torch.no_grad():
+            no_grad_logps, _, _ = trainer._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=3
+            )
+        return logps.detach(), entropies.detach(), aux, grads, no_grad_logps
+
+    model.eval()  # no dropout: the two passes must see the same network
+    try:
+        shifted = pass_with_gradients(True)
+        shifted_masks, masks[:] = list(masks), []
+        reference = pass_with_gradients(False)
+    finally:
+        handle.remove()
+        trainer.args.egpo_shift_prompt_padding = False
+        model.zero_grad()
+        model.train()
+    assert shifted_masks and all(mask is None for mask in shifted_masks)  # every forward ran without a mask
+    assert masks and all(mask is not None for mask in masks)  # TRL's own pass when the setting is off
+    scored = batch["completion_mask"].bool()
+    torch.testing.assert_close(shifted[0][scored], reference[0][scored], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shifted[1][scored], reference[1][scored], rtol=1e-5, atol=1e-5)
+    assert shifted[2] is None
+    assert shifted[3].keys() == reference[3].keys() and shifted[3]
+    for name, grad in shifted[3].items():
+        torch.testing.assert_close(grad, reference[3][name], rtol=1e-4, atol=1e-6, msg=name)
+    torch.testing.assert_close(shifted[4][scored], reference[4][scored], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_training_with_shifted_rows_matches_training_without(tmp_path, tiny_model_dir):
+    """Two optimizer steps with egpo_shift_prompt_padding on and off (eager attention, float32): the same rewards,
+    losses and weights, to float32 rounding."""
+    results = {}
+    for shift in (False, True):
+        args = config(
+            tmp_path / str(shift),
+            max_steps=2,
+            egpo_shift_prompt_padding=shift,
+            bf16=False,
+            model_init_kwargs={"attn_implementation": "eager"},
+        )
+        trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+        trainer.train()
+        rows = [row for row in trainer.state.log_history if "loss" in row]
+        results[shift] = (rows, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
+    assert len(results[False][0]) == 2
+    for off, on in zip(results[False][0], results[True][0], strict=True):
+        assert off.keys() == on.keys()
+        for key in ("reward", "loss", "egpo/entropy_mean", "grad_norm"):
+            if key in off:
+                assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-6), key
+    for name, weight in results[False][1].items():
+        torch.testing.assert_close(results[True][1][name], weight, rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize(("name", "value"), [("egpo_entropy_tokens_per_batch", 0), ("egpo_entropy_batch_size", -2)])
 def test_pass_sizes_must_be_positive(tmp_path, name, value):
     # Last in this file: building a config resets accelerate's shared state, which the module's trainer uses.
