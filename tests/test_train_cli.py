@@ -587,3 +587,34 @@ def test_resume_true_into_a_missing_folder_or_one_without_checkpoints_says_what_
     empty = SimpleNamespace(resume_from_checkpoint="true", output_dir=str(tmp_path / "finished"))
     with pytest.raises(SystemExit, match="has no checkpoint-. folder .a run saves them with --save_strategy"):
         resume_checkpoint(empty)
+
+
+def test_bf16_on_cpu_is_named_in_the_help_and_the_run_says_its_precision(tmp_path, capsys):
+    """bf16 is on unless set false; with use_cpu it runs under the CPU's autocast, and the run's first line says so."""
+    import torch
+    from datasets import Dataset
+
+    from egpo_trl import EGPOConfig, EGPOTrainer
+    from egpo_trl.script.run import precision_label
+
+    assert main(["--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "with use_cpu it runs under the CPU's bf16 autocast" in help_text and "needs a GPU" not in help_text
+
+    dataset = Dataset.from_dict({"prompt": ["Compute 1 + 1."] * 4, "answer": ["2"] * 4})
+    labels = {}
+    for bf16 in (None, True, False):  # None: the library default
+        settings = {} if bf16 is None else {"bf16": bf16}
+        args = EGPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+            max_completion_length=8, max_steps=1, report_to="none", **settings,
+        )  # fmt: skip
+        trainer = EGPOTrainer(
+            model="builtin:tiny-math-qwen2", reward_funcs=boxed_accuracy_reward, args=args, train_dataset=dataset
+        )
+        with trainer.accelerator.autocast():
+            computed = trainer.model(input_ids=torch.tensor([[1, 2, 3]])).logits.dtype
+        labels[bf16] = (precision_label(trainer), computed)
+    assert labels[None] == labels[True]
+    assert labels[True] == ("bf16 autocast on cpu (--bf16 false trains in float32)", torch.bfloat16)
+    assert labels[False] == ("float32 on cpu", torch.float32)
