@@ -499,7 +499,9 @@ def test_the_python_api_checks_its_inputs_before_loading_the_model(tmp_path, mon
     message = str(error.value)
     assert len(message.splitlines()) == 1
     assert (
-        "train_dataset has no 'answer' column, which boxed_accuracy_reward needs" in message and "solution" in message
+        "train_dataset has no 'answer' column, which boxed_accuracy_reward (its 'answer' parameter; reward_funcs) needs"
+        in message
+        and "rename_column('solution', 'answer')" in message
     )
     args.learning_rate = -1e-4
     with pytest.raises(ValueError, match="learning_rate must be >= 0"):
@@ -512,6 +514,55 @@ def test_the_python_api_checks_its_inputs_before_loading_the_model(tmp_path, mon
     for model in ("builtin:tiny-math-qwen2", "egpo_trl/assets/tiny-math-qwen2"):
         trainer = EGPOTrainer(model=model, reward_funcs=boxed_accuracy_reward, args=args, train_dataset=dataset)
         assert trainer.model.config.vocab_size > 0 and not Path("egpo_trl").exists()
+
+
+def test_a_missing_column_message_names_what_expects_it_and_the_rename_that_fixes_it(tmp_path):
+    """Each missing column is named with what expects it (the trainer, a reward's parameter, edge_gec), and the
+    suggested renames take the dataset's own question-like and answer-like columns to the names expected."""
+    from datasets import Dataset
+
+    from egpo_trl import EGPOConfig, EGPOTrainer
+    from egpo_trl.script.args import TrainScriptArguments
+    from egpo_trl.script.data import column_problem
+
+    def level_reward(completions, level, **kwargs):
+        return [0.0 for _ in completions]
+
+    args = EGPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4,
+        max_steps=1, report_to="none",
+    )  # fmt: skip
+
+    def message(columns, reward_funcs):
+        dataset = Dataset.from_dict({c: ["x"] * 4 for c in columns})
+        with pytest.raises(ValueError) as error:
+            EGPOTrainer(model="nobody/no-such-model", reward_funcs=reward_funcs, args=args, train_dataset=dataset)
+        return str(error.value)
+
+    # Only the answer is missing: the rename takes the answer-like column, not the question column 'problem'.
+    text = message(["prompt", "problem", "final_answer"], boxed_accuracy_reward)
+    assert text == (
+        "train_dataset has no 'answer' column, which boxed_accuracy_reward (its 'answer' parameter; reward_funcs) "
+        "needs. Its columns: prompt, problem, final_answer. Rename or add them, e.g. "
+        "dataset.rename_column('final_answer', 'answer')."
+    )
+    text = message(["question", "solution"], [boxed_accuracy_reward, level_reward])
+    assert "no 'prompt' column, which the trainer (the prompts: text or chat messages) needs" in text
+    assert "no 'level' column, which level_reward (its 'level' parameter; reward_funcs) needs" in text
+    assert text.endswith(
+        "e.g. dataset.rename_column('question', 'prompt').rename_column('solution', 'answer'); add 'level' "
+        "(e.g. with dataset.map)."
+    )
+    # edge_gec expects the reference answers even when no reward function takes them.
+    args.edge_gec = True
+    text = message(["prompt", "solution"], level_reward)
+    assert "no 'answer' column, which edge_gec=True (the reference answers) needs" in text
+    assert "rename_column('solution', 'answer')" in text
+
+    # The command line: a recipe whose answer_column is 'problem' is never told to build prompts from 'problem'.
+    script_args = TrainScriptArguments(dataset_name="d", answer_column="problem")
+    text = column_problem(["problem", "statement"], script_args)
+    assert "--prompt_template '{statement} Put the final answer" in text and "{problem}" not in text
 
 
 def test_values_and_rewards_that_trl_accepts_are_not_refused(tmp_path):
