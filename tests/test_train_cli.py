@@ -669,3 +669,37 @@ def test_bf16_on_cpu_is_named_in_the_help_and_the_run_says_its_precision(tmp_pat
     assert labels[None] == labels[True]
     assert labels[True] == ("bf16 autocast on cpu (--bf16 false trains in float32)", torch.bfloat16)
     assert labels[False] == ("float32 on cpu", torch.float32)
+
+
+def test_the_progress_bar_shows_each_step_its_own_metrics(tiny_model_dir, tmp_path, capsys):
+    """The bar drawn at step k carries step k's reward and fractions, never the step before's."""
+    import re
+
+    from conftest import make_prompt_dataset, parity_reward, trainer_config
+    from transformers.trainer_callback import ProgressCallback
+
+    from egpo_trl import EGPOTrainer
+    from egpo_trl.script.callbacks import CompactProgressCallback
+
+    args = trainer_config(tmp_path, max_steps=3, bf16=False, disable_tqdm=False)
+    trainer = EGPOTrainer(
+        model=tiny_model_dir, reward_funcs=parity_reward, args=args, train_dataset=make_prompt_dataset()
+    )
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(CompactProgressCallback())
+    capsys.readouterr()
+    trainer.train()
+    drawn = re.split(r"[\r\n]", capsys.readouterr().err)
+    logged = {entry["step"]: entry for entry in trainer.state.log_history if "reward" in entry}
+    assert sorted(logged) == [1, 2, 3]
+    expected = {
+        step: f"reward={entry['reward']:.2f}, mixed={entry['egpo/frac_mixed']:.2f}" for step, entry in logged.items()
+    }
+    assert len(set(expected.values())) > 1  # the steps differ, so a bar one step behind would show
+    shown: dict[int, set[str]] = {}
+    for line in drawn:
+        match = re.search(r"\| (\d)/3 \[[^,\]]*, [^,\]]*, (.+)\]", line)
+        if match and "reward=" in match.group(2):
+            postfix = ", ".join(p for p in match.group(2).split(", ") if p.split("=")[0] in ("reward", "mixed"))
+            shown.setdefault(int(match.group(1)), set()).add(postfix)
+    assert shown == {step: {text} for step, text in expected.items()}
