@@ -703,3 +703,45 @@ def test_the_progress_bar_shows_each_step_its_own_metrics(tiny_model_dir, tmp_pa
             postfix = ", ".join(p for p in match.group(2).split(", ") if p.split("=")[0] in ("reward", "mixed"))
             shown.setdefault(int(match.group(1)), set()).add(postfix)
     assert shown == {step: {text} for step, text in expected.items()}
+
+
+def test_the_heldout_evaluation_before_training_leaves_the_training_run_unchanged(tmp_path):
+    """eval_size changes what is evaluated, never what is trained: the evaluation samples from its own seed and
+    gives the random state back as it found it."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from egpo_trl.heldout import generate_completions
+    from egpo_trl.tiny_model import tiny_model_path
+
+    runs = {}
+    for eval_size in ("0", "6"):
+        out = tmp_path / f"eval{eval_size}"
+        argv = ["--config", str(DEMO_RECIPE), *TINY_TRAIN, "--output_dir", str(out), "--max_steps", "2"]
+        assert main([*argv, "--eval_size", eval_size, "--eval_num_samples", "2"]) == 0
+        records = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
+        runs[eval_size] = [
+            {k: v for k, v in r.items() if not any(part in k for part in ("time", "timing", "per_second"))}
+            for r in records
+            if "heldout/accuracy" not in r
+        ]
+        heldout = [r for r in records if "heldout/accuracy" in r]
+        assert len(heldout) == (2 if eval_size != "0" else 0)
+    assert [r["step"] for r in runs["0"] if "loss" in r] == [1, 2]
+    assert runs["6"] == runs["0"]
+
+    # The sampler itself: torch's, Python's and NumPy's next numbers are the ones they would have been.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    torch.manual_seed(123)
+    random.seed(123)
+    np.random.seed(123)
+    states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    first = generate_completions(model, tokenizer, ["What is 2 + 3?"] * 2, max_new_tokens=6, seed=0)
+    assert torch.equal(torch.get_rng_state(), states[0]) and random.getstate() == states[1]
+    assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), states[2]))
+    assert generate_completions(model, tokenizer, ["What is 2 + 3?"] * 2, max_new_tokens=6, seed=0) == first
