@@ -8,7 +8,8 @@ tiny model. Full benchmark evaluation lives in ``egpo-trl eval``.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,13 +74,43 @@ def generate_completions(
         top_p: nucleus sampling threshold (``1.0`` disables it).
         top_k: top-k filtering (``0`` disables it).
         batch_size: prompts per ``generate`` call.
-        seed: seeds torch's generator before sampling, for reproducible numbers; ``None`` leaves it alone.
+        seed: seeds torch's generator before sampling, for reproducible numbers, and restores the random state of
+            torch (CPU and the model's device), Python and NumPy afterwards: what runs next (a training run) draws
+            the same numbers with or without this evaluation. ``None`` samples from the current state and leaves
+            it advanced.
 
     Returns:
         One decoded completion per prompt, in order.
     """
-    if seed is not None:
+    if seed is None:
+        return _generate(model, tokenizer, prompts, max_new_tokens, temperature, top_p, top_k, batch_size)
+    device = next(model.parameters()).device
+    with _random_state_kept(device):
         torch.manual_seed(seed)
+        return _generate(model, tokenizer, prompts, max_new_tokens, temperature, top_p, top_k, batch_size)
+
+
+@contextmanager
+def _random_state_kept(device: torch.device) -> Iterator[None]:
+    """Restore torch's (CPU and every device of ``device``'s type: ``torch.manual_seed`` seeds them all), Python's
+    and NumPy's random state on exit."""
+    import random
+
+    import numpy as np
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    accelerator = device.type not in ("cpu", "meta")
+    devices = list(range(getattr(torch, device.type).device_count())) if accelerator else []
+    try:
+        with torch.random.fork_rng(devices=devices, device_type=device.type if accelerator else "cuda"):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
+def _generate(model, tokenizer, prompts, max_new_tokens, temperature, top_p, top_k, batch_size) -> list[str]:
+    """:func:`generate_completions` from the current random state."""
     was_training = model.training
     model.eval()
     padding_side = tokenizer.padding_side

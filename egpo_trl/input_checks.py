@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "ANSWER_COLUMNS",
+    "QUESTION_COLUMNS",
     "batch_shape_problem",
     "check_trainer_inputs",
     "required_columns",
@@ -33,6 +35,9 @@ _PASSED_TO_REWARDS = {
     "log_metric",
     "environments",
 }
+# Column names datasets commonly give their questions and their reference answers: the renames a message suggests.
+QUESTION_COLUMNS = ("problem", "question", "query", "instruction", "input", "text", "prompt_text")
+ANSWER_COLUMNS = ("answer", "final_answer", "solution", "ground_truth", "gt", "target", "label", "output")
 _ASSETS = Path(__file__).resolve().parent / "assets"
 
 
@@ -159,7 +164,9 @@ def required_columns(reward_funcs: Sequence[Any]) -> dict[str, str]:
     return needed
 
 
-def _dataset_problem(dataset: Any, reward_funcs: Sequence[Any]) -> str | None:
+def _dataset_problem(dataset: Any, reward_funcs: Sequence[Any], args: Any = None) -> str | None:
+    """One line naming the columns ``train_dataset`` lacks, what expects each (the trainer, a reward function's
+    parameter, ``edge_gec``) and the rename that supplies it from the dataset's own columns; ``None`` when none."""
     columns = getattr(dataset, "column_names", None)
     if isinstance(columns, dict):  # a DatasetDict
         return (
@@ -168,17 +175,32 @@ def _dataset_problem(dataset: Any, reward_funcs: Sequence[Any]) -> str | None:
         )
     if not columns:
         return None  # an IterableDataset without known features, or a plain iterable: checked by TRL as it reads
-    missing = []
-    if "prompt" not in columns:
-        missing.append("'prompt' column (text or chat messages)")
+    # What expects each column, and the setting that makes it expected.
+    needed: dict[str, list[str]] = {"prompt": ["the trainer (the prompts: text or chat messages)"]}
     for column, func in required_columns(reward_funcs).items():
-        if column not in columns:
-            missing.append(f"{column!r} column, which {func} needs")
+        needed.setdefault(column, []).append(f"{func} (its {column!r} parameter; reward_funcs)")
+    if args is not None and getattr(args, "edge_gec", False):
+        needed.setdefault("answer", []).append("edge_gec=True (the reference answers)")
+    missing = [column for column in needed if column not in columns]
     if not missing:
         return None
-    renames = [c for c in ("question", "problem", "solution", "final_answer", "ground_truth") if c in columns]
-    hint = f" (e.g. dataset.rename_column({renames[0]!r}, ...))" if renames else ""
-    return f"train_dataset has no {' and no '.join(missing)}; its columns: {', '.join(columns)}. Rename or add them{hint}."
+    described = [
+        f"{column!r} column, which {' and '.join(needed[column])} need{'s' if len(needed[column]) == 1 else ''}"
+        for column in missing
+    ]
+    renames, to_add, untaken = [], [], [c for c in columns if c not in needed]
+    for column in missing:
+        likely = {"prompt": QUESTION_COLUMNS, "answer": ANSWER_COLUMNS}.get(column, ())
+        source = next((c for c in likely if c in untaken), None)
+        if source is None:
+            to_add.append(repr(column))
+        else:
+            untaken.remove(source)
+            renames.append(f".rename_column({source!r}, {column!r})")
+    fixes = [f"dataset{''.join(renames)}"] if renames else []
+    fixes += [f"add {' and '.join(to_add)} (e.g. with dataset.map)"] if to_add else []
+    fix = f"e.g. {'; '.join(fixes)}"
+    return f"train_dataset has no {'; no '.join(described)}. Its columns: {', '.join(columns)}. Rename or add them, {fix}."
 
 
 def check_trainer_inputs(
@@ -201,7 +223,7 @@ def check_trainer_inputs(
     )
     dataset = pos_args[0] if pos_args else kwargs.get("train_dataset")
     if dataset is not None:
-        problem = _dataset_problem(dataset, funcs)
+        problem = _dataset_problem(dataset, funcs, args)
         if problem:
             raise ValueError(problem)
     problem = batch_shape_problem(

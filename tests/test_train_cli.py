@@ -499,7 +499,9 @@ def test_the_python_api_checks_its_inputs_before_loading_the_model(tmp_path, mon
     message = str(error.value)
     assert len(message.splitlines()) == 1
     assert (
-        "train_dataset has no 'answer' column, which boxed_accuracy_reward needs" in message and "solution" in message
+        "train_dataset has no 'answer' column, which boxed_accuracy_reward (its 'answer' parameter; reward_funcs) needs"
+        in message
+        and "rename_column('solution', 'answer')" in message
     )
     args.learning_rate = -1e-4
     with pytest.raises(ValueError, match="learning_rate must be >= 0"):
@@ -512,6 +514,55 @@ def test_the_python_api_checks_its_inputs_before_loading_the_model(tmp_path, mon
     for model in ("builtin:tiny-math-qwen2", "egpo_trl/assets/tiny-math-qwen2"):
         trainer = EGPOTrainer(model=model, reward_funcs=boxed_accuracy_reward, args=args, train_dataset=dataset)
         assert trainer.model.config.vocab_size > 0 and not Path("egpo_trl").exists()
+
+
+def test_a_missing_column_message_names_what_expects_it_and_the_rename_that_fixes_it(tmp_path):
+    """Each missing column is named with what expects it (the trainer, a reward's parameter, edge_gec), and the
+    suggested renames take the dataset's own question-like and answer-like columns to the names expected."""
+    from datasets import Dataset
+
+    from egpo_trl import EGPOConfig, EGPOTrainer
+    from egpo_trl.script.args import TrainScriptArguments
+    from egpo_trl.script.data import column_problem
+
+    def level_reward(completions, level, **kwargs):
+        return [0.0 for _ in completions]
+
+    args = EGPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4,
+        max_steps=1, report_to="none",
+    )  # fmt: skip
+
+    def message(columns, reward_funcs):
+        dataset = Dataset.from_dict({c: ["x"] * 4 for c in columns})
+        with pytest.raises(ValueError) as error:
+            EGPOTrainer(model="nobody/no-such-model", reward_funcs=reward_funcs, args=args, train_dataset=dataset)
+        return str(error.value)
+
+    # Only the answer is missing: the rename takes the answer-like column, not the question column 'problem'.
+    text = message(["prompt", "problem", "final_answer"], boxed_accuracy_reward)
+    assert text == (
+        "train_dataset has no 'answer' column, which boxed_accuracy_reward (its 'answer' parameter; reward_funcs) "
+        "needs. Its columns: prompt, problem, final_answer. Rename or add them, e.g. "
+        "dataset.rename_column('final_answer', 'answer')."
+    )
+    text = message(["question", "solution"], [boxed_accuracy_reward, level_reward])
+    assert "no 'prompt' column, which the trainer (the prompts: text or chat messages) needs" in text
+    assert "no 'level' column, which level_reward (its 'level' parameter; reward_funcs) needs" in text
+    assert text.endswith(
+        "e.g. dataset.rename_column('question', 'prompt').rename_column('solution', 'answer'); add 'level' "
+        "(e.g. with dataset.map)."
+    )
+    # edge_gec expects the reference answers even when no reward function takes them.
+    args.edge_gec = True
+    text = message(["prompt", "solution"], level_reward)
+    assert "no 'answer' column, which edge_gec=True (the reference answers) needs" in text
+    assert "rename_column('solution', 'answer')" in text
+
+    # The command line: a recipe whose answer_column is 'problem' is never told to build prompts from 'problem'.
+    script_args = TrainScriptArguments(dataset_name="d", answer_column="problem")
+    text = column_problem(["problem", "statement"], script_args)
+    assert "--prompt_template '{statement} Put the final answer" in text and "{problem}" not in text
 
 
 def test_values_and_rewards_that_trl_accepts_are_not_refused(tmp_path):
@@ -587,3 +638,110 @@ def test_resume_true_into_a_missing_folder_or_one_without_checkpoints_says_what_
     empty = SimpleNamespace(resume_from_checkpoint="true", output_dir=str(tmp_path / "finished"))
     with pytest.raises(SystemExit, match="has no checkpoint-. folder .a run saves them with --save_strategy"):
         resume_checkpoint(empty)
+
+
+def test_bf16_on_cpu_is_named_in_the_help_and_the_run_says_its_precision(tmp_path, capsys):
+    """bf16 is on unless set false; with use_cpu it runs under the CPU's autocast, and the run's first line says so."""
+    import torch
+    from datasets import Dataset
+
+    from egpo_trl import EGPOConfig, EGPOTrainer
+    from egpo_trl.script.run import precision_label
+
+    assert main(["--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "with use_cpu it runs under the CPU's bf16 autocast" in help_text and "needs a GPU" not in help_text
+
+    dataset = Dataset.from_dict({"prompt": ["Compute 1 + 1."] * 4, "answer": ["2"] * 4})
+    labels = {}
+    for bf16 in (None, True, False):  # None: the library default
+        settings = {} if bf16 is None else {"bf16": bf16}
+        args = EGPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+            max_completion_length=8, max_steps=1, report_to="none", **settings,
+        )  # fmt: skip
+        trainer = EGPOTrainer(
+            model="builtin:tiny-math-qwen2", reward_funcs=boxed_accuracy_reward, args=args, train_dataset=dataset
+        )
+        with trainer.accelerator.autocast():
+            computed = trainer.model(input_ids=torch.tensor([[1, 2, 3]])).logits.dtype
+        labels[bf16] = (precision_label(trainer), computed)
+    assert labels[None] == labels[True]
+    assert labels[True] == ("bf16 autocast on cpu (--bf16 false trains in float32)", torch.bfloat16)
+    assert labels[False] == ("float32 on cpu", torch.float32)
+
+
+def test_the_progress_bar_shows_each_step_its_own_metrics(tiny_model_dir, tmp_path, capsys):
+    """The bar drawn at step k carries step k's reward and fractions, never the step before's."""
+    import re
+
+    from conftest import make_prompt_dataset, parity_reward, trainer_config
+    from transformers.trainer_callback import ProgressCallback
+
+    from egpo_trl import EGPOTrainer
+    from egpo_trl.script.callbacks import CompactProgressCallback
+
+    args = trainer_config(tmp_path, max_steps=3, bf16=False, disable_tqdm=False)
+    trainer = EGPOTrainer(
+        model=tiny_model_dir, reward_funcs=parity_reward, args=args, train_dataset=make_prompt_dataset()
+    )
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(CompactProgressCallback())
+    capsys.readouterr()
+    trainer.train()
+    drawn = re.split(r"[\r\n]", capsys.readouterr().err)
+    logged = {entry["step"]: entry for entry in trainer.state.log_history if "reward" in entry}
+    assert sorted(logged) == [1, 2, 3]
+    expected = {
+        step: f"reward={entry['reward']:.2f}, mixed={entry['egpo/frac_mixed']:.2f}" for step, entry in logged.items()
+    }
+    assert len(set(expected.values())) > 1  # the steps differ, so a bar one step behind would show
+    shown: dict[int, set[str]] = {}
+    for line in drawn:
+        match = re.search(r"\| (\d)/3 \[[^,\]]*, [^,\]]*, (.+)\]", line)
+        if match and "reward=" in match.group(2):
+            postfix = ", ".join(p for p in match.group(2).split(", ") if p.split("=")[0] in ("reward", "mixed"))
+            shown.setdefault(int(match.group(1)), set()).add(postfix)
+    assert shown == {step: {text} for step, text in expected.items()}
+
+
+def test_the_heldout_evaluation_before_training_leaves_the_training_run_unchanged(tmp_path):
+    """eval_size changes what is evaluated, never what is trained: the evaluation samples from its own seed and
+    gives the random state back as it found it."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from egpo_trl.heldout import generate_completions
+    from egpo_trl.tiny_model import tiny_model_path
+
+    runs = {}
+    for eval_size in ("0", "6"):
+        out = tmp_path / f"eval{eval_size}"
+        argv = ["--config", str(DEMO_RECIPE), *TINY_TRAIN, "--output_dir", str(out), "--max_steps", "2"]
+        assert main([*argv, "--eval_size", eval_size, "--eval_num_samples", "2"]) == 0
+        records = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
+        runs[eval_size] = [
+            {k: v for k, v in r.items() if not any(part in k for part in ("time", "timing", "per_second"))}
+            for r in records
+            if "heldout/accuracy" not in r
+        ]
+        heldout = [r for r in records if "heldout/accuracy" in r]
+        assert len(heldout) == (2 if eval_size != "0" else 0)
+    assert [r["step"] for r in runs["0"] if "loss" in r] == [1, 2]
+    assert runs["6"] == runs["0"]
+
+    # The sampler itself: torch's, Python's and NumPy's next numbers are the ones they would have been.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    torch.manual_seed(123)
+    random.seed(123)
+    np.random.seed(123)
+    states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    first = generate_completions(model, tokenizer, ["What is 2 + 3?"] * 2, max_new_tokens=6, seed=0)
+    assert torch.equal(torch.get_rng_state(), states[0]) and random.getstate() == states[1]
+    assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), states[2]))
+    assert generate_completions(model, tokenizer, ["What is 2 + 3?"] * 2, max_new_tokens=6, seed=0) == first

@@ -114,7 +114,11 @@ class TrainScriptArguments:
     )
     eval_size: int = field(
         default=200,
-        metadata={"help": "Held-out problems evaluated before and after training (0 skips the evaluation)."},
+        metadata={
+            "help": "Held-out problems evaluated before and after training (0 skips the evaluation). The evaluation "
+            "samples from its own seed and leaves the random state as it found it, so it does not change the "
+            "training run; a dataset without a test split gives up these rows from its training split."
+        },
     )
     eval_num_samples: int = field(
         default=4, metadata={"help": "Completions sampled per held-out problem; accuracy is their mean."}

@@ -74,11 +74,21 @@ class MetricsCallback(TrainerCallback):
 
 
 class CompactProgressCallback(ProgressCallback):
-    """The Trainer's progress bar, with the key metrics as its postfix instead of a printed dict per log."""
+    """The Trainer's progress bar, with the key metrics as its postfix instead of a printed dict per log.
+
+    The Trainer moves the bar to step k (``on_step_end``) before it logs step k's metrics (``on_log``): the bar
+    drawn then would carry step k-1's numbers. So the postfix is dropped before that move on a step that logs,
+    and redrawn with step k's own numbers as they are logged.
+    """
 
     def __init__(self, correctness_name: str | None = None):
         super().__init__()
         self.correctness_name = correctness_name
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and self.training_bar is not None and control.should_log:
+            self.training_bar.set_postfix({}, refresh=False)
+        super().on_step_end(args, state, control, **kwargs)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or self.training_bar is None or not logs:
@@ -93,4 +103,5 @@ class CompactProgressCallback(ProgressCallback):
             postfix["mixed"] = f"{logs['egpo/frac_mixed']:.2f}"
         if "egpo/entropy_gap" in logs:
             postfix["H gap"] = f"{logs['egpo/entropy_gap']:+.3f}"
-        self.training_bar.set_postfix(postfix, refresh=False)
+        if postfix:  # not the summary logged after the last step
+            self.training_bar.set_postfix(postfix, refresh=True)

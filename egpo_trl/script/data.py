@@ -11,6 +11,8 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+from egpo_trl.input_checks import ANSWER_COLUMNS as _ANSWER_COLUMNS
+from egpo_trl.input_checks import QUESTION_COLUMNS as _QUESTION_COLUMNS
 from egpo_trl.script.args import TrainScriptArguments
 from egpo_trl.script.resolve import resolve_reward_funcs
 
@@ -19,8 +21,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["SYNTHETIC_DATASET_PREFIX", "column_problem", "load_datasets"]
 
 SYNTHETIC_DATASET_PREFIX = "synthetic:"
-_QUESTION_COLUMNS = ("problem", "question", "query", "instruction", "input", "text", "prompt_text")
-_ANSWER_COLUMNS = ("answer", "final_answer", "solution", "ground_truth", "gt", "target", "label", "output")
 
 
 def _load_any(script_args: TrainScriptArguments):
@@ -63,8 +63,10 @@ def column_problem(columns: Sequence[str], script_args: TrainScriptArguments) ->
     columns = list(columns)
     problems, fixes = [], []
     if script_args.prompt_template is None and "prompt" not in columns:
-        question = next((c for c in _QUESTION_COLUMNS if c in columns), None)
-        question = question or next((c for c in columns if c not in _ANSWER_COLUMNS), columns[0] if columns else "x")
+        # Never the column the recipe names as the answer (answer_column), whatever its name.
+        others = [c for c in columns if c != script_args.answer_column]
+        question = next((c for c in _QUESTION_COLUMNS if c in others), None)
+        question = question or next((c for c in others if c not in _ANSWER_COLUMNS), others[0] if others else "x")
         problems.append("no 'prompt' column")
         fixes.append(f"--prompt_template '{{{question}}} Put the final answer in \\boxed{{{{}}}}.'")
     answer = script_args.answer_column

@@ -40,8 +40,10 @@ _SHORT_HELP_TEXT = {
     "start time.",
     "resume_from_checkpoint": "'true' continues the run from the last checkpoint-* in output_dir; or a checkpoint "
     "path.",
-    "use_cpu": "Train on the CPU (with bf16 false).",
-    "bf16": "bf16 mixed precision; needs a GPU that supports it.",
+    "use_cpu": "Train on the CPU. Pass --bf16 false with it for float32: bf16 is on unless set false.",
+    "bf16": "bf16 mixed precision, on unless set false (or fp16 is on). On a GPU it needs one that supports bf16 "
+    "(Ampere or newer); with use_cpu it runs under the CPU's bf16 autocast, usually slower than float32 (the CPU "
+    "recipes set bf16: false).",
 }
 
 

@@ -45,7 +45,7 @@ from egpo_trl.script.resume import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_trainer", "run"]
+__all__ = ["build_trainer", "precision_label", "run"]
 
 
 def build_trainer(script_args: TrainScriptArguments, training_args, model_args, train_dataset):
@@ -89,6 +89,21 @@ def _correctness_name(trainer) -> str | None:
     index = getattr(trainer, "_egpo_correctness_index", 0)
     names = getattr(trainer, "reward_func_names", [])
     return names[index] if names else None
+
+
+def precision_label(trainer) -> str:
+    """How the trainer computes, for the run's first line: e.g. ``float32 on cpu`` or ``bf16 autocast on cuda``.
+
+    bf16 is on unless set false, and with ``use_cpu`` it runs under the CPU's autocast: the label says so, with the
+    flag that trains in float32 instead.
+    """
+    mixed = trainer.accelerator.mixed_precision
+    device = trainer.accelerator.device.type
+    if mixed != "no":
+        label = f"{mixed} autocast on {device}"
+        return f"{label} (--bf16 false trains in float32)" if device == "cpu" and mixed == "bf16" else label
+    parameter = next(trainer.model.parameters(), None)
+    return f"{str(parameter.dtype).removeprefix('torch.') if parameter is not None else 'float32'} on {device}"
 
 
 def _eval_temperature(script_args, training_args) -> float:
@@ -249,7 +264,7 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         print(
             f"{training_args.advantage_estimator.upper()} on {model_args.model_name_or_path}: {len(train_dataset)} "
             f"training prompts from {script_args.dataset_name}, {training_args.num_generations} completions per "
-            f"prompt, {length}. Outputs: {output_dir}/",
+            f"prompt, {length}, {precision_label(trainer)}. Outputs: {output_dir}/",
             flush=True,
         )
     summary: dict[str, Any] = {"output_dir": str(output_dir), "heldout_before": None, "heldout_after": None}
