@@ -5,7 +5,9 @@
 #                                                                  # coin-flip reward (groups mixed), 2 steps
 #   bash benchmarks/gpu_checks.sh pair RESULTS BASE JOB [JOB ...]    # fullbatch jobs at the same time on disjoint
 #                                                                  # GPUs of one machine, then each job's step time
-#                                                                  # over BASE's, step by step
+#                                                                  # over BASE's, step by step; a job may carry its
+#                                                                  # own overrides after '+', e.g.
+#                                                                  # grpo_qwen15b@1:32+--egpo_shift_prompt_padding+true
 #   bash benchmarks/gpu_checks.sh resume RESULTS                    # resume with vLLM colocate + ZeRO-2 against an
 #                                                                  # uninterrupted run and a second one
 #
@@ -38,6 +40,7 @@ case $stage in
         [[ $# -ge 2 ]] || { echo "pair takes a base job and one or more others, e.g. grpo_qwen15b@0:32 edge_grpo_qwen15b@1:32" >&2; exit 2; }
         # Shapes first, once: jobs started together would otherwise build the same folder at the same time.
         for job in "$@"; do
+            job=${job%%+*}
             recipe=${job%%[@:]*}
             shape=${recipe#*_}
             [[ $recipe == edge_grpo_* ]] && shape=${recipe#edge_grpo_}
@@ -48,8 +51,10 @@ case $stage in
         for job in "$@"; do
             side=${#sides[@]}
             sides+=("$side")
-            PORT=$((29500 + 100 * side)) RUNS=$RUNS/$name/$side bash "$0" fullbatch "$RUNS/$name-results-$side" "$job" \
-                > "$RUNS/$name/$side.log" 2>&1 &
+            extra=""
+            [[ $job == *+* ]] && extra=${job#*+} && extra=${extra//+/ }
+            EXTRA="${EXTRA:-} $extra" PORT=$((29500 + 100 * side)) RUNS=$RUNS/$name/$side bash "$0" fullbatch \
+                "$RUNS/$name-results-$side" "${job%%+*}" > "$RUNS/$name/$side.log" 2>&1 &
         done
         wait
         for side in "${sides[@]}"; do cat "$RUNS/$name/$side.log"; done
@@ -64,10 +69,10 @@ for side in range(int(sys.argv[2])):
                 steps[row["step"]] = (row["recipe"], row["step_s"])
     rows.append(steps)
 base = rows[0]
-for other in rows[1:]:
+for side, other in enumerate(rows[1:], start=1):
     for step in sorted(set(base) & set(other)):
-        print(f"step {step}: {other[step][0]} {other[step][1]:.1f} s / {base[step][0]} {base[step][1]:.1f} s"
-              f" = {other[step][1] / base[step][1]:.3f}")
+        print(f"step {step}: job {side} {other[step][0]} {other[step][1]:.1f} s / job 0 {base[step][0]}"
+              f" {base[step][1]:.1f} s = {other[step][1] / base[step][1]:.3f}")
 PY
         ;;
     fullbatch)
