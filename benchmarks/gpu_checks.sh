@@ -34,19 +34,25 @@ nvidia-smi -L > "$RUNS/$name/cards.txt" 2>&1
 tiktoken=()
 [[ -n ${QWEN_TIKTOKEN:-} ]] && tiktoken=(--tiktoken-file "$QWEN_TIKTOKEN")
 
+# The random-weight shape of each job's recipe (a job is RECIPE[@GPUS][:ACCUMULATION][+OVERRIDES]), unless built.
+build_shapes() {
+    local job recipe shape
+    for job in "$@"; do
+        job=${job%%+*}
+        recipe=${job%%[@:]*}
+        shape=${recipe#*_}
+        [[ $recipe == edge_grpo_* ]] && shape=${recipe#edge_grpo_}
+        [[ -f $SHAPES/$shape/config.json ]] || "$PY" benchmarks/real_shapes.py --output "$SHAPES" --shapes "$shape" \
+            --device cuda "${tiktoken[@]}" >> "$RUNS/$name/build.log" 2>&1
+    done
+}
+
 case $stage in
     pair)
         # The same machine and the same moment for all: timings compare without a machine-to-machine spread.
         [[ $# -ge 2 ]] || { echo "pair takes a base job and one or more others, e.g. grpo_qwen15b@0:32 edge_grpo_qwen15b@1:32" >&2; exit 2; }
         # Shapes first, once: jobs started together would otherwise build the same folder at the same time.
-        for job in "$@"; do
-            job=${job%%+*}
-            recipe=${job%%[@:]*}
-            shape=${recipe#*_}
-            [[ $recipe == edge_grpo_* ]] && shape=${recipe#edge_grpo_}
-            [[ -f $SHAPES/$shape/config.json ]] || "$PY" benchmarks/real_shapes.py --output "$SHAPES" --shapes "$shape" \
-                --device cuda "${tiktoken[@]}" >> "$RUNS/$name/build.log" 2>&1
-        done
+        build_shapes "$@"
         sides=()
         for job in "$@"; do
             side=${#sides[@]}
@@ -76,13 +82,7 @@ for side, other in enumerate(rows[1:], start=1):
 PY
         ;;
     fullbatch)
-        for job in "$@"; do
-            recipe=${job%%[@:]*}
-            shape=${recipe#*_}
-            [[ $recipe == edge_grpo_* ]] && shape=${recipe#edge_grpo_}
-            [[ -f $SHAPES/$shape/config.json ]] || "$PY" benchmarks/real_shapes.py --output "$SHAPES" --shapes "$shape" \
-                --device cuda "${tiktoken[@]}" >> "$RUNS/$name/build.log" 2>&1
-        done
+        build_shapes "$@"
         EGPO_COUNT_VLLM_CALLS=1 EXTRA="--reward_funcs benchmarks.timing_rewards:coin_flip_reward --save_strategy no --save_final_model false ${EXTRA:-}" \
             STEPS=${STEPS:-2} bash benchmarks/gpu_recipes.sh "$RUNS/$name/runs" "$SHAPES" "$@" > "$RUNS/$name/recipes.log" 2>&1
         # How often each run synced the weights into vLLM, woke it and put it to sleep (once per generation batch each
