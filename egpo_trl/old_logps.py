@@ -20,7 +20,11 @@ one) is work for nothing. This module plans the pass:
   micro-batch then needs no attention mask: SDPA runs its causal flash kernel instead of the memory-efficient kernel
   with an explicit mask (measured on an H100: that masked kernel took 37% of the pass at 3,272 tokens per row), and
   each token sees the same tokens at the same positions as in TRL's pass. Anything else (other architectures or
-  attention implementations, sliding windows, holes in a mask) takes the masked path.
+  attention implementations, sliding windows, holes in a mask) takes the masked path. So do rotary embeddings
+  whose frequencies follow the largest position in the batch (``dynamic`` and ``longrope`` scaling: the padding
+  after a shifted row carries positions beyond the masked layout's, and the dynamic update persists into later
+  forwards), and PEFT prompt learning other than prefix tuning (prompt tuning, P-tuning: virtual tokens are
+  prepended to every row and ``position_ids`` are dropped).
 
 The log-probs themselves come from TRL's fused LM head (``add_fused_lm_head``, which ``GRPOTrainer`` installs on
 the policy): the model's own forward with ``fused_lm_head=True`` runs the backbone and projects only the scored
@@ -195,18 +199,49 @@ def _unwrapped_config(model: torch.nn.Module):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def _rope_types(config) -> set[str]:
+    """The rotary-embedding types a config names (``rope_parameters``, per layer type or not, and ``rope_scaling``)."""
+    kinds = set()
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, name, None)
+        if not isinstance(params, dict):
+            continue
+        entries = [value for value in params.values() if isinstance(value, dict)] or [params]
+        for entry in entries:
+            kind = entry.get("rope_type", entry.get("type"))
+            if kind is not None:
+                kinds.add(str(kind))
+    return kinds
+
+
+def _prepends_virtual_tokens(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a PEFT model whose active adapter prepends virtual tokens to the input embeddings (prompt
+    tuning, P-tuning and the like), which drops ``position_ids``. Prefix tuning only adds cached keys and values."""
+    peft_config = getattr(model, "active_peft_config", None)
+    if peft_config is None or not getattr(peft_config, "is_prompt_learning", False):
+        return False
+    peft_type = getattr(peft_config, "peft_type", None)
+    return str(getattr(peft_type, "value", peft_type)) != "PREFIX_TUNING"
+
+
 def can_realign(model: torch.nn.Module, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> bool:
     """Whether the pass may shift rows past their prompt padding and run without an attention mask.
 
     True for a decoder of :data:`REALIGN_MODEL_TYPES` with full causal attention in every layer under PyTorch's SDPA
     or eager attention (never FlashAttention, which reads packed sequences from ``position_ids``), when every prompt
     mask is zeros then ones and every completion mask ones then zeros, and every row with a scored token has a
-    prompt token before it.
+    prompt token before it. Never for rotary scalings whose frequencies follow the largest position of a forward
+    (``dynamic``, ``longrope``), nor under a PEFT prompt-learning adapter that prepends virtual tokens to the input
+    (prompt tuning, P-tuning; prefix tuning keeps the layout and is allowed).
     """
     config = _unwrapped_config(model)
     if config is None or getattr(config, "model_type", None) not in REALIGN_MODEL_TYPES:
         return False
     if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return False
+    if any("dynamic" in kind or kind == "longrope" for kind in _rope_types(config)):
+        return False  # frequencies that follow the largest position_ids of the forward
+    if _prepends_virtual_tokens(model):
         return False
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:

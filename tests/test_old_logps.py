@@ -42,20 +42,22 @@ def trainer(tmp_path_factory, tiny_model_dir):
     return trainer
 
 
-def trl_pass(trainer, batch, compute_entropy):
+def trl_pass(trainer, batch, compute_entropy, model=None):
+    """TRL's own helper over ``batch``, two rows at a time, with ``model`` (default: the trainer's policy)."""
+    model = trainer.model if model is None else model
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    trainer.model.eval()
+    model.eval()
     with torch.no_grad():
         logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model,
+            model,
             input_ids,
             attention_mask,
             batch["completion_ids"].size(1),
             batch_size=2,
             compute_entropy=compute_entropy,
         )
-    trainer.model.train()
+    model.train()
     return logps, entropies
 
 
@@ -293,6 +295,89 @@ def test_training_with_shifted_rows_matches_training_without(tmp_path, tiny_mode
                 assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-6), key
     for name, weight in results[False][1].items():
         torch.testing.assert_close(results[True][1][name], weight, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def fused_policy(trainer, model):
+    """``model`` with the fused LM head GRPOTrainer installs on its policy, in evaluation mode."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
+    return model.eval()
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "dynamic", "factor": 4.0},
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 8,
+            "long_factor": [4.0] * 8,
+            "original_max_position_embeddings": 24,
+        },
+    ],
+    ids=["dynamic", "longrope"],
+)
+def test_rotary_scaling_that_follows_the_longest_position_takes_the_masked_path(trainer, rope):
+    """Dynamic and LongRoPE scaling pick their frequencies from the largest position of a forward. The padding after
+    a shifted row carries positions past the masked layout's largest, which would change every row's values (and,
+    for dynamic scaling, the frequencies of later forwards too)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from egpo_trl.old_logps import can_realign, no_grad_completion_logps
+
+    # Positions up to 23 in the masked layout (12 + 12 columns): within the 24 the scaling starts after.
+    values = {**trainer.model.config.to_dict(), "max_position_embeddings": 24}
+    values["rope_parameters"] = {**rope, "rope_theta": 10000.0}
+    torch.manual_seed(0)
+    model = fused_policy(trainer, Qwen2ForCausalLM(Qwen2Config(**values, attn_implementation="eager")))
+    batch = padded_batch(model.config.vocab_size, [12, 1, 12, 2], [12, 12, 3, 5], seed=6)
+    assert not can_realign(model, batch["prompt_mask"], batch["completion_mask"])
+    autocast = trainer.accelerator.autocast  # as TRL's helper runs
+    expected_logps, expected_entropies = trl_pass(trainer, batch, compute_entropy=True, model=model)
+    model.eval()
+    logps, entropies = no_grad_completion_logps(
+        model, **batch, compute_entropy=True, tokens_per_batch=40, autocast=autocast
+    )
+    torch.testing.assert_close(logps, expected_logps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropies, expected_entropies, rtol=1e-5, atol=1e-5)
+    # Forced, the shifted layout gives other values, and TRL's own pass after it still gives its values.
+    shifted, _ = no_grad_completion_logps(model, **batch, tokens_per_batch=40, realign=True, autocast=autocast)
+    assert (shifted - expected_logps).abs().max() > 1e-4
+    if rope["rope_type"] == "longrope":
+        torch.testing.assert_close(trl_pass(trainer, batch, False, model=model)[0], expected_logps, rtol=0, atol=0)
+
+
+def test_prompt_tuning_adapter_takes_the_masked_path(trainer, tiny_model_dir):
+    """A PEFT prompt-tuning adapter prepends virtual tokens to every row and drops ``position_ids``: the shifted
+    layout would read other columns at other positions. LoRA and prefix tuning keep the layout and are exact."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from egpo_trl.old_logps import can_realign, no_grad_completion_logps
+
+    batch = padded_batch(trainer.model.config.vocab_size, [5, 9, 3, 9, 7, 1], [4, 11, 0, 7, 11, 2], seed=7)
+    adapters = {
+        "prompt": peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+        "prefix": peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+        "lora": peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    }
+    autocast = trainer.accelerator.autocast  # as TRL's helper runs
+    for name, adapter in adapters.items():
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="eager")
+        model = peft.get_peft_model(fused_policy(trainer, base), adapter).eval()
+        assert can_realign(model, batch["prompt_mask"], batch["completion_mask"]) == (name != "prompt"), name
+        expected_logps, expected_entropies = trl_pass(trainer, batch, compute_entropy=True, model=model)
+        model.eval()
+        logps, entropies = no_grad_completion_logps(
+            model, **batch, compute_entropy=True, tokens_per_batch=40, autocast=autocast
+        )
+        torch.testing.assert_close(logps, expected_logps, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(entropies, expected_entropies, rtol=1e-5, atol=1e-5, msg=name)
+        if name == "prompt":
+            shifted, _ = no_grad_completion_logps(model, **batch, tokens_per_batch=40, realign=True, autocast=autocast)
+            assert (shifted - expected_logps).abs().max() > 0.1
 
 
 @pytest.mark.parametrize(("name", "value"), [("egpo_entropy_tokens_per_batch", 0), ("egpo_entropy_batch_size", -2)])
