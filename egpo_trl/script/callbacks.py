@@ -103,5 +103,5 @@ class CompactProgressCallback(ProgressCallback):
             postfix["mixed"] = f"{logs['egpo/frac_mixed']:.2f}"
         if "egpo/entropy_gap" in logs:
             postfix["H gap"] = f"{logs['egpo/entropy_gap']:+.3f}"
-        if postfix:  # not the summary logged after the last step
+        if postfix:  # a step's metrics (the end-of-training summary has none, unless steps went unlogged)
             self.training_bar.set_postfix(postfix, refresh=True)
