@@ -12,7 +12,9 @@ one) is work for nothing. This module plans the pass:
   own padded width), or a fixed number of rows (``egpo_entropy_batch_size``);
 * each micro-batch is cut to its own longest completion: the columns after it are padding in every row, and
   positions after a token never change its log-prob in a causal model, so they are not computed. Prompts keep
-  their left padding, so every token keeps the position TRL's pass gives it.
+  their left padding, so every token keeps the position TRL's pass gives it. (Rotary scalings whose frequencies
+  follow the widest position of a forward, ``dynamic`` and ``longrope``, keep TRL's full width in every
+  micro-batch: cut, a forward could stay below the length where the scaling starts while TRL's passes it.)
 
 * when the model allows it (a Llama/Mistral/Qwen-family decoder with full causal attention in every layer, PyTorch's
   SDPA or eager attention) and the masks are plain padding (prompts padded on the left, completions on the right),
@@ -151,10 +153,12 @@ def no_grad_completion_logps(
         empty = completion_ids.new_zeros(batch, 0, dtype=torch.float32)
         return empty, (empty.clone() if compute_entropy else None)
     widths = completion_widths(completion_mask)
-    plan = plan_micro_batches(widths, prompt_width, tokens_per_batch, batch_size)
+    # Rotary scalings that follow the longest position of a forward give TRL's values only at TRL's full width.
+    plan_widths = torch.full_like(widths, num_columns) if _rope_follows_longest_position(model) else widths
+    plan = plan_micro_batches(plan_widths, prompt_width, tokens_per_batch, batch_size)
     target = _micro_batch_target(num_micro_batches, len(plan))
     if target > len(plan):
-        plan = plan_micro_batches(widths, prompt_width, tokens_per_batch, batch_size, num_micro_batches=target)
+        plan = plan_micro_batches(plan_widths, prompt_width, tokens_per_batch, batch_size, num_micro_batches=target)
     logps = torch.zeros(batch, num_columns, dtype=torch.float32, device=device)
     entropies = torch.zeros_like(logps) if compute_entropy else None
     if realign is None:
@@ -214,6 +218,13 @@ def _rope_types(config) -> set[str]:
     return kinds
 
 
+def _rope_follows_longest_position(model: torch.nn.Module) -> bool:
+    """Whether the model's rotary embedding picks its frequencies from the largest position of each forward
+    (``dynamic`` and ``longrope`` scaling): its values then depend on how wide the forward is."""
+    config = _unwrapped_config(model)
+    return config is not None and any("dynamic" in kind or kind == "longrope" for kind in _rope_types(config))
+
+
 def _prepends_virtual_tokens(model: torch.nn.Module) -> bool:
     """Whether ``model`` is a PEFT model whose active adapter prepends virtual tokens to the input embeddings (prompt
     tuning, P-tuning and the like), which drops ``position_ids``. Prefix tuning only adds cached keys and values."""
@@ -239,7 +250,7 @@ def can_realign(model: torch.nn.Module, prompt_mask: torch.Tensor, completion_ma
         return False
     if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
         return False
-    if any("dynamic" in kind or kind == "longrope" for kind in _rope_types(config)):
+    if _rope_follows_longest_position(model):
         return False  # frequencies that follow the largest position_ids of the forward
     if _prepends_virtual_tokens(model):
         return False

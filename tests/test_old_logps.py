@@ -341,8 +341,18 @@ def test_rotary_scaling_that_follows_the_longest_position_takes_the_masked_path(
     )
     torch.testing.assert_close(logps, expected_logps, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropies, expected_entropies, rtol=1e-5, atol=1e-5)
-    # Forced, the shifted layout gives other values, and TRL's own pass after it still gives its values.
-    shifted, _ = no_grad_completion_logps(model, **batch, tokens_per_batch=40, realign=True, autocast=autocast)
+    # Past the scaling's start (TRL's full width 24 > 20) a micro-batch cut to its own width would stay below it:
+    # the pass keeps TRL's full width for such models.
+    wide = Qwen2ForCausalLM(Qwen2Config(**{**values, "max_position_embeddings": 20}, attn_implementation="eager"))
+    wide.load_state_dict(model.state_dict())
+    wide = fused_policy(trainer, wide)
+    expected_wide, _ = trl_pass(trainer, batch, compute_entropy=False, model=wide)
+    wide.eval()
+    wide_logps, _ = no_grad_completion_logps(wide, **batch, tokens_per_batch=40, autocast=autocast)
+    torch.testing.assert_close(wide_logps, expected_wide, rtol=1e-5, atol=1e-5)
+    # Forced (all rows in one forward), the shifted layout gives other values; TRL's own pass after it still gives
+    # its values.
+    shifted, _ = no_grad_completion_logps(model, **batch, tokens_per_batch=10**6, realign=True, autocast=autocast)
     assert (shifted - expected_logps).abs().max() > 1e-4
     if rope["rope_type"] == "longrope":
         torch.testing.assert_close(trl_pass(trainer, batch, False, model=model)[0], expected_logps, rtol=0, atol=0)
@@ -376,7 +386,9 @@ def test_prompt_tuning_adapter_takes_the_masked_path(trainer, tiny_model_dir):
         torch.testing.assert_close(logps, expected_logps, rtol=1e-5, atol=1e-5, msg=name)
         torch.testing.assert_close(entropies, expected_entropies, rtol=1e-5, atol=1e-5, msg=name)
         if name == "prompt":
-            shifted, _ = no_grad_completion_logps(model, **batch, tokens_per_batch=40, realign=True, autocast=autocast)
+            shifted, _ = no_grad_completion_logps(
+                model, **batch, tokens_per_batch=10**6, realign=True, autocast=autocast
+            )
             assert (shifted - expected_logps).abs().max() > 0.1
 
 
