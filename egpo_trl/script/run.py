@@ -99,6 +99,8 @@ def precision_label(trainer) -> str:
     """
     mixed = trainer.accelerator.mixed_precision
     device = trainer.accelerator.device.type
+    if mixed != "no" and trainer.is_deepspeed_enabled:
+        return f"{mixed} (DeepSpeed) on {device}"  # DeepSpeed casts the model's weights; no autocast
     if mixed != "no":
         label = f"{mixed} autocast on {device}"
         return f"{label} (--bf16 false trains in float32)" if device == "cpu" and mixed == "bf16" else label
