@@ -199,7 +199,7 @@ def test_guided_error_correction_rewrites_incorrect_completions(tmp_path, tiny_m
 @pytest.mark.slow
 def test_guided_error_correction_needs_the_answer_column(tmp_path, tiny_model_dir):
     dataset = make_prompt_dataset().remove_columns("answer")
-    with pytest.raises(ValueError, match="`answer` column"):
+    with pytest.raises(ValueError, match="no 'answer' column, which edge_gec=True"):
         EGPOTrainer(tiny_model_dir, parity_reward, config(tmp_path, edge_gec=True), train_dataset=dataset)
 
 
