@@ -251,6 +251,7 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
         with colocate_on_cpu(self, model, args):
             super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
 
+        self._egpo_vllm_token_ids_only()
         self._egpo_estimator = get_advantage_estimator(args.advantage_estimator)
         self._egpo_entropy_input = get_entropy_input(self._egpo_estimator)
         #: What needs a binary correctness reward (see _egpo_correct), as named in the error.
@@ -271,6 +272,22 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
         self._egpo_round_inputs: list[dict[str, Any]] | None = None
         #: What the last generation batch computed (global tensors), for inspection and tests.
         self.egpo_last_batch: dict[str, Any] = {}
+
+    def _egpo_vllm_token_ids_only(self) -> None:
+        """Ask a colocated vLLM engine for token ids only (``detokenize=False``).
+
+        TRL reads the token ids of vLLM's outputs and decodes them itself; the text vLLM builds as it samples (and
+        the text of every returned log-prob's token) is thrown away, at a per-token cost on the CPU thread that
+        also drives the GPU. A run whose ``generation_kwargs`` set ``detokenize`` or ``stop`` strings (which need
+        the text) is left as it is. Server mode is left as it is too: the server decides.
+        """
+        generation = getattr(self, "vllm_generation", None)
+        if not getattr(self, "use_vllm", False) or getattr(generation, "mode", None) != "colocate":
+            return
+        kwargs = generation.generation_kwargs
+        if "detokenize" in kwargs or kwargs.get("stop"):
+            return
+        generation.generation_kwargs = {**kwargs, "detokenize": False}  # a copy: args.generation_kwargs stays as given
 
     @staticmethod
     def _with_overlong_reward(reward_funcs, args: EGPOConfig):

@@ -44,6 +44,15 @@ class Recorder(EGPOTrainer):
             self.sync_seconds.append(time.perf_counter() - start)
 
         self.vllm_generation.sync_weights = timed_sync
+        self.detokenize = []  # per generation call: the detokenize flags of the sampling parameters vLLM got
+        generate = self.vllm_generation.llm.generate
+
+        def recorded_generate(prompts, sampling_params=None, *args, **kwargs):
+            params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params]
+            self.detokenize.append(sorted({bool(p.detokenize) for p in params}))
+            return generate(prompts, sampling_params, *args, **kwargs)
+
+        self.vllm_generation.llm.generate = recorded_generate
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -60,6 +69,7 @@ class Recorder(EGPOTrainer):
         elif output.get("sampling_per_token_logps") is not None:  # the policy's own pass: vLLM's proxy is close
             sampler = sequence_entropy(output["sampling_per_token_logps"], output["completion_mask"])
             record["vs_sampler_max_abs_diff"] = (sampler - batch["entropies"]).abs().max().item()
+        record["completion_tokens"] = int(output["completion_mask"].sum().item())
         self.records.append(record)
         return output
 
@@ -128,6 +138,8 @@ def main() -> None:
         "extra_pass": [h["egpo/entropy_extra_pass"] for h in metrics],
         "cpu_weight_sync": bool(getattr(trainer.vllm_generation, "egpo_cpu_weight_sync", False)),
         "sync_seconds": trainer.sync_seconds,
+        "detokenize": trainer.detokenize,
+        "generation_kwargs": trainer.args.generation_kwargs,
         "step_seconds": [h["step_time"] for h in metrics if "step_time" in h],
         "stale_vs_trainer": (stale - current).abs().max().item(),
         "synced_vs_trainer": (synced - current).abs().max().item(),
