@@ -159,13 +159,16 @@ class EGPOConfig(GRPOConfig):
         egpo_entropy_batch_size (`int` or `None`, *optional*, defaults to `None`):
             Rows per micro-batch of that pass instead of a token budget; `None` uses
             `egpo_entropy_tokens_per_batch`.
-        egpo_shift_prompt_padding (`bool`, *optional*, defaults to `False`):
+        egpo_shift_prompt_padding (`bool`, *optional*, defaults to `True`):
             Run the loss's forward (and TRL's own old-policy and reference log-prob passes) with every row shifted
             left past its prompt padding, its tokens keeping their positions through `position_ids`, and no
             attention mask, so that PyTorch's SDPA runs its causal kernel instead of the masked one. EGPO's no-grad
             pass always does this where it is exact. Only for Llama, Mistral and Qwen-family decoders with full
             causal attention under SDPA or eager attention, text-only batches and masks that are plain padding;
-            anything else runs TRL's pass unchanged. The values are TRL's up to the two kernels' rounding.
+            anything else runs TRL's pass unchanged. The values are TRL's up to the two kernels' rounding. On by
+            default: at the 1.5B recipes' full per-GPU batch (128 completions of ~3,070 tokens, one H100) it took
+            the scoring and training part of a step from 21.2 s to 13.9 s (BENCHMARKS.md, floors section). `False`
+            gives TRL's passes exactly as `GRPOTrainer` runs them.
 
         > Parameters of the baselines (see `docs/baselines.md`)
 
@@ -322,11 +325,11 @@ class EGPOConfig(GRPOConfig):
         metadata={"help": "Rows per micro-batch of the no-grad log-prob pass; unset: egpo_entropy_tokens_per_batch."},
     )
     egpo_shift_prompt_padding: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": "Shift rows past their prompt padding (original positions, no attention mask) in the loss's "
             "forward and TRL's log-prob passes, so that SDPA runs its causal kernel; Llama/Mistral/Qwen decoders "
-            "with SDPA or eager attention only, anything else runs unchanged."
+            "with SDPA or eager attention only, anything else runs unchanged. false: TRL's passes as GRPOTrainer runs them."
         },
     )
     nsr_positive_weight: float = field(

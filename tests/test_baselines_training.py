@@ -111,7 +111,13 @@ def test_grpo_estimator_trains_exactly_like_trl(tmp_path, tiny_model_dir):
     ours = EGPOTrainer(
         tiny_model_dir,
         parity_reward,
-        config(tmp_path / "ours", max_steps=2, advantage_estimator="grpo", egpo_entropy_metrics=False),
+        config(
+            tmp_path / "ours",
+            max_steps=2,
+            advantage_estimator="grpo",
+            egpo_entropy_metrics=False,
+            egpo_shift_prompt_padding=False,
+        ),
         train_dataset=make_prompt_dataset(),
     )
     ours.train()

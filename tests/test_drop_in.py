@@ -90,7 +90,7 @@ def test_normalize_then_sum_with_grpo_trains_exactly_like_trl(tmp_path, tiny_mod
     egpo = EGPOTrainer(
         tiny_model_dir,
         funcs,
-        config(tmp_path / "e", advantage_estimator="grpo", **kwargs),
+        config(tmp_path / "e", advantage_estimator="grpo", egpo_shift_prompt_padding=False, **kwargs),
         train_dataset=make_prompt_dataset(),
     )
     egpo.train()

@@ -119,7 +119,7 @@ def test_egpo_switched_off_trains_exactly_like_grpo(tmp_path, tiny_model_dir, nu
     egpo = EGPOTrainer(
         tiny_model_dir,
         parity_reward,
-        config(tmp_path / "egpo", egpo_clamp="none", egpo_nsr=False, **kwargs),
+        config(tmp_path / "egpo", egpo_clamp="none", egpo_nsr=False, egpo_shift_prompt_padding=False, **kwargs),
         train_dataset=make_prompt_dataset(),
     )
     egpo.train()
