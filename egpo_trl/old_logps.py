@@ -283,9 +283,11 @@ def _realigned_forward(
     widths: torch.Tensor,
     compute_entropy: bool,
     autocast: Callable[[], AbstractContextManager],
+    full_width: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One micro-batch with every row shifted left past its prompt padding: ``[rows, width]`` log-probs (and
-    entropies) of the completion tokens, 0 after each row's ``widths``.
+    entropies) of the completion tokens, 0 after each row's ``widths``. The forward is cut to its longest row, or
+    with ``full_width`` keeps TRL's width (prompt plus completion columns).
 
     In TRL's layout a row's real tokens are contiguous, from column ``pad`` (its prompt padding) to the end of its
     completion, and column ``c`` has position ``c``. Here row ``i`` starts at column 0 with ``position_ids`` ``pad_i,
@@ -297,16 +299,18 @@ def _realigned_forward(
     device = prompt_ids.device
     prompt_lengths = prompt_mask.sum(dim=1)
     pads = prompt_width - prompt_lengths
-    length = max(int((prompt_lengths + widths).max()), 2)
     full = torch.cat([prompt_ids, completion_ids], dim=1)
+    length = full.size(1) if full_width else max(int((prompt_lengths + widths).max()), 2)
     columns = torch.arange(length, device=device)
     source = columns[None, :] + pads[:, None]  # the column of TRL's layout each shifted column holds
     input_ids = full.gather(1, source.clamp(max=full.size(1) - 1))
     completion_column = source - prompt_width
     scored = (completion_column >= 0) & (completion_column < widths[:, None])
     labels = input_ids.masked_fill(~scored, -100)
+    # Columns past a row's end (right padding, never attended to from its tokens) keep positions within TRL's width.
+    positions = source.clamp(max=max(full.size(1) - 1, 1))
     with autocast():
-        outputs = model(input_ids=input_ids, position_ids=source, labels=labels, fused_lm_head=True)
+        outputs = model(input_ids=input_ids, position_ids=positions, labels=labels, fused_lm_head=True)
     # log_probs[:, j] scores the token at shifted column j + 1; completion token k sits at column prompt_length + k.
     index = (prompt_lengths - 1).clamp(min=0)[:, None] + torch.arange(width, device=device)[None, :]
     index = index.clamp(max=outputs.log_probs.size(1) - 1)
@@ -326,10 +330,13 @@ def shifted_logps(
     batch_size: int | None = None,
     compute_entropy: bool = False,
     autocast: Callable[[], AbstractContextManager] = nullcontext,
+    full_width: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """TRL's ``_get_per_token_logps_and_entropies`` for a text-only batch, with every row shifted past its prompt
     padding (see :func:`can_realign`, which the caller checks): ``batch_size`` rows per forward (all by default), the
-    last ``logits_to_keep`` columns scored, each forward cut to its longest row. Works with and without gradients.
+    last ``logits_to_keep`` columns scored, each forward cut to its longest row, or with ``full_width`` kept at the
+    batch's width, so that passes over the same rows in other groupings run forwards of the same shapes (and round
+    alike). Works with and without gradients.
 
     Returns ``(logps, entropies)``, each ``[B, logits_to_keep]``, 0 where the completion mask is 0 after a row's last
     scored token (TRL's fused head gives 0 there too); ``entropies`` is ``None`` unless ``compute_entropy``.
@@ -342,7 +349,14 @@ def shifted_logps(
     for start in range(0, input_ids.size(0), batch_size):
         rows = slice(start, start + batch_size)
         logps, entropies = _realigned_forward(
-            model, prompt_ids[rows], prompt_mask[rows], completion_ids[rows], widths[rows], compute_entropy, autocast
+            model,
+            prompt_ids[rows],
+            prompt_mask[rows],
+            completion_ids[rows],
+            widths[rows],
+            compute_entropy,
+            autocast,
+            full_width=full_width,
         )
         all_logps.append(logps)
         all_entropies.append(entropies)

@@ -367,10 +367,19 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
     ):
         """TRL's log-prob pass, or with ``egpo_shift_prompt_padding`` the same with rows shifted past their prompt
         padding (:func:`egpo_trl.old_logps.shifted_logps`) where :func:`~egpo_trl.old_logps.can_realign` allows it:
-        text-only batches (no image inputs), no MoE auxiliary loss, and masks that are plain padding."""
+        text-only batches (no image inputs), masks that are plain padding, and no MoE auxiliary loss in the run
+        (TRL asks for it in the loss's forward only; a run with it keeps TRL's layout in every pass, so that the
+        policy ratio and the KL term compare log-probs of one layout).
+
+        When TRL compares two passes over the same rows (old-policy log-probs in the policy ratio, the reference
+        model's in the KL term), every shifted forward keeps TRL's full width: the old-policy pass and the loss's
+        micro-batches group the rows differently, and forwards cut to their longest row would have other shapes
+        and round differently. Otherwise (the paper's recipes: one optimizer step per generation batch, no
+        importance-sampling correction, no KL term) only the loss's forward runs, cut to its longest row."""
         if (
             getattr(self.args, "egpo_shift_prompt_padding", False)
             and not compute_aux_loss
+            and not getattr(self, "aux_loss_enabled", False)
             and logits_to_keep > 0
             and all(value is None for value in others.values())
         ):
@@ -387,6 +396,7 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
                     batch_size=batch_size,
                     compute_entropy=compute_entropy,
                     autocast=self.accelerator.autocast,
+                    full_width=self._trl_computes_old_logps() or self.beta != 0.0,
                 )
                 return logps, entropies, None
         return super()._get_per_token_logps_and_entropies(

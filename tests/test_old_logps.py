@@ -397,3 +397,110 @@ def test_pass_sizes_must_be_positive(tmp_path, name, value):
     # Last in this file: building a config resets accelerate's shared state, which the module's trainer uses.
     with pytest.raises(ValueError, match=name):
         config(tmp_path, **{name: value})
+
+
+class _PassRecorder(EGPOTrainer):
+    """EGPOTrainer that records, for every log-prob pass, its width, the widths and masks of the model's forwards
+    inside it, and its log-probs per row (keyed by the row's tokens)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.passes = []
+        self._forwards = None
+
+        def record(module, args, kwargs):
+            if self._forwards is not None:
+                self._forwards.append((kwargs["input_ids"].size(1), kwargs.get("attention_mask") is None))
+
+        self.model.register_forward_pre_hook(record, with_kwargs=True)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        self._forwards = []
+        try:
+            result = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+            )
+        finally:
+            forwards, self._forwards = self._forwards, None
+        rows = {
+            tuple(ids[mask.bool()].tolist()): logps.detach().clone()
+            for ids, mask, logps in zip(input_ids, attention_mask, result[0])
+        }
+        self.passes.append(
+            {"grad": torch.is_grad_enabled(), "width": input_ids.size(1), "forwards": forwards, "rows": rows}
+        )
+        return result
+
+
+def test_shifted_passes_keep_trls_width_when_trl_compares_two_of_them(tmp_path, tiny_model_dir):
+    """With TRL's old-policy log-probs in the ratio (num_iterations 2), every shifted forward keeps TRL's width, so
+    that the old-policy pass and the loss's forwards round alike: the first iteration's ratio is exactly 1. With one
+    optimizer step per generation batch (no old-policy pass) the loss's forwards are cut to their longest row."""
+    found = {}
+    for iterations in (2, 1):
+        args = config(
+            tmp_path / str(iterations),
+            max_steps=1,
+            num_iterations=iterations,
+            per_device_train_batch_size=2,  # 2-row forwards, grouped otherwise in the loss (shuffled) than before
+            gradient_accumulation_steps=4,
+            bf16=False,
+        )
+        assert args.egpo_shift_prompt_padding  # the default
+        trainer = _PassRecorder(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+        trainer.train()
+        found[iterations] = trainer.passes
+    old = [p for p in found[2] if not p["grad"]]
+    loss = [p for p in found[2] if p["grad"]]
+    assert old and loss
+    for record in found[2]:  # shifted (no mask), at TRL's full width
+        assert record["forwards"] and all(
+            no_mask and width == record["width"] for width, no_mask in record["forwards"]
+        )
+    old_rows = {row: logps for record in old for row, logps in record["rows"].items()}
+    compared = 0
+    for record in loss:  # one optimizer step, at its end: every loss forward ran the old policy
+        for row, logps in record["rows"].items():
+            assert torch.equal(logps, old_rows[row])
+            compared += 1
+    assert compared > 0
+    # One optimizer step per generation batch: no old-policy pass, each forward cut to its longest row.
+    assert all(p["grad"] for p in found[1])
+    widths = [(width, p["width"]) for p in found[1] for width, _ in p["forwards"]]
+    assert widths and all(width <= full for width, full in widths) and any(width < full for width, full in widths)
+
+
+def test_moe_auxiliary_loss_keeps_trls_layout_in_every_pass(tmp_path, tiny_model_dir):
+    """A mixture-of-experts model whose router loss TRL adds to the loss: TRL asks for it in the loss's forward
+    only, so every pass (the old-policy one too) keeps TRL's masked layout, and the ratio compares one layout."""
+    from transformers import AutoTokenizer, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    moe_config = Qwen2MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    assert moe_config.router_aux_loss_coef != 0
+    moe_dir = tmp_path / "tiny-moe"
+    Qwen2MoeForCausalLM(moe_config).save_pretrained(moe_dir)
+    tokenizer.save_pretrained(moe_dir)
+    args = config(tmp_path / "run", max_steps=1, num_iterations=2, bf16=False)
+    trainer = _PassRecorder(str(moe_dir), parity_reward, args, train_dataset=make_prompt_dataset())
+    assert trainer.aux_loss_enabled
+    trainer.train()
+    assert any(not p["grad"] for p in trainer.passes) and any(p["grad"] for p in trainer.passes)
+    for record in trainer.passes:  # TRL's masked layout everywhere
+        assert record["forwards"] and not any(no_mask for _, no_mask in record["forwards"])

@@ -122,6 +122,7 @@ def main() -> None:
     )
     trainer = Recorder(model=cli.model, reward_funcs=parity_reward, args=args, train_dataset=make_prompt_dataset())
     trainer.train()
+    detokenize = list(trainer.detokenize)  # the training's generation calls, not the checks below
 
     from transformers import AutoModelForCausalLM
 
@@ -138,7 +139,7 @@ def main() -> None:
         "extra_pass": [h["egpo/entropy_extra_pass"] for h in metrics],
         "cpu_weight_sync": bool(getattr(trainer.vllm_generation, "egpo_cpu_weight_sync", False)),
         "sync_seconds": trainer.sync_seconds,
-        "detokenize": trainer.detokenize,
+        "detokenize": detokenize,
         "generation_kwargs": trainer.args.generation_kwargs,
         "step_seconds": [h["step_time"] for h in metrics if "step_time" in h],
         "stale_vs_trainer": (stale - current).abs().max().item(),
