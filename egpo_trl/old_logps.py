@@ -307,10 +307,8 @@ def _realigned_forward(
     completion_column = source - prompt_width
     scored = (completion_column >= 0) & (completion_column < widths[:, None])
     labels = input_ids.masked_fill(~scored, -100)
-    # Columns past a row's end (right padding, never attended to from its tokens) keep positions within TRL's width.
-    positions = source.clamp(max=max(full.size(1) - 1, 1))
     with autocast():
-        outputs = model(input_ids=input_ids, position_ids=positions, labels=labels, fused_lm_head=True)
+        outputs = model(input_ids=input_ids, position_ids=source, labels=labels, fused_lm_head=True)
     # log_probs[:, j] scores the token at shifted column j + 1; completion token k sits at column prompt_length + k.
     index = (prompt_lengths - 1).clamp(min=0)[:, None] + torch.arange(width, device=device)[None, :]
     index = index.clamp(max=outputs.log_probs.size(1) - 1)
