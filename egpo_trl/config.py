@@ -167,11 +167,10 @@ class EGPOConfig(GRPOConfig):
             causal attention under SDPA or eager attention, text-only batches and masks that are plain padding,
             and runs without a mixture-of-experts router loss; anything else runs TRL's pass unchanged. Where TRL
             compares two passes (old-policy log-probs in the ratio, a reference model's in the KL term), every
-            forward keeps TRL's width so that the passes round alike. The values are TRL's up to the two kernels'
-            rounding. On by
-            default: at the 1.5B recipes' full per-GPU batch (128 completions of ~3,070 tokens, one H100) it took
-            the scoring and training part of a step from 21.2 s to 13.9 s (BENCHMARKS.md, floors section). `False`
-            gives TRL's passes exactly as `GRPOTrainer` runs them.
+            forward keeps TRL's width, so that both run the backbone at the same shapes. The values are TRL's up to
+            the two kernels' rounding. On by default: at the 1.5B recipes' full per-GPU batch (128 completions of
+            ~3,070 tokens, one H100) it took the scoring and training part of a step from 21.2 s to 13.9 s
+            (BENCHMARKS.md, floors section). `False` gives TRL's passes exactly as `GRPOTrainer` runs them.
 
         > Parameters of the baselines (see `docs/baselines.md`)
 

@@ -300,7 +300,7 @@ def _realigned_forward(
     prompt_lengths = prompt_mask.sum(dim=1)
     pads = prompt_width - prompt_lengths
     full = torch.cat([prompt_ids, completion_ids], dim=1)
-    length = full.size(1) if full_width else max(int((prompt_lengths + widths).max()), 2)
+    length = max(full.size(1) if full_width else int((prompt_lengths + widths).max()), 2)
     columns = torch.arange(length, device=device)
     source = columns[None, :] + pads[:, None]  # the column of TRL's layout each shifted column holds
     input_ids = full.gather(1, source.clamp(max=full.size(1) - 1))
@@ -333,8 +333,8 @@ def shifted_logps(
     """TRL's ``_get_per_token_logps_and_entropies`` for a text-only batch, with every row shifted past its prompt
     padding (see :func:`can_realign`, which the caller checks): ``batch_size`` rows per forward (all by default), the
     last ``logits_to_keep`` columns scored, each forward cut to its longest row, or with ``full_width`` kept at the
-    batch's width, so that passes over the same rows in other groupings run forwards of the same shapes (and round
-    alike). Works with and without gradients.
+    batch's width, so that passes over the same rows in other groupings run the backbone at the same shapes. Works
+    with and without gradients.
 
     Returns ``(logps, entropies)``, each ``[B, logits_to_keep]``, 0 where the completion mask is 0 after a row's last
     scored token (TRL's fused head gives 0 there too); ``entropies`` is ``None`` unless ``compute_entropy``.

@@ -373,8 +373,10 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
 
         When TRL compares two passes over the same rows (old-policy log-probs in the policy ratio, the reference
         model's in the KL term), every shifted forward keeps TRL's full width: the old-policy pass and the loss's
-        micro-batches group the rows differently, and forwards cut to their longest row would have other shapes
-        and round differently. Otherwise (the paper's recipes: one optimizer step per generation batch, no
+        micro-batches group the rows differently, and forwards cut to their longest row would run the backbone at
+        other shapes. (As in TRL's own layout, the fused LM head on a GPU still scores another number of tokens per
+        forward, and dynamic sampling pads reassembled batches wider than a round's old-policy pass, so the two
+        passes can differ by rounding.) Otherwise (the paper's recipes: one optimizer step per generation batch, no
         importance-sampling correction, no KL term) only the loss's forward runs, cut to its longest row."""
         if (
             getattr(self.args, "egpo_shift_prompt_padding", False)

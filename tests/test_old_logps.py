@@ -410,7 +410,11 @@ class _PassRecorder(EGPOTrainer):
 
         def record(module, args, kwargs):
             if self._forwards is not None:
-                self._forwards.append((kwargs["input_ids"].size(1), kwargs.get("attention_mask") is None))
+                no_mask = kwargs.get("attention_mask") is None
+                positions = kwargs.get("position_ids")
+                if no_mask:  # each row's positions rise by one: transformers sees no packed sequences to mask
+                    assert positions is not None and bool((positions.diff(dim=1) == 1).all())
+                self._forwards.append((kwargs["input_ids"].size(1), no_mask))
 
         self.model.register_forward_pre_hook(record, with_kwargs=True)
 
@@ -426,8 +430,16 @@ class _PassRecorder(EGPOTrainer):
             tuple(ids[mask.bool()].tolist()): logps.detach().clone()
             for ids, mask, logps in zip(input_ids, attention_mask, result[0])
         }
+        prompt_mask, completion_mask = attention_mask[:, :-logits_to_keep], attention_mask[:, -logits_to_keep:]
+        needed = int((prompt_mask.sum(dim=1) + completion_widths(completion_mask)).max())  # the longest row
         self.passes.append(
-            {"grad": torch.is_grad_enabled(), "width": input_ids.size(1), "forwards": forwards, "rows": rows}
+            {
+                "grad": torch.is_grad_enabled(),
+                "width": input_ids.size(1),
+                "needed": needed,
+                "forwards": forwards,
+                "rows": rows,
+            }
         )
         return result
 
@@ -453,6 +465,7 @@ def test_shifted_passes_keep_trls_width_when_trl_compares_two_of_them(tmp_path, 
     old = [p for p in found[2] if not p["grad"]]
     loss = [p for p in found[2] if p["grad"]]
     assert old and loss
+    assert any(p["needed"] < p["width"] for p in loss)  # a loss micro-batch that a cut forward would have narrowed
     for record in found[2]:  # shifted (no mask), at TRL's full width
         assert record["forwards"] and all(
             no_mask and width == record["width"] for width, no_mask in record["forwards"]
@@ -493,14 +506,21 @@ def test_moe_auxiliary_loss_keeps_trls_layout_in_every_pass(tmp_path, tiny_model
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    assert moe_config.router_aux_loss_coef != 0
-    moe_dir = tmp_path / "tiny-moe"
-    Qwen2MoeForCausalLM(moe_config).save_pretrained(moe_dir)
-    tokenizer.save_pretrained(moe_dir)
-    args = config(tmp_path / "run", max_steps=1, num_iterations=2, bf16=False)
-    trainer = _PassRecorder(str(moe_dir), parity_reward, args, train_dataset=make_prompt_dataset())
-    assert trainer.aux_loss_enabled
-    trainer.train()
-    assert any(not p["grad"] for p in trainer.passes) and any(p["grad"] for p in trainer.passes)
-    for record in trainer.passes:  # TRL's masked layout everywhere
-        assert record["forwards"] and not any(no_mask for _, no_mask in record["forwards"])
+    router_loss = moe_config.router_aux_loss_coef
+    assert router_loss != 0
+    model = Qwen2MoeForCausalLM(moe_config)
+    passes = {}
+    for coefficient in (router_loss, 0.0):
+        model.config.router_aux_loss_coef = coefficient
+        moe_dir = tmp_path / f"tiny-moe-{coefficient}"
+        model.save_pretrained(moe_dir)
+        tokenizer.save_pretrained(moe_dir)
+        args = config(tmp_path / f"run-{coefficient}", max_steps=1, num_iterations=2, bf16=False)
+        trainer = _PassRecorder(str(moe_dir), parity_reward, args, train_dataset=make_prompt_dataset())
+        assert trainer.aux_loss_enabled == (coefficient != 0)
+        trainer.train()
+        assert any(not p["grad"] for p in trainer.passes) and any(p["grad"] for p in trainer.passes)
+        passes[coefficient] = [no_mask for p in trainer.passes for _, no_mask in p["forwards"]]
+    with_loss, without_loss = passes[router_loss], passes[0.0]
+    assert with_loss and not any(with_loss)  # TRL's masked layout in every pass
+    assert without_loss and all(without_loss)  # the same model without the router loss: shifted in every pass
