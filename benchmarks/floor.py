@@ -10,7 +10,7 @@ checkpointing; the architecture comes from ``--model-config`` (a folder with ``c
 ``benchmarks/real_shapes.py``) or the recipe's local model folder. Per logged step, per GPU:
 
 * **generation** (``timing/generation_s``: vLLM's wake-up, weight sync and sampling) against vLLM alone on the same
-  rollouts (``--vllm-alone-s``, measured on the same machine) and against the decode bandwidth bound: every decode
+  rollouts (``--vllm-alone-s``, measured on the same machine with ``benchmarks/vllm_alone.py``) and against the decode bandwidth bound: every decode
   step reads the weights once and each sequence's KV cache so far, ``L * 2N + B * kv * (L * P + L (L + 1) / 2)``
   bytes for ``B`` completions of ``L`` tokens after ``P`` prompt tokens, at the card's HBM bandwidth (3.35 TB/s for
   an H100 SXM, 4.8 for an H200);

@@ -172,6 +172,40 @@ def test_is_gap_measures_vllm_against_the_trainer_on_cpu(tmp_path):
     assert "| builtin:tiny-math-qwen2 | 32 |" in done.stdout
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_alone_times_the_batch_with_and_without_text_on_cpu(tmp_path):
+    pytest.importorskip("vllm")
+    from egpo_trl.vllm_cpu import is_vllm_cpu_build
+
+    if not is_vllm_cpu_build():
+        pytest.skip("needs the CPU build of vLLM (`make test-vllm`)")
+    out = tmp_path / "alone.json"
+    env = {**ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    done = subprocess.run(
+        [sys.executable, "benchmarks/vllm_alone.py", "--model", "builtin:tiny-math-qwen2", "--device", "cpu",
+         "--prompts", "synthetic", "--num-prompts", "2", "--num-generations", "3", "--max-tokens", "12", "--text",
+         "--gpu-memory-utilization", "0.2", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(row["mode"], row["repeat"]) for row in rows] == [
+        ("token ids", 0),
+        ("text", 0),
+        ("token ids", 1),
+        ("text", 1),
+    ]
+    for row in rows:
+        assert row["completions"] == 6 and 0 < row["mean_length"] <= 12 and row["seconds"] > 0
+    # Building the text does not change what is sampled: the same seeds give the same tokens in both modes.
+    assert (
+        rows[0]["tokens_sha256"] == rows[1]["tokens_sha256"] and rows[2]["tokens_sha256"] == rows[3]["tokens_sha256"]
+    )
+    assert rows[0]["tokens_sha256"] != rows[2]["tokens_sha256"]  # each repeat draws its own seeds
+    assert "| builtin:tiny-math-qwen2 | token ids | 0 | 6 | 12 |" in done.stdout
+
+
 def test_entropy_pass_times_trls_helper_and_the_planned_pass_on_the_tiny_model(tmp_path):
     out_json = tmp_path / "entropy_pass.json"
     out = run("benchmarks/entropy_pass.py", "--tiny", "--lengths", "spread", "--entropy", "--temperature", "0.7",

