@@ -169,8 +169,8 @@ class EGPOConfig(GRPOConfig):
             compares two passes (old-policy log-probs in the ratio, a reference model's in the KL term), every
             forward keeps TRL's width, so that both run the backbone at the same shapes. The values are TRL's up to
             the two kernels' rounding. On by default: at the 1.5B recipes' full per-GPU batch (128 completions of
-            ~3,070 tokens, one H100) it took the scoring and training part of a step from 21.2 s to 13.9 s
-            (BENCHMARKS.md, floors section). `False` gives TRL's passes exactly as `GRPOTrainer` runs them.
+            ~3,070 tokens, one H100) it took the scoring and training part of a step from 20.2-21.5 s to
+            13.8-14.8 s (BENCHMARKS.md, floors section). `False` gives TRL's passes exactly as `GRPOTrainer` runs them.
 
         > Parameters of the baselines (see `docs/baselines.md`)
 
