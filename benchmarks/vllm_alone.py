@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from is_gap import _prompts  # noqa: E402
 
-from egpo_trl.resume_state import generation_seed  # noqa: E402
+from egpo_trl.resume_state import seeded_sampling_params  # noqa: E402
 
 
 def measure(args) -> list[dict]:
@@ -68,7 +68,7 @@ def measure(args) -> list[dict]:
     startup = time.perf_counter() - start
 
     def params(detokenize: bool, repeat: int) -> list:
-        one = SamplingParams(
+        plain = SamplingParams(
             n=1,
             temperature=args.temperature,
             top_p=1.0,
@@ -79,12 +79,7 @@ def measure(args) -> list[dict]:
             ignore_eos=args.ignore_eos,
             detokenize=detokenize,
         )
-        seeded = []
-        for index in range(len(requests)):
-            copy = one.clone()
-            copy.seed = generation_seed(args.seed, repeat, 0, 0, index)
-            seeded.append(copy)
-        return seeded
+        return seeded_sampling_params(plain, len(requests), args.seed, repeat, 0, 0)  # as the trainer seeds them
 
     llm.generate(requests, params(False, -1), use_tqdm=False)  # warm-up: CUDA graphs, caches
     modes = [("token ids", False)] + ([("text", True)] if args.text else [])

