@@ -17,10 +17,15 @@ checkpointing; the architecture comes from ``--model-config`` (a folder with ``c
 * **old log-prob pass** (``timing/old_logps_s``) against its forward FLOPs, ``2 * N * B * (P + L)``;
 * **scoring + training** (the step minus ``timing/generate_and_score_s``: rewards, the loss's forward, backward and
   the optimizer step) against ``6 * N * B * (P + L)`` FLOPs, times 4/3 with gradient checkpointing;
+* **Guided Error Correction** (``timing/gec_s``, EDGE-GRPO) against the decode bandwidth bound of its continuations:
+  ``gec/frac_reflect * B`` rows continued for the recipe's ``edge_gec_max_new_tokens`` (random weights never stop
+  earlier) after ``P`` prompt tokens and the kept part of the completion.
 
 FLOPs at ``--mfu`` (50%) of the card's dense bf16 peak (989 TFLOP/s for H100 and H200 SXM). ``L`` is the step's mean
-completion length. Prints one table and writes ``--summary`` rows: those of ``benchmarks/summarize_recipe_runs.py``
-(which carry ``old_logps_s`` and ``mean_length``) plus the floors and ratios.
+completion length. The matrix floors above leave attention's own FLOPs out; the ``*_attn`` floors add them: per
+layer and row, ``2 * heads * head_dim * T^2`` for the causal score and value products of ``T = P + L`` tokens (x3 for
+forward and backward, x4/3 with checkpointing). Prints one table and writes ``--summary`` rows: those of
+``benchmarks/summarize_recipe_runs.py`` (which carry ``old_logps_s`` and ``mean_length``) plus the floors and ratios.
 """
 
 from __future__ import annotations
@@ -53,7 +58,12 @@ def architecture(config: dict) -> dict:
     attention += heads * head_dim + 2 * kv_heads * head_dim  # q/k/v biases (Qwen2)
     mlp = 3 * d * inner
     params = layers * (attention + mlp + 2 * d) + d + vocab * d * (1 if config.get("tie_word_embeddings") else 2)
-    return {"parameters": params, "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * BYTES_BF16}
+    return {
+        "parameters": params,
+        "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * BYTES_BF16,
+        # causal attention's score (Q K^T) and value (P V) products, forward, per row of T tokens: x T^2
+        "attention_flops_per_t2": 2 * layers * heads * head_dim,
+    }
 
 
 def load_config(args, recipe: dict) -> dict:
@@ -105,7 +115,10 @@ def floors(args, run: Path) -> list[dict]:
         per_gpu = args.completions_per_gpu
     checkpointing = str(option(argv, "gradient_checkpointing", recipe.get("gradient_checkpointing", False)))
     checkpointing = checkpointing.lower() in ("true", "1", "yes")
+    recompute = 4 / 3 if checkpointing else 1
     flops_per_s = args.mfu * peak_tflops * 1e12
+    max_length = int(option(argv, "max_completion_length", recipe.get("max_completion_length", 0)) or 0)
+    gec_new = int(option(argv, "edge_gec_max_new_tokens", recipe.get("edge_gec_max_new_tokens", 1024)))
     out = []
     for row in rows:
         length = row.get("mean_length")
@@ -115,6 +128,7 @@ def floors(args, run: Path) -> list[dict]:
         prompt = args.prompt_length
         tokens = per_gpu * (prompt + length)
         decode_bytes = length * BYTES_BF16 * params + per_gpu * kv * (length * prompt + length * (length + 1) / 2)
+        attention = per_gpu * arch["attention_flops_per_t2"] * (prompt + length) ** 2
         floor = {
             "card": args.card,
             "parameters": params,
@@ -124,22 +138,41 @@ def floors(args, run: Path) -> list[dict]:
             "vllm_alone_s": args.vllm_alone_s,
             "floor_generation_s": decode_bytes / (bandwidth * 1e12),
             "floor_old_logps_s": 2 * params * tokens / flops_per_s,
-            "floor_training_s": 6 * params * tokens * (4 / 3 if checkpointing else 1) / flops_per_s,
+            "floor_training_s": 6 * params * tokens * recompute / flops_per_s,
+            "floor_old_logps_attn_s": (2 * params * tokens + attention) / flops_per_s,
+            "floor_training_attn_s": (6 * params * tokens + 3 * attention) * recompute / flops_per_s,
+            "floor_gec_s": 0.0,
         }
         if not row.get("old_logps_s"):
-            floor["floor_old_logps_s"] = 0.0  # no pass this step (TRL's log-probs reused, or not needed)
+            floor["floor_old_logps_s"] = floor["floor_old_logps_attn_s"] = 0.0  # no pass this step
+        if row.get("gec_s") is not None and row.get("gec_frac_reflect") and max_length:
+            # Continued rows keep max_length - room tokens of their completion (room: the new tokens' share).
+            rows_continued = row["gec_frac_reflect"] * per_gpu
+            new = min(gec_new, max_length // 2)
+            start = prompt + max_length - new
+            gec_bytes = new * BYTES_BF16 * params + rows_continued * kv * (new * start + new * (new + 1) / 2)
+            floor["floor_gec_s"] = gec_bytes / (bandwidth * 1e12)
         generation_floor = max(floor["floor_generation_s"], args.vllm_alone_s or 0.0)
-        floor["floor_step_s"] = generation_floor + floor["floor_old_logps_s"] + floor["floor_training_s"]
+        floor["floor_step_s"] = (
+            generation_floor + floor["floor_old_logps_s"] + floor["floor_gec_s"] + floor["floor_training_s"]
+        )
         for phase, measured in (
             ("generation", row.get("generation_s")),
             ("old_logps", row.get("old_logps_s")),
+            ("old_logps_attn", row.get("old_logps_s")),
+            ("gec", row.get("gec_s")),
             ("training", row.get("rest_s")),
+            ("training_attn", row.get("rest_s")),
         ):
             bound = floor[f"floor_{phase}_s"]
             floor[f"ratio_{phase}"] = measured / bound if measured is not None and bound else None
         if args.vllm_alone_s and row.get("generation_s") is not None:
             floor["ratio_generation_vllm_alone"] = row["generation_s"] / args.vllm_alone_s
         floor["ratio_step"] = row["step_s"] / floor["floor_step_s"]
+        floor["floor_step_attn_s"] = (
+            generation_floor + floor["floor_old_logps_attn_s"] + floor["floor_gec_s"] + floor["floor_training_attn_s"]
+        )
+        floor["ratio_step_attn"] = row["step_s"] / floor["floor_step_attn_s"]
         out.append({**row, **floor})
     return out
 
@@ -172,9 +205,14 @@ def table(rows: list[dict]) -> str:
         phases = [
             ("generation", row["generation_s"], row["floor_generation_s"], "decode bandwidth"),
             ("old log-prob pass", row["old_logps_s"], row["floor_old_logps_s"], "2N FLOPs/token"),
+            ("old log-prob pass", row["old_logps_s"], row["floor_old_logps_attn_s"], "2N FLOPs/token + attention"),
             ("scoring + training", row["rest_s"], row["floor_training_s"], "6N FLOPs/token (x4/3 ckpt)"),
+            ("scoring + training", row["rest_s"], row["floor_training_attn_s"], "6N FLOPs/token + attention"),
             ("step", row["step_s"], row["floor_step_s"], "sum"),
+            ("step", row["step_s"], row["floor_step_attn_s"], "sum, with attention"),
         ]
+        if row.get("floor_gec_s"):
+            phases.insert(-2, ("GEC", row["gec_s"], row["floor_gec_s"], "continuations' decode bandwidth"))
         if row.get("vllm_alone_s"):
             phases.insert(1, ("generation", row["generation_s"], row["vllm_alone_s"], "vLLM alone"))
         for name, measured, bound, what in phases:

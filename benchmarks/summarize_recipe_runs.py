@@ -105,6 +105,7 @@ def summarize(folder: Path) -> list[dict]:
                 generation_s=generation,
                 old_logps_s=old_logps,
                 gec_s=record.get("timing/gec_s"),
+                gec_frac_reflect=record.get("gec/frac_reflect"),
                 rest_s=step_time - scored if scored is not None else None,
                 mean_length=mean_length,
                 tokens_per_s=completions * mean_length / step_time if mean_length else None,

