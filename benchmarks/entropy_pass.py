@@ -189,12 +189,17 @@ def run(argv: list[str] | None = None) -> list[dict]:
     model = trainer.model
     device = next(model.parameters()).device
     params = sum(p.numel() for p in model.parameters())
+    # The weights a token is multiplied by: an untied input embedding is a lookup, not a product.
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight.data_ptr() == embedding.data_ptr()
+    matmul_params = params - (0 if tied else embedding.numel())
     vocab_size = model.config.get_text_config().vocab_size
     batch = synthetic_batch(
         vocab_size, args.completions, args.prompt_length, args.completion_length, args.lengths, 0, device
     )
     tokens = int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
-    floor = 2 * params * tokens / (args.mfu * args.peak_tflops * 1e12)
+    floor = 2 * matmul_params * tokens / (args.mfu * args.peak_tflops * 1e12)
 
     def trl_pass():
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
@@ -260,7 +265,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
     print(
         f"model {args.model} ({params / 1e9:.3f}B parameters, {dtype}) on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; "
         f"{args.completions} completions, {tokens} tokens present ({args.lengths} lengths), entropy {args.entropy}; "
-        f"floor = 2 * params * tokens at {args.mfu:.0%} of {args.peak_tflops:g} TFLOP/s = {floor:.3f} s; "
+        f"floor = 2 * {matmul_params / 1e9:.3f}B multiplied parameters * tokens at {args.mfu:.0%} of {args.peak_tflops:g} TFLOP/s = {floor:.3f} s; "
         f"rows shifted past prompt padding: {can_realign(model, batch['prompt_mask'], batch['completion_mask'])}"
     )
     print(f"{'pass':<40} {'seconds':>9} {'x floor':>8} {'peak GiB':>9} {'max |dlogp|':>12}")  # vs trl, or vs egpo
@@ -274,6 +279,7 @@ def run(argv: list[str] | None = None) -> list[dict]:
         meta = {
             "model": args.model,
             "parameters": params,
+            "matmul_parameters": matmul_params,
             "dtype": dtype,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "completions": args.completions,

@@ -17,12 +17,14 @@ checkpointing; the architecture comes from ``--model-config`` (a folder with ``c
 * **old log-prob pass** (``timing/old_logps_s``) against its forward FLOPs, ``2 * N * B * (P + L)``;
 * **scoring + training** (the step minus ``timing/generate_and_score_s``: rewards, the loss's forward, backward and
   the optimizer step) against ``6 * N * B * (P + L)`` FLOPs, times 4/3 with gradient checkpointing;
-* **Guided Error Correction** (``timing/gec_s``, EDGE-GRPO) against the decode bandwidth bound of its continuations:
-  ``gec/frac_reflect * B`` rows continued for the recipe's ``edge_gec_max_new_tokens`` (random weights never stop
-  earlier) after ``P`` prompt tokens and the kept part of the completion.
+* **Guided Error Correction** (``timing/gec_s``, EDGE-GRPO: the continuations, and the scoring and rewriting around
+  them) against the decode bandwidth bound of its continuations: ``gec/frac_reflect * B`` rows, each continued for
+  the recipe's ``edge_gec_max_new_tokens`` (random weights never stop earlier; a continuation that stops early does
+  less work than this bound) after ``P`` prompt tokens and the kept part of its completion.
 
 FLOPs at ``--mfu`` (50%) of the card's dense bf16 peak (989 TFLOP/s for H100 and H200 SXM). ``L`` is the step's mean
-completion length. The matrix floors above leave attention's own FLOPs out; the ``*_attn`` floors add them: per
+completion length. ``N`` counts the weights a token is multiplied by: an untied input embedding is a lookup and is
+left out (of the bytes a decode step reads too). The matrix floors above leave attention's own FLOPs out; the ``*_attn`` floors add them: per
 layer and row, ``2 * heads * head_dim * T^2`` for the causal score and value products of ``T = P + L`` tokens (x3 for
 forward and backward, x4/3 with checkpointing). Prints one table and writes ``--summary`` rows: those of
 ``benchmarks/summarize_recipe_runs.py`` (which carry ``old_logps_s`` and ``mean_length``) plus the floors and ratios.
@@ -48,7 +50,8 @@ BYTES_BF16 = 2
 
 
 def architecture(config: dict) -> dict:
-    """Parameters and KV-cache bytes per token (bf16) of a decoder-only transformer's ``config.json``."""
+    """Parameters (all, and those a token is multiplied by), KV-cache bytes per token (bf16) and causal attention's
+    FLOPs per squared row length of a decoder-only transformer's ``config.json``."""
     d, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
@@ -57,9 +60,13 @@ def architecture(config: dict) -> dict:
     attention = d * heads * head_dim + 2 * d * kv_heads * head_dim + heads * head_dim * d
     attention += heads * head_dim + 2 * kv_heads * head_dim  # q/k/v biases (Qwen2)
     mlp = 3 * d * inner
-    params = layers * (attention + mlp + 2 * d) + d + vocab * d * (1 if config.get("tie_word_embeddings") else 2)
+    tied = bool(config.get("tie_word_embeddings"))
+    params = layers * (attention + mlp + 2 * d) + d + vocab * d * (1 if tied else 2)
     return {
         "parameters": params,
+        # The weights a token multiplies: an untied input embedding is a lookup (no product, and a decode step reads
+        # only its own rows), so it counts in neither the FLOP floors nor the bytes a decode step reads.
+        "matmul_parameters": params - (0 if tied else vocab * d),
         "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * BYTES_BF16,
         # causal attention's score (Q K^T) and value (P V) products, forward, per row of T tokens: x T^2
         "attention_flops_per_t2": 2 * layers * heads * head_dim,
@@ -91,7 +98,25 @@ def option(argv: list[str], name: str, default):
     for index, item in enumerate(argv):
         if item == f"--{name}" and index + 1 < len(argv):
             default = argv[index + 1]
+        elif item.startswith(f"--{name}="):
+            default = item.split("=", 1)[1]
     return default
+
+
+def config_default(name: str):
+    """``EGPOConfig``'s default for ``name`` (TRL's ``GRPOConfig`` default for its own fields)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from egpo_trl.config import EGPOConfig
+
+    return EGPOConfig.__dataclass_fields__[name].default
+
+
+def setting(argv: list[str], recipe: dict, name: str) -> int:
+    """An integer training setting: the command line's, else the recipe's, else the config's default."""
+    value = option(argv, name, recipe[name] if name in recipe else config_default(name))
+    if value is None or str(value).lower() in ("none", "null", ""):
+        raise SystemExit(f"{name} is {value!r} in the run's recipe or command; the floors need a number of tokens.")
+    return int(value)
 
 
 def floors(args, run: Path) -> list[dict]:
@@ -106,7 +131,7 @@ def floors(args, run: Path) -> list[dict]:
     else:  # a plain egpo-trl train output folder: fake the layout summarize() reads
         rows = summarize_plain(run, recipe_path)
     arch = architecture(load_config(args, recipe))
-    params, kv = arch["parameters"], arch["kv_bytes_per_token"]
+    params, kv = arch["matmul_parameters"], arch["kv_bytes_per_token"]
     peak_tflops, bandwidth = CARDS[args.card]
     per_gpu = int(option(argv, "gradient_accumulation_steps", recipe.get("gradient_accumulation_steps", 1))) * int(
         option(argv, "per_device_train_batch_size", recipe.get("per_device_train_batch_size", 1))
@@ -117,8 +142,9 @@ def floors(args, run: Path) -> list[dict]:
     checkpointing = checkpointing.lower() in ("true", "1", "yes")
     recompute = 4 / 3 if checkpointing else 1
     flops_per_s = args.mfu * peak_tflops * 1e12
-    max_length = int(option(argv, "max_completion_length", recipe.get("max_completion_length", 0)) or 0)
-    gec_new = int(option(argv, "edge_gec_max_new_tokens", recipe.get("edge_gec_max_new_tokens", 1024)))
+    edge = any(row.get("gec_s") is not None for row in rows)
+    max_length = setting(argv, recipe, "max_completion_length") if edge else 0
+    gec_new = setting(argv, recipe, "edge_gec_max_new_tokens") if edge else 0
     out = []
     for row in rows:
         length = row.get("mean_length")
@@ -131,7 +157,8 @@ def floors(args, run: Path) -> list[dict]:
         attention = per_gpu * arch["attention_flops_per_t2"] * (prompt + length) ** 2
         floor = {
             "card": args.card,
-            "parameters": params,
+            "parameters": arch["parameters"],
+            "matmul_parameters": params,
             "completions_per_gpu": per_gpu,
             "prompt_length": prompt,
             "gradient_checkpointing": checkpointing,
@@ -145,11 +172,13 @@ def floors(args, run: Path) -> list[dict]:
         }
         if not row.get("old_logps_s"):
             floor["floor_old_logps_s"] = floor["floor_old_logps_attn_s"] = 0.0  # no pass this step
-        if row.get("gec_s") is not None and row.get("gec_frac_reflect") and max_length:
-            # Continued rows keep max_length - room tokens of their completion (room: the new tokens' share).
+        if row.get("gec_s") is not None and row.get("gec_frac_reflect"):
+            # Each continued row keeps at most max_length - room tokens of its completion (room: the new tokens'
+            # share, at most half the length) and is assumed to run to its limit, as on random weights: a worst case
+            # for the work, so a continuation that stops early can take less than this bound.
             rows_continued = row["gec_frac_reflect"] * per_gpu
             new = min(gec_new, max_length // 2)
-            start = prompt + max_length - new
+            start = prompt + min(length, max_length - new)
             gec_bytes = new * BYTES_BF16 * params + rows_continued * kv * (new * start + new * (new + 1) / 2)
             floor["floor_gec_s"] = gec_bytes / (bandwidth * 1e12)
         generation_floor = max(floor["floor_generation_s"], args.vllm_alone_s or 0.0)
@@ -212,7 +241,9 @@ def table(rows: list[dict]) -> str:
             ("step", row["step_s"], row["floor_step_attn_s"], "sum, with attention"),
         ]
         if row.get("floor_gec_s"):
-            phases.insert(-2, ("GEC", row["gec_s"], row["floor_gec_s"], "continuations' decode bandwidth"))
+            phases.insert(
+                -2, ("GEC", row["gec_s"], row["floor_gec_s"], "continuations' decode bandwidth, each to its limit")
+            )
         if row.get("vllm_alone_s"):
             phases.insert(1, ("generation", row["generation_s"], row["vllm_alone_s"], "vLLM alone"))
         for name, measured, bound, what in phases:

