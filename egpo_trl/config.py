@@ -18,7 +18,7 @@ from egpo_trl.advantages import (
 )
 
 ENTROPY_SCOPES: tuple[str, ...] = ("completion", "thinking", "answer")
-ENTROPY_LOGPS: tuple[str, ...] = ("policy", "sampler")
+ENTROPY_LOGPS: tuple[str, ...] = ("policy", "sampler", "loss_forward")
 DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = ("correctness", "reward")
 GEC_SCOPES: tuple[str, ...] = ("incorrect", "all_incorrect_groups")
 DEFAULT_GEC_REFLECTION_CUE = " Hold on, something in this solution is wrong. Let me check it again."
@@ -145,7 +145,12 @@ class EGPOConfig(GRPOConfig):
             importance-sampling correction and `num_iterations=1`): `"policy"` recomputes them with the training
             model in one no-grad pass, as verl (the paper's trainer) computes \\(\\pi_{old}\\); `"sampler"` takes
             vLLM's sampling log-probs at no cost, which under plain sampling equal the policy's up to the two
-            engines' numerical differences (up to 6% of a completion's proxy in `docs/multi_gpu.md`).
+            engines' numerical differences (up to 6% of a completion's proxy in `docs/multi_gpu.md`);
+            `"loss_forward"` takes \(\pi_{old}\)'s log-probs from the loss's own forward, which runs with the
+            weights that sampled the batch: the micro-batches of each group run their forwards, then EGPO's
+            weights, then one backward (`egpo_trl/fused.py`), with no pass of their own. EGPO's estimator only,
+            where TRL computes no old log-probs, each process's batch holds whole groups and the policy has no
+            active dropout.
         egpo_entropy_metrics (`bool`, *optional*, defaults to `True`):
             Compute the entropy proxy (and the `egpo/entropy_*` metrics) even when the advantage estimator does not
             use it (`grpo`, `nsr`). With one optimizer step per generation batch, the log-probs come from the
@@ -303,7 +308,9 @@ class EGPOConfig(GRPOConfig):
             "help": "Where the entropy proxy's log-probs come from when TRL has not computed the old policy's (vLLM "
             "without importance-sampling correction, num_iterations 1): 'policy' recomputes them with the training "
             "model in one no-grad pass (as verl, the paper's trainer, does); 'sampler' takes vLLM's sampling "
-            "log-probs at no cost (equal to the policy's up to numerical differences, under plain sampling).",
+            "log-probs at no cost (equal to the policy's up to numerical differences, under plain sampling); "
+            "'loss_forward' takes pi_old's log-probs from the loss's own forward (each group's micro-batches run "
+            "their forwards, then the weights, then one backward), with no pass of its own.",
             "choices": list(ENTROPY_LOGPS),
         },
     )

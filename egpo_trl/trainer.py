@@ -83,6 +83,8 @@ from egpo_trl.advantages import (
 )
 from egpo_trl.config import EGPOConfig, distribution_changing_sampling_options
 from egpo_trl.correctness import binary_correctness_features, correctness_reward_index, reward_func_names
+from egpo_trl.fused import GROUP_KEY as _FUSED_GROUP_KEY
+from egpo_trl.fused import LossForwardEntropyMixin
 from egpo_trl.input_checks import check_trainer_inputs
 from egpo_trl.resume_state import ExactResumeMixin
 from egpo_trl.rewards import make_overlong_penalty_reward
@@ -117,6 +119,7 @@ ENTROPY_SOURCE_CODES = {
     "forward": 2,
     "sampling_per_token_logps": 3,
     "training_forward": 4,
+    "loss_forward": 5,
 }
 ENTROPY_SOURCE_NAMES = {
     "none": "nothing (egpo_entropy_metrics is off and the estimator does not read it)",
@@ -124,6 +127,7 @@ ENTROPY_SOURCE_NAMES = {
     "forward": "one no-grad pass of the policy",
     "sampling_per_token_logps": "vLLM's sampling log-probs (egpo_entropy_logps='sampler')",
     "training_forward": "the loss's own forward of the old policy (metrics only, no extra pass)",
+    "loss_forward": "the loss's own forwards of the old policy, before each group's backward (no extra pass)",
 }
 # Each row's index in its generation batch (this process's rows), carried through TRL's shuffling and splitting so
 # that the loss's forward can hand its log-probs back to the deferred entropy metrics.
@@ -178,7 +182,9 @@ def _config_makes_forward_random(config: dict) -> bool:
     return False
 
 
-class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionMixin, GRPOTrainer):
+class EGPOTrainer(
+    ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionMixin, LossForwardEntropyMixin, GRPOTrainer
+):
     """Trainer for Entropy-Guided Policy Optimization (EGPO), a drop-in replacement for TRL's ``GRPOTrainer``.
 
     It takes exactly ``GRPOTrainer``'s arguments; ``args`` is an :class:`~egpo_trl.EGPOConfig`.
@@ -266,6 +272,7 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
             self._check_dynamic_sampling()
         if args.edge_gec:
             self._check_guided_error_correction()
+        self._check_loss_forward_entropy()
         self._egpo_rewards_per_func: torch.Tensor | None = None
         self._egpo_capture_entropy = False  # capture the entropies of TRL's next old-log-prob pass
         self._egpo_captured_entropies: torch.Tensor | None = None
@@ -337,6 +344,10 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
                 timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
     def _get_per_token_logps_and_entropies(self, model, *args, compute_entropy=False, **kwargs):
+        if getattr(self, "_fused", False) and torch.is_grad_enabled():
+            cached = self._fused_cached_forward()  # the loss of a block: its forward already ran (egpo_trl/fused.py)
+            if cached is not None:
+                return cached
         if not torch.is_grad_enabled():  # an old-policy (or reference) pass, not the loss's forward
             with self._egpo_timed("old_logps_s"):
                 return self._egpo_no_grad_logps(model, *args, compute_entropy=compute_entropy, **kwargs)
@@ -573,6 +584,23 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
         sampling: dict[str, Any] | None,
     ) -> dict[str, Any]:
         """Advantages of the final generation batch from its gathered rewards and entropies, written back for TRL."""
+        if self._fused_active(mode):
+            # egpo_entropy_logps="loss_forward": base advantages now, EGPO's weights with the loss's forwards.
+            result = self._fused_finish(output, rewards_per_func, num_generations)
+            output.pop(_LENGTHS_KEY, None)
+            output.pop(_TRUNCATED_KEY, None)
+            self.egpo_last_batch = {
+                "rewards_per_func": rewards_per_func,
+                "entropies": None,
+                "token_entropies": None,
+                "result": result,
+                "entropy_source": "loss_forward",
+                "process_slice": self._fused_batch["rows"],
+                "num_generations": num_generations,
+            }
+            if sampling is not None:
+                self.egpo_last_batch["dynamic_sampling"] = sampling
+            return output
         entropies = self._egpo_entropies(output, mode)
         estimator_entropies = {"nll": entropies["nll"], "shannon": entropies["shannon"], "none": None}[
             self._egpo_entropy_input
@@ -721,7 +749,32 @@ class EGPOTrainer(ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionM
             self._egpo_random_training_forward = _random_training_forward(self.model)
         return not self._egpo_random_training_forward
 
+    def _prepare_inputs(self, generation_batch):
+        if getattr(self, "_fused", False) and self.model.training:
+            return self._fused_prepare_inputs(super()._prepare_inputs, generation_batch)
+        return super()._prepare_inputs(generation_batch)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if getattr(self, "_fused", False):  # called in training only (the model may not be in train mode yet)
+            return self._fused_training_step(
+                model, inputs, lambda: super(EGPOTrainer, self).training_step(model, inputs, num_items_in_batch)
+            )
+        return super().training_step(model, inputs, num_items_in_batch)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if (
+            getattr(self, "_fused", False)
+            and model.training
+            and isinstance(inputs, dict)
+            and _FUSED_GROUP_KEY in inputs
+        ):
+            if return_outputs:
+                raise ValueError("The GRPOTrainer does not support returning outputs")
+
+            def loss_of(model, batch):
+                return super(EGPOTrainer, self).compute_loss(model, batch, num_items_in_batch=num_items_in_batch)
+
+            return self._fused_block_loss(model, inputs, loss_of)
         rows = inputs.get(_ROW_KEY) if isinstance(inputs, dict) else None
         deferred = getattr(self, "_egpo_deferred_entropies", None)
         self._egpo_loss_rows = rows if deferred is not None and model.training else None

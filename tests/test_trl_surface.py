@@ -72,6 +72,12 @@ METHODS = [
         "trainer.py (override: marks the rows of the loss's forward for the deferred entropy metrics)",
     ),
     ("__init__", ["model", "reward_funcs", "args"], "trainer.py (passes them positionally)"),
+    ("_prepare_inputs", ["generation_batch"], "trainer.py (override: fused.py groups the shuffled rows in blocks)"),
+    (
+        "training_step",
+        ["model", "inputs", "num_items_in_batch"],
+        "trainer.py (override: fused.py keeps a block's micro-batches for one backward)",
+    ),
     # transformers.Trainer's, overridden by ExactResumeMixin (egpo_trl/resume_state.py) for exact resume.
     (
         "_save_checkpoint",
@@ -104,6 +110,8 @@ OVERRIDES = {
     "_generate_and_score_completions",
     "_get_per_token_logps_and_entropies",
     "compute_loss",
+    "_prepare_inputs",
+    "training_step",
     # ExactResumeMixin (egpo_trl/resume_state.py): transformers.Trainer's, for exact resume.
     "_save_checkpoint",
     "_load_rng_state",
@@ -177,7 +185,13 @@ INSTANCE_ATTRIBUTES = [
         "defaultdict(list)",
         "sampling/gec.py",
     ),
-    ("_step", lambda v: v == 0, "0 (the micro-step counter)", "resume_state.py (saved and restored)"),
+    ("_step", lambda v: v == 0, "0 (the micro-step counter)", "resume_state.py (saved and restored), fused.py"),
+    (
+        "_current_train_step_time",
+        lambda v: v == 0.0,
+        "0.0 (the step_time metric's running sum)",
+        "fused.py (a kept micro-batch's time counts in the step)",
+    ),
     ("_buffered_inputs", lambda v: v is None, "None (the generation batch buffer)", "resume_state.py"),
     ("train_dataset", lambda v: v is not None and len(v) > 0, "the dataset", "sampling/dynamic.py, gec.py"),
     ("processing_class", lambda v: hasattr(v, "pad_token_id"), "the tokenizer", "trainer.py, gec.py, run.py"),
@@ -338,6 +352,25 @@ SOURCE = [
         "if self._step % generate_every == 0 or self._buffered_inputs is None:",
         "a generation batch is generated at a multiple of _step or when no buffer is held (restored on resume)",
         "resume_state.py",
+    ),
+    (
+        "GRPOTrainer._prepare_inputs",
+        "generation_batch = shuffle_sequence_dict(generation_batch)",
+        "the generation batch is shuffled through the module's shuffle_sequence_dict, then split (fused.py groups "
+        "the shuffled rows by patching that name for the call)",
+        "fused.py",
+    ),
+    (
+        "GRPOTrainer.training_step",
+        "self._step += 1",
+        "GRPOTrainer.training_step counts micro-steps and step_time (fused.py does the same for a kept micro-batch)",
+        "fused.py",
+    ),
+    (
+        "GRPOTrainer._compute_loss",
+        "old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps",
+        "without old log-probs from scoring, the loss's forward is pi_old's (what loss_forward relies on)",
+        "fused.py",
     ),
     (
         "GRPOTrainer._prepare_inputs",

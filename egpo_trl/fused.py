@@ -1,0 +1,346 @@
+"""The old policy's log-probs from the loss's own forward (``egpo_entropy_logps="loss_forward"``).
+
+With one optimizer step per generation batch and no importance-sampling correction, TRL computes no old-policy
+log-probs: the loss's forward runs with the weights that sampled the batch, and TRL takes its log-probs, detached,
+as pi_old's. EGPO's weights need pi_old's log-probs of every completion of a group before any of them is trained
+on, so by default (``"policy"``) the trainer runs one no-grad pass over the generation batch first: a forward of
+every row, about a quarter of the training's FLOPs with gradient checkpointing.
+
+``"loss_forward"`` takes them from the loss's own forwards instead:
+
+* the rows of the generation batch are grouped so that a *block* of consecutive micro-batches holds whole groups
+  (``lcm(per_device_train_batch_size, num_generations) / per_device_train_batch_size`` micro-batches; TRL shuffles
+  the rows first, as usual, and the groups keep the order in which they first appear);
+* the micro-batches of a block run their forwards only; the last one's step then computes EGPO's weights from their
+  log-probs, TRL's loss of each micro-batch with the weighted advantages, and one backward of their sum. The
+  gradient is the sum of the micro-batches' gradients, as with one backward each (every scaling is linear), and the
+  accumulation boundary stays at the generation batch's last micro-batch;
+* a block holds the forwards of all its micro-batches at once: with gradient checkpointing, each layer's input of
+  each row (``rows x tokens x hidden_size x 2`` bytes per layer in bf16, about 1.1 GiB for 4 rows of 3,300 tokens
+  at the Qwen2.5-Math-1.5B shape).
+
+Mixed-group base advantages (which ``scale_rewards="batch"`` computes from the whole batch) are computed when the
+batch is scored; only the weights, which depend on a group's own rows, wait for the loss's forwards.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["block_size", "group_first_order", "reorder_rows"]
+
+#: Global group index of each row (0, 0, ..., 1, 1, ... in the generation batch's order before TRL shuffles it).
+GROUP_KEY = "egpo_fused_group"
+#: The weighted reward sum (NaN where no reward function scored the row).
+REWARD_KEY = "egpo_fused_reward"
+#: 1.0 correct, 0.0 incorrect, NaN without a correctness verdict.
+CORRECT_KEY = "egpo_fused_correct"
+#: The tokens EGPO's entropy proxy averages over (the completion, or its thinking/answer segment).
+MASK_KEY = "egpo_fused_mask"
+#: Each row's index among this process's rows of the generation batch.
+ROW_KEY = "egpo_fused_row"
+#: What the loss's forward must not see: the keys above.
+FUSED_KEYS = (GROUP_KEY, REWARD_KEY, CORRECT_KEY, MASK_KEY, ROW_KEY)
+
+
+def block_size(per_device_batch: int, num_generations: int) -> int:
+    """Micro-batches per block: the fewest consecutive micro-batches of ``per_device_batch`` rows that hold whole
+    groups of ``num_generations`` rows."""
+    return math.lcm(per_device_batch, num_generations) // per_device_batch
+
+
+def group_first_order(groups: torch.Tensor) -> torch.Tensor:
+    """A permutation that puts the rows of each group together: groups in the order of their first row, the rows of
+    a group in their order."""
+    groups = groups.cpu()
+    first = {}
+    for position, group in enumerate(groups.tolist()):
+        first.setdefault(group, position)
+    rank = torch.tensor([first[group] for group in groups.tolist()])
+    # sort by the position of the group's first row; stable, so rows of a group keep their order
+    return torch.sort(rank, stable=True).indices
+
+
+def reorder_rows(batch: dict[str, Any], permutation: torch.Tensor) -> dict[str, Any]:
+    """``batch`` with every row-indexed value (tensors with a first dimension, lists) taken in ``permutation``'s
+    order, as TRL's ``shuffle_sequence_dict`` permutes them."""
+
+    def take(value):
+        if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
+            return value
+        if isinstance(value, torch.Tensor):
+            return value[permutation.to(value.device)]
+        return [value[i] for i in permutation.tolist()]
+
+    return {key: take(value) for key, value in batch.items()}
+
+
+def loss_forward_problems(
+    estimator: str,
+    entropy_input: str,
+    trl_computes_old_logps: bool,
+    local_batch: int,
+    num_generations: int,
+    random_forward: bool,
+) -> list[str]:
+    """Why ``egpo_entropy_logps="loss_forward"`` cannot serve a run (empty: it can)."""
+    problems = []
+    if entropy_input != "nll":
+        problems.append(
+            f"advantage_estimator={estimator!r} does not read EGPO's entropy proxy (only 'egpo' does; the baselines' "
+            "egpo/entropy_* metrics already come from the loss's forward)"
+        )
+    if trl_computes_old_logps:
+        problems.append(
+            "TRL computes the old policy's log-probs itself here (num_iterations > 1, steps_per_generation not "
+            "dividing gradient_accumulation_steps, or vLLM's importance-sampling correction): EGPO uses those, at no "
+            "extra cost"
+        )
+    if local_batch % num_generations:
+        problems.append(
+            f"each process's generation batch ({local_batch} rows: per_device_train_batch_size x "
+            f"steps_per_generation) is not a multiple of num_generations ({num_generations}), so a group spans "
+            "processes"
+        )
+    if random_forward:
+        problems.append("the policy has active dropout, so the loss's forward is not pi_old's")
+    return problems
+
+
+class LossForwardEntropyMixin:
+    """``egpo_entropy_logps="loss_forward"`` on :class:`~egpo_trl.trainer.EGPOTrainer` (see the module's docstring).
+
+    Methods only; ``EGPOTrainer`` calls :meth:`_check_loss_forward_entropy` at init, :meth:`_fused_finish` from its
+    ``_egpo_finish``, :meth:`_fused_block_loss` from ``compute_loss`` and :meth:`_fused_cached_forward` from
+    ``_get_per_token_logps_and_entropies``, and overrides ``_prepare_inputs`` and ``training_step`` through
+    :meth:`_fused_prepare_inputs` and :meth:`_fused_training_step`.
+    """
+
+    def _check_loss_forward_entropy(self) -> None:
+        """Refuse, at init, the settings where the loss's forward cannot give pi_old's log-probs to EGPO."""
+        args = self.args
+        self._fused = False
+        if args.egpo_entropy_logps != "loss_forward":
+            return
+        from egpo_trl.trainer import _random_training_forward
+
+        problems = loss_forward_problems(
+            args.advantage_estimator,
+            self._egpo_entropy_input,
+            self._trl_computes_old_logps(),
+            args.per_device_train_batch_size * args.steps_per_generation,
+            self.num_generations,
+            _random_training_forward(self.model),
+        )
+        if problems:
+            raise ValueError(
+                "egpo_entropy_logps='loss_forward' cannot be used here: "
+                + "; ".join(problems)
+                + ". Use egpo_entropy_logps='policy' (one no-grad pass, the default)."
+            )
+        self._fused = True
+        self._fused_block = block_size(args.per_device_train_batch_size, self.num_generations)
+        self._fused_pending: list[dict[str, Any]] = []
+        self._fused_cache: list[tuple] = []
+        self._fused_batch: dict[str, Any] | None = None
+
+    def _fused_active(self, mode: str) -> bool:
+        return getattr(self, "_fused", False) and mode == "train"
+
+    # ------------------------------------------------------------------ scoring: base advantages only
+    def _fused_finish(self, output: dict[str, Any], rewards_per_func: torch.Tensor, num_generations: int):
+        """Base advantages of the generation batch now; the rows carry what the block's weights need."""
+        from egpo_trl.advantages import weighted_reward_sum
+
+        mask, fallback = self._egpo_loss_mask(output)
+        if fallback is not None:
+            fallback = self.accelerator.gather(fallback)
+            self._egpo_warn_scope_fallback(fallback)
+        total = rewards_per_func.size(0)
+        # Any finite entropies give the same base advantages: the weights are computed per block.
+        result = self._egpo_compute(rewards_per_func, torch.zeros(total), num_generations)
+        local = output["advantages"].shape[0]
+        start = self.accelerator.process_index * local
+        rows = slice(start, start + local)
+        device = output["advantages"].device
+        correct = self._egpo_correct(rewards_per_func)[0].float()
+        correct = correct.masked_fill(torch.isnan(rewards_per_func[:, self._egpo_correctness_index]), float("nan"))
+        rewards = weighted_reward_sum(rewards_per_func, self.reward_weights)
+        output["advantages"] = result.base_advantages[rows].to(device, output["advantages"].dtype)
+        output[GROUP_KEY] = (torch.arange(total, device=device) // num_generations)[rows]
+        output[REWARD_KEY] = rewards[rows].to(device)
+        output[CORRECT_KEY] = correct[rows].to(device)
+        output[MASK_KEY] = mask
+        output[ROW_KEY] = torch.arange(local, device=device)
+        self._fused_batch = {
+            "result": result,
+            "rows": rows,
+            "local": local,
+            "weights": torch.ones(local),
+            "raw_weights": torch.ones(local),
+            "nll": torch.full((local,), float("nan")),
+            "seen": torch.zeros(local, dtype=torch.bool),
+            "num_generations": num_generations,
+            "fallback": fallback,
+            "scored": ~torch.isnan(rewards_per_func[:, self._egpo_correctness_index]),
+            "rewards_per_func": rewards_per_func,
+        }
+        return result
+
+    # ------------------------------------------------------------------ micro-batches grouped in blocks
+    def _fused_prepare_inputs(self, prepare, generation_batch):
+        """TRL's ``_prepare_inputs`` (``prepare``) with the shuffled rows of a new generation batch grouped so that each
+        block of micro-batches holds whole groups."""
+        from trl.trainer import grpo_trainer
+
+        original = grpo_trainer.shuffle_sequence_dict
+
+        def shuffle_then_group(batch):
+            shuffled = original(batch)
+            if GROUP_KEY not in shuffled:
+                return shuffled
+            return reorder_rows(shuffled, group_first_order(shuffled[GROUP_KEY]))
+
+        grpo_trainer.shuffle_sequence_dict = shuffle_then_group
+        try:
+            return prepare(generation_batch)
+        finally:
+            grpo_trainer.shuffle_sequence_dict = original
+
+    def _fused_training_step(self, model, inputs, step):
+        """A micro-batch that does not end its block: prepared and kept, with GRPOTrainer's step bookkeeping, and
+        no forward or backward; the block's last micro-batch runs them all (``step``: ``training_step`` of the
+        parent classes)."""
+        position = self._step % self.args.steps_per_generation
+        if (position + 1) % self._fused_block == 0:
+            return step()
+        start = time.perf_counter()
+        model.train()
+        self._fused_pending.append(self._prepare_inputs(inputs))
+        self._step += 1
+        self._current_train_step_time += time.perf_counter() - start
+        return torch.zeros((), device=self.accelerator.device)
+
+    def _fused_cached_forward(self):
+        """The next kept forward of the block being trained on (``None`` outside one)."""
+        return self._fused_cache.pop(0) if self._fused_cache else None
+
+    def _fused_block_loss(self, model, inputs, loss_of):
+        """The block's loss: every micro-batch's forward, EGPO's weights from their log-probs, then TRL's loss of each
+        micro-batch (``loss_of(model, micro_batch)``, which reads the kept forwards) with the weighted advantages,
+        summed for one backward."""
+        from egpo_trl.advantages import sequence_entropy
+
+        block, self._fused_pending = self._fused_pending + [inputs], []
+        forwards = []
+        for batch in block:
+            unsupported = [key for key in _MULTIMODAL_KEYS if batch.get(key) is not None]
+            if unsupported:
+                raise ValueError(
+                    f"egpo_entropy_logps='loss_forward' does not support multimodal inputs ({unsupported}); use "
+                    "egpo_entropy_logps='policy'."
+                )
+            input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+            attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+            forwards.append(
+                self._get_per_token_logps_and_entropies(
+                    model,
+                    input_ids,
+                    attention_mask,
+                    batch["completion_ids"].size(1),
+                    compute_entropy=True,
+                    compute_aux_loss=self.aux_loss_enabled,
+                )
+            )
+        groups = torch.cat([batch[GROUP_KEY] for batch in block])
+        n = self._fused_batch["num_generations"]
+        if groups.numel() % n or not bool((groups.view(-1, n) == groups.view(-1, n)[:, :1]).all()):
+            raise RuntimeError(  # pragma: no cover - _fused_prepare_inputs groups the rows
+                "egpo_entropy_logps='loss_forward': a block of micro-batches does not hold whole groups; is the TRL "
+                "version 1.16.0?"
+            )
+        nll = torch.cat(
+            [
+                sequence_entropy(logps.detach().float(), batch[MASK_KEY])
+                for (logps, _, _), batch in zip(forwards, block)
+            ]
+        )
+        rewards = torch.cat([batch[REWARD_KEY] for batch in block])
+        correct = torch.cat([batch[CORRECT_KEY] for batch in block])
+        # The weights of a group depend on its own rows only: the estimator over the block's groups gives them.
+        weights = self._egpo_estimator(rewards, nll, n, correct=correct, **self._estimator_kwargs())
+        self._fused_record(block, weights, nll)
+        self._fused_cache = list(forwards)
+        total = None
+        start = 0
+        try:
+            for batch in block:
+                rows = batch["advantages"].shape[0]
+                weighted = dict(batch)
+                weighted["advantages"] = (
+                    weights.weights[start : start + rows].to(batch["advantages"].device) * batch["advantages"]
+                ).to(batch["advantages"].dtype)
+                start += rows
+                loss = loss_of(model, weighted)
+                total = loss if total is None else total + loss
+        finally:
+            leftover, self._fused_cache = self._fused_cache, []
+        if leftover:  # pragma: no cover - TRL 1.16's loss runs one forward per micro-batch
+            raise RuntimeError("The loss did not use every kept forward of its block; is the TRL version 1.16.0?")
+        return total
+
+    def _fused_record(self, block, weights, nll) -> None:
+        """Keep the block's weights and entropies; once every row of the batch has been trained on, log the batch's
+        egpo/* metrics and write its final advantages where the completions table reads them."""
+        state = self._fused_batch
+        rows = torch.cat([batch[ROW_KEY] for batch in block]).cpu()
+        state["weights"][rows] = weights.weights.detach().float().cpu()
+        state["raw_weights"][rows] = weights.raw_weights.detach().float().cpu()
+        state["nll"][rows] = nll.detach().float().cpu()
+        state["seen"][rows] = True
+        if not bool(state["seen"].all()):
+            return
+        self._fused_batch = None
+        device = self.accelerator.device
+        gathered = {
+            key: self.accelerator.gather(state[key].to(device)).cpu() for key in ("weights", "raw_weights", "nll")
+        }
+        result = state["result"]
+        result = type(result)(*[value.cpu() if torch.is_tensor(value) else value for value in result])
+        result = result._replace(
+            weights=gathered["weights"],
+            raw_weights=gathered["raw_weights"],
+            advantages=gathered["weights"] * result.base_advantages.cpu(),
+        )
+        logged = self._logs["advantages"]
+        for _ in range(min(len(logged), result.advantages.numel())):
+            logged.pop()
+        logged.extend(result.advantages.tolist())
+        entropies = {
+            "nll": gathered["nll"],
+            "shannon": None,
+            "source": "loss_forward",
+            "extra_pass": False,
+            "scope_fallback": state["fallback"],
+        }
+        self._egpo_log_metrics("train", result, entropies, state["num_generations"], scored=state["scored"].cpu())
+        self.egpo_last_batch.update(entropies=gathered["nll"], result=result, entropy_source="loss_forward")
+
+
+#: Multimodal inputs of TRL's loss forward, which the kept forwards do not pass on.
+_MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)

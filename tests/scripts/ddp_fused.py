@@ -1,0 +1,41 @@
+"""Train EGPO for two optimizer steps in every process of a distributed launch and save the final weights and
+logged metrics (rank 0). Used by tests/test_fused.py: ``torchrun --nproc_per_node 2 tests/scripts/ddp_fused.py MODEL
+OUT ENTROPY_LOGPS [GRADIENT_CHECKPOINTING]`` with 2 rows per device and 4 accumulation steps (one generation batch
+of two groups of 4 per process: blocks of 2 micro-batches under egpo_entropy_logps='loss_forward')."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from conftest import TRAINER_TEST_SETTINGS, make_prompt_dataset, parity_reward  # noqa: E402
+
+from egpo_trl import EGPOConfig, EGPOTrainer  # noqa: E402
+
+
+def main(model_dir: str, out_dir: str, logps: str, checkpointing: bool) -> None:
+    settings = {
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 4,
+        "max_steps": 2,
+        "egpo_entropy_logps": logps,
+        "bf16": False,
+        "gradient_checkpointing": checkpointing,
+        "model_init_kwargs": {"attn_implementation": "eager"},
+    }
+    args = EGPOConfig(output_dir=out_dir, **{**TRAINER_TEST_SETTINGS, **settings})
+    trainer = EGPOTrainer(model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    if trainer.accelerator.is_main_process:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, f"{out_dir}/weights.pt")
+        rows = [row for row in trainer.state.log_history if "loss" in row]
+        Path(out_dir, "log.json").write_text(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "1")

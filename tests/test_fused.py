@@ -1,0 +1,155 @@
+"""egpo_entropy_logps="loss_forward": pi_old's log-probs from the loss's own forwards (egpo_trl/fused.py) train the
+same as the no-grad pass ("policy"), on the tiny Qwen2 model with TRL's real GRPOTrainer machinery."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_prompt_dataset, parity_reward
+from conftest import trainer_config as config
+
+from egpo_trl import EGPOTrainer
+from egpo_trl.fused import block_size, group_first_order, loss_forward_problems, reorder_rows
+
+
+def test_block_size_holds_whole_groups():
+    assert [block_size(p, 4) for p in (1, 2, 3, 4, 8)] == [4, 2, 4, 1, 1]
+    assert block_size(4, 16) == 4 and block_size(2, 16) == 8 and block_size(6, 4) == 2
+
+
+def test_group_first_order_keeps_groups_in_order_of_first_appearance():
+    groups = torch.tensor([2, 0, 2, 1, 0, 1])
+    order = group_first_order(groups)
+    assert order.tolist() == [0, 2, 1, 4, 3, 5]
+    batch = {"g": groups, "names": list("abcdef"), "scalar": torch.tensor(3), "none": None}
+    reordered = reorder_rows(batch, order)
+    assert reordered["g"].tolist() == [2, 2, 0, 0, 1, 1] and reordered["names"] == list("acbedf")
+    assert reordered["scalar"].item() == 3 and reordered["none"] is None
+
+
+def _train(tmp_path, tiny_model_dir, logps: str, **overrides):
+    args = config(
+        tmp_path / logps,
+        max_steps=2,
+        egpo_entropy_logps=logps,
+        bf16=False,
+        model_init_kwargs={"attn_implementation": "eager"},
+        **overrides,
+    )
+    trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    rows = [row for row in trainer.state.log_history if "loss" in row]
+    return trainer, rows, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "per_device, accumulation, extra",
+    [
+        (2, 4, {}),  # blocks of 2 micro-batches
+        (8, 1, {}),  # 2 groups in one micro-batch
+        (4, 2, {}),  # one group per micro-batch
+        (2, 4, {"dynamic_sampling": True, "scale_rewards": "batch"}),  # reassembled batches, batch-std advantages
+        (2, 4, {"egpo_entropy_scope": "answer", "egpo_renorm": "after_clamp"}),  # a scope mask, C5
+    ],
+)
+def test_loss_forward_trains_as_the_no_grad_pass(tmp_path, tiny_model_dir, per_device, accumulation, extra):
+    """Two optimizer steps (float32, eager attention): the same rewards, entropies, weights, losses and final weights
+    as with the no-grad pass, to float32 rounding; no pass of its own."""
+    overrides = dict(per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation, **extra)
+    _, policy, policy_weights = _train(tmp_path, tiny_model_dir, "policy", **overrides)
+    trainer, fused, fused_weights = _train(tmp_path, tiny_model_dir, "loss_forward", **overrides)
+    assert len(policy) == len(fused) == 2
+    for off, on in zip(policy, fused, strict=True):
+        for key in (
+            "reward",
+            "loss",
+            "grad_norm",
+            "egpo/entropy_mean",
+            "egpo/entropy_correct",
+            "egpo/entropy_incorrect",
+            "egpo/weight_correct",
+            "egpo/weight_incorrect",
+            "egpo/frac_mixed",
+            "egpo/frac_all_incorrect",
+        ):
+            if key in off:
+                assert key in on, key
+                assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-6), key
+        assert off["egpo/entropy_extra_pass"] == 1.0 and on["egpo/entropy_extra_pass"] == 0.0
+        assert on["egpo/entropy_source"] == 5.0
+        assert "timing/old_logps_s" not in on or on["timing/old_logps_s"] == 0.0
+    # Adam divides each gradient by its running RMS: an element whose gradient is near 0 turns a rounding difference
+    # of the summation order into a visible one (up to 7e-6 after two steps at lr 1e-3, on 1 of 2,048 elements).
+    for name, weight in policy_weights.items():
+        torch.testing.assert_close(
+            fused_weights[name], weight, rtol=1e-4, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    # the last batch: EGPO's weights filled in by the loss's forwards
+    result = trainer.egpo_last_batch["result"]
+    assert torch.isfinite(trainer.egpo_last_batch["entropies"]).all()
+    torch.testing.assert_close(result.advantages, result.weights * result.base_advantages)
+    assert trainer._fused_batch is None and trainer._fused_pending == []
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(advantage_estimator="grpo"), "does not read EGPO's entropy proxy"),
+        (dict(num_iterations=2), "TRL computes the old policy's log-probs itself"),
+    ],
+)
+def test_loss_forward_refuses_what_it_cannot_serve(tmp_path, tiny_model_dir, overrides, message):
+    args = config(tmp_path, egpo_entropy_logps="loss_forward", **overrides)
+    with pytest.raises(ValueError, match=message):
+        EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+
+
+def test_loss_forward_problems_name_each_setting():
+    assert loss_forward_problems("egpo", "nll", False, 128, 16, False) == []
+    (spans,) = loss_forward_problems("egpo", "nll", False, 4, 16, False)  # 2 processes x 4 rows, groups of 16
+    assert "spans processes" in spans and "(16)" in spans
+    (dropout,) = loss_forward_problems("egpo", "nll", False, 128, 16, True)
+    assert "dropout" in dropout
+    assert len(loss_forward_problems("edge_grpo", "shannon", True, 4, 16, True)) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_loss_forward_trains_as_the_no_grad_pass_over_two_processes(tmp_path, tiny_model_dir, checkpointing):
+    """DDP over 2 CPU processes (gloo): the micro-batches of a block run no backward of their own, so DDP's gradient
+    synchronisation still happens once, on the generation batch's last micro-batch; with gradient checkpointing,
+    a block keeps several checkpointed forwards before its backward. Same metrics and weights as the no-grad pass."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "ddp_fused.py"
+    results = {}
+    for logps in ("policy", "loss_forward"):
+        out = tmp_path / logps
+        out.mkdir()
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+        command += ["--master_port", str(29600 + os.getpid() % 1000), str(script), tiny_model_dir, str(out), logps]
+        command += ["1" if checkpointing else "0"]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+        results[logps] = (json.loads((out / "log.json").read_text()), torch.load(out / "weights.pt"))
+    (policy_rows, policy_weights), (fused_rows, fused_weights) = results["policy"], results["loss_forward"]
+    assert len(policy_rows) == len(fused_rows) == 2
+    for off, on in zip(policy_rows, fused_rows, strict=True):
+        for key in (
+            "reward",
+            "loss",
+            "grad_norm",
+            "egpo/entropy_mean",
+            "egpo/weight_correct",
+            "egpo/weight_incorrect",
+        ):
+            if key in off:
+                assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-6), key
+        assert on["egpo/entropy_extra_pass"] == 0.0
+    for name, weight in policy_weights.items():
+        torch.testing.assert_close(fused_weights[name], weight, rtol=1e-4, atol=1e-6)
