@@ -146,11 +146,12 @@ class EGPOConfig(GRPOConfig):
             model in one no-grad pass, as verl (the paper's trainer) computes \\(\\pi_{old}\\); `"sampler"` takes
             vLLM's sampling log-probs at no cost, which under plain sampling equal the policy's up to the two
             engines' numerical differences (up to 6% of a completion's proxy in `docs/multi_gpu.md`);
-            `"loss_forward"` takes \(\pi_{old}\)'s log-probs from the loss's own forward, which runs with the
+            `"loss_forward"` takes \\(\\pi_{old}\\)'s log-probs from the loss's own forward, which runs with the
             weights that sampled the batch: the micro-batches of each group run their forwards, then EGPO's
             weights, then one backward (`egpo_trl/fused.py`), with no pass of their own. EGPO's estimator only,
-            where TRL computes no old log-probs, each process's batch holds whole groups and the policy has no
-            active dropout.
+            where TRL computes no old log-probs, each process's batch holds whole groups, the policy has no active
+            dropout, and no loss term is normalised per micro-batch (`bnpo`, `top_entropy_quantile`, an entropy
+            bonus); not yet under DeepSpeed or FSDP.
         egpo_entropy_metrics (`bool`, *optional*, defaults to `True`):
             Compute the entropy proxy (and the `egpo/entropy_*` metrics) even when the advantage estimator does not
             use it (`grpo`, `nsr`). With one optimizer step per generation batch, the log-probs come from the
@@ -436,6 +437,33 @@ class EGPOConfig(GRPOConfig):
         super().__post_init__()
         self._validate_egpo()
 
+    def _validate_loss_forward(self) -> None:
+        """Refuse what ``egpo_entropy_logps="loss_forward"`` cannot serve exactly (see ``egpo_trl/fused.py``)."""
+        problems = []
+        if self.advantage_estimator != "egpo":
+            problems.append(f"advantage_estimator is {self.advantage_estimator!r}; it serves EGPO's estimator only")
+        if self.num_iterations > 1 or (self.use_vllm and self.vllm_importance_sampling_correction):
+            problems.append(
+                "TRL computes the old policy's log-probs itself here (num_iterations > 1, or vLLM's "
+                "importance-sampling correction on): EGPO uses those at no extra cost"
+            )
+        # Grouping a block's rows changes which rows share a micro-batch: losses and terms normalised per
+        # micro-batch would then train on another objective than the default path's.
+        if self.loss_type == "bnpo":
+            problems.append("loss_type 'bnpo' averages over each micro-batch's tokens")
+        if self.top_entropy_quantile < 1.0:
+            problems.append("top_entropy_quantile < 1 takes its threshold within each micro-batch")
+        if self.entropy_coef != 0.0 or getattr(self, "use_adaptive_entropy", False):
+            problems.append(
+                "an entropy bonus (entropy_coef, use_adaptive_entropy) is averaged and updated per micro-batch"
+            )
+        if problems:
+            raise ValueError(
+                "egpo_entropy_logps='loss_forward' cannot be used here: "
+                + "; ".join(problems)
+                + ". Use egpo_entropy_logps='policy' (one no-grad pass, the default)."
+            )
+
     def _validate_egpo(self) -> None:
         def choose(name: str, value: str, choices: tuple[str, ...] | list[str]) -> None:
             if value not in choices:
@@ -452,6 +480,8 @@ class EGPOConfig(GRPOConfig):
         choose("egpo_nsr_weighting", self.egpo_nsr_weighting, NSR_WEIGHTINGS)
         choose("egpo_entropy_scope", self.egpo_entropy_scope, ENTROPY_SCOPES)
         choose("egpo_entropy_logps", self.egpo_entropy_logps, ENTROPY_LOGPS)
+        if self.egpo_entropy_logps == "loss_forward":
+            self._validate_loss_forward()
         for name in ("egpo_lambda_min", "egpo_lambda_max", "egpo_entropy_eps"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):

@@ -80,25 +80,23 @@ def reorder_rows(batch: dict[str, Any], permutation: torch.Tensor) -> dict[str, 
 
 
 def loss_forward_problems(
-    estimator: str,
-    entropy_input: str,
     trl_computes_old_logps: bool,
     local_batch: int,
     num_generations: int,
     random_forward: bool,
+    engine: str | None = None,
+    reentrant_blocks: bool = False,
+    multimodal: bool = False,
 ) -> list[str]:
-    """Why ``egpo_entropy_logps="loss_forward"`` cannot serve a run (empty: it can)."""
+    """Why ``egpo_entropy_logps="loss_forward"`` cannot serve a run, beyond what ``EGPOConfig`` refuses (empty: it
+    can). ``engine``: "DeepSpeed" or "FSDP" when the run uses one; ``reentrant_blocks``: reentrant gradient
+    checkpointing with blocks of several micro-batches."""
     problems = []
-    if entropy_input != "nll":
-        problems.append(
-            f"advantage_estimator={estimator!r} does not read EGPO's entropy proxy (only 'egpo' does; the baselines' "
-            "egpo/entropy_* metrics already come from the loss's forward)"
-        )
     if trl_computes_old_logps:
         problems.append(
-            "TRL computes the old policy's log-probs itself here (num_iterations > 1, steps_per_generation not "
-            "dividing gradient_accumulation_steps, or vLLM's importance-sampling correction): EGPO uses those, at no "
-            "extra cost"
+            "TRL computes the old policy's log-probs itself here (steps_per_generation does not divide "
+            "gradient_accumulation_steps, num_iterations > 1, or vLLM's importance-sampling correction): EGPO uses "
+            "those, at no extra cost"
         )
     if local_batch % num_generations:
         problems.append(
@@ -108,6 +106,15 @@ def loss_forward_problems(
         )
     if random_forward:
         problems.append("the policy has active dropout, so the loss's forward is not pi_old's")
+    if engine is not None:
+        problems.append(f"it has not been checked under {engine} yet")
+    if reentrant_blocks:
+        problems.append(
+            "reentrant gradient checkpointing cannot hold several forwards for one backward under data parallelism; "
+            "set gradient_checkpointing_kwargs: {use_reentrant: false}"
+        )
+    if multimodal:
+        problems.append("the kept forwards do not carry image inputs")
     return problems
 
 
@@ -128,13 +135,17 @@ class LossForwardEntropyMixin:
             return
         from egpo_trl.trainer import _random_training_forward
 
+        block = block_size(args.per_device_train_batch_size, self.num_generations)
+        engine = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP" if self.is_fsdp_enabled else None
+        reentrant = bool((args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False))
         problems = loss_forward_problems(
-            args.advantage_estimator,
-            self._egpo_entropy_input,
             self._trl_computes_old_logps(),
             args.per_device_train_batch_size * args.steps_per_generation,
             self.num_generations,
             _random_training_forward(self.model),
+            engine=engine,
+            reentrant_blocks=args.gradient_checkpointing and reentrant and block > 1,
+            multimodal=bool(getattr(self, "_is_vlm", False)),
         )
         if problems:
             raise ValueError(
@@ -143,7 +154,7 @@ class LossForwardEntropyMixin:
                 + ". Use egpo_entropy_logps='policy' (one no-grad pass, the default)."
             )
         self._fused = True
-        self._fused_block = block_size(args.per_device_train_batch_size, self.num_generations)
+        self._fused_block = block
         self._fused_pending: list[dict[str, Any]] = []
         self._fused_cache: list[tuple] = []
         self._fused_batch: dict[str, Any] | None = None
@@ -156,6 +167,8 @@ class LossForwardEntropyMixin:
         """Base advantages of the generation batch now; the rows carry what the block's weights need."""
         from egpo_trl.advantages import weighted_reward_sum
 
+        # A new generation batch: nothing of an earlier one (a run stopped inside a block) carries over.
+        self._fused_pending, self._fused_cache, self._fused_batch = [], [], None
         mask, fallback = self._egpo_loss_mask(output)
         if fallback is not None:
             fallback = self.accelerator.gather(fallback)
@@ -220,7 +233,8 @@ class LossForwardEntropyMixin:
             return step()
         start = time.perf_counter()
         model.train()
-        self._fused_pending.append(self._prepare_inputs(inputs))
+        prepared = self._prepare_inputs(inputs)  # a new generation batch resets the kept micro-batches: first
+        self._fused_pending.append(prepared)
         self._step += 1
         self._current_train_step_time += time.perf_counter() - start
         return torch.zeros((), device=self.accelerator.device)

@@ -11,13 +11,15 @@ The trainer is glue. TRL generates, scores and builds the batch as usual; after
    (:func:`~egpo_trl.advantages.egpo_advantages` by default), and keeps this process's slice,
 4. puts the result where TRL expects it (``advantages`` in the batch and in the completions table).
 
-Each sampling feature is a mixin of methods that overrides nothing of ``GRPOTrainer``; ``EGPOTrainer`` holds every
+Each feature is a mixin of methods that overrides nothing of ``GRPOTrainer``; ``EGPOTrainer`` holds every
 override of TRL's methods and calls the features from them (``_generate`` for Guided Error Correction,
-``_generate_and_score_completions`` for dynamic sampling), so what EGPO changes in ``GRPOTrainer`` is read
+``_generate_and_score_completions`` for dynamic sampling, ``_prepare_inputs``, ``training_step`` and
+``compute_loss`` for ``egpo_entropy_logps="loss_forward"``), so what EGPO changes in ``GRPOTrainer`` is read
 here, in one file.
 
 TRL's clipped objective, every loss type, ``num_iterations``, gradient accumulation, PEFT, vLLM and
-multi-process training are untouched.
+multi-process training are untouched, except that ``egpo_entropy_logps="loss_forward"`` runs a block of
+micro-batches' losses in one backward (the same gradient; it refuses the settings where it would not be).
 
 Where the log-probs come from (the paper's "zero-overhead" proxy):
 
@@ -34,6 +36,8 @@ Where the log-probs come from (the paper's "zero-overhead" proxy):
   (the paper's trainer) computes the old policy's log-probs. It costs about a third of a training step's
   forward+backward; :mod:`egpo_trl.old_logps` sizes its micro-batches by a token budget and skips right padding,
   and ``benchmarks/entropy_pass.py`` and ``docs/multi_gpu.md`` measure it.
+* with ``egpo_entropy_logps="loss_forward"`` (EGPO's estimator, where TRL computes no old log-probs), the loss's
+  own forwards, each group's held until its weights are known (:mod:`egpo_trl.fused`). No extra cost.
 
 Estimators whose advantages do not read the proxy (``grpo``, ``nsr``) still log it (``egpo_entropy_metrics``). In
 the last case they take it from the loss's own forward instead of a pass: with one optimizer step per generation

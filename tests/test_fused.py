@@ -94,23 +94,61 @@ def test_loss_forward_trains_as_the_no_grad_pass(tmp_path, tiny_model_dir, per_d
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(advantage_estimator="grpo"), "does not read EGPO's entropy proxy"),
+        (dict(advantage_estimator="grpo"), "serves EGPO's estimator only"),
         (dict(num_iterations=2), "TRL computes the old policy's log-probs itself"),
+        (dict(loss_type="bnpo"), "'bnpo' averages over each micro-batch's tokens"),
+        (dict(top_entropy_quantile=0.5), "threshold within each micro-batch"),
+        (dict(entropy_coef=0.01), "entropy bonus"),
     ],
 )
-def test_loss_forward_refuses_what_it_cannot_serve(tmp_path, tiny_model_dir, overrides, message):
-    args = config(tmp_path, egpo_entropy_logps="loss_forward", **overrides)
-    with pytest.raises(ValueError, match=message):
+def test_loss_forward_refuses_in_the_config_what_it_cannot_serve(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message) as error:
+        config(tmp_path, egpo_entropy_logps="loss_forward", **overrides)
+    assert "Use egpo_entropy_logps='policy'" in str(error.value)
+
+
+def test_loss_forward_refuses_at_init_a_run_where_trl_computes_old_logps(tmp_path, tiny_model_dir):
+    # steps_per_generation 4 over 2 accumulation steps: generation and optimisation misaligned
+    args = config(
+        tmp_path,
+        egpo_entropy_logps="loss_forward",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+    )
+    with pytest.raises(ValueError, match="TRL computes the old policy's log-probs itself"):
         EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
 
 
 def test_loss_forward_problems_name_each_setting():
-    assert loss_forward_problems("egpo", "nll", False, 128, 16, False) == []
-    (spans,) = loss_forward_problems("egpo", "nll", False, 4, 16, False)  # 2 processes x 4 rows, groups of 16
+    assert loss_forward_problems(False, 128, 16, False) == []
+    (spans,) = loss_forward_problems(False, 4, 16, False)  # 2 processes x 4 rows, groups of 16
     assert "spans processes" in spans and "(16)" in spans
-    (dropout,) = loss_forward_problems("egpo", "nll", False, 128, 16, True)
+    (dropout,) = loss_forward_problems(False, 128, 16, True)
     assert "dropout" in dropout
-    assert len(loss_forward_problems("edge_grpo", "shannon", True, 4, 16, True)) == 4
+    (engine,) = loss_forward_problems(False, 128, 16, False, engine="DeepSpeed")
+    assert "DeepSpeed" in engine
+    (reentrant,) = loss_forward_problems(False, 128, 16, False, reentrant_blocks=True)
+    assert "use_reentrant: false" in reentrant
+    assert len(loss_forward_problems(True, 4, 16, True, "FSDP", True, True)) == 6
+
+
+def test_a_new_generation_batch_drops_what_a_stopped_block_kept(tmp_path, tiny_model_dir):
+    """A run stopped inside a block (an exception in a step) and trained again in the same process: the next
+    generation batch starts its blocks afresh."""
+    args = config(
+        tmp_path,
+        max_steps=1,
+        egpo_entropy_logps="loss_forward",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+    )
+    trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    trainer._fused_pending = [{"stale": True}]
+    trainer._fused_cache = [("stale",)]
+    trainer.train()
+    assert trainer._fused_pending == [] and trainer._fused_cache == [] and trainer._fused_batch is None
+    assert trainer.state.log_history[0]["egpo/entropy_source"] == 5.0
 
 
 @pytest.mark.slow
