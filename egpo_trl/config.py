@@ -95,6 +95,17 @@ DEFAULT_GEC_ANSWER_TEMPLATE = (
 )
 
 
+def _distributed_engine(args) -> str | None:
+    """``"DeepSpeed"`` or ``"FSDP"`` when the run is configured for one (arguments or ``accelerate launch``), else None."""
+    import os
+
+    if getattr(args, "deepspeed", None) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
+        return "DeepSpeed"
+    if getattr(args, "fsdp", None) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+        return "FSDP"
+    return None
+
+
 @dataclass
 class EGPOConfig(GRPOConfig):
     r"""
@@ -456,6 +467,33 @@ class EGPOConfig(GRPOConfig):
         if self.entropy_coef != 0.0 or getattr(self, "use_adaptive_entropy", False):
             problems.append(
                 "an entropy bonus (entropy_coef, use_adaptive_entropy) is averaged and updated per micro-batch"
+            )
+        from egpo_trl.fused import block_size, reentrant_checkpointing
+
+        steps = self.steps_per_generation or self.gradient_accumulation_steps
+        if self.gradient_accumulation_steps % (steps * self.num_iterations):
+            problems.append(
+                f"steps_per_generation ({steps}) does not divide gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps}), so TRL computes the old policy's log-probs itself"
+            )
+        if (self.per_device_train_batch_size * steps) % self.num_generations:
+            problems.append(
+                f"each process's generation batch ({self.per_device_train_batch_size * steps} rows: "
+                f"per_device_train_batch_size x steps_per_generation) is not a multiple of num_generations "
+                f"({self.num_generations}), so a group spans processes"
+            )
+        engine = _distributed_engine(self)
+        if engine is not None:
+            problems.append(f"it has not been checked under {engine} yet")
+        if (
+            self.gradient_checkpointing
+            and reentrant_checkpointing(self.gradient_checkpointing_kwargs)
+            and self.world_size > 1
+            and block_size(self.per_device_train_batch_size, self.num_generations) > 1
+        ):
+            problems.append(
+                "reentrant gradient checkpointing cannot hold several forwards for one backward under data "
+                "parallelism; set gradient_checkpointing_kwargs: {use_reentrant: false}"
             )
         if problems:
             raise ValueError(

@@ -79,6 +79,16 @@ def reorder_rows(batch: dict[str, Any], permutation: torch.Tensor) -> dict[str, 
     return {key: take(value) for key, value in batch.items()}
 
 
+def reentrant_checkpointing(kwargs: dict | None) -> bool:
+    """Whether gradient checkpointing with these ``gradient_checkpointing_kwargs`` is reentrant: transformers'
+    Trainer passes no kwargs when they are empty (then non-reentrant), and PyTorch's checkpoint is reentrant when
+    ``use_reentrant`` is not given."""
+    if not kwargs:
+        return False
+    value = kwargs.get("use_reentrant")
+    return True if value is None else bool(value)
+
+
 def loss_forward_problems(
     trl_computes_old_logps: bool,
     local_batch: int,
@@ -87,6 +97,7 @@ def loss_forward_problems(
     engine: str | None = None,
     reentrant_blocks: bool = False,
     multimodal: bool = False,
+    router_loss: bool = False,
 ) -> list[str]:
     """Why ``egpo_entropy_logps="loss_forward"`` cannot serve a run, beyond what ``EGPOConfig`` refuses (empty: it
     can). ``engine``: "DeepSpeed" or "FSDP" when the run uses one; ``reentrant_blocks``: reentrant gradient
@@ -115,6 +126,10 @@ def loss_forward_problems(
         )
     if multimodal:
         problems.append("the kept forwards do not carry image inputs")
+    if router_loss:
+        problems.append(
+            "the MoE router's auxiliary loss is averaged over each micro-batch, whose rows the blocks change"
+        )
     return problems
 
 
@@ -135,17 +150,21 @@ class LossForwardEntropyMixin:
             return
         from egpo_trl.trainer import _random_training_forward
 
+        args._validate_loss_forward()  # again: the arguments may have changed since they were built
         block = block_size(args.per_device_train_batch_size, self.num_generations)
         engine = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP" if self.is_fsdp_enabled else None
-        reentrant = bool((args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False))
+        reentrant = reentrant_checkpointing(args.gradient_checkpointing_kwargs)
         problems = loss_forward_problems(
             self._trl_computes_old_logps(),
             args.per_device_train_batch_size * args.steps_per_generation,
             self.num_generations,
             _random_training_forward(self.model),
             engine=engine,
-            reentrant_blocks=args.gradient_checkpointing and reentrant and block > 1,
+            reentrant_blocks=bool(
+                args.gradient_checkpointing and reentrant and block > 1 and self.accelerator.num_processes > 1
+            ),
             multimodal=bool(getattr(self, "_is_vlm", False)),
+            router_loss=bool(getattr(self, "aux_loss_enabled", False)),
         )
         if problems:
             raise ValueError(

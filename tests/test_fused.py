@@ -9,7 +9,13 @@ from conftest import make_prompt_dataset, parity_reward
 from conftest import trainer_config as config
 
 from egpo_trl import EGPOTrainer
-from egpo_trl.fused import block_size, group_first_order, loss_forward_problems, reorder_rows
+from egpo_trl.fused import (
+    block_size,
+    group_first_order,
+    loss_forward_problems,
+    reentrant_checkpointing,
+    reorder_rows,
+)
 
 
 def test_block_size_holds_whole_groups():
@@ -99,6 +105,10 @@ def test_loss_forward_trains_as_the_no_grad_pass(tmp_path, tiny_model_dir, per_d
         (dict(loss_type="bnpo"), "'bnpo' averages over each micro-batch's tokens"),
         (dict(top_entropy_quantile=0.5), "threshold within each micro-batch"),
         (dict(entropy_coef=0.01), "entropy bonus"),
+        (  # generation and optimisation misaligned: TRL computes the old log-probs
+            dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, steps_per_generation=4),
+            r"steps_per_generation \(4\) does not divide gradient_accumulation_steps \(2\)",
+        ),
     ],
 )
 def test_loss_forward_refuses_in_the_config_what_it_cannot_serve(tmp_path, overrides, message):
@@ -107,17 +117,33 @@ def test_loss_forward_refuses_in_the_config_what_it_cannot_serve(tmp_path, overr
     assert "Use egpo_entropy_logps='policy'" in str(error.value)
 
 
-def test_loss_forward_refuses_at_init_a_run_where_trl_computes_old_logps(tmp_path, tiny_model_dir):
-    # steps_per_generation 4 over 2 accumulation steps: generation and optimisation misaligned
-    args = config(
-        tmp_path,
-        egpo_entropy_logps="loss_forward",
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        steps_per_generation=4,
-    )
-    with pytest.raises(ValueError, match="TRL computes the old policy's log-probs itself"):
+def test_loss_forward_sees_deepspeed_and_fsdp_in_the_arguments_or_the_launcher(monkeypatch):
+    """Read without building a DeepSpeed configuration (which needs DeepSpeed installed)."""
+    from types import SimpleNamespace
+
+    from egpo_trl.config import _distributed_engine
+
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert _distributed_engine(SimpleNamespace(deepspeed=None, fsdp=None)) is None
+    assert _distributed_engine(SimpleNamespace(deepspeed="zero2.json", fsdp=None)) == "DeepSpeed"
+    assert _distributed_engine(SimpleNamespace(deepspeed=None, fsdp="full_shard")) == "FSDP"
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # as `accelerate launch` with a DeepSpeed config sets it
+    assert _distributed_engine(SimpleNamespace(deepspeed=None, fsdp=None)) == "DeepSpeed"
+
+
+def test_loss_forward_checks_the_arguments_again_when_the_trainer_starts(tmp_path, tiny_model_dir):
+    args = config(tmp_path, egpo_entropy_logps="loss_forward")
+    args.loss_type = "bnpo"  # changed after the config was built
+    with pytest.raises(ValueError, match="'bnpo' averages"):
         EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+
+
+def test_reentrant_checkpointing_reads_as_the_trainer_and_pytorch_do():
+    assert not reentrant_checkpointing(None) and not reentrant_checkpointing({})  # the Trainer passes none: False
+    assert reentrant_checkpointing({"preserve_rng_state": True})  # PyTorch's default when not given: reentrant
+    assert reentrant_checkpointing({"use_reentrant": None}) and reentrant_checkpointing({"use_reentrant": True})
+    assert not reentrant_checkpointing({"use_reentrant": False})
 
 
 def test_loss_forward_problems_name_each_setting():
@@ -130,7 +156,9 @@ def test_loss_forward_problems_name_each_setting():
     assert "DeepSpeed" in engine
     (reentrant,) = loss_forward_problems(False, 128, 16, False, reentrant_blocks=True)
     assert "use_reentrant: false" in reentrant
-    assert len(loss_forward_problems(True, 4, 16, True, "FSDP", True, True)) == 6
+    (router,) = loss_forward_problems(False, 128, 16, False, router_loss=True)
+    assert "router" in router
+    assert len(loss_forward_problems(True, 4, 16, True, "FSDP", True, True, True)) == 7
 
 
 def test_a_new_generation_batch_drops_what_a_stopped_block_kept(tmp_path, tiny_model_dir):
