@@ -148,8 +148,6 @@ class LossForwardEntropyMixin:
         self._fused = False
         if args.egpo_entropy_logps != "loss_forward":
             return
-        from egpo_trl.trainer import _random_training_forward
-
         args._validate_loss_forward()  # again: the arguments may have changed since they were built
         block = block_size(args.per_device_train_batch_size, self.num_generations)
         engine = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP" if self.is_fsdp_enabled else None
@@ -158,7 +156,7 @@ class LossForwardEntropyMixin:
             self._trl_computes_old_logps(),
             args.per_device_train_batch_size * args.steps_per_generation,
             self.num_generations,
-            _random_training_forward(self.model),
+            self._egpo_training_forward_is_random(),
             engine=engine,
             reentrant_blocks=bool(
                 args.gradient_checkpointing and reentrant and block > 1 and self.accelerator.num_processes > 1

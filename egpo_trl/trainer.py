@@ -738,6 +738,10 @@ class EGPOTrainer(
             "deferred": deferred,
         }
 
+    def _egpo_training_forward_is_random(self) -> bool:
+        """Whether the policy's training-mode forward is random (active dropout, say)."""
+        return _random_training_forward(self.model)
+
     def _egpo_defers_entropy_metrics(self, mode: str) -> bool:
         """Whether this training batch's ``egpo/entropy_*`` metrics can come from the loss's own forwards.
 
