@@ -448,9 +448,10 @@ class EGPOConfig(GRPOConfig):
         super().__post_init__()
         self._validate_egpo()
 
-    def _validate_loss_forward(self) -> None:
-        """Refuse what ``egpo_entropy_logps="loss_forward"`` cannot serve exactly (see ``egpo_trl/fused.py``)."""
-        problems = []
+    def _validate_loss_forward(self, problems: list[str] | None = None) -> None:
+        """Refuse what ``egpo_entropy_logps="loss_forward"`` cannot serve exactly (see ``egpo_trl/fused.py``), in one
+        error with ``problems`` (what the trainer found) added."""
+        found, problems = list(problems or []), []
         if self.advantage_estimator != "egpo":
             problems.append(f"advantage_estimator is {self.advantage_estimator!r}; it serves EGPO's estimator only")
         if self.num_iterations > 1 or (self.use_vllm and self.vllm_importance_sampling_correction):
@@ -495,6 +496,7 @@ class EGPOConfig(GRPOConfig):
                 "reentrant gradient checkpointing cannot hold several forwards for one backward under data "
                 "parallelism; set gradient_checkpointing_kwargs: {use_reentrant: false}"
             )
+        problems += found
         if problems:
             raise ValueError(
                 "egpo_entropy_logps='loss_forward' cannot be used here: "

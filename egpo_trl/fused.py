@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from egpo_trl.old_logps import FORWARD_KEYS
+
 __all__ = ["block_size", "group_first_order", "reorder_rows"]
 
 #: Global group index of each row (0, 0, ..., 1, 1, ... in the generation batch's order before TRL shuffles it).
@@ -90,40 +92,15 @@ def reentrant_checkpointing(kwargs: dict | None) -> bool:
 
 
 def loss_forward_problems(
-    trl_computes_old_logps: bool,
-    local_batch: int,
-    num_generations: int,
-    random_forward: bool,
-    engine: str | None = None,
-    reentrant_blocks: bool = False,
-    multimodal: bool = False,
-    router_loss: bool = False,
+    random_forward: bool, engine: str | None = None, multimodal: bool = False, router_loss: bool = False
 ) -> list[str]:
-    """Why ``egpo_entropy_logps="loss_forward"`` cannot serve a run, beyond what ``EGPOConfig`` refuses (empty: it
-    can). ``engine``: "DeepSpeed" or "FSDP" when the run uses one; ``reentrant_blocks``: reentrant gradient
-    checkpointing with blocks of several micro-batches."""
+    """Why ``egpo_entropy_logps="loss_forward"`` cannot serve a run, from what only the trainer knows (the arguments'
+    problems are ``EGPOConfig._validate_loss_forward``'s). ``engine``: "DeepSpeed" or "FSDP" when the run uses one."""
     problems = []
-    if trl_computes_old_logps:
-        problems.append(
-            "TRL computes the old policy's log-probs itself here (steps_per_generation does not divide "
-            "gradient_accumulation_steps, num_iterations > 1, or vLLM's importance-sampling correction): EGPO uses "
-            "those, at no extra cost"
-        )
-    if local_batch % num_generations:
-        problems.append(
-            f"each process's generation batch ({local_batch} rows: per_device_train_batch_size x "
-            f"steps_per_generation) is not a multiple of num_generations ({num_generations}), so a group spans "
-            "processes"
-        )
     if random_forward:
         problems.append("the policy has active dropout, so the loss's forward is not pi_old's")
     if engine is not None:
         problems.append(f"it has not been checked under {engine} yet")
-    if reentrant_blocks:
-        problems.append(
-            "reentrant gradient checkpointing cannot hold several forwards for one backward under data parallelism; "
-            "set gradient_checkpointing_kwargs: {use_reentrant: false}"
-        )
     if multimodal:
         problems.append("the kept forwards do not carry image inputs")
     if router_loss:
@@ -148,30 +125,17 @@ class LossForwardEntropyMixin:
         self._fused = False
         if args.egpo_entropy_logps != "loss_forward":
             return
-        args._validate_loss_forward()  # again: the arguments may have changed since they were built
-        block = block_size(args.per_device_train_batch_size, self.num_generations)
         engine = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP" if self.is_fsdp_enabled else None
-        reentrant = reentrant_checkpointing(args.gradient_checkpointing_kwargs)
         problems = loss_forward_problems(
-            self._trl_computes_old_logps(),
-            args.per_device_train_batch_size * args.steps_per_generation,
-            self.num_generations,
             self._egpo_training_forward_is_random(),
             engine=engine,
-            reentrant_blocks=bool(
-                args.gradient_checkpointing and reentrant and block > 1 and self.accelerator.num_processes > 1
-            ),
             multimodal=bool(getattr(self, "_is_vlm", False)),
             router_loss=bool(getattr(self, "aux_loss_enabled", False)),
         )
-        if problems:
-            raise ValueError(
-                "egpo_entropy_logps='loss_forward' cannot be used here: "
-                + "; ".join(problems)
-                + ". Use egpo_entropy_logps='policy' (one no-grad pass, the default)."
-            )
+        # The arguments' checks again (they may have changed since they were built), with the trainer's: one error.
+        args._validate_loss_forward(problems)
         self._fused = True
-        self._fused_block = block
+        self._fused_block = block_size(args.per_device_train_batch_size, self.num_generations)
         self._fused_pending: list[dict[str, Any]] = []
         self._fused_cache: list[tuple] = []
         self._fused_batch: dict[str, Any] | None = None
@@ -269,7 +233,7 @@ class LossForwardEntropyMixin:
         block, self._fused_pending = self._fused_pending + [inputs], []
         forwards = []
         for batch in block:
-            unsupported = [key for key in _MULTIMODAL_KEYS if batch.get(key) is not None]
+            unsupported = [key for key in FORWARD_KEYS if batch.get(key) is not None]
             if unsupported:
                 raise ValueError(
                     f"egpo_entropy_logps='loss_forward' does not support multimodal inputs ({unsupported}); use "
@@ -360,18 +324,3 @@ class LossForwardEntropyMixin:
         }
         self._egpo_log_metrics("train", result, entropies, state["num_generations"], scored=state["scored"].cpu())
         self.egpo_last_batch.update(entropies=gathered["nll"], result=result, entropy_source="loss_forward")
-
-
-#: Multimodal inputs of TRL's loss forward, which the kept forwards do not pass on.
-_MULTIMODAL_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-)

@@ -46,6 +46,20 @@ __all__ = ["can_realign", "completion_widths", "plan_micro_batches", "no_grad_co
 #: Default token budget of one micro-batch of the no-grad pass (rows x padded width).
 DEFAULT_TOKENS_PER_BATCH = 65536
 
+#: Keyword arguments of GRPOTrainer's log-prob helper that a batch may carry (multimodal inputs).
+FORWARD_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
 
 def completion_widths(completion_mask: torch.Tensor) -> torch.Tensor:
     """Per row, the number of completion columns up to and including its last scored token (0 for a row with none).

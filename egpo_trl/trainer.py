@@ -90,6 +90,7 @@ from egpo_trl.correctness import binary_correctness_features, correctness_reward
 from egpo_trl.fused import GROUP_KEY as _FUSED_GROUP_KEY
 from egpo_trl.fused import LossForwardEntropyMixin
 from egpo_trl.input_checks import check_trainer_inputs
+from egpo_trl.old_logps import FORWARD_KEYS as _FORWARD_KEYS
 from egpo_trl.resume_state import ExactResumeMixin
 from egpo_trl.rewards import make_overlong_penalty_reward
 from egpo_trl.sampling.dynamic import DynamicSamplingMixin
@@ -101,19 +102,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["EGPOTrainer"]
 
-# Keyword arguments of GRPOTrainer's log-prob helper that the batch may carry (multimodal inputs).
-_FORWARD_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-)
 # Per-token entropies captured from TRL's old-log-prob pass travel in the batch under this key until used.
 _TOKEN_ENTROPY_KEY = "egpo_token_entropies"
 #: ``egpo/entropy_source``: where the entropy proxy's log-probs came from (the same for every advantage estimator).

@@ -93,6 +93,19 @@ def trainer_config(tmp_path, cls=None, **overrides):
     return (cls or EGPOConfig)(output_dir=str(tmp_path / "out"), **{**TRAINER_TEST_SETTINGS, **overrides})
 
 
+def train_two_steps(tmp_path, model_dir: str, **overrides):
+    """Train EGPO for two optimizer steps in float32 with eager attention (whose CPU results do not change with the
+    sequence length) under ``overrides``: the trainer, its logged training rows and a copy of its final weights."""
+    from egpo_trl import EGPOTrainer
+
+    settings = dict(max_steps=2, bf16=False, model_init_kwargs={"attn_implementation": "eager"})
+    args = trainer_config(tmp_path, **{**settings, **overrides})
+    trainer = EGPOTrainer(model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    rows = [row for row in trainer.state.log_history if "loss" in row]
+    return trainer, rows, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
 def save_rank_records(trainer, out_dir) -> None:
     """Write ``trainer.records`` of this process to ``out_dir/records_rank{rank}.pt`` (multi-process test scripts)."""
     rank = trainer.accelerator.process_index

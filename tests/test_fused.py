@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_prompt_dataset, parity_reward
+from conftest import make_prompt_dataset, parity_reward, train_two_steps
 from conftest import trainer_config as config
 
 from egpo_trl import EGPOTrainer
@@ -33,19 +33,15 @@ def test_group_first_order_keeps_groups_in_order_of_first_appearance():
     assert reordered["scalar"].item() == 3 and reordered["none"] is None
 
 
-def _train(tmp_path, tiny_model_dir, logps: str, **overrides):
-    args = config(
-        tmp_path / logps,
-        max_steps=2,
-        egpo_entropy_logps=logps,
-        bf16=False,
-        model_init_kwargs={"attn_implementation": "eager"},
-        **overrides,
-    )
-    trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
-    trainer.train()
-    rows = [row for row in trainer.state.log_history if "loss" in row]
-    return trainer, rows, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+def _assert_same_rows(policy: list[dict], fused: list[dict], keys: tuple[str, ...]) -> None:
+    """Two optimizer steps' logged rows of both paths: each of ``keys`` the policy path logs, the same to float32
+    rounding."""
+    assert len(policy) == len(fused) == 2
+    for off, on in zip(policy, fused, strict=True):
+        for key in keys:
+            if key in off:
+                assert key in on, key
+                assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-6), key
 
 
 @pytest.mark.parametrize(
@@ -62,11 +58,16 @@ def test_loss_forward_trains_as_the_no_grad_pass(tmp_path, tiny_model_dir, per_d
     """Two optimizer steps (float32, eager attention): the same rewards, entropies, weights, losses and final weights
     as with the no-grad pass, to float32 rounding; no pass of its own."""
     overrides = dict(per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation, **extra)
-    _, policy, policy_weights = _train(tmp_path, tiny_model_dir, "policy", **overrides)
-    trainer, fused, fused_weights = _train(tmp_path, tiny_model_dir, "loss_forward", **overrides)
-    assert len(policy) == len(fused) == 2
-    for off, on in zip(policy, fused, strict=True):
-        for key in (
+    _, policy, policy_weights = train_two_steps(
+        tmp_path / "policy", tiny_model_dir, egpo_entropy_logps="policy", **overrides
+    )
+    trainer, fused, fused_weights = train_two_steps(
+        tmp_path / "fused", tiny_model_dir, egpo_entropy_logps="loss_forward", **overrides
+    )
+    _assert_same_rows(
+        policy,
+        fused,
+        (
             "reward",
             "loss",
             "grad_norm",
@@ -77,10 +78,9 @@ def test_loss_forward_trains_as_the_no_grad_pass(tmp_path, tiny_model_dir, per_d
             "egpo/weight_incorrect",
             "egpo/frac_mixed",
             "egpo/frac_all_incorrect",
-        ):
-            if key in off:
-                assert key in on, key
-                assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-6), key
+        ),
+    )
+    for off, on in zip(policy, fused, strict=True):
         assert off["egpo/entropy_extra_pass"] == 1.0 and on["egpo/entropy_extra_pass"] == 0.0
         assert on["egpo/entropy_source"] == 5.0
         assert "timing/old_logps_s" not in on or on["timing/old_logps_s"] == 0.0
@@ -146,19 +146,52 @@ def test_reentrant_checkpointing_reads_as_the_trainer_and_pytorch_do():
     assert not reentrant_checkpointing({"use_reentrant": False})
 
 
-def test_loss_forward_problems_name_each_setting():
-    assert loss_forward_problems(False, 128, 16, False) == []
-    (spans,) = loss_forward_problems(False, 4, 16, False)  # 2 processes x 4 rows, groups of 16
+def _loss_forward_arguments(**overrides):
+    """The arguments ``EGPOConfig._validate_loss_forward`` reads, for settings a one-process test cannot build (several
+    processes): a recipe-like run that it accepts, with ``overrides``."""
+    from types import SimpleNamespace
+
+    settings = dict(
+        advantage_estimator="egpo", num_iterations=1, use_vllm=True, vllm_importance_sampling_correction=False,
+        loss_type="dapo", top_entropy_quantile=1.0, entropy_coef=0.0, use_adaptive_entropy=False,
+        steps_per_generation=32, gradient_accumulation_steps=32, per_device_train_batch_size=4, num_generations=16,
+        gradient_checkpointing=True, gradient_checkpointing_kwargs=None, world_size=2, deepspeed=None, fsdp=None,
+    )  # fmt: skip
+    return SimpleNamespace(**{**settings, **overrides})
+
+
+def test_loss_forward_problems_name_each_setting(monkeypatch):
+    from egpo_trl import EGPOConfig
+
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+
+    def refusal(problems=None, **overrides) -> str:
+        with pytest.raises(ValueError) as error:
+            EGPOConfig._validate_loss_forward(_loss_forward_arguments(**overrides), problems)
+        return str(error.value)
+
+    EGPOConfig._validate_loss_forward(_loss_forward_arguments())  # accepted
+    # 2 processes x 4 rows, groups of 16
+    spans = refusal(per_device_train_batch_size=4, steps_per_generation=1, gradient_accumulation_steps=1)
     assert "spans processes" in spans and "(16)" in spans
-    (dropout,) = loss_forward_problems(False, 128, 16, True)
-    assert "dropout" in dropout
-    (engine,) = loss_forward_problems(False, 128, 16, False, engine="DeepSpeed")
-    assert "DeepSpeed" in engine
-    (reentrant,) = loss_forward_problems(False, 128, 16, False, reentrant_blocks=True)
+    reentrant = refusal(gradient_checkpointing_kwargs={"use_reentrant": True})
     assert "use_reentrant: false" in reentrant
-    (router,) = loss_forward_problems(False, 128, 16, False, router_loss=True)
+    # one process: several forwards before one backward work with reentrant checkpointing
+    EGPOConfig._validate_loss_forward(
+        _loss_forward_arguments(gradient_checkpointing_kwargs={"use_reentrant": True}, world_size=1)
+    )
+    assert loss_forward_problems(False) == []
+    (dropout,) = loss_forward_problems(True)
+    assert "dropout" in dropout
+    (engine,) = loss_forward_problems(False, engine="DeepSpeed")
+    assert "DeepSpeed" in engine
+    (router,) = loss_forward_problems(False, router_loss=True)
     assert "router" in router
-    assert len(loss_forward_problems(True, 4, 16, True, "FSDP", True, True, True)) == 7
+    assert len(loss_forward_problems(True, "FSDP", True, True)) == 4
+    # the trainer's problems come in the same error, after the arguments'
+    both = refusal([dropout], loss_type="bnpo")
+    assert both.index("'bnpo'") < both.index("dropout") and "Use egpo_entropy_logps='policy'" in both
 
 
 def test_a_new_generation_batch_drops_what_a_stopped_block_kept(tmp_path, tiny_model_dir):
@@ -204,18 +237,12 @@ def test_loss_forward_trains_as_the_no_grad_pass_over_two_processes(tmp_path, ti
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
         results[logps] = (json.loads((out / "log.json").read_text()), torch.load(out / "weights.pt"))
     (policy_rows, policy_weights), (fused_rows, fused_weights) = results["policy"], results["loss_forward"]
-    assert len(policy_rows) == len(fused_rows) == 2
-    for off, on in zip(policy_rows, fused_rows, strict=True):
-        for key in (
-            "reward",
-            "loss",
-            "grad_norm",
-            "egpo/entropy_mean",
-            "egpo/weight_correct",
-            "egpo/weight_incorrect",
-        ):
-            if key in off:
-                assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-6), key
+    _assert_same_rows(
+        policy_rows,
+        fused_rows,
+        ("reward", "loss", "grad_norm", "egpo/entropy_mean", "egpo/weight_correct", "egpo/weight_incorrect"),
+    )
+    for on in fused_rows:
         assert on["egpo/entropy_extra_pass"] == 0.0
     for name, weight in policy_weights.items():
         torch.testing.assert_close(fused_weights[name], weight, rtol=1e-4, atol=1e-6)

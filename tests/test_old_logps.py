@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_prompt_dataset, parity_reward
+from conftest import make_prompt_dataset, parity_reward, train_two_steps
 from conftest import trainer_config as config
 
 from egpo_trl import EGPOTrainer
@@ -276,17 +276,8 @@ def test_training_with_shifted_rows_matches_training_without(tmp_path, tiny_mode
     losses and weights, to float32 rounding."""
     results = {}
     for shift in (False, True):
-        args = config(
-            tmp_path / str(shift),
-            max_steps=2,
-            egpo_shift_prompt_padding=shift,
-            bf16=False,
-            model_init_kwargs={"attn_implementation": "eager"},
-        )
-        trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
-        trainer.train()
-        rows = [row for row in trainer.state.log_history if "loss" in row]
-        results[shift] = (rows, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
+        _, rows, weights = train_two_steps(tmp_path / str(shift), tiny_model_dir, egpo_shift_prompt_padding=shift)
+        results[shift] = (rows, weights)
     assert len(results[False][0]) == 2
     for off, on in zip(results[False][0], results[True][0], strict=True):
         assert off.keys() == on.keys()
