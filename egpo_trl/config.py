@@ -162,7 +162,7 @@ class EGPOConfig(GRPOConfig):
             weights, then one backward (`egpo_trl/fused.py`), with no pass of their own. EGPO's estimator only,
             where TRL computes no old log-probs, each process's batch holds whole groups, the policy has no active
             dropout, and no loss term is normalised per micro-batch (`bnpo`, `top_entropy_quantile`, an entropy
-            bonus); not yet under DeepSpeed or FSDP.
+            bonus); checked under DDP and DeepSpeed ZeRO-2/3, not yet under FSDP.
         egpo_entropy_metrics (`bool`, *optional*, defaults to `True`):
             Compute the entropy proxy (and the `egpo/entropy_*` metrics) even when the advantage estimator does not
             use it (`grpo`, `nsr`). With one optimizer step per generation batch, the log-probs come from the
@@ -484,17 +484,20 @@ class EGPOConfig(GRPOConfig):
                 f"({self.num_generations}), so a group spans processes"
             )
         engine = _distributed_engine(self)
-        if engine is not None:
+        if engine == "FSDP":
             problems.append(f"it has not been checked under {engine} yet")
         if (
             self.gradient_checkpointing
             and reentrant_checkpointing(self.gradient_checkpointing_kwargs)
-            and self.world_size > 1
+            and (self.world_size > 1 or engine is not None)
             and block_size(self.per_device_train_batch_size, self.num_generations) > 1
         ):
+            # Reentrant checkpointing hands each checkpointed forward's weight gradients over separately, so a
+            # weight used by several forwards is reported ready several times in one backward: DDP's and ZeRO's
+            # gradient hooks take one report per backward.
             problems.append(
                 "reentrant gradient checkpointing cannot hold several forwards for one backward under data "
-                "parallelism; set gradient_checkpointing_kwargs: {use_reentrant: false}"
+                "parallelism or DeepSpeed; set gradient_checkpointing_kwargs: {use_reentrant: false}"
             )
         problems += found
         if problems:

@@ -95,7 +95,8 @@ def loss_forward_problems(
     random_forward: bool, engine: str | None = None, multimodal: bool = False, router_loss: bool = False
 ) -> list[str]:
     """Why ``egpo_entropy_logps="loss_forward"`` cannot serve a run, from what only the trainer knows (the arguments'
-    problems are ``EGPOConfig._validate_loss_forward``'s). ``engine``: "DeepSpeed" or "FSDP" when the run uses one."""
+    problems are ``EGPOConfig._validate_loss_forward``'s). ``engine``: "FSDP" when the run uses it
+    (DeepSpeed ZeRO-2 and ZeRO-3 are served: benchmarks/loss_forward_check.py)."""
     problems = []
     if random_forward:
         problems.append("the policy has active dropout, so the loss's forward is not pi_old's")
@@ -125,7 +126,7 @@ class LossForwardEntropyMixin:
         self._fused = False
         if args.egpo_entropy_logps != "loss_forward":
             return
-        engine = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP" if self.is_fsdp_enabled else None
+        engine = "FSDP" if self.is_fsdp_enabled else None
         problems = loss_forward_problems(
             self._egpo_training_forward_is_random(),
             engine=engine,

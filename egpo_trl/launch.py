@@ -598,7 +598,14 @@ def _parse_for_dry_run(argv: list[str], report: DryRunReport):
                 return parse([*argv, "--bf16", "false", "--fp16", "false"])
             except SystemExit as second:
                 message = str(second)
+                argv = [*argv, "--bf16", "false", "--fp16", "false"]
         report.problems.append(message.removeprefix("egpo-trl train: "))
+        if "egpo_entropy_logps='loss_forward' cannot be used here" in message:
+            # Listed; the other checks still run, on the settings with the no-grad pass instead.
+            try:
+                return parse([*argv, "--egpo_entropy_logps", "policy"])
+            except SystemExit as second:
+                report.problems.append(str(second).removeprefix("egpo-trl train: "))
         return None
 
 

@@ -370,3 +370,20 @@ def test_vllm_alone_reads_engine_values_and_refuses_bad_counts():
             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120, check=False,
         )  # fmt: skip
         assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_loss_forward_check_compares_the_two_sources_under_an_engine(tmp_path):
+    """benchmarks/loss_forward_check.py on CPU under DDP (2 processes, gloo): its table and JSON rows, the pass
+    against itself (identical) and the loss's forward against the pass (float32 rounding), exit 0."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/loss_forward_check.py", "--out", str(tmp_path / "runs"), "--engines", "ddp",
+         "--checkpointing", "0", "--json", str(tmp_path / "rows.json")],
+        cwd=ROOT, env={**ENV, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    again, fused = json.loads((tmp_path / "rows.json").read_text())
+    assert again["compared"] == "policy_again vs policy" and fused["compared"] == "loss_forward vs policy"
+    assert again["metric_abs"] == 0.0 and again["weight_abs"] == 0.0  # one process group's run is deterministic
+    assert 0.0 <= fused["metric_rel"] <= 1e-4 and fused["weight_abs"] <= 1e-5 and fused["within"]
+    assert "| ddp | False | loss_forward vs policy |" in done.stdout

@@ -181,11 +181,19 @@ def test_loss_forward_problems_name_each_setting(monkeypatch):
     EGPOConfig._validate_loss_forward(
         _loss_forward_arguments(gradient_checkpointing_kwargs={"use_reentrant": True}, world_size=1)
     )
+    # DeepSpeed ZeRO-2/3 (checked on GPUs by benchmarks/loss_forward_check.py), but not with reentrant checkpointing,
+    # even in one process: its gradient hooks take one report per weight and backward; FSDP is refused
+    EGPOConfig._validate_loss_forward(_loss_forward_arguments(deepspeed="zero2.json"))
+    deepspeed_reentrant = refusal(
+        deepspeed="zero2.json", world_size=1, gradient_checkpointing_kwargs={"use_reentrant": True}
+    )
+    assert "use_reentrant: false" in deepspeed_reentrant and "DeepSpeed" in deepspeed_reentrant
+    assert "not been checked under FSDP" in refusal(fsdp="full_shard")
     assert loss_forward_problems(False) == []
     (dropout,) = loss_forward_problems(True)
     assert "dropout" in dropout
-    (engine,) = loss_forward_problems(False, engine="DeepSpeed")
-    assert "DeepSpeed" in engine
+    (engine,) = loss_forward_problems(False, engine="FSDP")
+    assert "FSDP" in engine
     (router,) = loss_forward_problems(False, router_loss=True)
     assert "router" in router
     assert len(loss_forward_problems(True, "FSDP", True, True)) == 4

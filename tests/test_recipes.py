@@ -166,6 +166,8 @@ def test_dry_run_lists_every_late_failure(tiny_model_dir, local_dataset, tmp_pat
         "generation, not a multiple of num_generations=16" in out
     )
     assert "--per_device_train_batch_size 8" in out
+    # the recipe's egpo_entropy_logps: loss_forward cannot serve groups across processes: listed with the rest
+    assert "egpo_entropy_logps='loss_forward' cannot be used here" in out and "spans processes" in out
     assert "exceeds the model's context (512 tokens)" in out  # 64 + 600
     assert "vllm_max_model_length=320 < max_prompt_length + max_completion_length = 664" not in out  # vLLM off
     assert "already holds another run (checkpoint-10)" in out

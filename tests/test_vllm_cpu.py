@@ -269,6 +269,67 @@ def test_egpo_trl_train_with_vllm_colocate_on_cpu(tmp_path, vllm_model_dir):
 @pytest.mark.vllm
 @pytest.mark.slow
 @requires_vllm_cpu
+def test_loss_forward_trains_as_the_pass_with_vllm_colocate(tmp_path, vllm_model_dir):
+    """The 1.5B recipe's setting (vLLM colocate, no importance-sampling correction, pi_old from the loss's forward,
+    blocks of 2 micro-batches) against the no-grad pass: the same rollouts, entropies, weights and losses, three
+    optimizer steps with a weight sync each."""
+    runs = {}
+    for logps in ("policy", "loss_forward"):
+        recipe = tmp_path / f"{logps}.yaml"
+        output_dir = tmp_path / logps
+        recipe.write_text(
+            textwrap.dedent(
+                f"""
+                model_name_or_path: {vllm_model_dir}
+                model_init_kwargs: {{attn_implementation: eager}}
+                dataset_name: synthetic:arithmetic
+                synthetic_train_size: 64
+                reward_funcs: ["conftest:parity_reward"]
+                eval_size: 0
+                plot: false
+                output_dir: {output_dir}
+                use_cpu: true
+                bf16: false
+                use_vllm: true
+                vllm_mode: colocate
+                vllm_gpu_memory_utilization: 0.25
+                vllm_importance_sampling_correction: false
+                egpo_entropy_logps: {logps}
+                learning_rate: 0.01
+                per_device_train_batch_size: 2
+                gradient_accumulation_steps: 4
+                num_generations: 4
+                max_completion_length: 12
+                max_steps: 3
+                logging_steps: 1
+                save_strategy: "no"
+                report_to: none
+                seed: 0
+                """
+            )
+        )
+        egpo_trl = Path(sys.executable).with_name("egpo-trl")
+        result = subprocess.run(
+            [str(egpo_trl), "train", "--config", str(recipe)],
+            capture_output=True, text=True, env=_subprocess_env(), cwd=REPO, timeout=900,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-5000:]
+        lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+        runs[logps] = [r for r in map(json.loads, filter(str.strip, lines)) if "egpo/entropy_extra_pass" in r]
+    policy, fused = runs["policy"], runs["loss_forward"]
+    assert [r["step"] for r in policy] == [r["step"] for r in fused] == [1, 2, 3]
+    for off, on in zip(policy, fused, strict=True):
+        assert (off["egpo/entropy_extra_pass"], on["egpo/entropy_extra_pass"]) == (1.0, 0.0)
+        assert on["egpo/entropy_source"] == 5.0
+        assert on["completions/mean_length"] == off["completions/mean_length"]  # the same rollouts
+        for key in ("reward", "loss", "grad_norm", "egpo/entropy_mean", "egpo/weight_correct", "egpo/weight_incorrect"):  # fmt: skip
+            if key in off:  # a step without incorrect (or correct) completions logs no weight for them
+                assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@requires_vllm_cpu
 @pytest.mark.parametrize(
     ("flags", "source", "extra_pass"),
     [

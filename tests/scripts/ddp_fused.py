@@ -1,7 +1,8 @@
 """Train EGPO for two optimizer steps in every process of a distributed launch and save the final weights and
 logged metrics (rank 0). Used by tests/test_fused.py: ``torchrun --nproc_per_node 2 tests/scripts/ddp_fused.py MODEL
 OUT ENTROPY_LOGPS [GRADIENT_CHECKPOINTING]`` with 2 rows per device and 4 accumulation steps (one generation batch
-of two groups of 4 per process: blocks of 2 micro-batches under egpo_entropy_logps='loss_forward')."""
+of two groups of 4 per process: blocks of 2 micro-batches under egpo_entropy_logps='loss_forward'), and by
+benchmarks/loss_forward_check.py under ``accelerate launch`` with DeepSpeed on GPUs (float32 throughout)."""
 
 from __future__ import annotations
 
@@ -26,13 +27,14 @@ def main(model_dir: str, out_dir: str, logps: str, checkpointing: bool) -> None:
         "bf16": False,
         "gradient_checkpointing": checkpointing,
         "model_init_kwargs": {"attn_implementation": "eager"},
+        "use_cpu": not torch.cuda.is_available(),
     }
     args = EGPOConfig(output_dir=out_dir, **{**TRAINER_TEST_SETTINGS, **settings})
     trainer = EGPOTrainer(model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
     trainer.train()
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # every process: ZeRO-3 gathers the shards
     if trainer.accelerator.is_main_process:
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, f"{out_dir}/weights.pt")
+        torch.save({k: v.detach().float().cpu() for k, v in state.items()}, f"{out_dir}/weights.pt")
         rows = [row for row in trainer.state.log_history if "loss" in row]
         Path(out_dir, "log.json").write_text(json.dumps(rows))
 
