@@ -469,6 +469,16 @@ class EGPOConfig(GRPOConfig):
             problems.append(
                 "an entropy bonus (entropy_coef, use_adaptive_entropy) is averaged and updated per micro-batch"
             )
+        if "lomo" in str(getattr(self, "optim", "")).lower():
+            problems.append(
+                f"optim {self.optim!r} updates the weights during each backward, so a block's later forwards would "
+                "not run with pi_old's weights"
+            )
+        if getattr(self, "neftune_noise_alpha", None):
+            problems.append("neftune_noise_alpha adds noise to the training forward's embeddings, unlike pi_old's")
+        parallelism = getattr(self, "parallelism_config", None)
+        if (getattr(parallelism, "cp_size", 1) or 1) > 1:
+            problems.append("context parallelism prepares each micro-batch's inputs in its own forward")
         from egpo_trl.fused import block_size, reentrant_checkpointing
 
         steps = self.steps_per_generation or self.gradient_accumulation_steps

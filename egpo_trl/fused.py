@@ -99,7 +99,10 @@ def loss_forward_problems(
     (DeepSpeed ZeRO-2 and ZeRO-3 are served: benchmarks/loss_forward_check.py)."""
     problems = []
     if random_forward:
-        problems.append("the policy has active dropout, so the loss's forward is not pi_old's")
+        problems.append(
+            "the policy's training forward is random (active dropout, in a module, the model's config or a PEFT "
+            "adapter's), so the loss's forward is not pi_old's"
+        )
     if engine is not None:
         problems.append(f"it has not been checked under {engine} yet")
     if multimodal:
@@ -128,7 +131,7 @@ class LossForwardEntropyMixin:
             return
         engine = "FSDP" if self.is_fsdp_enabled else None
         problems = loss_forward_problems(
-            self._egpo_training_forward_is_random(),
+            self._egpo_training_forward_is_random(arguments=False),  # NEFTune: among the arguments' problems
             engine=engine,
             multimodal=bool(getattr(self, "_is_vlm", False)),
             router_loss=bool(getattr(self, "aux_loss_enabled", False)),
@@ -215,6 +218,8 @@ class LossForwardEntropyMixin:
             return step()
         start = time.perf_counter()
         model.train()
+        if callable(getattr(self.optimizer, "train", None)):  # as Trainer.training_step: a schedule-free optimizer
+            self.optimizer.train()  # back to its training weights (evaluation leaves it in eval mode) before sampling
         prepared = self._prepare_inputs(inputs)  # a new generation batch resets the kept micro-batches: first
         self._fused_pending.append(prepared)
         self._step += 1

@@ -148,13 +148,19 @@ def _judged_rows(result: AdvantageOutput, scored: torch.Tensor | None) -> tuple[
 def _random_training_forward(model: torch.nn.Module) -> bool:
     """Whether a training-mode forward of ``model`` is random: a dropout module with p > 0 (LoRA's included), or a
     configured dropout probability, router jitter noise (mixture-of-experts routing in training mode), layer drop or
-    drop path above 0 (applied functionally by many architectures)."""
+    drop path above 0 (applied functionally by many architectures), in the model's config or in a PEFT adapter's
+    (LoHa's and LoKr's rank and module dropout, BOFT's dropout are applied in code, not by dropout modules)."""
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
             return True
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "to_dict") and _config_makes_forward_random(config.to_dict()):
             return True
+        adapters = getattr(module, "peft_config", None)
+        if isinstance(adapters, dict):
+            for adapter in adapters.values():
+                if hasattr(adapter, "to_dict") and _config_makes_forward_random(adapter.to_dict()):
+                    return True
     return False
 
 
@@ -726,9 +732,12 @@ class EGPOTrainer(
             "deferred": deferred,
         }
 
-    def _egpo_training_forward_is_random(self) -> bool:
-        """Whether the policy's training-mode forward is random (active dropout, say)."""
-        return _random_training_forward(self.model)
+    def _egpo_training_forward_is_random(self, arguments: bool = True) -> bool:
+        """Whether the policy's training-mode forward is random: active dropout (:func:`_random_training_forward`),
+        or (``arguments``) NEFTune's noise on the input embeddings, which ``Trainer.train`` switches on for training
+        forwards."""
+        noise = arguments and bool(getattr(self.args, "neftune_noise_alpha", None))
+        return noise or _random_training_forward(self.model)
 
     def _egpo_defers_entropy_metrics(self, mode: str) -> bool:
         """Whether this training batch's ``egpo/entropy_*`` metrics can come from the loss's own forwards.
@@ -742,7 +751,7 @@ class EGPOTrainer(
         if mode != "train" or self._trl_computes_old_logps():
             return False
         if getattr(self, "_egpo_random_training_forward", None) is None:
-            self._egpo_random_training_forward = _random_training_forward(self.model)
+            self._egpo_random_training_forward = self._egpo_training_forward_is_random()
         return not self._egpo_random_training_forward
 
     def _prepare_inputs(self, generation_batch):

@@ -105,6 +105,7 @@ def test_loss_forward_trains_as_the_no_grad_pass(tmp_path, tiny_model_dir, per_d
         (dict(loss_type="bnpo"), "'bnpo' averages over each micro-batch's tokens"),
         (dict(top_entropy_quantile=0.5), "threshold within each micro-batch"),
         (dict(entropy_coef=0.01), "entropy bonus"),
+        (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha adds noise"),  # switched on by Trainer.train only
         (  # generation and optimisation misaligned: TRL computes the old log-probs
             dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, steps_per_generation=4),
             r"steps_per_generation \(4\) does not divide gradient_accumulation_steps \(2\)",
@@ -189,6 +190,11 @@ def test_loss_forward_problems_name_each_setting(monkeypatch):
     )
     assert "use_reentrant: false" in deepspeed_reentrant and "DeepSpeed" in deepspeed_reentrant
     assert "not been checked under FSDP" in refusal(fsdp="full_shard")
+    assert "updates the weights during each backward" in refusal(optim="adalomo")
+    from types import SimpleNamespace
+
+    assert "context parallelism" in refusal(parallelism_config=SimpleNamespace(cp_size=2))
+    EGPOConfig._validate_loss_forward(_loss_forward_arguments(parallelism_config=SimpleNamespace(cp_size=1)))
     assert loss_forward_problems(False) == []
     (dropout,) = loss_forward_problems(True)
     assert "dropout" in dropout
@@ -254,3 +260,67 @@ def test_loss_forward_trains_as_the_no_grad_pass_over_two_processes(tmp_path, ti
         assert on["egpo/entropy_extra_pass"] == 0.0
     for name, weight in policy_weights.items():
         torch.testing.assert_close(fused_weights[name], weight, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "adapter",
+    [
+        "LoHaConfig(r=4, rank_dropout=0.3, module_dropout=0.0, target_modules=['q_proj', 'v_proj'])",
+        "LoKrConfig(r=4, rank_dropout=0.0, module_dropout=0.2, target_modules=['q_proj', 'v_proj'])",
+    ],
+)
+def test_adapters_whose_dropout_is_in_code_make_the_training_forward_random(tiny_model_dir, adapter):
+    """LoHa and LoKr (and BOFT) drop ranks, modules or blocks in their own code (no dropout module): the loss's forward
+    of such a policy is not pi_old's, so loss_forward refuses it, and the baselines' entropy metrics take a pass."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from egpo_trl.trainer import _random_training_forward
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not _random_training_forward(model)
+    config = eval(adapter, vars(peft))  # noqa: S307 - the parametrized constructor calls above
+    assert _random_training_forward(peft.get_peft_model(model, config))
+    quiet = eval(adapter.replace("0.3", "0.0").replace("0.2", "0.0"), vars(peft))  # noqa: S307
+    assert not _random_training_forward(
+        peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), quiet)
+    )
+
+
+def test_loss_forward_samples_with_the_optimizer_in_training_mode(tmp_path, tiny_model_dir):
+    """A schedule-free optimizer holds other weights in eval mode, where evaluation leaves it; Trainer.training_step
+    switches it back before each micro-batch. A micro-batch that loss_forward only keeps must do the same before it
+    generates, or the batch is sampled with the eval weights and trained as on-policy for the others."""
+    from egpo_trl import EGPOTrainer
+
+    class ModalAdamW(torch.optim.AdamW):  # the train()/eval() interface of schedule-free optimizers
+        mode = "train"
+
+        def train(self):
+            self.mode = "train"
+
+        def eval(self):
+            self.mode = "eval"
+
+    args = config(
+        tmp_path, egpo_entropy_logps="loss_forward", per_device_train_batch_size=2, gradient_accumulation_steps=4,
+        max_steps=2,
+    )  # fmt: skip
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    optimizer = ModalAdamW(model.parameters(), lr=1e-3)
+    trainer = EGPOTrainer(
+        model, parity_reward, args, train_dataset=make_prompt_dataset(), optimizers=(optimizer, None)
+    )
+    modes = []
+    generate = trainer._generate_and_score_completions
+
+    def record(*a, **k):
+        modes.append(optimizer.mode)
+        return generate(*a, **k)
+
+    trainer._generate_and_score_completions = record
+    optimizer.eval()  # as an evaluation before training, or between steps, leaves it
+    trainer.train()
+    assert modes == ["train", "train"]  # one generation batch per optimizer step, each sampled in training mode
