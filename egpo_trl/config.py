@@ -159,7 +159,8 @@ class EGPOConfig(GRPOConfig):
             engines' numerical differences (up to 6% of a completion's proxy in `docs/multi_gpu.md`);
             `"loss_forward"` takes \\(\\pi_{old}\\)'s log-probs from the loss's own forward, which runs with the
             weights that sampled the batch: the micro-batches of each group run their forwards, then EGPO's
-            weights, then one backward (`egpo_trl/fused.py`), with no pass of their own. EGPO's estimator only,
+            weights, then one backward (`egpo_trl/fused.py`), with no pass of their own. EGPO's estimator, and
+            EDGE-GRPO's with `edge_grpo_entropy_normalization="group"` (its Shannon entropies from the same forwards),
             where TRL computes no old log-probs, each process's batch holds whole groups, the policy has no active
             dropout, and no loss term is normalised per micro-batch (`bnpo`, `top_entropy_quantile`, an entropy
             bonus); checked under DDP and DeepSpeed ZeRO-2/3, not yet under FSDP.
@@ -452,8 +453,15 @@ class EGPOConfig(GRPOConfig):
         """Refuse what ``egpo_entropy_logps="loss_forward"`` cannot serve exactly (see ``egpo_trl/fused.py``), in one
         error with ``problems`` (what the trainer found) added."""
         found, problems = list(problems or []), []
-        if self.advantage_estimator != "egpo":
-            problems.append(f"advantage_estimator is {self.advantage_estimator!r}; it serves EGPO's estimator only")
+        if self.advantage_estimator not in ("egpo", "edge_grpo"):
+            problems.append(
+                f"advantage_estimator is {self.advantage_estimator!r}; it serves EGPO's and EDGE-GRPO's estimators only"
+            )
+        elif self.advantage_estimator == "edge_grpo" and self.edge_grpo_entropy_normalization != "group":
+            problems.append(
+                "edge_grpo_entropy_normalization 'batch' weighs each row by the whole batch's mean entropy, which a "
+                "block of micro-batches does not hold"
+            )
         if self.num_iterations > 1 or (self.use_vllm and self.vllm_importance_sampling_correction):
             problems.append(
                 "TRL computes the old policy's log-probs itself here (num_iterations > 1, or vLLM's "

@@ -181,6 +181,7 @@ class LossForwardEntropyMixin:
             "weights": torch.ones(local),
             "raw_weights": torch.ones(local),
             "nll": torch.full((local,), float("nan")),
+            "shannon": torch.full((local,), float("nan")),
             "seen": torch.zeros(local, dtype=torch.bool),
             "num_generations": num_generations,
             "fallback": fallback,
@@ -234,7 +235,7 @@ class LossForwardEntropyMixin:
         """The block's loss: every micro-batch's forward, EGPO's weights from their log-probs, then TRL's loss of each
         micro-batch (``loss_of(model, micro_batch)``, which reads the kept forwards) with the weighted advantages,
         summed for one backward."""
-        from egpo_trl.advantages import sequence_entropy
+        from egpo_trl.advantages import sequence_entropy, sequence_mean
 
         block, self._fused_pending = self._fused_pending + [inputs], []
         forwards = []
@@ -270,11 +271,20 @@ class LossForwardEntropyMixin:
                 for (logps, _, _), batch in zip(forwards, block)
             ]
         )
+        shannon = None
+        if self._egpo_entropy_input == "shannon":  # EDGE-GRPO: the mean full-distribution entropy of each row
+            shannon = torch.cat(
+                [
+                    sequence_mean(entropies.detach().float(), batch[MASK_KEY])
+                    for (_, entropies, _), batch in zip(forwards, block)
+                ]
+            )
         rewards = torch.cat([batch[REWARD_KEY] for batch in block])
         correct = torch.cat([batch[CORRECT_KEY] for batch in block])
         # The weights of a group depend on its own rows only: the estimator over the block's groups gives them.
-        weights = self._egpo_estimator(rewards, nll, n, correct=correct, **self._estimator_kwargs())
-        self._fused_record(block, weights, nll)
+        entropy_input = shannon if shannon is not None else nll
+        weights = self._egpo_estimator(rewards, entropy_input, n, correct=correct, **self._estimator_kwargs())
+        self._fused_record(block, weights, nll, shannon)
         self._fused_cache = list(forwards)
         total = None
         start = 0
@@ -294,7 +304,7 @@ class LossForwardEntropyMixin:
             raise RuntimeError("The loss did not use every kept forward of its block; is the TRL version 1.16.0?")
         return total
 
-    def _fused_record(self, block, weights, nll) -> None:
+    def _fused_record(self, block, weights, nll, shannon=None) -> None:
         """Keep the block's weights and entropies; once every row of the batch has been trained on, log the batch's
         egpo/* metrics and write its final advantages where the completions table reads them."""
         state = self._fused_batch
@@ -302,6 +312,8 @@ class LossForwardEntropyMixin:
         state["weights"][rows] = weights.weights.detach().float().cpu()
         state["raw_weights"][rows] = weights.raw_weights.detach().float().cpu()
         state["nll"][rows] = nll.detach().float().cpu()
+        if shannon is not None:
+            state["shannon"][rows] = shannon.detach().float().cpu()
         state["seen"][rows] = True
         if not bool(state["seen"].all()):
             return
@@ -310,6 +322,9 @@ class LossForwardEntropyMixin:
         gathered = {
             key: self.accelerator.gather(state[key].to(device)).cpu() for key in ("weights", "raw_weights", "nll")
         }
+        shannon = None
+        if self._egpo_entropy_input == "shannon":
+            shannon = self.accelerator.gather(state["shannon"].to(device)).cpu()
         result = state["result"]
         result = type(result)(*[value.cpu() if torch.is_tensor(value) else value for value in result])
         result = result._replace(
@@ -323,10 +338,12 @@ class LossForwardEntropyMixin:
         logged.extend(result.advantages.tolist())
         entropies = {
             "nll": gathered["nll"],
-            "shannon": None,
+            "shannon": shannon,
             "source": "loss_forward",
             "extra_pass": False,
             "scope_fallback": state["fallback"],
         }
         self._egpo_log_metrics("train", result, entropies, state["num_generations"], scored=state["scored"].cpu())
-        self.egpo_last_batch.update(entropies=gathered["nll"], result=result, entropy_source="loss_forward")
+        self.egpo_last_batch.update(
+            entropies=gathered["nll"], token_entropies=shannon, result=result, entropy_source="loss_forward"
+        )

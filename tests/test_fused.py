@@ -52,6 +52,8 @@ def _assert_same_rows(policy: list[dict], fused: list[dict], keys: tuple[str, ..
         (4, 2, {}),  # one group per micro-batch
         (2, 4, {"dynamic_sampling": True, "scale_rewards": "batch"}),  # reassembled batches, batch-std advantages
         (2, 4, {"egpo_entropy_scope": "answer", "egpo_renorm": "after_clamp"}),  # a scope mask, C5
+        (2, 4, {"advantage_estimator": "edge_grpo"}),  # EDGE-GRPO: weights from the forwards' Shannon entropies
+        (2, 4, {"advantage_estimator": "edge_grpo", "edge_gec": True, "edge_gec_max_new_tokens": 4}),  # rewritten rows
     ],
 )
 def test_loss_forward_trains_as_the_no_grad_pass(tmp_path, tiny_model_dir, per_device, accumulation, extra):
@@ -78,6 +80,7 @@ def test_loss_forward_trains_as_the_no_grad_pass(tmp_path, tiny_model_dir, per_d
             "egpo/weight_incorrect",
             "egpo/frac_mixed",
             "egpo/frac_all_incorrect",
+            "egpo/token_entropy_mean",  # EDGE-GRPO's Shannon entropies
         ),
     )
     for off, on in zip(policy, fused, strict=True):
@@ -100,7 +103,8 @@ def test_loss_forward_trains_as_the_no_grad_pass(tmp_path, tiny_model_dir, per_d
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(advantage_estimator="grpo"), "serves EGPO's estimator only"),
+        (dict(advantage_estimator="grpo"), "serves EGPO's and EDGE-GRPO's estimators only"),
+        (dict(advantage_estimator="edge_grpo", edge_grpo_entropy_normalization="batch"), "whole batch's mean"),
         (dict(num_iterations=2), "TRL computes the old policy's log-probs itself"),
         (dict(loss_type="bnpo"), "'bnpo' averages over each micro-batch's tokens"),
         (dict(top_entropy_quantile=0.5), "threshold within each micro-batch"),
