@@ -177,7 +177,6 @@ class LossForwardEntropyMixin:
         self._fused_batch = {
             "result": result,
             "rows": rows,
-            "local": local,
             "weights": torch.ones(local),
             "raw_weights": torch.ones(local),
             "nll": torch.full((local,), float("nan")),
@@ -186,7 +185,6 @@ class LossForwardEntropyMixin:
             "num_generations": num_generations,
             "fallback": fallback,
             "scored": ~torch.isnan(rewards_per_func[:, self._egpo_correctness_index]),
-            "rewards_per_func": rewards_per_func,
         }
         return result
 
@@ -319,12 +317,9 @@ class LossForwardEntropyMixin:
             return
         self._fused_batch = None
         device = self.accelerator.device
-        gathered = {
-            key: self.accelerator.gather(state[key].to(device)).cpu() for key in ("weights", "raw_weights", "nll")
-        }
-        shannon = None
-        if self._egpo_entropy_input == "shannon":
-            shannon = self.accelerator.gather(state["shannon"].to(device)).cpu()
+        keys = ("weights", "raw_weights", "nll") + (("shannon",) if self._egpo_entropy_input == "shannon" else ())
+        gathered = {key: self.accelerator.gather(state[key].to(device)).cpu() for key in keys}
+        shannon = gathered.get("shannon")
         result = state["result"]
         result = type(result)(*[value.cpu() if torch.is_tensor(value) else value for value in result])
         result = result._replace(

@@ -36,8 +36,9 @@ Where the log-probs come from (the paper's "zero-overhead" proxy):
   (the paper's trainer) computes the old policy's log-probs. It costs about a third of a training step's
   forward+backward; :mod:`egpo_trl.old_logps` sizes its micro-batches by a token budget and skips right padding,
   and ``benchmarks/entropy_pass.py`` and ``docs/multi_gpu.md`` measure it.
-* with ``egpo_entropy_logps="loss_forward"`` (EGPO's estimator, where TRL computes no old log-probs), the loss's
-  own forwards, each group's held until its weights are known (:mod:`egpo_trl.fused`). No extra cost.
+* with ``egpo_entropy_logps="loss_forward"`` (EGPO's and EDGE-GRPO's estimators, where TRL computes no old
+  log-probs), the loss's own forwards, each group's held until its weights are known (:mod:`egpo_trl.fused`). No
+  extra cost.
 
 Estimators whose advantages do not read the proxy (``grpo``, ``nsr``) still log it (``egpo_entropy_metrics``). In
 the last case they take it from the loss's own forward instead of a pass: with one optimizer step per generation
