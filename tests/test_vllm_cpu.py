@@ -49,6 +49,44 @@ def _subprocess_env() -> dict[str, str]:
     return env
 
 
+def _train_with_vllm_colocate(recipe: Path, model_dir: str, output_dir: Path, settings: str) -> list[dict]:
+    """``egpo-trl train`` on a CPU vLLM colocate recipe (the tiny model, synthetic arithmetic, the parity reward,
+    seed 0) with ``settings`` (YAML lines) added; the rows of its ``metrics.jsonl``."""
+    recipe.write_text(
+        textwrap.dedent(
+            f"""
+            model_name_or_path: {model_dir}
+            dataset_name: synthetic:arithmetic
+            synthetic_train_size: 64
+            reward_funcs: ["conftest:parity_reward"]
+            eval_size: 0
+            plot: false
+            output_dir: {output_dir}
+            use_cpu: true
+            use_vllm: true
+            vllm_mode: colocate
+            vllm_gpu_memory_utilization: 0.25
+            learning_rate: 0.01
+            num_generations: 4
+            max_completion_length: 12
+            logging_steps: 1
+            save_strategy: "no"
+            report_to: none
+            seed: 0
+            """
+        )
+        + textwrap.dedent(settings)
+    )
+    egpo_trl = Path(sys.executable).with_name("egpo-trl")
+    result = subprocess.run(
+        [str(egpo_trl), "train", "--config", str(recipe)],
+        capture_output=True, text=True, env=_subprocess_env(), cwd=REPO, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-5000:]
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
 @pytest.fixture(scope="module")
 def vllm_model_dir(tmp_path_factory) -> str:
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny-qwen2-vllm")), hidden_size=HIDDEN_SIZE)
@@ -201,47 +239,17 @@ def test_egpo_trl_train_with_vllm_colocate_on_cpu(tmp_path, vllm_model_dir):
     (``old_per_token_logps``) and logs how far vLLM's own sampling log-probs are from them. Had vLLM kept stale
     weights, that gap would grow to the size of the trainer's updates after the first step.
     """
-    recipe = tmp_path / "vllm_colocate.yaml"
     output_dir = tmp_path / "run"
     steps = 3
-    recipe.write_text(
-        textwrap.dedent(
-            f"""
-            model_name_or_path: {vllm_model_dir}
-            dataset_name: synthetic:arithmetic
-            synthetic_train_size: 64
-            reward_funcs: ["conftest:parity_reward"]
-            eval_size: 0
-            plot: false
-            output_dir: {output_dir}
-            use_cpu: true
-            use_vllm: true
-            vllm_mode: colocate
-            vllm_gpu_memory_utilization: 0.25
-            learning_rate: 0.01
-            per_device_train_batch_size: 4
-            num_generations: 4
-            max_completion_length: 12
-            max_steps: {steps}
-            logging_steps: 1
-            save_strategy: "no"
-            report_to: none
-            seed: 0
-            """
-        )
+    records = _train_with_vllm_colocate(
+        tmp_path / "vllm_colocate.yaml",
+        vllm_model_dir,
+        output_dir,
+        f"""
+        per_device_train_batch_size: 4
+        max_steps: {steps}
+        """,
     )
-    egpo_trl = Path(sys.executable).with_name("egpo-trl")
-    result = subprocess.run(
-        [str(egpo_trl), "train", "--config", str(recipe)],
-        capture_output=True,
-        text=True,
-        env=_subprocess_env(),
-        cwd=REPO,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-5000:]
-
-    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps_logged = [r for r in records if "egpo/entropy_extra_pass" in r]
     assert [r["step"] for r in steps_logged] == list(range(1, steps + 1))
     # (a) no extra forward pass: the entropies came from the log-probs TRL computed for vLLM's correction
@@ -275,47 +283,21 @@ def test_loss_forward_trains_as_the_pass_with_vllm_colocate(tmp_path, vllm_model
     optimizer steps with a weight sync each."""
     runs = {}
     for logps in ("policy", "loss_forward"):
-        recipe = tmp_path / f"{logps}.yaml"
-        output_dir = tmp_path / logps
-        recipe.write_text(
-            textwrap.dedent(
-                f"""
-                model_name_or_path: {vllm_model_dir}
-                model_init_kwargs: {{attn_implementation: eager}}
-                dataset_name: synthetic:arithmetic
-                synthetic_train_size: 64
-                reward_funcs: ["conftest:parity_reward"]
-                eval_size: 0
-                plot: false
-                output_dir: {output_dir}
-                use_cpu: true
-                bf16: false
-                use_vllm: true
-                vllm_mode: colocate
-                vllm_gpu_memory_utilization: 0.25
-                vllm_importance_sampling_correction: false
-                egpo_entropy_logps: {logps}
-                learning_rate: 0.01
-                per_device_train_batch_size: 2
-                gradient_accumulation_steps: 4
-                num_generations: 4
-                max_completion_length: 12
-                max_steps: 3
-                logging_steps: 1
-                save_strategy: "no"
-                report_to: none
-                seed: 0
-                """
-            )
+        records = _train_with_vllm_colocate(
+            tmp_path / f"{logps}.yaml",
+            vllm_model_dir,
+            tmp_path / logps,
+            f"""
+            model_init_kwargs: {{attn_implementation: eager}}
+            bf16: false
+            vllm_importance_sampling_correction: false
+            egpo_entropy_logps: {logps}
+            per_device_train_batch_size: 2
+            gradient_accumulation_steps: 4
+            max_steps: 3
+            """,
         )
-        egpo_trl = Path(sys.executable).with_name("egpo-trl")
-        result = subprocess.run(
-            [str(egpo_trl), "train", "--config", str(recipe)],
-            capture_output=True, text=True, env=_subprocess_env(), cwd=REPO, timeout=900,
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr[-5000:]
-        lines = (output_dir / "metrics.jsonl").read_text().splitlines()
-        runs[logps] = [r for r in map(json.loads, filter(str.strip, lines)) if "egpo/entropy_extra_pass" in r]
+        runs[logps] = [r for r in records if "egpo/entropy_extra_pass" in r]
     policy, fused = runs["policy"], runs["loss_forward"]
     assert [r["step"] for r in policy] == [r["step"] for r in fused] == [1, 2, 3]
     for off, on in zip(policy, fused, strict=True):
