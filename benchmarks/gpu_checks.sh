@@ -7,7 +7,9 @@
 #                                                                  # GPUs of one machine, then each job's step time
 #                                                                  # over BASE's, step by step; a job may carry its
 #                                                                  # own overrides after '+', e.g.
-#                                                                  # grpo_qwen15b@1:32+--egpo_shift_prompt_padding+true
+#                                                                  # grpo_qwen15b@1:32+--egpo_shift_prompt_padding+true;
+#                                                                  # first benchmarks/card_check.py and each card's
+#                                                                  # clocks and throttle reasons (a slow card is flagged)
 #   bash benchmarks/gpu_checks.sh resume RESULTS                    # resume with vLLM colocate + ZeRO-2 against an
 #                                                                  # uninterrupted run and a second one
 #   STEPS=1 bash benchmarks/gpu_checks.sh detach RESULTS JOB [JOB ...]  # fullbatch in a session of its own, for a
@@ -50,12 +52,21 @@ build_shapes() {
     done
 }
 
+# Each card's clocks, power limit, temperature and active throttle reasons, as the driver reports them.
+card_state() {
+    nvidia-smi --query-gpu=index,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv 2>&1
+}
+
 case $stage in
     pair)
         # The same machine and the same moment for all: timings compare without a machine-to-machine spread.
         [[ $# -ge 2 ]] || { echo "pair takes a base job and one or more others, e.g. grpo_qwen15b@0:32 edge_grpo_qwen15b@1:32" >&2; exit 2; }
         # Shapes first, once: jobs started together would otherwise build the same folder at the same time.
         build_shapes "$@"
+        # The cards themselves first: a slower card (capped power or clocks) would pass for a slower recipe.
+        "$PY" benchmarks/card_check.py --json "$RUNS/$name/card_check.json" > "$RUNS/$name/card_check.txt" 2>&1
+        card_state > "$RUNS/$name/card_state_before.csv"
         sides=()
         for job in "$@"; do
             side=${#sides[@]}
@@ -66,7 +77,9 @@ case $stage in
                 "$RUNS/$name-results-$side" "${job%%+*}" > "$RUNS/$name/$side.log" 2>&1 &
         done
         wait
+        card_state > "$RUNS/$name/card_state_after.csv"
         for side in "${sides[@]}"; do cat "$RUNS/$name/$side.log"; done
+        cat "$RUNS/$name/card_check.txt" "$RUNS/$name/card_state_after.csv"
         "$PY" - "$RUNS/$name" "${#sides[@]}" <<'PY' | tee "$RUNS/$name/ratio.txt"
 import glob, json, sys
 rows = []

@@ -7,7 +7,8 @@ itself. Columns: the card and the number of GPUs, the DeepSpeed stage, completio
 memory of any GPU of the run as the driver reports it (vLLM's memory pool included), then per step: its seconds
 (TRL's ``step_time``), of which generation (``timing/generation_s``: vLLM's wake-up, weight sync and sampling),
 the old-policy log-prob pass (``timing/old_logps_s``), Guided Error Correction (``timing/gec_s``: its scoring,
-rewrites and continuations; EDGE-GRPO only) and the rest (scoring, advantages and the forward/backward/optimizer
+rewrites and continuations; EDGE-GRPO only; of which the continuations' generation alone,
+``timing/gec_continuation_s``) and the rest (scoring, advantages and the forward/backward/optimizer
 step); completion tokens per second over the step; TRL's importance-sampling ratio
 (mean and min, when the correction is on), loss and gradient norm. Standard library plus PyYAML.
 """
@@ -105,6 +106,7 @@ def summarize(folder: Path) -> list[dict]:
                 generation_s=generation,
                 old_logps_s=old_logps,
                 gec_s=record.get("timing/gec_s"),
+                gec_continuation_s=record.get("timing/gec_continuation_s"),
                 gec_frac_reflect=record.get("gec/frac_reflect"),
                 rest_s=step_time - scored if scored is not None else None,
                 mean_length=mean_length,
@@ -131,6 +133,7 @@ COLUMNS = [
     ("generation_s", "generation s", "{:.1f}"),
     ("old_logps_s", "old log-probs s", "{:.2f}"),
     ("gec_s", "GEC s", "{:.1f}"),
+    ("gec_continuation_s", "GEC continuations s", "{:.1f}"),
     ("rest_s", "scoring + training s", "{:.1f}"),
     ("mean_length", "mean length", "{:.0f}"),
     ("tokens_per_s", "completion tok/s", "{:.0f}"),

@@ -387,3 +387,24 @@ def test_loss_forward_check_compares_the_two_sources_under_an_engine(tmp_path):
     assert again["metric_abs"] == 0.0 and again["weight_abs"] == 0.0  # one process group's run is deterministic
     assert 0.0 <= fused["metric_rel"] <= 1e-4 and fused["weight_abs"] <= 1e-5 and fused["within"]
     assert "| ddp | False | loss_forward vs policy |" in done.stdout
+
+
+def test_card_check_times_each_device_and_flags_a_slow_one(tmp_path):
+    out = run("benchmarks/card_check.py", "--device", "cpu", "--size", "64", "--seconds", "0.05",
+              "--json", str(tmp_path / "cards.json"))  # fmt: skip
+    assert "cards alike" in out, out
+    figures = json.loads((tmp_path / "cards.json").read_text())
+    (row,) = figures["devices"]
+    assert row["device"] == "cpu" and row["matmul_tflops"] > 0 and row["copy_gbps"] > 0
+    assert figures["flagged"] == []
+
+    from benchmarks.card_check import flag_slow
+
+    rows = [
+        {"device": "cuda:0", "matmul_tflops": 700.0, "copy_gbps": 2900.0},
+        {"device": "cuda:1", "matmul_tflops": 690.0, "copy_gbps": 2950.0},
+        {"device": "cuda:2", "matmul_tflops": 400.0, "copy_gbps": 2900.0},  # capped clocks: compute-bound work slows
+        {"device": "cuda:3", "matmul_tflops": 705.0, "copy_gbps": 2000.0},
+    ]
+    assert flag_slow(rows, 0.85) == ["cuda:2", "cuda:3"]
+    assert rows[2]["matmul_vs_best"] == pytest.approx(400 / 705)

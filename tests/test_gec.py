@@ -177,6 +177,11 @@ def test_guided_error_correction_rewrites_incorrect_completions(tmp_path, tiny_m
     # Its time is logged apart from the sampling's, and both within the round's.
     assert 0 < metrics["timing/gec_s"] < metrics["timing/generate_and_score_s"]
     assert metrics["timing/generation_s"] + metrics["timing/gec_s"] <= metrics["timing/generate_and_score_s"]
+    # The continuations' own time is part of GEC's; there are none without the reflect strategy.
+    if strategy == "reflect":
+        assert 0 < metrics["timing/gec_continuation_s"] < metrics["timing/gec_s"]
+    else:
+        assert "timing/gec_continuation_s" not in metrics
     # num_tokens counts the tokens trained on: the prompts and the rewritten completions.
     trained_tokens = generated["prompt_mask"].sum() + generated["completion_mask"].sum()
     assert metrics["num_tokens"] == trained_tokens.item()

@@ -296,7 +296,8 @@ class GuidedErrorCorrectionMixin:
         continued: dict[int, tuple[list[int], list[float] | None]] = {}  # row -> continuation ids and log-probs
         if sum(counts):
             batch = pad_continuation_batch(reflect_prompts, counts, filler=list(prompt_ids[0]))
-            continuations, continuation_logps = self._continue_generation(batch, max(int(stats[:, 1].max()), 1))
+            with self._egpo_timed("gec_continuation_s"):  # the continuations alone, also counted in gec_s
+                continuations, continuation_logps = self._continue_generation(batch, max(int(stats[:, 1].max()), 1))
             if len(continuations) != len(batch):
                 raise RuntimeError(
                     f"Guided Error Correction sent {len(batch)} prompts to the generation backend and got "
