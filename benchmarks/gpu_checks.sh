@@ -55,7 +55,7 @@ build_shapes() {
 # Each card's clocks, power limit, temperature and active throttle reasons, as the driver reports them.
 card_state() {
     nvidia-smi --query-gpu=index,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,clocks_throttle_reasons.active \
-        --format=csv 2>&1
+        --format=csv "$@" 2>&1
 }
 
 case $stage in
@@ -67,7 +67,11 @@ case $stage in
         # The cards themselves first: a slower card (capped power or clocks) would pass for a slower recipe.
         "$PY" benchmarks/card_check.py --json "$RUNS/$name/card_check.json" > "$RUNS/$name/card_check.txt" 2>&1
         card_state > "$RUNS/$name/card_state_before.csv"
+        # ... and while the jobs run (every 5 s): a card that slows only under load shows its throttle reasons here.
+        card_state -l 5 > "$RUNS/$name/card_state_during.csv" &
+        sampler=$!
         sides=()
+        pids=()
         for job in "$@"; do
             side=${#sides[@]}
             sides+=("$side")
@@ -75,11 +79,16 @@ case $stage in
             [[ $job == *+* ]] && extra=${job#*+} && extra=${extra//+/ }
             EXTRA="${EXTRA:-} $extra" PORT=$((29500 + 100 * side)) RUNS=$RUNS/$name/$side bash "$0" fullbatch \
                 "$RUNS/$name-results-$side" "${job%%+*}" > "$RUNS/$name/$side.log" 2>&1 &
+            pids+=($!)
         done
-        wait
-        card_state > "$RUNS/$name/card_state_after.csv"
+        wait "${pids[@]}"
+        kill "$sampler" 2>/dev/null
         for side in "${sides[@]}"; do cat "$RUNS/$name/$side.log"; done
-        cat "$RUNS/$name/card_check.txt" "$RUNS/$name/card_state_after.csv"
+        cat "$RUNS/$name/card_check.txt"
+        # Any throttle reason other than idle (0x1) while the jobs ran, per card.
+        awk -F', ' '$1 != "index" && $7 != "0x0000000000000000" && $7 != "0x0000000000000001" {n[$1]++; r[$1] = $7}
+            END {for (i in n) printf "card %s throttled in %d samples (last reasons %s)\n", i, n[i], r[i]}' \
+            "$RUNS/$name/card_state_during.csv"
         "$PY" - "$RUNS/$name" "${#sides[@]}" <<'PY' | tee "$RUNS/$name/ratio.txt"
 import glob, json, sys
 rows = []

@@ -106,6 +106,15 @@ def _distributed_engine(args) -> str | None:
     return None
 
 
+def loss_forward_error(problems: list[str]) -> str:
+    """The error for settings that ``egpo_entropy_logps="loss_forward"`` cannot serve, naming the way out."""
+    return (
+        "egpo_entropy_logps='loss_forward' cannot be used here: "
+        + "; ".join(problems)
+        + ". Use egpo_entropy_logps='policy' (one no-grad pass, the default)."
+    )
+
+
 @dataclass
 class EGPOConfig(GRPOConfig):
     r"""
@@ -501,13 +510,13 @@ class EGPOConfig(GRPOConfig):
                 f"per_device_train_batch_size x steps_per_generation) is not a multiple of num_generations "
                 f"({self.num_generations}), so a group spans processes"
             )
-        engine = _distributed_engine(self)
+        world_size, engine = self._loss_forward_launch()
         if engine == "FSDP":
             problems.append(f"it has not been checked under {engine} yet")
         if (
             self.gradient_checkpointing
             and reentrant_checkpointing(self.gradient_checkpointing_kwargs)
-            and (self.world_size > 1 or engine is not None)
+            and (world_size > 1 or engine is not None)
             and block_size(self.per_device_train_batch_size, self.num_generations) > 1
         ):
             # Reentrant checkpointing hands each checkpointed forward's weight gradients over separately, so a
@@ -519,11 +528,12 @@ class EGPOConfig(GRPOConfig):
             )
         problems += found
         if problems:
-            raise ValueError(
-                "egpo_entropy_logps='loss_forward' cannot be used here: "
-                + "; ".join(problems)
-                + ". Use egpo_entropy_logps='policy' (one no-grad pass, the default)."
-            )
+            raise ValueError(loss_forward_error(problems))
+
+    def _loss_forward_launch(self) -> tuple[int, str | None]:
+        """The run's process count and distributed engine (``"DeepSpeed"``, ``"FSDP"`` or ``None``), as
+        ``loss_forward``'s checks see them; ``egpo-trl train --dry-run`` substitutes the launch's own."""
+        return self.world_size, _distributed_engine(self)
 
     def _validate_egpo(self) -> None:
         def choose(name: str, value: str, choices: tuple[str, ...] | list[str]) -> None:

@@ -25,6 +25,7 @@ batch is scored; only the weights, which depend on a group's own rows, wait for 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
@@ -33,7 +34,9 @@ import torch
 
 from egpo_trl.old_logps import FORWARD_KEYS
 
-__all__ = ["block_size", "group_first_order", "reorder_rows"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["block_memory_note", "block_size", "group_first_order", "reorder_rows"]
 
 #: Global group index of each row (0, 0, ..., 1, 1, ... in the generation batch's order before TRL shuffles it).
 GROUP_KEY = "egpo_fused_group"
@@ -53,6 +56,16 @@ def block_size(per_device_batch: int, num_generations: int) -> int:
     """Micro-batches per block: the fewest consecutive micro-batches of ``per_device_batch`` rows that hold whole
     groups of ``num_generations`` rows."""
     return math.lcm(per_device_batch, num_generations) // per_device_batch
+
+
+def block_memory_note(per_device_batch: int, blocks: int) -> str:
+    """The warning for ``loss_forward`` with gradient checkpointing off, where a block's activations add up."""
+    return (
+        f"egpo_entropy_logps='loss_forward' holds {blocks} micro-batches ({blocks * per_device_batch} rows) of "
+        "forwards until one backward; with gradient_checkpointing off that is all their activations at once, "
+        f"{blocks} times one micro-batch's, which runs out of GPU memory at long completions. Turn "
+        "gradient_checkpointing on, or use egpo_entropy_logps='policy'."
+    )
 
 
 def group_first_order(groups: torch.Tensor) -> torch.Tensor:
@@ -140,6 +153,8 @@ class LossForwardEntropyMixin:
         args._validate_loss_forward(problems)
         self._fused = True
         self._fused_block = block_size(args.per_device_train_batch_size, self.num_generations)
+        if self._fused_block > 1 and not args.gradient_checkpointing:
+            logger.warning(block_memory_note(args.per_device_train_batch_size, self._fused_block))
         self._fused_pending: list[dict[str, Any]] = []
         self._fused_cache: list[tuple] = []
         self._fused_batch: dict[str, Any] | None = None
@@ -331,8 +346,10 @@ class LossForwardEntropyMixin:
         for _ in range(min(len(logged), result.advantages.numel())):
             logged.pop()
         logged.extend(result.advantages.tolist())
+        # The proxy's metrics as the pass logs them: when the estimator reads it or egpo_entropy_metrics asks.
+        logs_nll = self._egpo_entropy_input == "nll" or self.args.egpo_entropy_metrics
         entropies = {
-            "nll": gathered["nll"],
+            "nll": gathered["nll"] if logs_nll else None,
             "shannon": shannon,
             "source": "loss_forward",
             "extra_pass": False,

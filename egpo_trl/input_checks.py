@@ -19,6 +19,8 @@ __all__ = [
     "QUESTION_COLUMNS",
     "batch_shape_problem",
     "check_trainer_inputs",
+    "config_makes_forward_random",
+    "loss_forward_input_problems",
     "required_columns",
     "resolve_model_name",
     "training_value_problems",
@@ -203,6 +205,74 @@ def _dataset_problem(dataset: Any, reward_funcs: Sequence[Any], args: Any = None
     return f"train_dataset has no {'; no '.join(described)}. Its columns: {', '.join(columns)}. Rename or add them, {fix}."
 
 
+#: Parts of config keys whose positive values make a training-mode forward random.
+STOCHASTIC_KEYS = ("dropout", "pdrop", "jitter", "layerdrop", "drop_path", "stochastic_depth")
+
+
+def config_makes_forward_random(config: dict) -> bool:
+    """Whether a model or adapter config (as a dict, sub-configs included) sets a dropout, jitter, layer-drop or
+    drop-path value above 0 (:data:`STOCHASTIC_KEYS`)."""
+    for key, value in config.items():
+        if isinstance(value, dict) and config_makes_forward_random(value):
+            return True
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if isinstance(key, str) and numeric and value > 0 and any(word in key for word in STOCHASTIC_KEYS):
+            return True
+    return False
+
+
+def _cached_model_config(model: str) -> dict | None:
+    """The ``config.json`` of a model folder, or of a Hub model already in the local cache; ``None`` otherwise."""
+    import json
+
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model, "config.json")
+        except Exception:  # not a repository id, or no cache: the trainer checks the loaded model instead
+            return None
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def loss_forward_input_problems(model: Any, peft_config: Any, model_init_kwargs: dict | None) -> list[str]:
+    """What makes ``egpo_entropy_logps="loss_forward"`` impossible that can be seen before the model loads: a random
+    training forward set in the PEFT adapter's config (``lora_dropout``, LoHa's rank dropout, ...) or in the model's
+    ``config.json`` (with ``model_init_kwargs``' overrides). The trainer checks the loaded model again."""
+    problems = []
+    if peft_config is not None:
+        values = peft_config if isinstance(peft_config, dict) else getattr(peft_config, "to_dict", dict)()
+        if isinstance(values, dict) and config_makes_forward_random(values):
+            problems.append(
+                "the PEFT adapter's training forward is random (a dropout above 0, e.g. lora_dropout, TRL's default "
+                "0.05); set it to 0 (--lora_dropout 0)"
+            )
+    if isinstance(model, str):
+        config = _cached_model_config(model)
+        if config is not None and config_makes_forward_random({**config, **(model_init_kwargs or {})}):
+            keys = sorted(
+                key
+                for key, value in {**config, **(model_init_kwargs or {})}.items()
+                if isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and value > 0
+                and any(word in key for word in STOCHASTIC_KEYS)
+            )
+            problems.append(
+                f"the model's config sets a random training forward ({', '.join(keys) or 'in a sub-config'} above "
+                f"0); set {'them' if len(keys) != 1 else 'it'} to 0 through model_init_kwargs"
+            )
+    return problems
+
+
 def check_trainer_inputs(
     model: Any, reward_funcs: Any, args: Any, pos_args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
@@ -218,6 +288,11 @@ def check_trainer_inputs(
     problems = training_value_problems(args)
     if problems:
         raise ValueError(f"EGPOConfig: {'; '.join(problems)}.")
+    if getattr(args, "egpo_entropy_logps", None) == "loss_forward":
+        peft_config = kwargs.get("peft_config", pos_args[6] if len(pos_args) > 6 else None)
+        problems = loss_forward_input_problems(model, peft_config, getattr(args, "model_init_kwargs", None))
+        if problems:
+            args._validate_loss_forward(problems)  # one error with the arguments' own problems, naming the fix
     funcs: list[Callable[..., Any] | str] = (
         list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     )

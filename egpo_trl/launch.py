@@ -569,12 +569,39 @@ def _check_wandb(training_args, report: DryRunReport) -> None:
         )
 
 
-def _parse_for_dry_run(argv: list[str], report: DryRunReport):
+def _check_loss_forward(args, model_args, report: DryRunReport) -> None:
+    """``loss_forward``'s checks of the adapter's and the model's configs, as the trainer makes them before loading."""
+    from egpo_trl.config import loss_forward_error
+    from egpo_trl.input_checks import loss_forward_input_problems
+
+    if getattr(args, "egpo_entropy_logps", None) != "loss_forward":
+        return
+    from egpo_trl.fused import block_memory_note, block_size
+
+    blocks = block_size(args.per_device_train_batch_size, args.num_generations)
+    if blocks > 1 and not args.gradient_checkpointing:
+        report.notes.append(block_memory_note(args.per_device_train_batch_size, blocks))
+    peft = {"lora_dropout": model_args.lora_dropout} if model_args.use_peft else None
+    problems = loss_forward_input_problems(model_args.model_name_or_path, peft, args.model_init_kwargs)
+    if problems:
+        report.problems.append(loss_forward_error(problems))
+
+
+def _launch_engine(plan: LaunchPlan | None) -> str | None:
+    """The distributed engine of a launch, as ``EGPOConfig``'s checks name it."""
+    if plan is None:
+        return None
+    if plan.uses_deepspeed:
+        return "DeepSpeed"
+    return "FSDP" if plan.distributed_type == "FSDP" else None
+
+
+def _parse_for_dry_run(argv: list[str], report: DryRunReport, plan: LaunchPlan | None = None):
     """``parse_args`` without this machine's checks: no GPU needed for bf16, no batch check at one process.
 
     ``GRPOConfig`` checks the generation batch against the process count of the process that parses it (one
     here); the dry run checks it for the launch's count instead, so the parse sees a process count that any
-    group size divides.
+    group size divides. ``loss_forward``'s checks see the launch's own process count and engine (``plan``).
     """
     from unittest import mock
 
@@ -582,8 +609,13 @@ def _parse_for_dry_run(argv: list[str], report: DryRunReport):
 
     any_group = math.lcm(*range(1, 65))
 
+    launch = (plan.world_size if plan is not None else 1, _launch_engine(plan))
+
     def parse(args):
-        with mock.patch.object(EGPOConfig, "world_size", property(lambda self: any_group)):
+        with (
+            mock.patch.object(EGPOConfig, "world_size", property(lambda self: any_group)),
+            mock.patch.object(EGPOConfig, "_loss_forward_launch", lambda self: launch),
+        ):
             return parse_args(args)
 
     try:
@@ -630,7 +662,7 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
         plan = plan_launch(argv)
     except SystemExit as error:
         report.problems.append(str(error).removeprefix("egpo-trl train: "))
-    parsed = _parse_for_dry_run(argv, report)
+    parsed = _parse_for_dry_run(argv, report, plan)
 
     if plan is not None:
         report.settings.append(("recipe", plan.recipe))
@@ -741,6 +773,7 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
                 "weights do not allow; set eval_size: 0 and evaluate the saved model with `egpo-trl eval`."
             )
         _check_context(script_args, args, model_args, report)
+        _check_loss_forward(args, model_args, report)
         _check_dataset(script_args, report)
         _check_output_dir(script_args, args, report)
         _check_wandb(args, report)

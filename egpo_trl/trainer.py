@@ -90,7 +90,7 @@ from egpo_trl.config import EGPOConfig, distribution_changing_sampling_options
 from egpo_trl.correctness import binary_correctness_features, correctness_reward_index, reward_func_names
 from egpo_trl.fused import GROUP_KEY as _FUSED_GROUP_KEY
 from egpo_trl.fused import LossForwardEntropyMixin
-from egpo_trl.input_checks import check_trainer_inputs
+from egpo_trl.input_checks import check_trainer_inputs, config_makes_forward_random
 from egpo_trl.old_logps import FORWARD_KEYS as _FORWARD_KEYS
 from egpo_trl.resume_state import ExactResumeMixin
 from egpo_trl.rewards import make_overlong_penalty_reward
@@ -155,29 +155,13 @@ def _random_training_forward(model: torch.nn.Module) -> bool:
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
             return True
         config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "to_dict") and _config_makes_forward_random(config.to_dict()):
+        if config is not None and hasattr(config, "to_dict") and config_makes_forward_random(config.to_dict()):
             return True
         adapters = getattr(module, "peft_config", None)
         if isinstance(adapters, dict):
             for adapter in adapters.values():
-                if hasattr(adapter, "to_dict") and _config_makes_forward_random(adapter.to_dict()):
+                if hasattr(adapter, "to_dict") and config_makes_forward_random(adapter.to_dict()):
                     return True
-    return False
-
-
-#: Parts of config keys whose positive values make a training-mode forward random.
-_STOCHASTIC_KEYS = ("dropout", "pdrop", "jitter", "layerdrop", "drop_path", "stochastic_depth")
-
-
-def _config_makes_forward_random(config: dict) -> bool:
-    """Whether a model config (as a dict, sub-configs included) sets a dropout, jitter, layer-drop or drop-path value
-    above 0 (:data:`_STOCHASTIC_KEYS`)."""
-    for key, value in config.items():
-        if isinstance(value, dict) and _config_makes_forward_random(value):
-            return True
-        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if isinstance(key, str) and numeric and value > 0 and any(word in key for word in _STOCHASTIC_KEYS):
-            return True
     return False
 
 

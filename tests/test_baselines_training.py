@@ -220,12 +220,12 @@ def test_grpo_entropy_metrics_take_the_pass_when_the_policy_has_dropout(tmp_path
 
 
 def test_stochastic_training_forwards_are_recognised_from_the_config():
-    from egpo_trl.trainer import _config_makes_forward_random
+    from egpo_trl.input_checks import config_makes_forward_random
 
-    assert not _config_makes_forward_random({"attention_dropout": 0.0, "id2label": {0: "LABEL_0"}, "use_cache": True})
-    assert _config_makes_forward_random({"attention_dropout": 0.1})
-    assert _config_makes_forward_random(
+    assert not config_makes_forward_random({"attention_dropout": 0.0, "id2label": {0: "LABEL_0"}, "use_cache": True})
+    assert config_makes_forward_random({"attention_dropout": 0.1})
+    assert config_makes_forward_random(
         {"router_jitter_noise": 0.01}
     )  # mixture-of-experts routing noise in training mode
-    assert _config_makes_forward_random({"text_config": {"layerdrop": 0.1}})  # sub-configs too
-    assert _config_makes_forward_random({"drop_path_rate": 0.1})
+    assert config_makes_forward_random({"text_config": {"layerdrop": 0.1}})  # sub-configs too
+    assert config_makes_forward_random({"drop_path_rate": 0.1})

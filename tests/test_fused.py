@@ -39,8 +39,8 @@ def _assert_same_rows(policy: list[dict], fused: list[dict], keys: tuple[str, ..
     assert len(policy) == len(fused) == 2
     for off, on in zip(policy, fused, strict=True):
         for key in keys:
+            assert (key in on) == (key in off), key  # the same metrics logged
             if key in off:
-                assert key in on, key
                 assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-6), key
 
 
@@ -54,6 +54,19 @@ def _assert_same_rows(policy: list[dict], fused: list[dict], keys: tuple[str, ..
         (2, 4, {"egpo_entropy_scope": "answer", "egpo_renorm": "after_clamp"}),  # a scope mask, C5
         (2, 4, {"advantage_estimator": "edge_grpo"}),  # EDGE-GRPO: weights from the forwards' Shannon entropies
         (2, 4, {"advantage_estimator": "edge_grpo", "edge_gec": True, "edge_gec_max_new_tokens": 4}),  # rewritten rows
+        # A low temperature spreads EDGE-GRPO's weights (about 1 at temperature 1 on random weights), so that
+        # entropies on the wrong rows would show; the proxy's metrics off, as the pass leaves them.
+        (
+            2,
+            4,
+            {
+                "advantage_estimator": "edge_grpo",
+                "edge_gec": True,
+                "edge_gec_max_new_tokens": 4,
+                "temperature": 0.05,
+                "egpo_entropy_metrics": False,
+            },
+        ),
     ],
 )
 def test_loss_forward_trains_as_the_no_grad_pass(tmp_path, tiny_model_dir, per_device, accumulation, extra):
@@ -95,7 +108,10 @@ def test_loss_forward_trains_as_the_no_grad_pass(tmp_path, tiny_model_dir, per_d
         )
     # the last batch: EGPO's weights filled in by the loss's forwards
     result = trainer.egpo_last_batch["result"]
-    assert torch.isfinite(trainer.egpo_last_batch["entropies"]).all()
+    if extra.get("egpo_entropy_metrics", True):
+        assert torch.isfinite(trainer.egpo_last_batch["entropies"]).all()
+    if extra.get("temperature"):
+        assert float(result.weights.max() - result.weights.min()) > 0.02, result.weights  # the check can tell
     torch.testing.assert_close(result.advantages, result.weights * result.base_advantages)
     assert trainer._fused_batch is None and trainer._fused_pending == []
 
@@ -162,7 +178,11 @@ def _loss_forward_arguments(**overrides):
         steps_per_generation=32, gradient_accumulation_steps=32, per_device_train_batch_size=4, num_generations=16,
         gradient_checkpointing=True, gradient_checkpointing_kwargs=None, world_size=2, deepspeed=None, fsdp=None,
     )  # fmt: skip
-    return SimpleNamespace(**{**settings, **overrides})
+    from egpo_trl import EGPOConfig
+
+    arguments = SimpleNamespace(**{**settings, **overrides})
+    arguments._loss_forward_launch = lambda: EGPOConfig._loss_forward_launch(arguments)
+    return arguments
 
 
 def test_loss_forward_problems_name_each_setting(monkeypatch):
@@ -328,3 +348,59 @@ def test_loss_forward_samples_with_the_optimizer_in_training_mode(tmp_path, tiny
     optimizer.eval()  # as an evaluation before training, or between steps, leaves it
     trainer.train()
     assert modes == ["train", "train"]  # one generation batch per optimizer step, each sampled in training mode
+
+
+def test_loss_forward_refuses_a_random_adapter_or_model_config_before_the_model_loads(tmp_path, tiny_model_dir):
+    """The PEFT adapter's and the model's configured dropout are refused before anything loads: a folder with only
+    a config.json (no weights) gets the loss_forward error, not a loading error."""
+    import json
+    import shutil
+
+    from peft import LoraConfig
+
+    args = config(tmp_path, egpo_entropy_logps="loss_forward")
+    dataset = make_prompt_dataset()
+    with pytest.raises(ValueError, match=r"PEFT adapter's training forward is random.*--lora_dropout 0") as error:
+        EGPOTrainer(
+            tiny_model_dir, parity_reward, args, train_dataset=dataset, peft_config=LoraConfig(lora_dropout=0.05)
+        )
+    assert "Use egpo_entropy_logps='policy'" in str(error.value)
+
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    model_config = json.loads(open(f"{tiny_model_dir}/config.json").read())
+    (config_only / "config.json").write_text(json.dumps({**model_config, "attention_dropout": 0.1}))
+    with pytest.raises(
+        ValueError, match=r"model's config sets a random training forward \(attention_dropout above 0\)"
+    ):
+        EGPOTrainer(str(config_only), parity_reward, args, train_dataset=dataset)
+    # ... and model_init_kwargs can set it back to 0: then the check passes (the loading fails: no weights here).
+    args.model_init_kwargs = {"attention_dropout": 0.0}
+    with pytest.raises(Exception) as loading:
+        EGPOTrainer(str(config_only), parity_reward, args, train_dataset=dataset)
+    assert "cannot be used here" not in str(loading.value)
+    # A model with dropout 0 and an adapter without dropout pass.
+    shutil.rmtree(config_only)
+    args.model_init_kwargs = None
+    from egpo_trl.input_checks import loss_forward_input_problems
+
+    assert loss_forward_input_problems(tiny_model_dir, LoraConfig(lora_dropout=0.0), None) == []
+    assert loss_forward_input_problems("builtin:not-a-path", {"lora_dropout": 0.1}, None) == [
+        "the PEFT adapter's training forward is random (a dropout above 0, e.g. lora_dropout, TRL's default 0.05); "
+        "set it to 0 (--lora_dropout 0)"
+    ]
+
+
+def test_loss_forward_warns_when_a_block_holds_full_activations(tmp_path, tiny_model_dir, caplog):
+    args = config(
+        tmp_path,
+        egpo_entropy_logps="loss_forward",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        gradient_checkpointing=False,
+    )
+    with caplog.at_level("WARNING", logger="egpo_trl.fused"):
+        EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    assert (
+        "holds 2 micro-batches (4 rows) of forwards" in caplog.text and "Turn gradient_checkpointing on" in caplog.text
+    )

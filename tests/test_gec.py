@@ -181,7 +181,7 @@ def test_guided_error_correction_rewrites_incorrect_completions(tmp_path, tiny_m
     if strategy == "reflect":
         assert 0 < metrics["timing/gec_continuation_s"] < metrics["timing/gec_s"]
     else:
-        assert "timing/gec_continuation_s" not in metrics
+        assert metrics["timing/gec_continuation_s"] == 0.0
     # num_tokens counts the tokens trained on: the prompts and the rewritten completions.
     trained_tokens = generated["prompt_mask"].sum() + generated["completion_mask"].sum()
     assert metrics["num_tokens"] == trained_tokens.item()

@@ -329,3 +329,24 @@ def test_accelerate_launch_uses_the_recipes_accelerate_settings_unless_given_oth
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Training with the launch's own settings (--cpu; 1 process(es))" in result.stdout
     assert "Launching:" not in result.stdout and (tmp_path / "b" / "metrics.jsonl").is_file()
+
+
+def test_dry_run_checks_loss_forward_for_the_launch_it_prints(tiny_model_dir, local_dataset, tmp_path, capsys):
+    """loss_forward's checks see the launch's own process count and engine, the adapter's dropout and the memory
+    note of a block without gradient checkpointing."""
+
+    def check(*extra):
+        overrides = _tiny_overrides(tiny_model_dir, local_dataset, tmp_path / "out")
+        dry_run(["--config", "recipes/egpo_qwen15b.yaml", *overrides, *extra])
+        return capsys.readouterr().out
+
+    reentrant = ["--gradient_checkpointing_kwargs", '{"use_reentrant": true}']
+    problem = "reentrant gradient checkpointing cannot hold several forwards"
+    assert problem not in check(*reentrant, "--accelerate_config", "none")  # one process, no engine: it works
+    assert problem in check(*reentrant)  # the recipe's DDP over 2 processes
+    assert problem in check(*reentrant, "--accelerate_config", "recipes/accelerate/zero2.yaml", "--num_processes", "1")
+    out = check("--use_peft", "true", "--lora_dropout", "0.05")
+    assert "PEFT adapter's training forward is random" in out and "--lora_dropout 0" in out
+    assert "PEFT adapter" not in check("--use_peft", "true", "--lora_dropout", "0")
+    out = check("--gradient_checkpointing", "false")
+    assert "holds 4 micro-batches (16 rows) of forwards" in out and "Turn gradient_checkpointing on" in out

@@ -294,6 +294,9 @@ class GuidedErrorCorrectionMixin:
         stats = self.accelerator.gather(torch.tensor([[len(reflect_rows), budget]], device=device)).view(-1, 2)
         counts = [int(n) for n in stats[:, 0].tolist()]
         continued: dict[int, tuple[list[int], list[float] | None]] = {}  # row -> continuation ids and log-probs
+        timings = getattr(self, "_egpo_timings", None)
+        if timings is not None:  # logged for every round GEC runs on (0 without continuations)
+            timings.setdefault("gec_continuation_s", 0.0)
         if sum(counts):
             batch = pad_continuation_batch(reflect_prompts, counts, filler=list(prompt_ids[0]))
             with self._egpo_timed("gec_continuation_s"):  # the continuations alone, also counted in gec_s
