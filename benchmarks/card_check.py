@@ -51,7 +51,6 @@ def measure(device: torch.device, size: int, seconds: float) -> dict:
     b = torch.randn(size, size, device=device, dtype=dtype)
     calls, elapsed = _timed(lambda: torch.mm(a, b), seconds, synchronize)
     tflops = 2 * size**3 * calls / elapsed / 1e12
-    del a, b
     elements = (256 if cuda else 4) * 2**20  # 512 MiB of bf16 on a GPU, 16 MiB of float32 on the CPU
     source = torch.empty(elements, device=device, dtype=dtype)
     target = torch.empty_like(source)
@@ -97,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
             f" {row['copy_gbps']:>10.1f} {row['copy_vs_best']:>8.2f}"
         )
     if flagged:
-        print(f"SLOW: {', '.join(flagged)} below {args.slow:.2f} of the best card: keep runs on them out of comparisons")
+        print(
+            f"SLOW: {', '.join(flagged)} below {args.slow:.2f} of the best card: keep runs on them out of comparisons"
+        )
     else:
         print(f"cards alike: every device within {args.slow:.2f} of the best")
     if args.json:
