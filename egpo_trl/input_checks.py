@@ -20,6 +20,7 @@ __all__ = [
     "batch_shape_problem",
     "check_trainer_inputs",
     "config_makes_forward_random",
+    "stochastic_settings",
     "loss_forward_input_problems",
     "required_columns",
     "resolve_model_name",
@@ -209,16 +210,24 @@ def _dataset_problem(dataset: Any, reward_funcs: Sequence[Any], args: Any = None
 STOCHASTIC_KEYS = ("dropout", "pdrop", "jitter", "layerdrop", "drop_path", "stochastic_depth")
 
 
-def config_makes_forward_random(config: dict) -> bool:
-    """Whether a model or adapter config (as a dict, sub-configs included) sets a dropout, jitter, layer-drop or
-    drop-path value above 0 (:data:`STOCHASTIC_KEYS`)."""
+def stochastic_settings(config: dict, prefix: str = "") -> list[str]:
+    """The keys of a model or adapter config (as a dict; a sub-config's as ``name.key``) that set a dropout, jitter,
+    layer-drop or drop-path value above 0 (:data:`STOCHASTIC_KEYS`)."""
+    found = []
     for key, value in config.items():
-        if isinstance(value, dict) and config_makes_forward_random(value):
-            return True
+        if isinstance(value, dict):
+            found += stochastic_settings(value, f"{prefix}{key}.")
+            continue
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
         if isinstance(key, str) and numeric and value > 0 and any(word in key for word in STOCHASTIC_KEYS):
-            return True
-    return False
+            found.append(f"{prefix}{key}")
+    return found
+
+
+def config_makes_forward_random(config: dict) -> bool:
+    """Whether a model or adapter config (as a dict, sub-configs included) makes a training-mode forward random
+    (:func:`stochastic_settings`)."""
+    return bool(stochastic_settings(config))
 
 
 def _cached_model_config(model: str) -> dict | None:
@@ -255,21 +264,13 @@ def loss_forward_input_problems(model: Any, peft_config: Any, model_init_kwargs:
                 "the PEFT adapter's training forward is random (a dropout above 0, e.g. lora_dropout, TRL's default "
                 "0.05); set it to 0 (--lora_dropout 0)"
             )
-    if isinstance(model, str):
-        config = _cached_model_config(model)
-        if config is not None and config_makes_forward_random({**config, **(model_init_kwargs or {})}):
-            keys = sorted(
-                key
-                for key, value in {**config, **(model_init_kwargs or {})}.items()
-                if isinstance(value, (int, float))
-                and not isinstance(value, bool)
-                and value > 0
-                and any(word in key for word in STOCHASTIC_KEYS)
-            )
-            problems.append(
-                f"the model's config sets a random training forward ({', '.join(keys) or 'in a sub-config'} above "
-                f"0); set {'them' if len(keys) != 1 else 'it'} to 0 through model_init_kwargs"
-            )
+    config = _cached_model_config(model) if isinstance(model, str) else None
+    keys = sorted(stochastic_settings({**config, **(model_init_kwargs or {})})) if config is not None else []
+    if keys:
+        problems.append(
+            f"the model's config sets a random training forward ({', '.join(keys)} above 0); set "
+            f"{'them' if len(keys) != 1 else 'it'} to 0 through model_init_kwargs"
+        )
     return problems
 
 

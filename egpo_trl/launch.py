@@ -571,12 +571,11 @@ def _check_wandb(training_args, report: DryRunReport) -> None:
 
 def _check_loss_forward(args, model_args, report: DryRunReport) -> None:
     """``loss_forward``'s checks of the adapter's and the model's configs, as the trainer makes them before loading."""
-    from egpo_trl.config import loss_forward_error
-    from egpo_trl.input_checks import loss_forward_input_problems
-
     if getattr(args, "egpo_entropy_logps", None) != "loss_forward":
         return
+    from egpo_trl.config import loss_forward_error
     from egpo_trl.fused import block_memory_note, block_size
+    from egpo_trl.input_checks import loss_forward_input_problems
 
     blocks = block_size(args.per_device_train_batch_size, args.num_generations)
     if blocks > 1 and not args.gradient_checkpointing:

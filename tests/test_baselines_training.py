@@ -229,3 +229,9 @@ def test_stochastic_training_forwards_are_recognised_from_the_config():
     )  # mixture-of-experts routing noise in training mode
     assert config_makes_forward_random({"text_config": {"layerdrop": 0.1}})  # sub-configs too
     assert config_makes_forward_random({"drop_path_rate": 0.1})
+    from egpo_trl.input_checks import stochastic_settings
+
+    assert stochastic_settings({"attention_dropout": 0.1, "text_config": {"layerdrop": 0.1}, "dropout": 0}) == [
+        "attention_dropout",
+        "text_config.layerdrop",
+    ]
