@@ -13,7 +13,11 @@ checkpointing; the architecture comes from ``--model-config`` (a folder with ``c
   rollouts (``--vllm-alone-s``, measured on the same machine with ``benchmarks/vllm_alone.py``) and against the decode bandwidth bound: every decode
   step reads the weights once and each sequence's KV cache so far, ``L * 2N + B * kv * (L * P + L (L + 1) / 2)``
   bytes for ``B`` completions of ``L`` tokens after ``P`` prompt tokens, at the card's HBM bandwidth (3.35 TB/s for
-  an H100 SXM, 4.8 for an H200);
+  an H100 SXM, 4.8 for an H200); and, where the run says how many tokens its vLLM engine's KV cache holds (``K``,
+  the line ``egpo-trl train`` prints at start-up, read from the run folder's ``train.log``, or ``--kv-cache-tokens``),
+  against the same bound within that cache: no decode step holds more than ``K`` tokens of context, so there are at
+  least ``max(L, B * (L * P + L (L + 1) / 2) / K)`` decode steps, each reading the weights once (a lower bound: a
+  scheduler that admits whole rounds of sequences that all run to their limit reads them more often);
 * **old log-prob pass** (``timing/old_logps_s``) against its forward FLOPs, ``2 * N * B * (P + L)``;
 * **scoring + training** (the step minus ``timing/generate_and_score_s``: rewards, the loss's forward, backward and
   the optimizer step) against ``6 * N * B * (P + L)`` FLOPs, times 4/3 with gradient checkpointing;
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -119,6 +124,15 @@ def setting(argv: list[str], recipe: dict, name: str) -> int:
     return int(value)
 
 
+def logged_kv_cache_tokens(run: Path) -> int | None:
+    """The KV cache size the run's start-up line gives (``vLLM's KV cache holds N tokens``), from ``train.log``."""
+    log = run / "train.log"
+    if not log.is_file():
+        return None
+    found = re.search(r"vLLM's KV cache holds ([\d,]+) tokens", log.read_text(errors="replace"))
+    return int(found.group(1).replace(",", "")) if found else None
+
+
 def floors(args, run: Path) -> list[dict]:
     """Rows of ``summarize_recipe_runs.summarize`` with each phase's floor and ratio added."""
     argv = shlex.split((run / "command.txt").read_text()) if (run / "command.txt").is_file() else []
@@ -145,6 +159,7 @@ def floors(args, run: Path) -> list[dict]:
     edge = any(row.get("gec_s") is not None for row in rows)
     max_length = setting(argv, recipe, "max_completion_length") if edge else 0
     gec_new = setting(argv, recipe, "edge_gec_max_new_tokens") if edge else 0
+    kv_tokens = args.kv_cache_tokens or logged_kv_cache_tokens(run)
     out = []
     for row in rows:
         length = row.get("mean_length")
@@ -169,7 +184,15 @@ def floors(args, run: Path) -> list[dict]:
             "floor_old_logps_attn_s": (2 * params * tokens + attention) / flops_per_s,
             "floor_training_attn_s": (6 * params * tokens + 3 * attention) * recompute / flops_per_s,
             "floor_gec_s": 0.0,
+            "kv_cache_tokens": kv_tokens,
+            "floor_generation_kv_s": None,
         }
+        if kv_tokens:
+            context_steps = per_gpu * (length * prompt + length * (length + 1) / 2)  # summed over decode steps
+            steps = max(length, context_steps / kv_tokens)
+            floor["floor_generation_kv_s"] = (
+                steps * BYTES_BF16 * params + per_gpu * kv * (length * prompt + length * (length + 1) / 2)
+            ) / (bandwidth * 1e12)
         if not row.get("old_logps_s"):
             floor["floor_old_logps_s"] = floor["floor_old_logps_attn_s"] = 0.0  # no pass this step
         if row.get("gec_s") is not None and row.get("gec_frac_reflect"):
@@ -187,6 +210,7 @@ def floors(args, run: Path) -> list[dict]:
         )
         for phase, measured in (
             ("generation", row.get("generation_s")),
+            ("generation_kv", row.get("generation_s")),
             ("old_logps", row.get("old_logps_s")),
             ("old_logps_attn", row.get("old_logps_s")),
             ("gec", row.get("gec_s")),
@@ -244,6 +268,16 @@ def table(rows: list[dict]) -> str:
             phases.insert(
                 -2, ("GEC", row["gec_s"], row["floor_gec_s"], "continuations' decode bandwidth, each to its limit")
             )
+        if row.get("floor_generation_kv_s"):
+            phases.insert(
+                1,
+                (
+                    "generation",
+                    row["generation_s"],
+                    row["floor_generation_kv_s"],
+                    f"decode bandwidth, {row['kv_cache_tokens']:,}-token KV cache",
+                ),
+            )
         if row.get("vllm_alone_s"):
             phases.insert(1, ("generation", row["generation_s"], row["vllm_alone_s"], "vLLM alone"))
         for name, measured, bound, what in phases:
@@ -268,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-alone-s", type=float, default=None, help="vLLM alone on the same rollouts, seconds")
     parser.add_argument(
         "--completions-per-gpu", type=int, help="completions per GPU per step (default: from the recipe and command)"
+    )
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="tokens the vLLM engine's KV cache holds (default: from the run's train.log start-up line, if any)",
     )
     parser.add_argument("--summary", type=Path, help="write the rows as JSON here (summary.json format)")
     args = parser.parse_args(argv)

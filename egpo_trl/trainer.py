@@ -279,6 +279,25 @@ class EGPOTrainer(
             return
         generation.generation_kwargs = {**kwargs, "detokenize": False}  # a copy: args.generation_kwargs stays as given
 
+    def vllm_kv_cache_tokens(self) -> int | None:
+        """How many tokens the colocated vLLM engine's KV cache holds, all its sequences together.
+
+        ``None`` without a colocated engine (server mode asks the server), or where vLLM does not say (an engine in
+        another process). A generation batch whose sequences need more than this is decoded in several rounds.
+        """
+        generation = getattr(self, "vllm_generation", None)
+        if not getattr(self, "use_vllm", False) or getattr(generation, "mode", None) != "colocate":
+            return None
+        try:
+            cache = generation.llm.llm_engine.vllm_config.cache_config
+        except AttributeError:
+            return None
+        tokens = getattr(cache, "kv_cache_size_tokens", None)  # set by the engine once its KV cache exists
+        if not tokens:  # an older vLLM: its blocks (one KV cache group, as for the decoders trained here)
+            blocks, block_size = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
+            tokens = blocks * block_size if isinstance(blocks, int) and isinstance(block_size, int) else None
+        return int(tokens) if isinstance(tokens, (int, float)) and tokens > 0 else None
+
     @staticmethod
     def _with_overlong_reward(reward_funcs, args: EGPOConfig):
         """The reward functions, with DAPO's overlong penalty appended when ``overlong_buffer_length`` is set."""

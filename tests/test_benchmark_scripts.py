@@ -282,6 +282,56 @@ def test_floor_adds_attention_and_the_gec_continuations_bound(tmp_path, monkeypa
     assert row["ratio_step_attn"] == pytest.approx(48.0 / row["floor_step_attn_s"]) and row["ratio_step_attn"] > 1
 
 
+def test_floor_bounds_generation_within_the_kv_cache_the_run_logged(tmp_path, monkeypatch):
+    """A run whose start-up line gives its vLLM KV cache: generation is also put against the decode bound within that
+    cache (at least B * context-token-steps / K decode steps, each reading the weights); `--kv-cache-tokens` wins."""
+    folder = tmp_path / "egpo_qwen15b"
+    (folder / "run").mkdir(parents=True)
+    (folder / "command.txt").write_text(
+        "egpo-trl train recipes/egpo_qwen15b.yaml --num_processes 1 --gradient_accumulation_steps 32\n"
+    )
+    record = {
+        "step": 1, "step_time": 40.0, "timing/generation_s": 25.0, "timing/old_logps_s": 0.0,
+        "timing/generate_and_score_s": 26.0, "completions/mean_length": 3000.0,
+    }  # fmt: skip
+    (folder / "run" / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    (folder / "train.log").write_text(
+        "EGPO on /tmp/shapes/qwen15b: ...\nvLLM's KV cache holds 100,000 tokens: 30 sequences of 3,272 tokens at "
+        "once (prompt and completion at their limits), for 128 per generation batch; ...\n"
+    )
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from floor import architecture
+    from real_shapes import SHAPES
+
+    arch = architecture(dict(SHAPES["qwen15b"]["config"]))
+    params, kv = arch["matmul_parameters"], arch["kv_bytes_per_token"]
+    context = 128 * (3000 * 200 + 3000 * 3001 / 2)  # KV tokens read, summed over the decode steps
+
+    def bound(tokens: int) -> float:
+        return (max(3000, context / tokens) * 2 * params + kv * context) / 3.35e12
+
+    summary = tmp_path / "summary.json"
+    out = run("benchmarks/floor.py", str(folder), "--shape", "qwen15b", "--summary", str(summary))
+    assert "decode bandwidth, 100,000-token KV cache" in out, out
+    (row,) = json.loads(summary.read_text())
+    assert row["kv_cache_tokens"] == 100_000
+    assert row["floor_generation_kv_s"] == pytest.approx(bound(100_000))
+    assert row["floor_generation_kv_s"] > row["floor_generation_s"]  # the weights are read more than once a token
+    assert row["ratio_generation_kv"] == pytest.approx(25.0 / bound(100_000))
+    # A cache that holds the whole batch at once: the bound is the batch-wide one.
+    run("benchmarks/floor.py", str(folder), "--shape", "qwen15b", "--kv-cache-tokens", "10000000",
+        "--summary", str(summary))  # fmt: skip
+    (row,) = json.loads(summary.read_text())
+    assert row["kv_cache_tokens"] == 10_000_000
+    assert row["floor_generation_kv_s"] == pytest.approx(row["floor_generation_s"])
+    # Without the line or the option there is no such bound.
+    (folder / "train.log").unlink()
+    run("benchmarks/floor.py", str(folder), "--shape", "qwen15b", "--summary", str(summary))
+    (row,) = json.loads(summary.read_text())
+    assert row["kv_cache_tokens"] is None and row["floor_generation_kv_s"] is None
+    assert row["ratio_generation_kv"] is None
+
+
 def _edge_run(tmp_path, command: str, recipe_lines: str | None = None):
     """A one-step EDGE-GRPO run folder (metrics written by hand) for floor.py, with its own recipe if given."""
     folder = tmp_path / "edge"

@@ -745,3 +745,33 @@ def test_the_heldout_evaluation_before_training_leaves_the_training_run_unchange
     assert torch.equal(torch.get_rng_state(), states[0]) and random.getstate() == states[1]
     assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), states[2]))
     assert generate_completions(model, tokenizer, ["What is 2 + 3?"] * 2, max_new_tokens=6, seed=0) == first
+
+
+def test_kv_cache_line_says_when_a_generation_batch_is_decoded_in_rounds(tmp_path):
+    """The start-up line on vLLM's KV cache: how many full-length sequences fit at once against those sent per
+    generation batch, and the rounds (with the setting that changes them) only when fewer fit; nothing without a
+    colocated engine (a trainer that generates with transformers)."""
+    from datasets import Dataset
+
+    from egpo_trl import EGPOConfig, EGPOTrainer
+    from egpo_trl.script.run import kv_cache_line, kv_cache_message
+
+    # The R1-Distill-7B recipe's shape: 1,024 + 15,360 tokens, 128 completions per GPU, ~400k tokens of cache.
+    line = kv_cache_message(400_000, 16_384, 128)
+    assert line.startswith("vLLM's KV cache holds 400,000 tokens: 24 sequences of 16,384 tokens at once")
+    assert "for 128 per generation batch" in line and "about 5.3 rounds" in line
+    assert "vllm_gpu_memory_utilization" in line
+    # The whole batch fits: no rounds, no advice.
+    line = kv_cache_message(10_000_000, 3_272, 128)
+    assert "3056 sequences" in line and "rounds" not in line and line.endswith("generation batch.")
+
+    dataset = Dataset.from_dict({"prompt": ["Compute 1 + 1."] * 4, "answer": ["2"] * 4})
+    args = EGPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=8, max_steps=1, report_to="none",
+    )  # fmt: skip
+    trainer = EGPOTrainer(
+        model="builtin:tiny-math-qwen2", reward_funcs=boxed_accuracy_reward, args=args, train_dataset=dataset
+    )
+    assert trainer.vllm_kv_cache_tokens() is None
+    assert kv_cache_line(trainer, args, 64) is None

@@ -442,8 +442,9 @@ SOURCE = [
 ]
 
 # vLLM's own internals, checked only when vLLM is installed: (module, qualified name, parameter names it must take
-# (None: it must exist), used by). The engine's attribute chain llm.llm_engine.model_executor.driver_worker
-# .model_runner (vllm_cpu.py) exists only on a running engine and is not checked here.
+# (None: it must exist), used by). The engine's attribute chains llm.llm_engine.model_executor.driver_worker
+# .model_runner (vllm_cpu.py) and llm.llm_engine.vllm_config.cache_config (trainer.py) exist only on a running
+# engine and are not checked here (tests/test_vllm_cpu.py runs one).
 VLLM = [
     ("vllm", "LLM.generate", ["prompts", "sampling_params"], "resume_state.py (per-prompt sampling seeds)"),
     ("vllm", "LLM.sleep", ["level"], "sampling/gec.py, benchmarks/timing_rewards.py (counted)"),
@@ -457,6 +458,7 @@ VLLM = [
         ["weights_iterator", "is_checkpoint_format"],
         "vllm_cpu.py (cpu_sync_weights)",
     ),
+    ("vllm.config", "CacheConfig.kv_cache_size_tokens", None, "trainer.py (vllm_kv_cache_tokens, the start-up line)"),
     ("vllm.platforms", "current_platform.is_cpu", None, "vllm_cpu.py (is_vllm_cpu_build)"),
     ("vllm.utils.cpu_resource_utils", "get_allowed_cpu_list", None, "vllm_cpu.py (memory check)"),
     ("vllm.utils.cpu_resource_utils", "get_memory_node_info", None, "vllm_cpu.py (memory check)"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -83,6 +84,7 @@ def _train_with_vllm_colocate(recipe: Path, model_dir: str, output_dir: Path, se
         capture_output=True, text=True, env=_subprocess_env(), cwd=REPO, timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-5000:]
+    recipe.with_suffix(".stdout").write_text(result.stdout)  # what the run printed, for the tests that read it
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
 
@@ -252,6 +254,13 @@ def test_egpo_trl_train_with_vllm_colocate_on_cpu(tmp_path, vllm_model_dir):
     )
     steps_logged = [r for r in records if "egpo/entropy_extra_pass" in r]
     assert [r["step"] for r in steps_logged] == list(range(1, steps + 1))
+    # The start-up line gives the engine's KV cache in tokens: sequences of 12 completion tokens (no prompt limit
+    # set), 4 per generation batch, all of them at once.
+    printed = (tmp_path / "vllm_colocate.stdout").read_text()
+    found = re.search(r"vLLM's KV cache holds ([\d,]+) tokens: (\d+) sequences of 12 tokens at once", printed)
+    assert found, printed[-3000:]
+    assert int(found.group(1).replace(",", "")) // 12 == int(found.group(2)) >= 4
+    assert "for 4 per generation batch." in printed
     # (a) no extra forward pass: the entropies came from the log-probs TRL computed for vLLM's correction
     assert all(r["egpo/entropy_extra_pass"] == 0.0 for r in steps_logged)
     assert all(r["egpo/entropy_mean"] > 0 for r in steps_logged)

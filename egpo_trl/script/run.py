@@ -108,6 +108,42 @@ def precision_label(trainer) -> str:
     return f"{str(parameter.dtype).removeprefix('torch.') if parameter is not None else 'float32'} on {device}"
 
 
+def kv_cache_line(trainer, training_args, max_prompt_length: int | None = None) -> str | None:
+    """One line on how many of a generation batch's sequences the colocated vLLM engine decodes at once.
+
+    Every completion that runs to ``max_completion_length`` after a prompt of ``max_prompt_length`` tokens (the
+    script's argument; without it the completion alone) needs their sum in KV cache. The engine is sent this
+    process's share of a generation batch, times the tensor-parallel group that gathers its prompts. ``None``
+    without a colocated engine or where vLLM does not say.
+    """
+    tokens = trainer.vllm_kv_cache_tokens()
+    if not tokens:
+        return None
+    rows = training_args.generation_batch_size // max(trainer.accelerator.num_processes, 1)
+    rows *= max(int(getattr(training_args, "vllm_tensor_parallel_size", 1) or 1), 1)
+    return kv_cache_message(tokens, (max_prompt_length or 0) + training_args.max_completion_length, rows)
+
+
+def kv_cache_message(tokens: int, sequence: int, rows: int) -> str:
+    """The line for a KV cache of ``tokens``, sequences of ``sequence`` tokens and ``rows`` of them per batch.
+
+    When fewer than ``rows`` fit, the engine decodes the batch in rounds (if every completion runs to its limit),
+    and each round reads the weights once per token: a larger ``vllm_gpu_memory_utilization``, where memory
+    allows, shortens generation.
+    """
+    at_once = tokens // sequence
+    line = (
+        f"vLLM's KV cache holds {tokens:,} tokens: {at_once} sequences of {sequence:,} tokens at once (prompt and "
+        f"completion at their limits), for {rows} per generation batch"
+    )
+    if 0 < at_once < rows:
+        line += (
+            f"; when every completion runs to its limit they are decoded in about {rows / at_once:.1f} rounds "
+            "(a larger vllm_gpu_memory_utilization, where GPU memory allows, holds more)"
+        )
+    return line + "."
+
+
 def _eval_temperature(script_args, training_args) -> float:
     return training_args.temperature if script_args.eval_temperature is None else script_args.eval_temperature
 
@@ -269,6 +305,9 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
             f"prompt, {length}, {precision_label(trainer)}. Outputs: {output_dir}/",
             flush=True,
         )
+        capacity = kv_cache_line(trainer, training_args, script_args.max_prompt_length)
+        if capacity:
+            print(capacity, flush=True)
     summary: dict[str, Any] = {"output_dir": str(output_dir), "heldout_before": None, "heldout_after": None}
     heldout_records: dict[str, Any] = {}
     if heldout is not None and is_main:
