@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -18,6 +19,8 @@ from egpo_trl.advantages import (
 )
 
 ENTROPY_SCOPES: tuple[str, ...] = ("completion", "thinking", "answer")
+logger = logging.getLogger(__name__)
+
 ENTROPY_LOGPS: tuple[str, ...] = ("policy", "sampler", "loss_forward")
 DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = ("correctness", "reward")
 GEC_SCOPES: tuple[str, ...] = ("incorrect", "all_incorrect_groups")
@@ -458,6 +461,28 @@ class EGPOConfig(GRPOConfig):
         super().__post_init__()
         self._validate_egpo()
 
+    def _note_sampler_fallback(self) -> None:
+        """Say when ``egpo_entropy_logps="sampler"`` has no usable sampling log-probs and a pass runs instead."""
+        generate_every = (self.steps_per_generation or self.gradient_accumulation_steps) * self.num_iterations
+        trl_computes_old_logps = self.gradient_accumulation_steps % generate_every != 0 or (
+            self.use_vllm and self.vllm_importance_sampling_correction
+        )
+        if trl_computes_old_logps:
+            return  # the proxy takes TRL's old-policy log-probs, at no cost
+        if not self.use_vllm:
+            reason = "generation without vLLM returns no sampling log-probs"
+        else:
+            options = distribution_changing_sampling_options(self)
+            if not options:
+                return
+            reason = f"vLLM samples from another distribution than the policy's at the temperature ({options})"
+        logger.warning(
+            "egpo_entropy_logps='sampler': %s, so the entropy proxy comes from one no-grad pass of the policy, as "
+            "with egpo_entropy_logps='policy' (egpo/entropy_source logs 2). Set egpo_entropy_logps='policy' to say "
+            "so.",
+            reason,
+        )
+
     def _validate_loss_forward(self, problems: list[str] | None = None) -> None:
         """Refuse what ``egpo_entropy_logps="loss_forward"`` cannot serve exactly (see ``egpo_trl/fused.py``), in one
         error with ``problems`` (what the trainer found) added."""
@@ -553,6 +578,8 @@ class EGPOConfig(GRPOConfig):
         choose("egpo_entropy_logps", self.egpo_entropy_logps, ENTROPY_LOGPS)
         if self.egpo_entropy_logps == "loss_forward":
             self._validate_loss_forward()
+        if self.egpo_entropy_logps == "sampler" and self.advantage_estimator == "egpo":
+            self._note_sampler_fallback()
         for name in ("egpo_lambda_min", "egpo_lambda_max", "egpo_entropy_eps"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):

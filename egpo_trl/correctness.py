@@ -106,8 +106,8 @@ def correctness_reward_index(
 
     Returns:
         ``egpo_correctness_reward``'s index when it is set; ``0`` with one candidate; with several, the package's
-        accuracy reward when exactly one of them is one (logged); otherwise ``0`` when nothing reads the verdict
-        but metrics.
+        accuracy reward when exactly one of them is one (logged); otherwise, when nothing but metrics reads the
+        verdict, the first of them (with a warning naming the metrics concerned).
 
     Raises:
         ValueError: ``egpo_correctness_reward`` names no reward function, or several reward functions could decide
@@ -149,4 +149,14 @@ def correctness_reward_index(
             "`--egpo_correctness_reward <name>` or EGPOConfig(egpo_correctness_reward='<name>'), with <name> one of: "
             f"{listed}.\nThe other reward functions still add to the rewards."
         )
-    return 0
+    # Nothing in training reads the verdict (this estimator's advantages come from the summed rewards), but the
+    # metrics that split completions into correct and incorrect do: say which function they take it from.
+    logger.warning(
+        "Several reward functions (%s) and no egpo_correctness_reward: the metrics that split completions into "
+        "correct and incorrect (egpo/frac_all_correct, egpo/frac_mixed, egpo/frac_all_incorrect, "
+        "egpo/entropy_correct, egpo/entropy_incorrect, egpo/entropy_gap, egpo/weight_*) take the verdict from the "
+        "first, %r. Set egpo_correctness_reward to name the verifier.",
+        ", ".join(names[i] for i in candidates),
+        names[candidates[0]],
+    )
+    return candidates[0]

@@ -30,6 +30,7 @@ uninterrupted run (up to the GPU kernels' own nondeterminism); vLLM's random sta
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import random
@@ -40,10 +41,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers.trainer_callback import TrainerCallback
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RESUME_STATE_NAME", "ExactResumeMixin", "generation_seed", "seeded_sampling_params"]
+__all__ = ["RESUME_STATE_NAME", "ExactResumeMixin", "finished_run_step", "generation_seed", "seeded_sampling_params"]
 
 #: The file (``_<process index>`` before ``.pt`` with several processes) that holds GRPO's state in a checkpoint.
 RESUME_STATE_NAME = "egpo_resume_state.pt"
@@ -51,6 +53,41 @@ RESUME_STATE_NAME = "egpo_resume_state.pt"
 _COUNTERS = ("_step", "_globalstep_last_logged", "_gec_calls")
 # The arguments that, with the process count, fix the layout of the saved generation buffer and micro-step counter.
 _LAYOUT_ARGS = ("per_device_train_batch_size", "steps_per_generation", "num_iterations", "gradient_accumulation_steps")
+
+
+def finished_run_step(args: Any, checkpoint: str | os.PathLike | None) -> tuple[int, int, str] | None:
+    """``(step, last step, setting)`` when resuming from ``checkpoint`` would train nothing, else ``None``.
+
+    The run is finished when the checkpoint's step reaches ``max_steps`` (when set), else the number of steps its
+    own run computed for the same ``num_train_epochs``; ``setting`` names the one that applies. Read from the
+    checkpoint's ``trainer_state.json``: nothing is loaded.
+    """
+    if not checkpoint:
+        return None
+    path = os.path.join(os.fspath(checkpoint), "trainer_state.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as handle:
+        state = json.load(handle)
+    step = int(state.get("global_step", 0))
+    if args.max_steps > 0:
+        total, setting = int(args.max_steps), f"max_steps={args.max_steps}"
+    elif state.get("num_train_epochs") == args.num_train_epochs and state.get("max_steps", 0) > 0:
+        total, setting = int(state["max_steps"]), f"num_train_epochs={args.num_train_epochs:g}"
+    else:
+        return None
+    return (step, total, setting) if step >= total else None
+
+
+class _CheckpointLoaded(Exception):
+    """Raised by :class:`_StopAtTrainBegin` once ``Trainer.train`` has loaded the checkpoint, before any step."""
+
+
+class _StopAtTrainBegin(TrainerCallback):
+    """Ends ``Trainer.train`` when training begins: the checkpoint is loaded, no step has run."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        raise _CheckpointLoaded
 
 
 def generation_seed(seed: int, global_step: int, call: int, instance: int, index: int) -> int:
@@ -138,6 +175,43 @@ class ExactResumeMixin:
         self._egpo_train_sampler = None
         self._egpo_generation_calls: tuple[tuple[int, bool], int] = ((-1, True), 0)
         self._egpo_seed_vllm_sampling()
+
+    # ------------------------------------------------------------------ a finished run
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """``Trainer.train``; resuming from a checkpoint at the run's last step trains nothing.
+
+        ``Trainer`` would train one step more (and save it): a run resumed at its last step (``max_steps``, or the
+        steps of ``num_train_epochs``) loads the checkpoint (weights, optimizer, schedule, state), says so, and
+        returns before any step, so that the model holds the checkpoint's weights, as for a run that just finished.
+        """
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            checkpoint = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+        finished = finished_run_step(self.args, checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else None
+        if finished is None:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        step, total, setting = finished
+        logger.warning(
+            "Nothing to train: %s is at step %d and the run stops at step %d (%s). The checkpoint is loaded and no "
+            "step runs; raise max_steps to train further.",
+            checkpoint,
+            step,
+            total,
+            setting,
+        )
+        from transformers.trainer_utils import TrainOutput
+
+        stop = _StopAtTrainBegin()
+        self.callback_handler.callbacks.insert(0, stop)
+        try:
+            super().train(resume_from_checkpoint, *args, **kwargs)
+        except _CheckpointLoaded:
+            pass
+        finally:
+            self.callback_handler.callbacks.remove(stop)
+        return TrainOutput(self.state.global_step, 0.0, {})
 
     # ------------------------------------------------------------------ state
     def _egpo_resume_state(self) -> dict[str, Any]:

@@ -146,3 +146,25 @@ def test_plain_sampling_passes_with_vllm_importance_sampling(tmp_path):
     neutral = {"top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0, "generation_kwargs": {"min_tokens": 0}}
     config = EGPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, temperature=0.7, **neutral)
     assert distribution_changing_sampling_options(config) == {}
+
+
+def test_sampler_without_sampling_log_probs_says_a_pass_runs_instead(tmp_path, caplog):
+    """egpo_entropy_logps='sampler' where no usable sampling log-probs come (no vLLM, or vLLM sampling from another
+    distribution): the configuration says that the policy's pass gives the proxy; where TRL computes the old
+    log-probs anyway (they feed the proxy at no cost), or with plain vLLM sampling, it says nothing."""
+    import logging
+
+    def warned(**kwargs) -> bool:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="egpo_trl.config"):
+            EGPOConfig(output_dir=str(tmp_path), use_cpu=True, egpo_entropy_logps="sampler", **kwargs)
+        return "egpo_entropy_logps='sampler'" in caplog.text
+
+    assert warned()
+    assert "generation without vLLM returns no sampling log-probs" in caplog.text
+    assert "Set egpo_entropy_logps='policy'" in caplog.text
+    assert warned(use_vllm=True, vllm_importance_sampling_correction=False, top_p=0.9)
+    assert "'top_p': 0.9" in caplog.text
+    assert not warned(use_vllm=True, vllm_importance_sampling_correction=False)
+    assert not warned(num_iterations=2)
+    assert not warned(advantage_estimator="grpo")  # the baselines' metrics may come from the loss's forward

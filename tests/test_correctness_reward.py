@@ -69,13 +69,24 @@ def test_ambiguous_reward_functions_are_refused_before_the_model_loads(tmp_path,
         EGPOTrainer(no_model(tmp_path), funcs, args, train_dataset=make_prompt_dataset())
 
 
-def test_grpo_advantages_take_several_reward_functions_as_trl_does(tmp_path, tiny_model_dir):
-    # Nothing reads the verdict but the egpo/* metrics: no refusal, the first function as before.
+def test_grpo_advantages_take_several_reward_functions_as_trl_does(tmp_path, tiny_model_dir, caplog):
+    # Nothing reads the verdict but the egpo/* metrics: no refusal, the first function, and a warning that names the
+    # metrics concerned and the setting that picks another.
     args = config(tmp_path, advantage_estimator="grpo")
-    trainer = EGPOTrainer(
-        tiny_model_dir, [think_format_reward, parity_reward], args, train_dataset=make_prompt_dataset()
-    )
+    with caplog.at_level(logging.WARNING, logger="egpo_trl.correctness"):
+        trainer = EGPOTrainer(
+            tiny_model_dir, [think_format_reward, parity_reward], args, train_dataset=make_prompt_dataset()
+        )
     assert trainer._egpo_correctness_index == 0
+    assert "take the verdict from the first, 'think_format_reward'" in caplog.text
+    assert "egpo/entropy_gap" in caplog.text and "Set egpo_correctness_reward" in caplog.text
+    # With the package's accuracy reward among them, that one is taken, as for EGPO.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="egpo_trl.correctness"):
+        trainer = EGPOTrainer(
+            tiny_model_dir, [think_format_reward, boxed_accuracy_reward], args, train_dataset=make_prompt_dataset()
+        )
+    assert trainer._egpo_correctness_index == 1 and "take the verdict from the first" not in caplog.text
 
 
 def test_one_reward_function_needs_no_setting_and_the_overlong_penalty_does_not_count(tmp_path, tiny_model_dir):

@@ -44,6 +44,11 @@ def _assert_same_rows(policy: list[dict], fused: list[dict], keys: tuple[str, ..
                 assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-6), key
 
 
+#: Guided Error Correction's texts short enough for the tiny model's one-token-per-character vocabulary and its
+#: 12-token completions (rewritten rows: continued after the cue, or given the answer).
+SHORT_GEC = {"edge_gec_reflection_cue": " Wait.", "edge_gec_answer_template": " \\boxed{{answer}}"}
+
+
 @pytest.mark.parametrize(
     "per_device, accumulation, extra",
     [
@@ -53,7 +58,7 @@ def _assert_same_rows(policy: list[dict], fused: list[dict], keys: tuple[str, ..
         (2, 4, {"dynamic_sampling": True, "scale_rewards": "batch"}),  # reassembled batches, batch-std advantages
         (2, 4, {"egpo_entropy_scope": "answer", "egpo_renorm": "after_clamp"}),  # a scope mask, C5
         (2, 4, {"advantage_estimator": "edge_grpo"}),  # EDGE-GRPO: weights from the forwards' Shannon entropies
-        (2, 4, {"advantage_estimator": "edge_grpo", "edge_gec": True, "edge_gec_max_new_tokens": 4}),  # rewritten rows
+        (2, 4, {"advantage_estimator": "edge_grpo", "edge_gec": True, "edge_gec_max_new_tokens": 4, **SHORT_GEC}),
         # A low temperature spreads EDGE-GRPO's weights (about 1 at temperature 1 on random weights), so that
         # entropies on the wrong rows would show; the proxy's metrics off, as the pass leaves them.
         (
@@ -63,6 +68,7 @@ def _assert_same_rows(policy: list[dict], fused: list[dict], keys: tuple[str, ..
                 "advantage_estimator": "edge_grpo",
                 "edge_gec": True,
                 "edge_gec_max_new_tokens": 4,
+                **SHORT_GEC,
                 "temperature": 0.05,
                 "egpo_entropy_metrics": False,
             },

@@ -211,7 +211,8 @@ def test_guided_error_correction_needs_the_answer_column(tmp_path, tiny_model_di
 @pytest.mark.slow
 def test_an_answer_template_the_boxed_reward_cannot_read_is_refused(tmp_path, tiny_model_dir):
     template = " The answer is {answer}."  # no box: boxed_accuracy_reward would score every injected answer -1
-    args = config(tmp_path, edge_gec=True, edge_gec_answer_template=template)
+    # (long enough completions for the texts: the tiny model's vocabulary has one token per character)
+    args = config(tmp_path, edge_gec=True, edge_gec_answer_template=template, max_completion_length=80)
     with pytest.raises(ValueError, match="boxed_accuracy_reward .the correctness reward. cannot read"):
         EGPOTrainer(tiny_model_dir, boxed_accuracy_reward, args, train_dataset=make_prompt_dataset())
     # Another correctness reward may read it; with no answer injected at all the template is never used.
@@ -222,8 +223,72 @@ def test_an_answer_template_the_boxed_reward_cannot_read_is_refused(tmp_path, ti
         edge_gec_answer_template=template,
         edge_gec_answer_prob=0.0,
         edge_gec_solution_prob=0.0,
+        max_completion_length=80,
     )
     EGPOTrainer(tiny_model_dir, boxed_accuracy_reward, no_injection, train_dataset=make_prompt_dataset())
+
+
+@pytest.mark.slow
+def test_texts_that_cannot_fit_the_completion_length_are_refused(tmp_path, tiny_model_dir):
+    """Cut to fit, the cue would leave no room to continue, and the template would lose the answer while
+    gec/frac_answer counted it as given: refused at construction, naming the fix."""
+
+    def build(**overrides):
+        args = config(tmp_path, edge_gec=True, max_completion_length=24, **overrides)
+        return EGPOTrainer(tiny_model_dir, boxed_accuracy_reward, args, train_dataset=make_prompt_dataset())
+
+    from transformers import AutoTokenizer
+
+    from egpo_trl.config import EGPOConfig
+
+    cue = EGPOConfig.__dataclass_fields__["edge_gec_reflection_cue"].default
+    needed = len(AutoTokenizer.from_pretrained(tiny_model_dir)(cue, add_special_tokens=False)["input_ids"]) + 2
+    with pytest.raises(
+        ValueError, match=r"max_completion_length=24 is too short .* edge_gec_reflection_cue \("
+    ) as error:
+        build()  # the default cue: 69 characters
+    assert f"Raise max_completion_length to at least {needed}," in str(error.value)
+    with pytest.raises(ValueError, match=r"too short for Guided Error Correction: edge_gec_answer_template"):
+        build(edge_gec_reflection_cue=" Wait.")  # the default template: 97 characters
+    build(edge_gec_reflection_cue=" Wait.", edge_gec_answer_template=" \\boxed{{answer}}")  # both fit
+
+
+@pytest.mark.slow
+def test_an_answer_that_cannot_fit_leaves_the_row_as_sampled(tmp_path, tiny_model_dir, caplog):
+    """A reference answer too long for the room left: the incorrect completion stays as sampled (scored and trained
+    as such), counted in gec/frac_answer_too_long and said once, rather than trained on a text cut before its box."""
+    dataset = make_prompt_dataset().map(lambda row: {"answer": "1234567890123"})  # " \boxed{...}": 21 tokens
+    args = config(
+        tmp_path,
+        max_steps=1,
+        max_completion_length=16,
+        advantage_estimator="edge_grpo",
+        edge_gec=True,
+        edge_gec_reflect_prob=0.0,
+        edge_gec_answer_prob=1.0,
+        edge_gec_solution_prob=0.0,
+        edge_gec_answer_template=" \\boxed{{answer}}",
+    )
+    with caplog.at_level("WARNING", logger="egpo_trl.sampling.gec"):
+        trainer = Recording(tiny_model_dir, boxed_accuracy_reward, args, train_dataset=dataset)
+        trainer.train()
+    metrics = trainer.state.log_history[0]
+    assert metrics["gec/frac_eligible"] == 1.0 and metrics["gec/frac_answer"] == 0.0
+    assert metrics["gec/frac_answer_too_long"] == 1.0
+    assert "left 8 incorrect completion(s) as sampled" in caplog.text and "max_completion_length=16" in caplog.text
+    _, completions = texts(trainer, trainer.generated[0])
+    assert not any("boxed" in c for c in completions), completions
+    assert trainer.egpo_last_batch["rewards_per_func"].eq(-1.0).all()
+
+    # The same for a reference solution without the answer's box, whose boxing suffix cannot fit.
+    args.edge_gec_answer_prob, args.edge_gec_solution_prob = 0.0, 1.0
+    trainer = Recording(
+        tiny_model_dir, boxed_accuracy_reward, args, train_dataset=dataset.add_column("solution", ["S"] * 8)
+    )
+    trainer.train()
+    metrics = trainer.state.log_history[0]
+    assert metrics["gec/frac_solution"] == 0.0 and metrics["gec/frac_answer_too_long"] == 1.0
+    assert trainer.egpo_last_batch["rewards_per_func"].eq(-1.0).all()
 
 
 def gec_config(tmp_path, **overrides):
@@ -345,7 +410,7 @@ def test_sampler_entropies_fall_back_to_the_policy_pass_for_rewritten_completion
 
 @pytest.mark.slow
 def test_length_metrics_describe_the_rewritten_completions(tmp_path, tiny_model_dir):
-    args = gec_config(tmp_path, max_completion_length=24, edge_gec_answer_prob=1.0, edge_gec_solution_prob=0.0)
+    args = gec_config(tmp_path, max_completion_length=64, edge_gec_answer_prob=1.0, edge_gec_solution_prob=0.0)
     args.edge_gec_answer_template = " The answer is \\boxed{{answer}}, as the reference says."
     trainer = Recording(tiny_model_dir, boxed_accuracy_reward, args, train_dataset=make_prompt_dataset())
     trainer.train()

@@ -156,6 +156,46 @@ def test_resuming_a_finished_run_trains_nothing(reference, tmp_path, capsys):
     assert {p: (_digest(p), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()} == before
 
 
+def test_resuming_a_finished_run_from_python_trains_nothing(tmp_path, tiny_model_dir, caplog):
+    """EGPOTrainer.train(resume_from_checkpoint=...) at the run's last step: the checkpoint is loaded, no step runs,
+    nothing is written, and the warning says so (Trainer alone would train, and save, one step more)."""
+    import logging
+
+    import torch
+    from conftest import make_prompt_dataset, parity_reward
+    from conftest import trainer_config as config
+
+    from egpo_trl import EGPOTrainer
+
+    def trainer():
+        args = config(tmp_path, max_steps=2, save_strategy="steps", save_steps=1, lr_scheduler_type="constant")
+        return EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset(16))
+
+    first = trainer()
+    first.train()
+    out = Path(first.args.output_dir)
+    trained = {k: v.detach().clone() for k, v in first.model.state_dict().items()}
+    before = {p: _digest(p) for p in out.rglob("*") if p.is_file()}
+    for checkpoint in (True, str(out / "checkpoint-2")):
+        resumed = trainer()
+        with caplog.at_level(logging.WARNING, logger="egpo_trl.resume_state"):
+            result = resumed.train(resume_from_checkpoint=checkpoint)
+        assert "Nothing to train" in caplog.text and "is at step 2 and the run stops at step 2 (max_steps=2)" in (
+            caplog.text
+        )
+        caplog.clear()
+        assert result.global_step == 2 and resumed.state.global_step == 2
+        for name, value in resumed.model.state_dict().items():  # the checkpoint's weights, no step trained
+            torch.testing.assert_close(value, trained[name], rtol=0, atol=0)
+        assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
+        assert not (out / "checkpoint-3").exists()
+    # With a larger max_steps the same checkpoint resumes and trains on.
+    resumed = trainer()
+    resumed.args.max_steps = 3
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 3 and (out / "checkpoint-3").is_dir()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("crashed_in", ["heldout_after", "save_model"])
 def test_a_run_stopped_after_its_last_checkpoint_gets_its_final_outputs(reference, tmp_path, capsys, crashed_in):

@@ -135,7 +135,8 @@ class GuidedErrorCorrectionMixin:
     Methods only, for a ``GRPOTrainer`` subclass that provides ``_egpo_round_inputs`` (the dataset rows of the
     round being generated), ``_egpo_correct`` and ``_egpo_correctness_index`` (:class:`~egpo_trl.trainer.EGPOTrainer`).
     Logs ``gec/frac_eligible``, ``gec/frac_reflect``, ``gec/frac_answer``, ``gec/frac_solution``,
-    ``gec/frac_solution_as_answer`` and ``gec/frac_solution_boxed``.
+    ``gec/frac_solution_as_answer``, ``gec/frac_solution_boxed`` and ``gec/frac_answer_too_long`` (rows left as
+    sampled because their reference answer cannot fit ``max_completion_length``).
     """
 
     def _check_guided_error_correction(self) -> None:
@@ -153,6 +154,7 @@ class GuidedErrorCorrectionMixin:
                 f"edge_gec needs the reference answers in an `answer` column of train_dataset; it has {columns}."
             )
         self._check_gec_answer_template(columns)
+        self._check_gec_lengths(columns)
         if args.edge_gec_solution_prob > 0 and "solution" not in columns and self.accelerator.is_main_process:
             logger.warning(
                 "edge_gec_solution_prob=%g but train_dataset has no `solution` column: that share of the incorrect "
@@ -178,6 +180,39 @@ class GuidedErrorCorrectionMixin:
                 "would be scored as wrong. Put the answer in a box, e.g. ' The answer is \\boxed{{answer}}.' (the "
                 "default template does)."
             )
+
+    def _check_gec_lengths(self, columns: list[str]) -> None:
+        """Refuse texts that GEC inserts but that cannot fit ``max_completion_length``.
+
+        A rewritten completion ends with EOS within ``max_completion_length`` tokens: the reflection cue needs room
+        for at least one continued token after it, and the answer template must fit whole with the shortest answer.
+        Cut short, it would train on a text that gives no answer while the metrics count it as given. A longer
+        answer that does not fit (or the suffix that boxes a reference solution's answer, where one is needed)
+        leaves its row as sampled, counted in ``gec/frac_answer_too_long``.
+        """
+        args = self.args
+        max_length = args.max_completion_length
+        tokenizer = self._tokenizer
+
+        def length(text: str) -> int:
+            return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+        texts = []
+        if args.edge_gec_reflect_prob > 0:
+            cue = args.edge_gec_reflection_cue
+            texts.append(("edge_gec_reflection_cue", cue, length(cue) + 2))
+        injects = args.edge_gec_answer_prob > 0 or (args.edge_gec_solution_prob > 0 and "solution" not in columns)
+        if injects:
+            template = args.edge_gec_answer_template
+            texts.append(("edge_gec_answer_template", template, length(template.replace("{answer}", "0")) + 1))
+        for name, text, needed in texts:
+            if needed > max_length:
+                raise ValueError(
+                    f"max_completion_length={max_length} is too short for Guided Error Correction: {name} "
+                    f"({text!r}) needs {needed} tokens with the EOS (the cue: and one continued token; the template: "
+                    f"with a one-character answer). Raise max_completion_length to at least {needed}, or shorten "
+                    "the text."
+                )
 
     def _guided_error_correction(self, prompts: list, result: tuple) -> tuple:
         """EDGE-GRPO's Guided Error Correction on one generation round, before TRL scores it.
@@ -242,6 +277,7 @@ class GuidedErrorCorrectionMixin:
         # a long original is shortened to make that room, a short one is kept whole.
         room = min(args.edge_gec_max_new_tokens, (max_length - len(cue)) // 2)
         reflect_rows, reflect_prompts, budget = [], [], 0
+        too_long = 0  # rows whose reference answer cannot fit max_completion_length: left as sampled
         for i in range(local_rows):
             if not eligible[i]:
                 continue
@@ -259,21 +295,12 @@ class GuidedErrorCorrectionMixin:
             if choice in ("answer", "solution") and (answer is None or str(answer) == ""):
                 choice = None
                 solution_as_answer[i] = False
-            if choice == "reflect":
-                kept = body(completion_ids[i])[: max_length - len(cue) - room]
-                new_ids[i] = kept + cue
-                kept_tokens[i] = len(kept)
-                budget = max(budget, min(args.edge_gec_max_new_tokens, max_length - len(new_ids[i])))
-                reflect_rows.append(i)
-                reflect_prompts.append(list(prompt_ids[i]) + new_ids[i])
-            elif choice == "answer":
-                injected = encode(args.edge_gec_answer_template.replace("{answer}", str(answer)))[: max_length - 1]
-                original = body(completion_ids[i])
-                kept = original[: max(0, max_length - 1 - len(injected))]
-                if len(kept) < len(original):  # shortened: never leave the injected answer inside an open box
-                    kept = boxed_safe_prefix(kept, tokenizer.decode)
-                new_ids[i] = kept + injected + [eos]
-                kept_tokens[i] = len(kept)
+            injected = suffix = body_ids = None
+            if choice == "answer":
+                injected = encode(args.edge_gec_answer_template.replace("{answer}", str(answer)))
+                if len(injected) > max_length - 1:  # this answer cannot fit: the row stays as it was sampled
+                    choice, solution_as_answer[i] = None, False
+                    too_long += 1
             elif choice == "solution":
                 # The reference solution, scored by its last box: when that box does not give the reference answer
                 # (no box, another box last), or the solution must be shortened to fit, it ends with the answer's
@@ -282,8 +309,26 @@ class GuidedErrorCorrectionMixin:
                 body_ids = encode(text)
                 suffix = []
                 if not answers_match(extract_last_boxed(text), answer) or len(body_ids) > max_length - 1:
-                    suffix = encode(SOLUTION_ANSWER_SUFFIX.replace("{answer}", str(answer)))[: max_length - 1]
-                    solution_boxed[i] = True
+                    suffix = encode(SOLUTION_ANSWER_SUFFIX.replace("{answer}", str(answer)))
+                    if len(suffix) > max_length - 1:  # an answer that cannot fit, as above
+                        choice = None
+                        too_long += 1
+            if choice == "reflect":
+                kept = body(completion_ids[i])[: max_length - len(cue) - room]
+                new_ids[i] = kept + cue
+                kept_tokens[i] = len(kept)
+                budget = max(budget, min(args.edge_gec_max_new_tokens, max_length - len(new_ids[i])))
+                reflect_rows.append(i)
+                reflect_prompts.append(list(prompt_ids[i]) + new_ids[i])
+            elif choice == "answer":
+                original = body(completion_ids[i])
+                kept = original[: max(0, max_length - 1 - len(injected))]
+                if len(kept) < len(original):  # shortened: never leave the injected answer inside an open box
+                    kept = boxed_safe_prefix(kept, tokenizer.decode)
+                new_ids[i] = kept + injected + [eos]
+                kept_tokens[i] = len(kept)
+            elif choice == "solution":
+                solution_boxed[i] = bool(suffix)
                 if len(body_ids) > max_length - 1 - len(suffix):
                     body_ids = boxed_safe_prefix(body_ids[: max(0, max_length - 1 - len(suffix))], tokenizer.decode)
                 new_ids[i] = body_ids + suffix + [eos]
@@ -343,7 +388,7 @@ class GuidedErrorCorrectionMixin:
         counts = torch.tensor(
             [float(eligible.sum())]
             + [float(sum(s == name for s in strategy)) for name in ("reflect", "answer", "solution")]
-            + [float(sum(solution_as_answer)), float(sum(solution_boxed))],
+            + [float(sum(solution_as_answer)), float(sum(solution_boxed)), float(too_long)],
             device=device,
         )
         totals = self.accelerator.gather(counts.unsqueeze(0)).sum(dim=0) / (
@@ -356,9 +401,20 @@ class GuidedErrorCorrectionMixin:
             "frac_solution",
             "frac_solution_as_answer",
             "frac_solution_boxed",
+            "frac_answer_too_long",
         )
         for name, value in zip(names, totals.tolist()):
             self._metrics["train"][f"gec/{name}"].append(value)
+        if too_long and not getattr(self, "_gec_warned_too_long", False):
+            self._gec_warned_too_long = True
+            logger.warning(
+                "Guided Error Correction left %d incorrect completion(s) as sampled: their reference answer, with "
+                "edge_gec_answer_template (or the suffix that boxes a solution's answer), does not fit "
+                "max_completion_length=%d. gec/frac_answer_too_long counts them; raise max_completion_length or "
+                "shorten the template.",
+                too_long,
+                max_length,
+            )
         return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images
 
     @contextmanager

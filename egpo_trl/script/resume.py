@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from egpo_trl.resume_state import finished_run_step
 from egpo_trl.script.outputs import read_metrics
 
 __all__ = [
@@ -87,22 +88,12 @@ def checkpoint_step(checkpoint: str | Path) -> int:
 def finished_message(training_args, checkpoint: str | Path) -> str | None:
     """Why resuming from ``checkpoint`` would train nothing (the run it belongs to has finished), or ``None``.
 
-    The run is finished when the checkpoint's step reaches ``max_steps`` (when set), else the number of steps its
-    own run computed for the same ``num_train_epochs``. Read from ``trainer_state.json``: nothing is loaded.
+    See :func:`egpo_trl.resume_state.finished_run_step`: read from ``trainer_state.json``, nothing is loaded.
     """
-    path = Path(checkpoint) / "trainer_state.json"
-    if not path.is_file():
+    finished = finished_run_step(training_args, checkpoint)
+    if finished is None:
         return None
-    state = json.loads(path.read_text())
-    step = int(state.get("global_step", 0))
-    if training_args.max_steps > 0:
-        total, setting = training_args.max_steps, f"max_steps={training_args.max_steps}"
-    elif state.get("num_train_epochs") == training_args.num_train_epochs and state.get("max_steps", 0) > 0:
-        total, setting = int(state["max_steps"]), f"num_train_epochs={training_args.num_train_epochs:g}"
-    else:
-        return None
-    if step < total:
-        return None
+    step, total, setting = finished
     return (
         f"egpo-trl train: nothing to train: {checkpoint} is at step {step} and the run stops at step {total} "
         f"({setting}); the outputs in {training_args.output_dir} are left as they are (raise --max_steps to train "

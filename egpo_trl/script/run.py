@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from transformers.trainer_callback import ProgressCallback, TrainerCallback
+from transformers.trainer_callback import ProgressCallback
 
 from egpo_trl.script.args import TrainScriptArguments
 from egpo_trl.script.callbacks import PLUS_MINUS_ONE, CompactProgressCallback, MetricsCallback
@@ -212,17 +212,6 @@ def run(script_args: TrainScriptArguments, training_args, model_args) -> dict[st
         torch.set_num_threads(threads)
 
 
-class _CheckpointLoaded(Exception):
-    """Raised by :class:`_StopBeforeTraining` once ``Trainer.train`` has loaded the checkpoint."""
-
-
-class _StopBeforeTraining(TrainerCallback):
-    """Ends ``Trainer.train`` when training begins: the checkpoint is loaded, no step has run."""
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        raise _CheckpointLoaded
-
-
 def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[str, Any]:
     wall_start = time.time()
     resume = resume_checkpoint(training_args)
@@ -334,15 +323,9 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     trainer.accelerator.wait_for_everyone()
 
     if finish_only:
-        # Trainer loads the checkpoint (weights, and the DeepSpeed/FSDP wrapping) inside train(); stop it there,
-        # before its first step: resumed at its last step, it would otherwise train one step more.
-        trainer.add_callback(_StopBeforeTraining())
-        try:
-            trainer.train(resume_from_checkpoint=resume)
-        except _CheckpointLoaded:
-            pass
-        finally:
-            trainer.remove_callback(_StopBeforeTraining)
+        # Trainer loads the checkpoint (weights, and the DeepSpeed/FSDP wrapping) inside train(); resumed at the
+        # run's last step, EGPOTrainer.train stops there, before any step (see ExactResumeMixin.train).
+        trainer.train(resume_from_checkpoint=resume)
     else:
         try:
             train_output = trainer.train(resume_from_checkpoint=resume)
