@@ -93,6 +93,7 @@ def correctness_reward_index(
     *,
     names: Sequence[str] | None = None,
     complete: bool = True,
+    quiet: bool = False,
 ) -> int | None:
     """The index of the reward function that decides correct (> 0) versus incorrect.
 
@@ -103,6 +104,8 @@ def correctness_reward_index(
         names: their names when already known (``GRPOTrainer.reward_func_names``); computed otherwise.
         complete: ``False`` when more reward functions may come later (an ``environment_factory`` whose environments
             define ``get_reward``): a name not found yet is then left for the later call (``None``).
+        quiet: log nothing (a check ahead of the trainer, which logs the choice itself); otherwise the choice is
+            logged by the main process only.
 
     Returns:
         ``egpo_correctness_reward``'s index when it is set; ``0`` with one candidate; with several, the package's
@@ -130,15 +133,17 @@ def correctness_reward_index(
         return candidates[0] if candidates else 0
     accuracy = [i for i in candidates if i < len(funcs) and _unwrap(funcs[i]) in ACCURACY_REWARDS]
     features = binary_correctness_features(args)
+    speak = not quiet and int(getattr(args, "process_index", 0) or 0) == 0
     if len(accuracy) == 1:
         index = accuracy[0]
-        (logger.warning if features else logger.info)(
-            "Several reward functions (%s) and no egpo_correctness_reward: %r, the package's accuracy reward, decides "
-            "correct (> 0) versus incorrect; the others still add to the rewards. Set egpo_correctness_reward to "
-            "choose another.",
-            ", ".join(names),
-            names[index],
-        )
+        if speak:
+            (logger.warning if features else logger.info)(
+                "Several reward functions (%s) and no egpo_correctness_reward: %r, the package's accuracy reward, "
+                "decides correct (> 0) versus incorrect; the others still add to the rewards. Set "
+                "egpo_correctness_reward to choose another.",
+                ", ".join(names),
+                names[index],
+            )
         return index
     if features:
         listed = ", ".join(names[i] for i in candidates)
@@ -151,12 +156,13 @@ def correctness_reward_index(
         )
     # Nothing in training reads the verdict (this estimator's advantages come from the summed rewards), but the
     # metrics that split completions into correct and incorrect do: say which function they take it from.
-    logger.warning(
-        "Several reward functions (%s) and no egpo_correctness_reward: the metrics that split completions into "
-        "correct and incorrect (egpo/frac_all_correct, egpo/frac_mixed, egpo/frac_all_incorrect, "
-        "egpo/entropy_correct, egpo/entropy_incorrect, egpo/entropy_gap, egpo/weight_*) take the verdict from the "
-        "first, %r. Set egpo_correctness_reward to name the verifier.",
-        ", ".join(names[i] for i in candidates),
-        names[candidates[0]],
-    )
+    if speak:
+        logger.warning(
+            "Several reward functions (%s) and no egpo_correctness_reward: the metrics that split completions into "
+            "correct and incorrect (egpo/frac_all_correct, egpo/frac_mixed, egpo/frac_all_incorrect, "
+            "egpo/entropy_correct, egpo/entropy_incorrect, egpo/entropy_gap, egpo/weight_*) take the verdict from the "
+            "first, %r. Set egpo_correctness_reward to name the verifier.",
+            ", ".join(names[i] for i in candidates),
+            names[candidates[0]],
+        )
     return candidates[0]

@@ -58,9 +58,11 @@ _LAYOUT_ARGS = ("per_device_train_batch_size", "steps_per_generation", "num_iter
 def finished_run_step(args: Any, checkpoint: str | os.PathLike | None) -> tuple[int, int, str] | None:
     """``(step, last step, setting)`` when resuming from ``checkpoint`` would train nothing, else ``None``.
 
-    The run is finished when the checkpoint's step reaches ``max_steps`` (when set), else the number of steps its
-    own run computed for the same ``num_train_epochs``; ``setting`` names the one that applies. Read from the
-    checkpoint's ``trainer_state.json``: nothing is loaded.
+    A check before anything loads (the command's): the run is finished when the checkpoint's step reaches
+    ``max_steps`` (when set), else the number of steps its own run computed for the same whole ``num_train_epochs``
+    (``trainer_state.json`` stores a fractional one rounded up: those, and runs that do not match, are left to the
+    trainer, which compares with its own count once it has loaded the checkpoint; see
+    :meth:`ExactResumeMixin.train`). ``setting`` names the one that applies. Nothing is loaded.
     """
     if not checkpoint:
         return None
@@ -72,22 +74,32 @@ def finished_run_step(args: Any, checkpoint: str | os.PathLike | None) -> tuple[
     step = int(state.get("global_step", 0))
     if args.max_steps > 0:
         total, setting = int(args.max_steps), f"max_steps={args.max_steps}"
-    elif state.get("num_train_epochs") == args.num_train_epochs and state.get("max_steps", 0) > 0:
+    elif (
+        float(args.num_train_epochs).is_integer()
+        and state.get("num_train_epochs") == args.num_train_epochs
+        and state.get("max_steps", 0) > 0
+    ):
         total, setting = int(state["max_steps"]), f"num_train_epochs={args.num_train_epochs:g}"
     else:
         return None
     return (step, total, setting) if step >= total else None
 
 
-class _CheckpointLoaded(Exception):
-    """Raised by :class:`_StopAtTrainBegin` once ``Trainer.train`` has loaded the checkpoint, before any step."""
+class _FinishedRun(Exception):
+    """Raised by :class:`_StopWhenFinished` when the checkpoint loaded is at the run's last step."""
 
 
-class _StopAtTrainBegin(TrainerCallback):
-    """Ends ``Trainer.train`` when training begins: the checkpoint is loaded, no step has run."""
+class _StopWhenFinished(TrainerCallback):
+    """Ends ``Trainer.train`` when training begins, where the checkpoint loaded is at the run's last step.
+
+    At ``on_train_begin`` ``Trainer`` has loaded the checkpoint (weights, optimizer, schedule, ``TrainerState``) and
+    set ``state.max_steps`` to this run's own number of steps (``max_steps``, or ``num_train_epochs`` over this
+    run's data and batch sizes): a resumed run whose step has reached it has nothing to train.
+    """
 
     def on_train_begin(self, args, state, control, **kwargs):
-        raise _CheckpointLoaded
+        if state.max_steps > 0 and state.global_step >= state.max_steps:
+            raise _FinishedRun
 
 
 def generation_seed(seed: int, global_step: int, call: int, instance: int, index: int) -> int:
@@ -178,40 +190,41 @@ class ExactResumeMixin:
 
     # ------------------------------------------------------------------ a finished run
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
-        """``Trainer.train``; resuming from a checkpoint at the run's last step trains nothing.
+        """``Trainer.train``; resumed at the run's last step it trains nothing.
 
-        ``Trainer`` would train one step more (and save it): a run resumed at its last step (``max_steps``, or the
-        steps of ``num_train_epochs``) loads the checkpoint (weights, optimizer, schedule, state), says so, and
-        returns before any step, so that the model holds the checkpoint's weights, as for a run that just finished.
+        ``Trainer`` would train (and save) one step more in some such cases (a fractional ``num_train_epochs``, a
+        ``max_steps`` reached). Here a resumed run whose checkpoint is at this run's last step (``Trainer``'s own
+        count: ``max_steps``, or ``num_train_epochs`` over this run's data and batch sizes) loads the checkpoint,
+        says so, loads the best checkpoint with ``load_best_model_at_end`` as a finished run does, and returns
+        without a step. Nothing is logged or written.
         """
-        checkpoint = resume_from_checkpoint
-        if checkpoint is True:
-            from transformers.trainer_utils import get_last_checkpoint
-
-            checkpoint = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
-        finished = finished_run_step(self.args, checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else None
-        if finished is None:
+        if not resume_from_checkpoint:
             return super().train(resume_from_checkpoint, *args, **kwargs)
-        step, total, setting = finished
-        logger.warning(
-            "Nothing to train: %s is at step %d and the run stops at step %d (%s). The checkpoint is loaded and no "
-            "step runs; raise max_steps to train further.",
-            checkpoint,
-            step,
-            total,
-            setting,
-        )
-        from transformers.trainer_utils import TrainOutput
-
-        stop = _StopAtTrainBegin()
+        stop = _StopWhenFinished()
         self.callback_handler.callbacks.insert(0, stop)
         try:
-            super().train(resume_from_checkpoint, *args, **kwargs)
-        except _CheckpointLoaded:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        except _FinishedRun:
             pass
         finally:
             self.callback_handler.callbacks.remove(stop)
-        return TrainOutput(self.state.global_step, 0.0, {})
+        state = self.state
+        logger.warning(
+            "Nothing to train: the checkpoint is at step %d and this run stops at step %d (%s). The checkpoint is "
+            "loaded and no step runs; raise %s to train further.",
+            state.global_step,
+            state.max_steps,
+            f"max_steps={self.args.max_steps}"
+            if self.args.max_steps > 0
+            else f"num_train_epochs={self.args.num_train_epochs:g} over this run's data and batch sizes",
+            "max_steps" if self.args.max_steps > 0 else "num_train_epochs (or set max_steps)",
+        )
+        if self.args.load_best_model_at_end and state.best_model_checkpoint is not None:
+            self._load_best_model()  # as Trainer ends a run that trained
+        self.is_in_train = False
+        from transformers.trainer_utils import TrainOutput
+
+        return TrainOutput(state.global_step, 0.0, {})
 
     # ------------------------------------------------------------------ state
     def _egpo_resume_state(self) -> dict[str, Any]:

@@ -180,11 +180,11 @@ def test_resuming_a_finished_run_from_python_trains_nothing(tmp_path, tiny_model
         resumed = trainer()
         with caplog.at_level(logging.WARNING, logger="egpo_trl.resume_state"):
             result = resumed.train(resume_from_checkpoint=checkpoint)
-        assert "Nothing to train" in caplog.text and "is at step 2 and the run stops at step 2 (max_steps=2)" in (
+        assert "Nothing to train: the checkpoint is at step 2 and this run stops at step 2 (max_steps=2)" in (
             caplog.text
         )
         caplog.clear()
-        assert result.global_step == 2 and resumed.state.global_step == 2
+        assert result.global_step == 2 and resumed.state.global_step == 2 and not resumed.is_in_train
         for name, value in resumed.model.state_dict().items():  # the checkpoint's weights, no step trained
             torch.testing.assert_close(value, trained[name], rtol=0, atol=0)
         assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
@@ -194,6 +194,70 @@ def test_resuming_a_finished_run_from_python_trains_nothing(tmp_path, tiny_model
     resumed.args.max_steps = 3
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 3 and (out / "checkpoint-3").is_dir()
+
+
+def test_a_finished_epochs_run_is_judged_by_the_trainers_own_step_count(tmp_path, tiny_model_dir, caplog):
+    """Runs sized by num_train_epochs: a fractional count (stored rounded up in trainer_state.json, where Trainer
+    alone trains and saves a step more) trains nothing; the same checkpoint with twice the data trains on, as
+    Trainer does; with load_best_model_at_end the model is the best checkpoint's, as at the end of the run."""
+    import logging
+
+    import torch
+    from conftest import make_prompt_dataset, parity_reward
+    from conftest import trainer_config as config
+    from safetensors.torch import load_file
+
+    from egpo_trl import EGPOTrainer
+
+    def trainer(folder, rows=8, **overrides):
+        args = config(
+            tmp_path / folder, max_steps=-1, save_strategy="steps", save_steps=1, lr_scheduler_type="constant",
+            **overrides,
+        )  # fmt: skip
+        return EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset(rows))
+
+    first = trainer("fraction", num_train_epochs=1.5)  # 8 prompts: 4 steps an epoch, 6 in all
+    first.train()
+    out = Path(first.args.output_dir)
+    assert first.state.global_step == 6
+    before = {p: _digest(p) for p in out.rglob("*") if p.is_file()}
+    with caplog.at_level(logging.WARNING, logger="egpo_trl.resume_state"):
+        trainer("fraction", num_train_epochs=1.5).train(resume_from_checkpoint=str(out / "checkpoint-6"))
+    assert "this run stops at step 6 (num_train_epochs=1.5 over this run's data and batch sizes)" in caplog.text
+    assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before  # no checkpoint-7
+
+    first = trainer("more_data", num_train_epochs=1)
+    first.train()
+    out = Path(first.args.output_dir)
+    resumed = trainer("more_data", rows=16, num_train_epochs=1)  # one epoch is now 8 steps
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    assert resumed.state.global_step == 8
+
+    def best_of_three():
+        args = config(
+            tmp_path / "best", max_steps=3, save_strategy="steps", save_steps=1, eval_strategy="steps", eval_steps=1,
+            load_best_model_at_end=True, metric_for_best_model="eval_reward", greater_is_better=True,
+            per_device_eval_batch_size=8, lr_scheduler_type="constant",
+        )  # fmt: skip
+        return EGPOTrainer(
+            tiny_model_dir,
+            parity_reward,
+            args,
+            train_dataset=make_prompt_dataset(16),
+            eval_dataset=make_prompt_dataset(4),
+        )
+
+    first = best_of_three()
+    first.train()
+    out = Path(first.args.output_dir)
+    assert Path(first.state.best_model_checkpoint).name != "checkpoint-3"  # the best is not the last one
+    best = load_file(str(Path(first.state.best_model_checkpoint) / "model.safetensors"))
+    resumed = best_of_three()
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    assert resumed.state.best_model_checkpoint == first.state.best_model_checkpoint
+    for name, value in resumed.model.state_dict().items():
+        if name in best:
+            torch.testing.assert_close(value, best[name], rtol=0, atol=0)
 
 
 @pytest.mark.slow

@@ -349,7 +349,7 @@ def _check_correctness_reward(script_args: TrainScriptArguments, training_args: 
         ["overlong_penalty"] if training_args.overlong_buffer_length is not None else []
     )
     try:
-        correctness_reward_index(funcs, training_args, names=names)
+        correctness_reward_index(funcs, training_args, names=names, quiet=True)  # the trainer logs its choice
     except ValueError as error:
         raise SystemExit(f"egpo-trl train: {error}") from None
 

@@ -94,9 +94,12 @@ def finished_message(training_args, checkpoint: str | Path) -> str | None:
     if finished is None:
         return None
     step, total, setting = finished
+    fix = "--max_steps" if training_args.max_steps > 0 else "--num_train_epochs, or set --max_steps,"
+    if training_args.max_steps <= 0:
+        setting += ": the steps its run counted"
     return (
         f"egpo-trl train: nothing to train: {checkpoint} is at step {step} and the run stops at step {total} "
-        f"({setting}); the outputs in {training_args.output_dir} are left as they are (raise --max_steps to train "
+        f"({setting}); the outputs in {training_args.output_dir} are left as they are (raise {fix} to train "
         "further)."
     )
 
