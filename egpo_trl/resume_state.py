@@ -97,8 +97,11 @@ class _StopWhenFinished(TrainerCallback):
     run's data and batch sizes): a resumed run whose step has reached it has nothing to train.
     """
 
+    def __init__(self, always: bool = False):
+        self.always = always  # stop whatever the step (the command writing a finished run's missing outputs)
+
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.max_steps > 0 and state.global_step >= state.max_steps:
+        if self.always or (state.max_steps > 0 and state.global_step >= state.max_steps):
             raise _FinishedRun
 
 
@@ -195,12 +198,16 @@ class ExactResumeMixin:
         ``Trainer`` would train (and save) one step more in some such cases (a fractional ``num_train_epochs``, a
         ``max_steps`` reached). Here a resumed run whose checkpoint is at this run's last step (``Trainer``'s own
         count: ``max_steps``, or ``num_train_epochs`` over this run's data and batch sizes) loads the checkpoint,
-        says so, loads the best checkpoint with ``load_best_model_at_end`` as a finished run does, and returns
-        without a step. Nothing is logged or written.
+        says so, ends as a finished run does (the best checkpoint with ``load_best_model_at_end``, NEFTune's hook
+        removed) and returns without a step; nothing is logged or written. ``egpo_trained_nothing`` tells which
+        happened. With ``egpo_load_only`` set (the command writing a finished run's missing outputs) it returns so
+        after loading the checkpoint, whatever its step.
         """
+        self.egpo_trained_nothing = False
         if not resume_from_checkpoint:
             return super().train(resume_from_checkpoint, *args, **kwargs)
-        stop = _StopWhenFinished()
+        load_only = getattr(self, "egpo_load_only", False)
+        stop = _StopWhenFinished(always=load_only)
         self.callback_handler.callbacks.insert(0, stop)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
@@ -209,19 +216,28 @@ class ExactResumeMixin:
         finally:
             self.callback_handler.callbacks.remove(stop)
         state = self.state
-        logger.warning(
-            "Nothing to train: the checkpoint is at step %d and this run stops at step %d (%s). The checkpoint is "
-            "loaded and no step runs; raise %s to train further.",
-            state.global_step,
-            state.max_steps,
-            f"max_steps={self.args.max_steps}"
-            if self.args.max_steps > 0
-            else f"num_train_epochs={self.args.num_train_epochs:g} over this run's data and batch sizes",
-            "max_steps" if self.args.max_steps > 0 else "num_train_epochs (or set max_steps)",
-        )
+        if not load_only:
+            by_steps = self.args.max_steps > 0
+            logger.warning(
+                "Nothing to train: the checkpoint is at step %d and this run stops at step %d (%s). The checkpoint "
+                "is loaded and no step runs; raise %s to train further.",
+                state.global_step,
+                state.max_steps,
+                f"max_steps={self.args.max_steps}"
+                if by_steps
+                else f"num_train_epochs={self.args.num_train_epochs:g} over this run's data and batch sizes",
+                "max_steps" if by_steps else "num_train_epochs (or set max_steps)",
+            )
+        # What Trainer does at the end of a run that trained, less its logs, callbacks and checkpoint deletions.
         if self.args.load_best_model_at_end and state.best_model_checkpoint is not None:
-            self._load_best_model()  # as Trainer ends a run that trained
+            self._load_best_model()
+        self._memory_tracker.stop_and_update_metrics({})
+        if self.neftune_noise_alpha is not None:
+            from transformers.trainer import deactivate_neftune
+
+            deactivate_neftune(self.model, self.neftune_hook_handle, self.accelerator)
         self.is_in_train = False
+        self.egpo_trained_nothing = True
         from transformers.trainer_utils import TrainOutput
 
         return TrainOutput(state.global_step, 0.0, {})

@@ -185,6 +185,7 @@ def test_resuming_a_finished_run_from_python_trains_nothing(tmp_path, tiny_model
         )
         caplog.clear()
         assert result.global_step == 2 and resumed.state.global_step == 2 and not resumed.is_in_train
+        assert resumed.egpo_trained_nothing
         for name, value in resumed.model.state_dict().items():  # the checkpoint's weights, no step trained
             torch.testing.assert_close(value, trained[name], rtol=0, atol=0)
         assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
@@ -295,6 +296,45 @@ def test_a_run_stopped_after_its_last_checkpoint_gets_its_final_outputs(referenc
     assert main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
     assert "nothing to train" in capsys.readouterr().out
     assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
+
+
+# Epoch-sized runs through the command: one prompt of 4 completions a step.
+EPOCH_RUN = [
+    "--config", str(DEMO_RECIPE), "--per_device_train_batch_size", "4", "--num_generations", "4",
+    "--steps_per_generation", "2", "--max_completion_length", "8", "--eval_size", "3", "--eval_num_samples", "1",
+    "--disable_tqdm", "true", "--plot", "false", "--save_strategy", "steps", "--save_steps", "1",
+    "--learning_rate", "3e-4", "--max_steps", "-1",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_finished_epoch_runs_resumed_by_the_command_train_and_write_nothing(tmp_path, capsys):
+    """A fractional num_train_epochs (which the check before loading cannot judge: the trainer's own count stops it)
+    leaves every file as it was; a run whose final model is missing gets it written from its last checkpoint,
+    without a step, also when the data has grown since (the trainer would count more steps)."""
+    import json
+
+    out = tmp_path / "fraction"
+    run = [*EPOCH_RUN, "--synthetic_train_size", "8", "--num_train_epochs", "1.5", "--output_dir", str(out)]
+    assert main(run) == 0
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 12  # 8 steps an epoch
+    before = {p: _digest(p) for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main([*run, "--resume_from_checkpoint", "true"]) == 0
+    assert "nothing to train" in capsys.readouterr().out
+    assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
+
+    out = tmp_path / "grown"
+    run = [*EPOCH_RUN, "--num_train_epochs", "1", "--output_dir", str(out)]
+    assert main([*run, "--synthetic_train_size", "4"]) == 0
+    for name in ("model.safetensors", "config.json", "training_args.bin"):
+        (out / name).unlink()
+    capsys.readouterr()
+    assert main([*run, "--synthetic_train_size", "8", "--resume_from_checkpoint", "true"]) == 0
+    assert "is at the run's last step" in capsys.readouterr().out
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 4
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{i}" for i in range(1, 5)]
+    assert _digest(out / "model.safetensors") == _digest(out / "checkpoint-4" / "model.safetensors")
 
 
 def test_the_stored_heldout_evaluation_is_reused_only_for_the_same_problems_model_and_settings(tmp_path):

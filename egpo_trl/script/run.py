@@ -323,9 +323,13 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     trainer.accelerator.wait_for_everyone()
 
     if finish_only:
-        # Trainer loads the checkpoint (weights, and the DeepSpeed/FSDP wrapping) inside train(); resumed at the
-        # run's last step, EGPOTrainer.train stops there, before any step (see ExactResumeMixin.train).
+        # Trainer loads the checkpoint (weights, and the DeepSpeed/FSDP wrapping) inside train(); with
+        # egpo_load_only, EGPOTrainer.train stops there, before any step (see ExactResumeMixin.train).
+        trainer.egpo_load_only = True
         trainer.train(resume_from_checkpoint=resume)
+        trainer.egpo_load_only = False
+        if trainer.state.global_step != checkpoint_step(resume):
+            raise RuntimeError(f"{resume} loaded at step {trainer.state.global_step}, not its own step")
     else:
         try:
             train_output = trainer.train(resume_from_checkpoint=resume)
@@ -333,6 +337,27 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
             save_interrupted(trainer)
             raise
         summary["train_runtime_s"] = train_output.metrics.get("train_runtime")
+        if getattr(trainer, "egpo_trained_nothing", False):
+            # Finished by the trainer's own count (a fractional num_train_epochs, which the check before loading
+            # cannot tell): with every final output there, nothing is written, as for a finished run caught early.
+            missing = missing_final_outputs(
+                output_dir, script_args.save_final_model, heldout=heldout is not None, step=trainer.state.global_step
+            )
+            if not missing:
+                if is_main and heldout is not None:  # put back the evaluation after training, dropped at the start
+                    stored = json.loads(heldout_path.read_text())["after"]
+                    put_heldout_record(
+                        metrics_path,
+                        {"step": stored["step"], "heldout/accuracy": stored["accuracy"], "heldout/stage": "after"},
+                    )
+                if is_main:
+                    print(
+                        f"egpo-trl train: nothing to train: {resume} is at this run's last step "
+                        f"({trainer.state.global_step}); the outputs in {output_dir} are left as they are.",
+                        flush=True,
+                    )
+                trainer.accelerator.wait_for_everyone()
+                return summary
 
     if heldout is not None and is_main and stored_after:
         print(f"Held-out accuracy after training: {stored_after['accuracy']:.1%} (stored by the run resumed)")
