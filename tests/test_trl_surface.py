@@ -32,6 +32,12 @@ FUNCTIONS = [
     ("trl.trainer.utils", "get_callable_name", ["func"], "egpo_trl/correctness.py (reproduces its names)"),
     ("trl.models.utils", "disable_gradient_checkpointing", ["model", "gradient_checkpointing_kwargs"], "trainer.py"),
     ("trl.data_utils", "is_conversational", ["example"], "egpo_trl/sampling/gec.py"),
+    (
+        "transformers.trainer",
+        "deactivate_neftune",
+        ["model", "hook_handle", "accelerator"],
+        "egpo_trl/resume_state.py (a finished run's end)",
+    ),
     ("trl.trainer.utils", "selective_log_softmax", ["logits", "index", "temperature"], "benchmarks/is_gap.py"),
     ("trl.trainer.utils", "nanstd", ["tensor", "dim", "keepdim"], "egpo_trl/trainer.py"),
     ("trl.trainer.utils", "is_async_callable", ["func"], "egpo_trl/sampling/gec.py (rescoring async rewards)"),
@@ -97,6 +103,12 @@ METHODS = [
         "resume_state.py (override: the step-boundary snapshot for the Ctrl-C checkpoint)",
     ),
     ("_get_output_dir", ["trial"], "resume_state.py (the checkpoint folder)"),
+    (
+        "train",
+        ["resume_from_checkpoint", "trial", "ignore_keys_for_eval"],
+        "resume_state.py (override: a run resumed at its last step trains nothing), script/run.py",
+    ),
+    ("_load_best_model", [], "resume_state.py (a finished run's end, with load_best_model_at_end)"),
 ]
 
 # Everything of GRPOTrainer that EGPOTrainer or its mixins define again, on purpose. Any other name they share (a
@@ -118,6 +130,7 @@ OVERRIDES = {
     "_get_train_sampler",
     "_init_training_state",
     "_maybe_log_save_evaluate",
+    "train",
 }
 
 # Attributes GRPOTrainer.__init__ sets that egpo_trl reads (or, for the generation settings, changes for a while):
@@ -431,6 +444,24 @@ SOURCE = [
         "Trainer._save_checkpoint",
         "run_dir = self._get_output_dir(trial=trial)",
         "the checkpoint folder's parent",
+        "resume_state.py",
+    ),
+    (
+        "Trainer._inner_training_loop",
+        "self.control = self.callback_handler.on_train_begin(args, self.state, self.control)",
+        "training begins after the checkpoint is loaded and state.max_steps is this run's (the finished-run stop)",
+        "resume_state.py",
+    ),
+    (
+        "Trainer._finalize_training",
+        "deactivate_neftune(self.model, self.neftune_hook_handle, self.accelerator)",
+        "the end of training removes NEFTune's hook (done alike when a finished run trains nothing)",
+        "resume_state.py",
+    ),
+    (
+        "Trainer._finalize_training",
+        "self._memory_tracker.stop_and_update_metrics(metrics)",
+        "the end of training closes the memory tracker's stage (done alike when a finished run trains nothing)",
         "resume_state.py",
     ),
     (
