@@ -168,7 +168,9 @@ def floors(args, run: Path) -> list[dict]:
             continue
         prompt = args.prompt_length
         tokens = per_gpu * (prompt + length)
-        decode_bytes = length * BYTES_BF16 * params + per_gpu * kv * (length * prompt + length * (length + 1) / 2)
+        # Context tokens read over the L decode steps, all completions of the GPU together.
+        context_steps = per_gpu * (length * prompt + length * (length + 1) / 2)
+        decode_bytes = length * BYTES_BF16 * params + kv * context_steps
         attention = per_gpu * arch["attention_flops_per_t2"] * (prompt + length) ** 2
         floor = {
             "card": args.card,
@@ -187,12 +189,9 @@ def floors(args, run: Path) -> list[dict]:
             "kv_cache_tokens": kv_tokens,
             "floor_generation_kv_s": None,
         }
-        if kv_tokens:
-            context_steps = per_gpu * (length * prompt + length * (length + 1) / 2)  # summed over decode steps
+        if kv_tokens:  # no decode step holds more context than the cache: at least context_steps / K steps
             steps = max(length, context_steps / kv_tokens)
-            floor["floor_generation_kv_s"] = (
-                steps * BYTES_BF16 * params + per_gpu * kv * (length * prompt + length * (length + 1) / 2)
-            ) / (bandwidth * 1e12)
+            floor["floor_generation_kv_s"] = (steps * BYTES_BF16 * params + kv * context_steps) / (bandwidth * 1e12)
         if not row.get("old_logps_s"):
             floor["floor_old_logps_s"] = floor["floor_old_logps_attn_s"] = 0.0  # no pass this step
         if row.get("gec_s") is not None and row.get("gec_frac_reflect"):

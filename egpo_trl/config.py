@@ -18,9 +18,9 @@ from egpo_trl.advantages import (
     RENORM_MODES,
 )
 
-ENTROPY_SCOPES: tuple[str, ...] = ("completion", "thinking", "answer")
 logger = logging.getLogger(__name__)
 
+ENTROPY_SCOPES: tuple[str, ...] = ("completion", "thinking", "answer")
 ENTROPY_LOGPS: tuple[str, ...] = ("policy", "sampler", "loss_forward")
 DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = ("correctness", "reward")
 GEC_SCOPES: tuple[str, ...] = ("incorrect", "all_incorrect_groups")
@@ -55,6 +55,15 @@ _SAMPLING_FIELDS: dict[str, tuple[object, ...]] = {
 #: Values of TRL's ``vllm_importance_sampling_mode`` that weight a whole completion by one ratio, the product of its
 #: tokens' ratios: a per-token gap of any sign compounds over the completion and the weight collapses.
 SEQUENCE_IMPORTANCE_SAMPLING_MODES: tuple[str, ...] = ("sequence_truncate", "sequence_mask")
+
+
+def trl_computes_old_logps(config) -> bool:
+    """Whether TRL 1.16's ``_generate_and_score_completions`` runs its old-log-prob pass for ``config`` (TRL's rule):
+    a generation batch spans several optimizer steps or iterations, or vLLM's importance sampling is corrected."""
+    generate_every = (config.steps_per_generation or config.gradient_accumulation_steps) * config.num_iterations
+    return config.gradient_accumulation_steps % generate_every != 0 or bool(
+        config.use_vllm and config.vllm_importance_sampling_correction
+    )
 
 
 def distribution_changing_sampling_options(config) -> dict[str, object]:
@@ -463,11 +472,7 @@ class EGPOConfig(GRPOConfig):
 
     def _note_sampler_fallback(self) -> None:
         """Say when ``egpo_entropy_logps="sampler"`` has no usable sampling log-probs and a pass runs instead."""
-        generate_every = (self.steps_per_generation or self.gradient_accumulation_steps) * self.num_iterations
-        trl_computes_old_logps = self.gradient_accumulation_steps % generate_every != 0 or (
-            self.use_vllm and self.vllm_importance_sampling_correction
-        )
-        if trl_computes_old_logps:
+        if trl_computes_old_logps(self):
             return  # the proxy takes TRL's old-policy log-probs, at no cost
         if not self.use_vllm:
             reason = "generation without vLLM returns no sampling log-probs"

@@ -86,7 +86,7 @@ from egpo_trl.advantages import (
     sequence_mean,
     weighted_reward_sum,
 )
-from egpo_trl.config import EGPOConfig, distribution_changing_sampling_options
+from egpo_trl.config import EGPOConfig, distribution_changing_sampling_options, trl_computes_old_logps
 from egpo_trl.correctness import binary_correctness_features, correctness_reward_index, reward_func_names
 from egpo_trl.fused import GROUP_KEY as _FUSED_GROUP_KEY
 from egpo_trl.fused import LossForwardEntropyMixin
@@ -545,10 +545,7 @@ class EGPOTrainer(
     # ------------------------------------------------------------------ one generation round
     def _trl_computes_old_logps(self) -> bool:
         """Whether TRL 1.16's ``_generate_and_score_completions`` runs its old-log-prob pass (same rule as TRL)."""
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        return self.args.gradient_accumulation_steps % generate_every != 0 or bool(
-            self.use_vllm and self.vllm_importance_sampling_correction
-        )
+        return trl_computes_old_logps(self.args)
 
     def _generate_round(self, inputs: list[dict[str, Any]]) -> tuple[dict[str, Any], torch.Tensor]:
         """TRL's generation and scoring for ``inputs``: the local batch dict and the gathered rewards per function."""

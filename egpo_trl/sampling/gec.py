@@ -164,13 +164,22 @@ class GuidedErrorCorrectionMixin:
                 args.edge_gec_solution_prob,
             )
 
+    def _gec_injects_answers(self, columns: list[str]) -> bool:
+        """Whether some incorrect completions get the reference answer with ``edge_gec_answer_template``: the answer
+        share, or the solution share when ``train_dataset`` (``columns``) has no ``solution`` column."""
+        args = self.args
+        return args.edge_gec_answer_prob > 0 or (args.edge_gec_solution_prob > 0 and "solution" not in columns)
+
     def _check_gec_answer_template(self, columns: list[str]) -> None:
         """Refuse an answer template the correctness reward cannot read, when it is the package's boxed reward: every
         injected answer would be scored as wrong (and trained on as a wrong completion)."""
         args = self.args
-        injects = args.edge_gec_answer_prob > 0 or (args.edge_gec_solution_prob > 0 and "solution" not in columns)
         index = getattr(self, "_egpo_correctness_index", None)
-        if not injects or index is None or self.reward_funcs[index] is not boxed_accuracy_reward:
+        if (
+            not self._gec_injects_answers(columns)
+            or index is None
+            or self.reward_funcs[index] is not boxed_accuracy_reward
+        ):
             return
         rendered, readable = answer_template_probe(args.edge_gec_answer_template)
         if not readable:
@@ -201,8 +210,7 @@ class GuidedErrorCorrectionMixin:
         if args.edge_gec_reflect_prob > 0:
             cue = args.edge_gec_reflection_cue
             texts.append(("edge_gec_reflection_cue", cue, length(cue) + 2))
-        injects = args.edge_gec_answer_prob > 0 or (args.edge_gec_solution_prob > 0 and "solution" not in columns)
-        if injects:
+        if self._gec_injects_answers(columns):
             template = args.edge_gec_answer_template
             texts.append(("edge_gec_answer_template", template, length(template.replace("{answer}", "0")) + 1))
         for name, text, needed in texts:
