@@ -266,10 +266,10 @@ def test_floor_adds_attention_and_the_gec_continuations_bound(tmp_path, monkeypa
 
     config = SHAPES["qwen15b"]["config"]
     arch = architecture(dict(config))
-    # 32 rows continued for 1024 tokens after 200 prompt tokens and 3072 - 1024 kept ones, at 3.35 TB/s
+    # 32 rows continued for the recipe's 256 tokens after 200 prompt tokens and 3072 - 256 kept ones, at 3.35 TB/s
     params, kv = arch["matmul_parameters"], arch["kv_bytes_per_token"]
     assert params == arch["parameters"]  # tied embeddings: the output layer's product counts once
-    expected = (1024 * 2 * params + 32 * kv * (1024 * (200 + 2048) + 1024 * 1025 / 2)) / 3.35e12
+    expected = (256 * 2 * params + 32 * kv * (256 * (200 + 2816) + 256 * 257 / 2)) / 3.35e12
     assert row["floor_gec_s"] == pytest.approx(expected)
     assert row["ratio_gec"] == pytest.approx(5.0 / expected)
     heads, head_dim = config["num_attention_heads"], config["hidden_size"] // config["num_attention_heads"]
