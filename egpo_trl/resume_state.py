@@ -58,13 +58,13 @@ _LAYOUT_ARGS = ("per_device_train_batch_size", "steps_per_generation", "num_iter
 def finished_run_step(args: Any, checkpoint: str | os.PathLike | None) -> tuple[int, int, str] | None:
     """``(step, last step, setting)`` when resuming from ``checkpoint`` would train nothing, else ``None``.
 
-    A check before anything loads (the command's): the run is finished when the checkpoint's step reaches
-    ``max_steps`` (when set), else the number of steps its own run computed for the same whole ``num_train_epochs``
-    (``trainer_state.json`` stores a fractional one rounded up: those, and runs that do not match, are left to the
-    trainer, which compares with its own count once it has loaded the checkpoint; see
-    :meth:`ExactResumeMixin.train`). ``setting`` names the one that applies. Nothing is loaded.
+    A check before anything loads (the command's): with ``max_steps`` set, the run is finished when the checkpoint's
+    step reaches it. A run sized by ``num_train_epochs`` is not judged here: its number of steps depends on this
+    run's data and batch sizes, which the command counts once the trainer is built
+    (:func:`egpo_trl.script.resume.trainer_last_step`), and the trainer itself once the checkpoint has loaded (see
+    :meth:`ExactResumeMixin.train`). Nothing is loaded.
     """
-    if not checkpoint:
+    if not checkpoint or args.max_steps <= 0:
         return None
     path = os.path.join(os.fspath(checkpoint), "trainer_state.json")
     if not os.path.isfile(path):
@@ -72,17 +72,8 @@ def finished_run_step(args: Any, checkpoint: str | os.PathLike | None) -> tuple[
     with open(path) as handle:
         state = json.load(handle)
     step = int(state.get("global_step", 0))
-    if args.max_steps > 0:
-        total, setting = int(args.max_steps), f"max_steps={args.max_steps}"
-    elif (
-        float(args.num_train_epochs).is_integer()
-        and state.get("num_train_epochs") == args.num_train_epochs
-        and state.get("max_steps", 0) > 0
-    ):
-        total, setting = int(state["max_steps"]), f"num_train_epochs={args.num_train_epochs:g}"
-    else:
-        return None
-    return (step, total, setting) if step >= total else None
+    total = int(args.max_steps)
+    return (step, total, f"max_steps={args.max_steps}") if step >= total else None
 
 
 class _FinishedRun(Exception):

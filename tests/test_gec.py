@@ -38,6 +38,53 @@ def test_a_shortened_completion_is_never_cut_inside_its_own_boxed_answer():
             assert kept == ids[:n]  # a cut before the box is left alone
 
 
+def _linear_safe_prefix(ids, decode):  # the definition, one token at a time
+    from egpo_trl.sampling.gec import _ends_inside_boxed
+
+    n = len(ids)
+    while n > 0 and _ends_inside_boxed(decode(ids[:n])):
+        n -= 1
+    return ids[:n]
+
+
+def test_the_safe_prefix_jumps_over_an_open_box_with_a_few_decodes():
+    """The same prefix as cutting one token at a time, for every cut of texts with several boxes, nested braces and
+    multi-byte characters; and a long completion with an early open box costs a few dozen decodes, not one per
+    token."""
+    from transformers import AutoTokenizer
+
+    from egpo_trl.sampling.gec import boxed_safe_prefix, shortened
+    from egpo_trl.tiny_model import tiny_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    texts = [
+        "a \\boxed{1} b \\boxed{\\frac{1}{2}} c \\boxed{x} d",
+        "\\boxed{\\boxed{3}} then \\boxed{{4}} é→ \\boxed{ü}",
+        "no box at all, 31-15=16",
+    ]
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for n in range(len(ids) + 1):
+            assert boxed_safe_prefix(ids[:n], tokenizer.decode) == _linear_safe_prefix(ids[:n], tokenizer.decode), (
+                text,
+                n,
+            )
+            assert shortened(ids, n, tokenizer.decode) == (
+                ids if n >= len(ids) else _linear_safe_prefix(ids[:n], tokenizer.decode)
+            )
+    ids = tokenizer("Let x = 1. \\boxed{" + "x + 1 = 2, " * 400, add_special_tokens=False)["input_ids"]
+    calls = []
+
+    def decode(part):
+        calls.append(len(part))
+        return tokenizer.decode(part)
+
+    kept = boxed_safe_prefix(ids, decode)
+    assert kept == _linear_safe_prefix(ids, tokenizer.decode) and len(ids) > 3000
+    assert tokenizer.decode(kept).rstrip() == "Let x = 1."
+    assert len(calls) < 40, len(calls)
+
+
 def test_the_helpers_stay_importable_from_the_trainer_module():
     import egpo_trl.sampling.gec as gec
     import egpo_trl.trainer as trainer

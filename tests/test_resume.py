@@ -308,33 +308,102 @@ EPOCH_RUN = [
 
 
 @pytest.mark.slow
-def test_finished_epoch_runs_resumed_by_the_command_train_and_write_nothing(tmp_path, capsys):
-    """A fractional num_train_epochs (which the check before loading cannot judge: the trainer's own count stops it)
-    leaves every file as it was; a run whose final model is missing gets it written from its last checkpoint,
-    without a step, also when the data has grown since (the trainer would count more steps)."""
+@pytest.mark.parametrize("counted", ["by_the_command", "by_the_trainer_only"])
+def test_finished_epoch_runs_resumed_by_the_command_train_and_write_nothing(tmp_path, capsys, monkeypatch, counted):
+    """A run sized by num_train_epochs is judged by the trainer's own step count, before anything is written: a
+    fractional count (stored rounded up in trainer_state.json) trains nothing and leaves every file as it was, with
+    the held-out evaluation off or under other settings too; a run given more data since trains on, as Trainer
+    does, and so does a run sized by max_steps resumed with epochs. Where the command cannot count the steps before
+    training (``auto_find_batch_size``), the trainer stops at its own count and the files go back as they were."""
     import json
 
+    import egpo_trl.script.run as run_module
+
+    if counted == "by_the_trainer_only":
+        monkeypatch.setattr(run_module, "trainer_last_step", lambda trainer: None)
     out = tmp_path / "fraction"
     run = [*EPOCH_RUN, "--synthetic_train_size", "8", "--num_train_epochs", "1.5", "--output_dir", str(out)]
     assert main(run) == 0
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 12  # 8 steps an epoch
     before = {p: _digest(p) for p in out.rglob("*") if p.is_file()}
-    capsys.readouterr()
-    assert main([*run, "--resume_from_checkpoint", "true"]) == 0
-    assert "nothing to train" in capsys.readouterr().out
-    assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
+    for other in ([], ["--eval_size", "0"], ["--eval_num_samples", "2"]):
+        capsys.readouterr()
+        assert main([*run, *other, "--resume_from_checkpoint", "true"]) == 0
+        printed = capsys.readouterr().out.strip().splitlines()
+        assert printed[-1].startswith("egpo-trl train: nothing to train: "), printed
+        if counted == "by_the_command":
+            assert "stops at step 12 (num_train_epochs=1.5 over this run's data and batch sizes)" in printed[-1]
+            assert not any("Held-out accuracy" in line for line in printed), printed  # nothing evaluated
+        else:
+            assert "at this run's last step (12)" in printed[-1], printed
+        assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before, other
 
     out = tmp_path / "grown"
     run = [*EPOCH_RUN, "--num_train_epochs", "1", "--output_dir", str(out)]
-    assert main([*run, "--synthetic_train_size", "4"]) == 0
-    for name in ("model.safetensors", "config.json", "training_args.bin"):
-        (out / name).unlink()
+    assert main([*run, "--synthetic_train_size", "4"]) == 0  # 4 steps
     capsys.readouterr()
     assert main([*run, "--synthetic_train_size", "8", "--resume_from_checkpoint", "true"]) == 0
-    assert "is at the run's last step" in capsys.readouterr().out
+    assert "nothing to train" not in capsys.readouterr().out
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 8  # one epoch of 8 prompts
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == list(range(1, 9))
+    assert _digest(out / "model.safetensors") == _digest(out / "checkpoint-8" / "model.safetensors")
+
+    out = tmp_path / "to_epochs"
+    run = [*EPOCH_RUN, "--synthetic_train_size", "4", "--output_dir", str(out)]
+    assert main([*run, "--max_steps", "2"]) == 0
+    assert main([*run, "--num_train_epochs", "1", "--resume_from_checkpoint", "true"]) == 0
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 4
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{i}" for i in range(1, 5)]
-    assert _digest(out / "model.safetensors") == _digest(out / "checkpoint-4" / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_ctrl_c_after_the_last_step_keeps_the_trained_run(reference, tmp_path, monkeypatch, capsys):
+    """Without regular checkpoints, a Ctrl-C during the held-out evaluation after training saves a checkpoint of the
+    last step; the resume writes the final outputs from it without training: the weights, metrics and evaluation of
+    the run never stopped."""
+    import json
+
+    import egpo_trl.heldout as heldout_module
+
+    ref_out, ref_rows, ref_weights = reference
+    out = tmp_path / "run"
+    run = [*RUN, "--save_strategy", "no", "--output_dir", str(out)]
+    evaluate, calls = heldout_module.heldout_accuracy, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the evaluation after training
+            raise KeyboardInterrupt
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(heldout_module, "heldout_accuracy", interrupted)
+    capsys.readouterr()
+    assert main(run) == 130
+    assert "--resume_from_checkpoint true" in capsys.readouterr().err
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4"]
+    assert not (out / "model.safetensors").exists()
+    monkeypatch.undo()
+    assert main([*run, "--resume_from_checkpoint", "true"]) == 0
+    assert "is at the run's last step" in capsys.readouterr().out
+    assert _digest(out / "model.safetensors") == ref_weights
+    assert _rows(out) == ref_rows
+    assert json.loads((out / "heldout.json").read_text()) == json.loads((ref_out / "heldout.json").read_text())
+
+
+@pytest.mark.slow
+def test_an_earlier_checkpoint_never_replaces_the_outputs_of_a_later_step(reference, tmp_path):
+    """checkpoint-3 of a run that finished at step 4, resumed with --max_steps 3: it would write step 3's final
+    outputs over step 4's and cut step 4 out of metrics.jsonl; the command stops, names them, and changes nothing."""
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)
+    before = {p: _digest(p) for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit) as stopped:
+        main(
+            [*RUN, "--output_dir", str(out), "--max_steps", "3", "--resume_from_checkpoint", str(out / "checkpoint-3")]
+        )
+    message = str(stopped.value)
+    assert "the trained model of step 4" in message and "training records up to step 4" in message, message
+    assert "another --output_dir" in message
+    assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
 
 
 def test_the_stored_heldout_evaluation_is_reused_only_for_the_same_problems_model_and_settings(tmp_path):

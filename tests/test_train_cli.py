@@ -705,6 +705,26 @@ def test_the_progress_bar_shows_each_step_its_own_metrics(tiny_model_dir, tmp_pa
     assert shown == {step: {text} for step, text in expected.items()}
 
 
+def test_the_progress_bar_derives_accuracy_only_from_a_plus_minus_one_reward():
+    """`acc` = (mean + 1) / 2 holds for a +1/-1 correctness reward only; a 1/0 one shows no `acc` (as metrics.jsonl)."""
+    import io
+
+    from tqdm.auto import tqdm
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from egpo_trl.script.callbacks import CompactProgressCallback
+
+    logs = {"reward": 0.0, "rewards/zero_one/mean": 0.0}
+    shown = {}
+    for plus_minus_one in (True, False):
+        callback = CompactProgressCallback("zero_one", accuracy_from_reward=plus_minus_one)
+        callback.training_bar = tqdm(total=1, file=io.StringIO())
+        callback.on_log(TrainingArguments("unused", report_to="none"), TrainerState(), TrainerControl(), logs=logs)
+        shown[plus_minus_one] = callback.training_bar.postfix
+    assert shown[True] == "reward=0.00, acc=0.50"
+    assert shown[False] == "reward=0.00"
+
+
 def test_the_heldout_evaluation_before_training_leaves_the_training_run_unchanged(tmp_path):
     """eval_size changes what is evaluated, never what is trained: the evaluation samples from its own seed and
     gives the random state back as it found it."""

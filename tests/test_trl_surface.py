@@ -109,6 +109,12 @@ METHODS = [
         "resume_state.py (override: a run resumed at its last step trains nothing), script/run.py",
     ),
     ("_load_best_model", [], "resume_state.py (a finished run's end, with load_best_model_at_end)"),
+    ("get_train_dataloader", [], "script/resume.py (trainer_last_step: the steps of an epoch-sized run)"),
+    (
+        "set_initial_training_values",
+        ["args", "dataloader"],
+        "script/resume.py (trainer_last_step: max_steps, the last of the values it returns)",
+    ),
 ]
 
 # Everything of GRPOTrainer that EGPOTrainer or its mixins define again, on purpose. Any other name they share (a
@@ -451,6 +457,18 @@ SOURCE = [
         "self.control = self.callback_handler.on_train_begin(args, self.state, self.control)",
         "training begins after the checkpoint is loaded and state.max_steps is this run's (the finished-run stop)",
         "resume_state.py",
+    ),
+    (
+        "Trainer._inner_training_loop",
+        ") = self.set_initial_training_values(args, train_dataloader)",
+        "train() counts its steps from its own dataloader as trainer_last_step does, before anything is written",
+        "script/resume.py",
+    ),
+    (
+        "Trainer.set_initial_training_values",
+        "steps_in_epoch, max_steps, )",
+        "max_steps is the last of the values returned (trainer_last_step reads it)",
+        "script/resume.py",
     ),
     (
         "Trainer._finalize_training",

@@ -10,7 +10,7 @@ the reward functions, the metrics), so its methods live on the trainer, but in a
 overrides nothing of ``GRPOTrainer``. ``EGPOTrainer._generate`` calls
 :meth:`GuidedErrorCorrectionMixin._guided_error_correction` on each training round when the feature is on; the
 mixin reads the round's dataset rows from ``_egpo_round_inputs`` and correctness from ``_egpo_correct``.
-The text helpers (:func:`boxed_safe_prefix`) are plain functions. ``tests/test_gec.py`` tests it.
+The text helpers (:func:`boxed_safe_prefix`, :func:`shortened`) are plain functions. ``tests/test_gec.py`` tests it.
 """
 
 from __future__ import annotations
@@ -35,15 +35,23 @@ from egpo_trl.sampling.common import refuse_unsupported_generation
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SOLUTION_ANSWER_SUFFIX", "GuidedErrorCorrectionMixin", "boxed_safe_prefix", "pad_continuation_batch"]
+__all__ = [
+    "SOLUTION_ANSWER_SUFFIX",
+    "GuidedErrorCorrectionMixin",
+    "boxed_safe_prefix",
+    "pad_continuation_batch",
+    "shortened",
+]
 
 _BOXED = "\\boxed{"
 # Appended to a reference solution (Guided Error Correction) whose last box does not give the reference answer.
 SOLUTION_ANSWER_SUFFIX = "\n\nThe final answer is \\boxed{{answer}}."
 
 
-def _ends_inside_boxed(text: str) -> bool:
-    """Whether ``text`` stops inside a ``\\boxed{...}`` (or inside the command itself, e.g. ``... \\box``)."""
+def _open_boxed_start(text: str) -> int | None:
+    """Where ``text`` must be cut to leave no ``\\boxed{...}`` open: the start of its last ``\\boxed{`` when
+    that box is not closed, or of a trailing part of the command itself (``... \\box``); ``None`` when ``text`` does
+    not stop inside one."""
     start = text.rfind(_BOXED)
     if start >= 0:
         depth = 1
@@ -52,21 +60,52 @@ def _ends_inside_boxed(text: str) -> bool:
             if depth == 0:
                 break
         if depth > 0:
-            return True
-    return any(text.endswith(_BOXED[:k]) for k in range(1, len(_BOXED)))
+            return start
+    for k in range(len(_BOXED) - 1, 0, -1):
+        if text.endswith(_BOXED[:k]):
+            return len(text) - k
+    return None
+
+
+def _ends_inside_boxed(text: str) -> bool:
+    """Whether ``text`` stops inside a ``\\boxed{...}`` (or inside the command itself, e.g. ``... \\box``)."""
+    return _open_boxed_start(text) is not None
 
 
 def boxed_safe_prefix(ids: list[int], decode) -> list[int]:
     """The longest prefix of ``ids`` whose text (``decode(ids)``) does not stop inside a ``\\boxed{}``.
 
     Guided Error Correction shortens a completion to make room for the injected text. Cutting inside the
-    completion's own ``\\boxed{`` would leave the injected answer inside an unclosed box: the prefix is cut back
-    to before it instead.
+    completion's own ``\\boxed{`` would leave the injected text inside an unclosed box: the prefix is cut back
+    to before it instead. Every prefix whose text reaches past the open box's start stops inside it, so the cut
+    jumps to the longest prefix that ends before that start (found by bisection: a few decodes, not one per token
+    of a long completion), then checks again for an earlier open box.
     """
     n = len(ids)
-    while n > 0 and _ends_inside_boxed(decode(ids[:n])):
-        n -= 1
-    return ids[:n]
+    while n > 0:
+        start = _open_boxed_start(decode(ids[:n]))
+        if start is None:
+            return ids[:n]
+        low, high = 0, n - 1  # the longest m < n with a text no longer than `start`
+        while low < high:
+            middle = (low + high + 1) // 2
+            if len(decode(ids[:middle])) <= start:
+                low = middle
+            else:
+                high = middle - 1
+        # Decoded lengths can dip by a character where a multi-byte character completes: never stop short of a
+        # longer prefix that is safe.
+        while low + 1 < n and _open_boxed_start(decode(ids[: low + 1])) is None:
+            low += 1
+        n = low
+    return []
+
+
+def shortened(ids: list[int], limit: int, decode) -> list[int]:
+    """``ids`` cut to at most ``limit`` tokens; when that cuts something off, never inside its own ``\\boxed{}``
+    (:func:`boxed_safe_prefix`). The cut every Guided Error Correction rewrite makes to fit what it adds."""
+    kept = list(ids[: max(0, limit)])
+    return boxed_safe_prefix(kept, decode) if len(kept) < len(ids) else kept
 
 
 def pad_continuation_batch(prompts: list[list[int]], counts: list[int], filler: list[int]) -> list[list[int]]:
@@ -322,23 +361,19 @@ class GuidedErrorCorrectionMixin:
                         choice = None
                         too_long += 1
             if choice == "reflect":
-                kept = body(completion_ids[i])[: max_length - len(cue) - room]
+                kept = shortened(body(completion_ids[i]), max_length - len(cue) - room, tokenizer.decode)
                 new_ids[i] = kept + cue
                 kept_tokens[i] = len(kept)
                 budget = max(budget, min(args.edge_gec_max_new_tokens, max_length - len(new_ids[i])))
                 reflect_rows.append(i)
                 reflect_prompts.append(list(prompt_ids[i]) + new_ids[i])
             elif choice == "answer":
-                original = body(completion_ids[i])
-                kept = original[: max(0, max_length - 1 - len(injected))]
-                if len(kept) < len(original):  # shortened: never leave the injected answer inside an open box
-                    kept = boxed_safe_prefix(kept, tokenizer.decode)
+                kept = shortened(body(completion_ids[i]), max_length - 1 - len(injected), tokenizer.decode)
                 new_ids[i] = kept + injected + [eos]
                 kept_tokens[i] = len(kept)
             elif choice == "solution":
                 solution_boxed[i] = bool(suffix)
-                if len(body_ids) > max_length - 1 - len(suffix):
-                    body_ids = boxed_safe_prefix(body_ids[: max(0, max_length - 1 - len(suffix))], tokenizer.decode)
+                body_ids = shortened(body_ids, max_length - 1 - len(suffix), tokenizer.decode)
                 new_ids[i] = body_ids + suffix + [eos]
             strategy[i] = choice
 

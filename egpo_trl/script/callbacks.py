@@ -81,9 +81,10 @@ class CompactProgressCallback(ProgressCallback):
     and redrawn with step k's own numbers as they are logged.
     """
 
-    def __init__(self, correctness_name: str | None = None):
+    def __init__(self, correctness_name: str | None = None, accuracy_from_reward: bool = True):
         super().__init__()
         self.correctness_name = correctness_name
+        self.accuracy_from_reward = accuracy_from_reward  # as MetricsCallback's: `acc` only from a +1/-1 reward
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero and self.training_bar is not None and control.should_log:
@@ -96,7 +97,7 @@ class CompactProgressCallback(ProgressCallback):
         postfix = {}
         if "reward" in logs:
             postfix["reward"] = f"{logs['reward']:.2f}"
-        accuracy = _train_accuracy(logs, self.correctness_name)
+        accuracy = _train_accuracy(logs, self.correctness_name) if self.accuracy_from_reward else None
         if accuracy is not None:
             postfix["acc"] = f"{accuracy:.2f}"
         if "egpo/frac_mixed" in logs:

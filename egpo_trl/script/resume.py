@@ -23,6 +23,7 @@ __all__ = [
     "finished_message",
     "heldout_fingerprint",
     "interrupted_message",
+    "later_final_outputs",
     "missing_final_outputs",
     "resume_checkpoint",
     "resumed_time",
@@ -30,6 +31,7 @@ __all__ = [
     "save_interrupted",
     "stored_heldout_after",
     "stored_heldout_before",
+    "trainer_last_step",
     "truncate_metrics",
 ]
 
@@ -85,23 +87,71 @@ def checkpoint_step(checkpoint: str | Path) -> int:
     return int(Path(checkpoint).name.rsplit("-", 1)[-1])
 
 
-def finished_message(training_args, checkpoint: str | Path) -> str | None:
+def finished_message(training_args, checkpoint: str | Path, last_step: int | None = None) -> str | None:
     """Why resuming from ``checkpoint`` would train nothing (the run it belongs to has finished), or ``None``.
 
-    See :func:`egpo_trl.resume_state.finished_run_step`: read from ``trainer_state.json``, nothing is loaded.
+    Without ``last_step``: judged by ``max_steps`` alone, before anything loads (see
+    :func:`egpo_trl.resume_state.finished_run_step`); a run sized by ``num_train_epochs`` is judged once its trainer
+    is built, by the step count the trainer will use (``last_step``, from :func:`trainer_last_step`).
     """
-    finished = finished_run_step(training_args, checkpoint)
-    if finished is None:
-        return None
-    step, total, setting = finished
+    if last_step is None:
+        finished = finished_run_step(training_args, checkpoint)
+        if finished is None:
+            return None
+        step, total, setting = finished
+    else:
+        step, total = checkpoint_step(checkpoint), last_step
+        if step < total:
+            return None
+        setting = f"num_train_epochs={training_args.num_train_epochs:g} over this run's data and batch sizes"
     fix = "--max_steps" if training_args.max_steps > 0 else "--num_train_epochs, or set --max_steps,"
-    if training_args.max_steps <= 0:
-        setting += ": the steps its run counted"
     return (
         f"egpo-trl train: nothing to train: {checkpoint} is at step {step} and the run stops at step {total} "
         f"({setting}); the outputs in {training_args.output_dir} are left as they are (raise {fix} to train "
         "further)."
     )
+
+
+def trainer_last_step(trainer) -> int | None:
+    """The step a run sized by ``num_train_epochs`` stops at, counted as ``Trainer.train`` will count it (its own
+    training dataloader and ``set_initial_training_values``: this run's data, batch sizes and processes), before
+    anything is trained or written. ``max_steps`` when set; ``None`` where the count is only known inside ``train``
+    (``auto_find_batch_size``, a dataset without a length)."""
+    from transformers.trainer_utils import has_length
+
+    args = trainer.args
+    if args.max_steps > 0:
+        return int(args.max_steps)
+    if getattr(args, "auto_find_batch_size", False):
+        return None
+    dataloader = trainer.get_train_dataloader()
+    if not has_length(dataloader):
+        return None
+    return int(trainer.set_initial_training_values(args, dataloader)[-1])
+
+
+def later_final_outputs(output_dir: str | Path, step: int) -> str | None:
+    """What in ``output_dir`` belongs to a step after ``step`` (a finished run's model or evaluation after training,
+    or training records in ``metrics.jsonl``), or ``None``: outputs that writing ``step``'s final outputs would
+    replace or cut away."""
+    from egpo_trl.script.outputs import HELDOUT_FILE, METRICS_FILE
+
+    output_dir = Path(output_dir)
+    later = []
+    saved = _saved_step(output_dir / FINAL_STATE_FILE)
+    if saved is not None and saved > step:
+        later.append(f"the trained model of step {saved}")
+    heldout = output_dir / HELDOUT_FILE
+    if heldout.is_file():
+        after = (json.loads(heldout.read_text()).get("after") or {}).get("step")
+        if isinstance(after, int) and after > step:
+            later.append(f"the held-out evaluation after training at step {after}")
+    metrics = output_dir / METRICS_FILE
+    if metrics.is_file():
+        steps = [r["step"] for r in read_metrics(metrics) if "loss" in r and isinstance(r.get("step"), int)]
+        if steps and max(steps) > step:
+            later.append(f"training records up to step {max(steps)} in {METRICS_FILE}")
+    return "; ".join(later) or None
 
 
 #: The weight files ``save_model`` writes (one of them), and the file it writes last.

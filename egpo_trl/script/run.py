@@ -33,6 +33,7 @@ from egpo_trl.script.resume import (
     checkpoint_step,
     finished_message,
     heldout_fingerprint,
+    later_final_outputs,
     missing_final_outputs,
     resume_checkpoint,
     resumed_time,
@@ -40,6 +41,7 @@ from egpo_trl.script.resume import (
     save_interrupted,
     stored_heldout_after,
     stored_heldout_before,
+    trainer_last_step,
     truncate_metrics,
 )
 
@@ -225,40 +227,31 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         resuming=own_run,
         start_from=None if own_run else resume,
     )
+    nothing_to_do = {"output_dir": str(training_args.output_dir), "heldout_before": None, "heldout_after": None}
     finish_only = False  # the checkpoint is at the last step, but what a run writes after its last step is missing
-    if resume is not None:
+    if resume is not None:  # a run sized by max_steps: judged before anything loads
         finished = finished_message(training_args, resume)
         if finished is not None:
-            missing = missing_final_outputs(
-                training_args.output_dir,
-                script_args.save_final_model,
-                heldout=script_args.eval_size > 0,
-                step=checkpoint_step(resume),
-            )
-            if not missing:  # nothing loads, nothing is written
-                if os.environ.get("RANK", "0") == "0":
-                    print(finished, flush=True)
-                return {"output_dir": str(training_args.output_dir), "heldout_before": None, "heldout_after": None}
+            if not _outputs_to_write(script_args, training_args, resume, finished):
+                return nothing_to_do  # nothing loads, nothing is written
             finish_only = True
-            if os.environ.get("RANK", "0") == "0":
-                print(
-                    f"egpo-trl train: {resume} is at the run's last step, but {' and '.join(missing)} "
-                    f"{'are' if len(missing) > 1 else 'is'} missing from {training_args.output_dir}: loading the "
-                    "checkpoint to write them, without training.",
-                    flush=True,
-                )
 
     check_model_exists(model_args.model_name_or_path, model_args.model_revision, training_args.trust_remote_code)
     train_dataset, heldout = load_datasets(script_args, seed=training_args.seed)
     trainer = build_trainer(script_args, training_args, model_args, train_dataset)
+    if resume is not None and not finish_only and training_args.max_steps <= 0:
+        # A run sized by num_train_epochs: judged by the step count the trainer will use (this run's data and batch
+        # sizes), now that it is built and before anything is written.
+        last_step = trainer_last_step(trainer)
+        finished = None if last_step is None else finished_message(training_args, resume, last_step=last_step)
+        if finished is not None:
+            if not _outputs_to_write(script_args, training_args, resume, finished):
+                return nothing_to_do
+            finish_only = True
     clear_output_dir()  # with --overwrite_output_dir: only now that the model, data and rewards have loaded
     is_main = trainer.accelerator.is_main_process
     output_dir = Path(training_args.output_dir)
-    metrics_path, plot_path, heldout_path = (
-        output_dir / METRICS_FILE,
-        output_dir / PLOT_FILE,
-        output_dir / HELDOUT_FILE,
-    )
+    metrics_path, heldout_path = output_dir / METRICS_FILE, output_dir / HELDOUT_FILE
     correctness_name = _correctness_name(trainer)
     if heldout is not None and _shards_parameters(trainer):
         logger.warning("The held-out check runs on one process and cannot generate with sharded weights: skipped.")
@@ -268,6 +261,10 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     stored_after = None  # a finished run's evaluation after training, made at its last step with these settings
     if finish_only and own_run:
         stored_after = stored_heldout_after(output_dir, {**settings, "step": checkpoint_step(resume)})
+    # The files as this command found them: a resumed run that the trainer finds finished when it loads the checkpoint
+    # (where the count above could not be made) gets them back unchanged.
+    found = {path: path.read_bytes() if path.is_file() else None for path in (metrics_path, heldout_path)}
+    trainer.accelerator.wait_for_everyone()  # every process has read them before the main process writes
     if own_run and metrics_path.is_file() and trainer.accelerator.is_main_process and not stored_after:
         truncate_metrics(metrics_path, checkpoint_step(resume))
         time_offset = resumed_time(metrics_path, checkpoint_step(resume))
@@ -280,7 +277,9 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     trainer.add_callback(metrics)
     if not training_args.disable_tqdm:
         trainer.remove_callback(ProgressCallback)
-        trainer.add_callback(CompactProgressCallback(correctness_name))
+        trainer.add_callback(
+            CompactProgressCallback(correctness_name, accuracy_from_reward=correctness_name in PLUS_MINUS_ONE)
+        )
 
     if is_main:
         length = (
@@ -338,27 +337,95 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
             raise
         summary["train_runtime_s"] = train_output.metrics.get("train_runtime")
         if getattr(trainer, "egpo_trained_nothing", False):
-            # Finished by the trainer's own count (a fractional num_train_epochs, which the check before loading
-            # cannot tell): with every final output there, nothing is written, as for a finished run caught early.
-            missing = missing_final_outputs(
-                output_dir, script_args.save_final_model, heldout=heldout is not None, step=trainer.state.global_step
+            # Finished by the trainer's own count, which the checks above could not make: the files go back to what
+            # this command found, and are judged as they were.
+            written = {}
+            if is_main:
+                for path, content in found.items():
+                    written[path] = path.read_bytes() if path.is_file() else None
+                    _put_back(path, content)
+            trainer.accelerator.wait_for_everyone()
+            finished = (
+                f"egpo-trl train: nothing to train: {resume} is at this run's last step ({trainer.state.global_step}); "
+                f"the outputs in {output_dir} are left as they are."
             )
-            if not missing:
-                if is_main and heldout is not None:  # put back the evaluation after training, dropped at the start
-                    stored = json.loads(heldout_path.read_text())["after"]
-                    put_heldout_record(
-                        metrics_path,
-                        {"step": stored["step"], "heldout/accuracy": stored["accuracy"], "heldout/stage": "after"},
-                    )
-                if is_main:
-                    print(
-                        f"egpo-trl train: nothing to train: {resume} is at this run's last step "
-                        f"({trainer.state.global_step}); the outputs in {output_dir} are left as they are.",
-                        flush=True,
-                    )
+            if not _outputs_to_write(script_args, training_args, resume, finished, heldout=heldout is not None):
                 trainer.accelerator.wait_for_everyone()
                 return summary
+            if is_main:  # writing the missing outputs, as from a finished checkpoint caught before loading
+                for path, content in written.items():
+                    _put_back(path, content)
+            trainer.accelerator.wait_for_everyone()
 
+    try:
+        return _finish(
+            trainer, script_args, training_args, summary, heldout, heldout_records, settings, stored_after, wall_start
+        )
+    except KeyboardInterrupt:
+        # Stopped during the evaluation after training or the final save: the trained steps are kept in a checkpoint
+        # of the last one (one process; none when it exists), from which a resume writes what is missing.
+        if not finish_only:
+            save_interrupted(trainer)
+        raise
+
+
+def _put_back(path: Path, content: bytes | None) -> None:
+    """Write ``content`` to ``path`` (remove it when ``None``), unless it already holds it."""
+    if content is None:
+        path.unlink(missing_ok=True)
+    elif not path.is_file() or path.read_bytes() != content:
+        path.write_bytes(content)
+
+
+def _outputs_to_write(script_args, training_args, resume, finished: str, heldout: bool | None = None) -> bool:
+    """For a resume at the run's last step: whether outputs a finished run writes after it are missing (they are
+    then written from the checkpoint, without training; this is said), or all there (``finished`` is printed).
+
+    Raises:
+        SystemExit: when ``output_dir`` holds outputs of a later step, which writing this step's would replace.
+    """
+    step = checkpoint_step(resume)
+    output_dir = training_args.output_dir
+    main_process = os.environ.get("RANK", "0") == "0"
+    later = later_final_outputs(output_dir, step)
+    if later:
+        raise SystemExit(
+            f"egpo-trl train: {resume} is at this run's last step ({step}), but {output_dir} holds outputs of a "
+            f"later step ({later}), which writing step {step}'s final outputs would replace. Resume from the last "
+            "checkpoint (--resume_from_checkpoint true), or raise --max_steps/--num_train_epochs to train on; to "
+            f"start a new run from {resume}, give another --output_dir."
+        )
+    missing = missing_final_outputs(
+        output_dir,
+        script_args.save_final_model,
+        heldout=script_args.eval_size > 0 if heldout is None else heldout,
+        step=step,
+    )
+    if not missing:
+        if main_process:
+            print(finished, flush=True)
+        return False
+    if main_process:
+        print(
+            f"egpo-trl train: {resume} is at the run's last step, but {' and '.join(missing)} "
+            f"{'are' if len(missing) > 1 else 'is'} missing from {output_dir}: loading the checkpoint to write them, "
+            "without training.",
+            flush=True,
+        )
+    return True
+
+
+def _finish(
+    trainer, script_args, training_args, summary, heldout, heldout_records, settings, stored_after, wall_start
+):
+    """After training: the held-out evaluation, the final model, ``heldout.json``, the plot and the summary."""
+    is_main = trainer.accelerator.is_main_process
+    output_dir = Path(training_args.output_dir)
+    metrics_path, plot_path, heldout_path = (
+        output_dir / METRICS_FILE,
+        output_dir / PLOT_FILE,
+        output_dir / HELDOUT_FILE,
+    )
     if heldout is not None and is_main and stored_after:
         print(f"Held-out accuracy after training: {stored_after['accuracy']:.1%} (stored by the run resumed)")
         summary["heldout_after"] = stored_after["accuracy"]
