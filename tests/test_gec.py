@@ -59,6 +59,7 @@ def test_the_safe_prefix_jumps_over_an_open_box_with_a_few_decodes():
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
     texts = [
         "a \\boxed{1} b \\boxed{\\frac{1}{2}} c \\boxed{x} d",
+        "so \\boxed{x = \\boxed{3} + 1} and } {",  # a closed box inside an open one: the cut goes before the outer
         "\\boxed{\\boxed{3}} then \\boxed{{4}} é→ \\boxed{ü}",
         "no box at all, 31-15=16",
     ]
@@ -81,8 +82,44 @@ def test_the_safe_prefix_jumps_over_an_open_box_with_a_few_decodes():
 
     kept = boxed_safe_prefix(ids, decode)
     assert kept == _linear_safe_prefix(ids, tokenizer.decode) and len(ids) > 3000
+    nested = tokenizer("so \\boxed{x = \\boxed{3} + 1", add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(boxed_safe_prefix(nested, tokenizer.decode)).rstrip() == "so"
     assert tokenizer.decode(kept).rstrip() == "Let x = 1."
     assert len(calls) < 40, len(calls)
+
+
+def test_the_safe_prefix_matches_the_definition_with_a_byte_fallback_vocabulary():
+    """Llama-style vocabularies spell an unknown character in byte tokens and decode a split one to replacement
+    characters, so decoded lengths run ahead of the text until its last byte: the cut stays the one-token-at-a-time
+    one (here a closed box holding an emoji of four byte tokens, then an open box)."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from egpo_trl.sampling.gec import boxed_safe_prefix
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["\\boxed{", "\\", "{", "}", "5", "x", "▁", "▁the", "\\frac"]:
+        vocab.setdefault(piece, len(vocab))
+    model = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    model.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    model.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    decode = tokenizer.decode
+    emoji = [vocab[f"<0x{b:02X}>"] for b in "😀".encode()]
+    ids = [vocab["\\boxed{"], *emoji, vocab["}"], vocab["\\boxed{"], vocab["5"]]
+    lengths = [len(decode(ids[:m])) for m in range(len(ids) + 1)]
+    assert lengths != sorted(lengths)  # the lengths dip where the emoji completes
+    assert decode(boxed_safe_prefix(ids, decode)) == "\\boxed{😀}" == decode(_linear_safe_prefix(ids, decode))
+    rng = random.Random(0)
+    pieces = ["\\boxed{", "\\", "{", "}", "5", "x", " the", "é", "中", "😀", "\\frac"]
+    for _ in range(2000):
+        ids = tokenizer("".join(rng.choice(pieces) for _ in range(rng.randint(1, 12))), add_special_tokens=False)
+        ids = ids["input_ids"]
+        assert boxed_safe_prefix(ids, decode) == _linear_safe_prefix(ids, decode), decode(ids)
 
 
 def test_the_helpers_stay_importable_from_the_trainer_module():

@@ -313,8 +313,9 @@ def test_finished_epoch_runs_resumed_by_the_command_train_and_write_nothing(tmp_
     """A run sized by num_train_epochs is judged by the trainer's own step count, before anything is written: a
     fractional count (stored rounded up in trainer_state.json) trains nothing and leaves every file as it was, with
     the held-out evaluation off or under other settings too; a run given more data since trains on, as Trainer
-    does, and so does a run sized by max_steps resumed with epochs. Where the command cannot count the steps before
-    training (``auto_find_batch_size``), the trainer stops at its own count and the files go back as they were."""
+    does, and so does a run sized by max_steps resumed with epochs. Where the command could not count the steps before
+    training (the count made unavailable here), the trainer stops at its own count and the files go back as they
+    were."""
     import json
 
     import egpo_trl.script.run as run_module
@@ -391,19 +392,70 @@ def test_ctrl_c_after_the_last_step_keeps_the_trained_run(reference, tmp_path, m
 
 @pytest.mark.slow
 def test_an_earlier_checkpoint_never_replaces_the_outputs_of_a_later_step(reference, tmp_path):
-    """checkpoint-3 of a run that finished at step 4, resumed with --max_steps 3: it would write step 3's final
-    outputs over step 4's and cut step 4 out of metrics.jsonl; the command stops, names them, and changes nothing."""
+    """A run that finished at step 4, resumed from an earlier checkpoint to end at step 3 (at the checkpoint's own
+    step, or training to it): its final outputs would replace step 4's; the command stops, names them, and changes
+    nothing. Past them (--max_steps 5) it trains on."""
     out = tmp_path / "run"
-    shutil.copytree(reference[0], out)
+    assert main([*RUN, "--save_steps", "1", "--output_dir", str(out)]) == 0
     before = {p: _digest(p) for p in out.rglob("*") if p.is_file()}
-    with pytest.raises(SystemExit) as stopped:
+    for checkpoint in ("checkpoint-3", "checkpoint-2"):
+        with pytest.raises(SystemExit) as stopped:
+            main(
+                [*RUN, "--output_dir", str(out), "--max_steps", "3", "--resume_from_checkpoint", str(out / checkpoint)]
+            )
+        message = str(stopped.value)
+        assert "the trained model of step 4 and the held-out evaluation after training at step 4" in message, message
+        assert "this run ends at step 3" in message and "another --output_dir" in message
+        assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
+    assert (
         main(
-            [*RUN, "--output_dir", str(out), "--max_steps", "3", "--resume_from_checkpoint", str(out / "checkpoint-3")]
+            [*RUN, "--output_dir", str(out), "--max_steps", "5", "--resume_from_checkpoint", str(out / "checkpoint-2")]
         )
-    message = str(stopped.value)
-    assert "the trained model of step 4" in message and "training records up to step 4" in message, message
-    assert "another --output_dir" in message
-    assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
+        == 0
+    )
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+def test_a_run_stopped_after_a_checkpoint_can_end_there(reference, tmp_path, capsys):
+    """Stopped (killed) after step 4 was logged, with checkpoint-3 its last: resumed with --max_steps 3, the run ends
+    at checkpoint-3 and gets its final outputs; the records of the unfinished step 4 are cut, as a resume does."""
+    import json
+
+    ref_out = reference[0]
+    out = tmp_path / "run"
+    shutil.copytree(ref_out, out)
+    shutil.rmtree(out / "checkpoint-4", ignore_errors=True)
+    for name in ("model.safetensors", "config.json", "training_args.bin", "trainer_state.json", "heldout.json"):
+        (out / name).unlink()
+    capsys.readouterr()
+    assert main([*RUN, "--output_dir", str(out), "--max_steps", "3", "--resume_from_checkpoint", "true"]) == 0
+    assert "is at the run's last step" in capsys.readouterr().out
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 3
+    assert _digest(out / "model.safetensors") == _digest(out / "checkpoint-3" / "model.safetensors")
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_finished_checkpoint_of_another_folder_gives_output_dir_its_outputs(reference, tmp_path, capsys):
+    """checkpoint-4 of another folder, at its run's last step, starts a run in output_dir that trains nothing: its
+    final outputs are written there (over the folder's earlier run with --overwrite_output_dir), never mistaken for
+    that earlier run's."""
+    import json
+
+    ref_out = reference[0]
+    other = tmp_path / "other"
+    shutil.copytree(ref_out / "checkpoint-3", other / "checkpoint-3")
+    out = tmp_path / "run"
+    shutil.copytree(ref_out, out)  # a run that finished at step 4
+    capsys.readouterr()
+    argv = [*RUN, "--output_dir", str(out), "--max_steps", "3", "--overwrite_output_dir", "true"]
+    assert main([*argv, "--resume_from_checkpoint", str(other / "checkpoint-3")]) == 0
+    assert "is at the run's last step" in capsys.readouterr().out
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 3
+    assert _digest(out / "model.safetensors") == _digest(other / "checkpoint-3" / "model.safetensors")
+    assert json.loads((out / "heldout.json").read_text())["after"]["step"] == 3
+    assert not list(out.glob("checkpoint-*"))  # the earlier run's folder was cleared, as --overwrite_output_dir says
 
 
 def test_the_stored_heldout_evaluation_is_reused_only_for_the_same_problems_model_and_settings(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -48,19 +49,25 @@ _BOXED = "\\boxed{"
 SOLUTION_ANSWER_SUFFIX = "\n\nThe final answer is \\boxed{{answer}}."
 
 
+_BRACES = re.compile(r"\\boxed\{|[{}]")
+
+
 def _open_boxed_start(text: str) -> int | None:
-    """Where ``text`` must be cut to leave no ``\\boxed{...}`` open: the start of its last ``\\boxed{`` when
-    that box is not closed, or of a trailing part of the command itself (``... \\box``); ``None`` when ``text`` does
-    not stop inside one."""
-    start = text.rfind(_BOXED)
-    if start >= 0:
-        depth = 1
-        for char in text[start + len(_BOXED) :]:
-            depth += 1 if char == "{" else -1 if char == "}" else 0
-            if depth == 0:
-                break
-        if depth > 0:
-            return start
+    """Where ``text`` must be cut to leave no ``\\boxed{...}`` open: the start of its first ``\\boxed{`` that is
+    not closed (an outer box stays open around a closed inner one), or of a trailing part of the command itself
+    (``... \\box``); ``None`` when ``text`` does not stop inside one."""
+    depth, open_boxes = 0, []  # the open boxes' starts, with the brace depth each opened at
+    for match in _BRACES.finditer(text):
+        if match.group() == "}":
+            depth = max(depth - 1, 0)
+            while open_boxes and open_boxes[-1][1] >= depth:
+                open_boxes.pop()
+        else:
+            if match.group() != "{":
+                open_boxes.append((match.start(), depth))
+            depth += 1
+    if open_boxes:
+        return open_boxes[0][0]
     for k in range(len(_BOXED) - 1, 0, -1):
         if text.endswith(_BOXED[:k]):
             return len(text) - k
@@ -72,31 +79,40 @@ def _ends_inside_boxed(text: str) -> bool:
     return _open_boxed_start(text) is not None
 
 
+#: Tokens past the bisection's landing point that :func:`boxed_safe_prefix` checks one by one: a character split
+#: over byte tokens (byte-level or byte-fallback vocabularies) decodes to replacement characters until its last byte,
+#: so decoded lengths can run a few characters ahead of the text over a few tokens (4 bytes a character at most).
+_SPLIT_CHARACTER_TOKENS = 16
+
+
 def boxed_safe_prefix(ids: list[int], decode) -> list[int]:
     """The longest prefix of ``ids`` whose text (``decode(ids)``) does not stop inside a ``\\boxed{}``.
 
     Guided Error Correction shortens a completion to make room for the injected text. Cutting inside the
     completion's own ``\\boxed{`` would leave the injected text inside an unclosed box: the prefix is cut back
     to before it instead. Every prefix whose text reaches past the open box's start stops inside it, so the cut
-    jumps to the longest prefix that ends before that start (found by bisection: a few decodes, not one per token
-    of a long completion), then checks again for an earlier open box.
+    jumps to the longest prefix that ends before that start (a bisection on decoded lengths, then the few tokens
+    after its landing point one by one, where a split multi-byte character makes the lengths run ahead), then checks
+    again for an earlier open box: a few dozen decodes for a long completion, not one per token, with the result of
+    cutting one token at a time.
     """
     n = len(ids)
     while n > 0:
         start = _open_boxed_start(decode(ids[:n]))
         if start is None:
             return ids[:n]
-        low, high = 0, n - 1  # the longest m < n with a text no longer than `start`
+        low, high = 0, n - 1  # the longest m < n with a text no longer than `start`, lengths taken as monotone
         while low < high:
             middle = (low + high + 1) // 2
             if len(decode(ids[:middle])) <= start:
                 low = middle
             else:
                 high = middle - 1
-        # Decoded lengths can dip by a character where a multi-byte character completes: never stop short of a
-        # longer prefix that is safe.
-        while low + 1 < n and _open_boxed_start(decode(ids[: low + 1])) is None:
-            low += 1
+        for m in range(min(n - 1, low + _SPLIT_CHARACTER_TOKENS), low, -1):
+            text = decode(ids[:m])
+            if len(text) <= start and _open_boxed_start(text) is None:
+                low = m
+                break
         n = low
     return []
 

@@ -19,6 +19,7 @@ from egpo_trl.resume_state import finished_run_step
 from egpo_trl.script.outputs import read_metrics
 
 __all__ = [
+    "LAST_SAVED_FILE",
     "checkpoint_step",
     "finished_message",
     "heldout_fingerprint",
@@ -131,10 +132,11 @@ def trainer_last_step(trainer) -> int | None:
 
 
 def later_final_outputs(output_dir: str | Path, step: int) -> str | None:
-    """What in ``output_dir`` belongs to a step after ``step`` (a finished run's model or evaluation after training,
-    or training records in ``metrics.jsonl``), or ``None``: outputs that writing ``step``'s final outputs would
-    replace or cut away."""
-    from egpo_trl.script.outputs import HELDOUT_FILE, METRICS_FILE
+    """The final outputs in ``output_dir`` of a run that finished after ``step`` (its trained model, dated by the
+    ``trainer_state.json`` beside it, or its held-out evaluation after training), or ``None``: what a run that ends
+    at ``step`` in that folder would replace. Training records after ``step`` in ``metrics.jsonl`` alone (a run
+    stopped after its last checkpoint) do not count: a resume replays those steps anyway."""
+    from egpo_trl.script.outputs import HELDOUT_FILE
 
     output_dir = Path(output_dir)
     later = []
@@ -146,12 +148,7 @@ def later_final_outputs(output_dir: str | Path, step: int) -> str | None:
         after = (json.loads(heldout.read_text()).get("after") or {}).get("step")
         if isinstance(after, int) and after > step:
             later.append(f"the held-out evaluation after training at step {after}")
-    metrics = output_dir / METRICS_FILE
-    if metrics.is_file():
-        steps = [r["step"] for r in read_metrics(metrics) if "loss" in r and isinstance(r.get("step"), int)]
-        if steps and max(steps) > step:
-            later.append(f"training records up to step {max(steps)} in {METRICS_FILE}")
-    return "; ".join(later) or None
+    return " and ".join(later) or None
 
 
 #: The weight files ``save_model`` writes (one of them), and the file it writes last.
@@ -163,7 +160,7 @@ _MODEL_FILES = (
     "adapter_model.safetensors",
     "adapter_model.bin",
 )
-_LAST_SAVED_FILE = "training_args.bin"
+LAST_SAVED_FILE = "training_args.bin"
 
 
 def missing_final_outputs(
@@ -172,7 +169,7 @@ def missing_final_outputs(
     """The outputs a finished run writes after its last step that ``output_dir`` lacks (empty when none is missing).
 
     ``save_final_model``: the trained model (a weight file and ``training_args.bin``, which ``save_model`` writes
-    last, then ``trainer_state.json`` with the step it belongs to). ``heldout`` (the held-out evaluation is on): the
+    last, after ``trainer_state.json`` with the step it belongs to). ``heldout`` (the held-out evaluation is on): the
     ``after`` record of ``heldout.json``, required when that file holds the ``before`` record (a run whose held-out
     check was skipped, with sharded weights, writes neither). With ``step`` (the last checkpoint's), outputs that
     say they belong to another step count as missing: a finished run continued with more steps that stopped after
@@ -183,7 +180,7 @@ def missing_final_outputs(
     output_dir = Path(output_dir)
     missing = []
     model_saved = (
-        any((output_dir / name).is_file() for name in _MODEL_FILES) and (output_dir / _LAST_SAVED_FILE).is_file()
+        any((output_dir / name).is_file() for name in _MODEL_FILES) and (output_dir / LAST_SAVED_FILE).is_file()
     )
     if save_final_model and not (model_saved and _saved_step(output_dir / FINAL_STATE_FILE) in (None, step)):
         missing.append("the trained model")

@@ -30,6 +30,7 @@ from egpo_trl.script.outputs import (
 from egpo_trl.script.plots import plot_metrics
 from egpo_trl.script.resolve import check_model_exists, resolve_model_path, resolve_reward_funcs
 from egpo_trl.script.resume import (
+    LAST_SAVED_FILE,
     checkpoint_step,
     finished_message,
     heldout_fingerprint,
@@ -229,10 +230,12 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     )
     nothing_to_do = {"output_dir": str(training_args.output_dir), "heldout_before": None, "heldout_after": None}
     finish_only = False  # the checkpoint is at the last step, but what a run writes after its last step is missing
+    if resume is not None and own_run and training_args.max_steps > 0:
+        _refuse_to_replace_later_outputs(training_args, resume, last_step=training_args.max_steps)
     if resume is not None:  # a run sized by max_steps: judged before anything loads
         finished = finished_message(training_args, resume)
         if finished is not None:
-            if not _outputs_to_write(script_args, training_args, resume, finished):
+            if not _outputs_to_write(script_args, training_args, resume, finished, own_run=own_run):
                 return nothing_to_do  # nothing loads, nothing is written
             finish_only = True
 
@@ -243,9 +246,11 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         # A run sized by num_train_epochs: judged by the step count the trainer will use (this run's data and batch
         # sizes), now that it is built and before anything is written.
         last_step = trainer_last_step(trainer)
+        if last_step is not None and own_run:
+            _refuse_to_replace_later_outputs(training_args, resume, last_step=last_step)
         finished = None if last_step is None else finished_message(training_args, resume, last_step=last_step)
         if finished is not None:
-            if not _outputs_to_write(script_args, training_args, resume, finished):
+            if not _outputs_to_write(script_args, training_args, resume, finished, own_run=own_run):
                 return nothing_to_do
             finish_only = True
     clear_output_dir()  # with --overwrite_output_dir: only now that the model, data and rewards have loaded
@@ -262,7 +267,7 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     if finish_only and own_run:
         stored_after = stored_heldout_after(output_dir, {**settings, "step": checkpoint_step(resume)})
     # The files as this command found them: a resumed run that the trainer finds finished when it loads the checkpoint
-    # (where the count above could not be made) gets them back unchanged.
+    # (a safety net, where the count above could not be made) gets them back unchanged.
     found = {path: path.read_bytes() if path.is_file() else None for path in (metrics_path, heldout_path)}
     trainer.accelerator.wait_for_everyone()  # every process has read them before the main process writes
     if own_run and metrics_path.is_file() and trainer.accelerator.is_main_process and not stored_after:
@@ -349,7 +354,9 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
                 f"egpo-trl train: nothing to train: {resume} is at this run's last step ({trainer.state.global_step}); "
                 f"the outputs in {output_dir} are left as they are."
             )
-            if not _outputs_to_write(script_args, training_args, resume, finished, heldout=heldout is not None):
+            if not _outputs_to_write(
+                script_args, training_args, resume, finished, own_run=own_run, heldout=heldout is not None
+            ):
                 trainer.accelerator.wait_for_everyone()
                 return summary
             if is_main:  # writing the missing outputs, as from a finished checkpoint caught before loading
@@ -377,9 +384,30 @@ def _put_back(path: Path, content: bytes | None) -> None:
         path.write_bytes(content)
 
 
-def _outputs_to_write(script_args, training_args, resume, finished: str, heldout: bool | None = None) -> bool:
+def _refuse_to_replace_later_outputs(training_args, resume, last_step: int) -> None:
+    """Stop before a resume in ``output_dir`` replaces the final outputs of a run there that went further than this
+    one ends (at ``last_step``, or at the checkpoint's own step when that is later: then nothing trains).
+
+    Raises:
+        SystemExit: naming those outputs and the ways on.
+    """
+    end = max(checkpoint_step(resume), last_step)
+    later = later_final_outputs(training_args.output_dir, end)
+    if later:
+        raise SystemExit(
+            f"egpo-trl train: resuming {resume}, this run ends at step {end}, but {training_args.output_dir} holds "
+            f"{later}, which this run's final outputs would replace. Resume from the last checkpoint "
+            "(--resume_from_checkpoint true), or raise --max_steps/--num_train_epochs to train past them; to start "
+            f"a new run from {resume}, give another --output_dir."
+        )
+
+
+def _outputs_to_write(
+    script_args, training_args, resume, finished: str, own_run: bool, heldout: bool | None = None
+) -> bool:
     """For a resume at the run's last step: whether outputs a finished run writes after it are missing (they are
-    then written from the checkpoint, without training; this is said), or all there (``finished`` is printed).
+    then written from the checkpoint, without training; this is said), or all there (``finished`` is printed). A
+    checkpoint of another folder starts a new run in ``output_dir``, whose final outputs are all missing there.
 
     Raises:
         SystemExit: when ``output_dir`` holds outputs of a later step, which writing this step's would replace.
@@ -387,20 +415,13 @@ def _outputs_to_write(script_args, training_args, resume, finished: str, heldout
     step = checkpoint_step(resume)
     output_dir = training_args.output_dir
     main_process = os.environ.get("RANK", "0") == "0"
-    later = later_final_outputs(output_dir, step)
-    if later:
-        raise SystemExit(
-            f"egpo-trl train: {resume} is at this run's last step ({step}), but {output_dir} holds outputs of a "
-            f"later step ({later}), which writing step {step}'s final outputs would replace. Resume from the last "
-            "checkpoint (--resume_from_checkpoint true), or raise --max_steps/--num_train_epochs to train on; to "
-            f"start a new run from {resume}, give another --output_dir."
-        )
-    missing = missing_final_outputs(
-        output_dir,
-        script_args.save_final_model,
-        heldout=script_args.eval_size > 0 if heldout is None else heldout,
-        step=step,
-    )
+    heldout = script_args.eval_size > 0 if heldout is None else heldout
+    if own_run:
+        _refuse_to_replace_later_outputs(training_args, resume, last_step=step)
+        missing = missing_final_outputs(output_dir, script_args.save_final_model, heldout=heldout, step=step)
+    else:
+        missing = ["the trained model"] if script_args.save_final_model else []
+        missing += ["the held-out evaluation after training"] if heldout else []
     if not missing:
         if main_process:
             print(finished, flush=True)
@@ -437,8 +458,14 @@ def _finish(
         heldout_records["after"] = {**result.to_dict(), **settings, "temperature": temperature, "step": step}
         put_heldout_record(metrics_path, {"step": step, "heldout/accuracy": result.accuracy, "heldout/stage": "after"})
     if script_args.save_final_model:
+        # training_args.bin marks a complete final model (save_model writes it last): removed first, then
+        # trainer_state.json (the step the model belongs to, read by a later resume), then the model, so that a save
+        # cut short anywhere leaves the final model counted as missing.
+        if is_main:
+            (output_dir / LAST_SAVED_FILE).unlink(missing_ok=True)
+        trainer.accelerator.wait_for_everyone()
+        trainer.save_state()
         trainer.save_model(str(output_dir))
-        trainer.save_state()  # trainer_state.json: the step this model belongs to (read by a later resume)
     if is_main:
         files = [metrics_path]
         if heldout_records:
