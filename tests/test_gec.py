@@ -114,10 +114,14 @@ def test_the_safe_prefix_matches_the_definition_with_a_byte_fallback_vocabulary(
     lengths = [len(decode(ids[:m])) for m in range(len(ids) + 1)]
     assert lengths != sorted(lengths)  # the lengths dip where the emoji completes
     assert decode(boxed_safe_prefix(ids, decode)) == "\\boxed{😀}" == decode(_linear_safe_prefix(ids, decode))
+    # A run of byte tokens that ends mid-character decodes to a replacement character per byte: nine CJK characters
+    # in a row make the decoded lengths run far ahead.
+    ids = tokenizer("x " + "中" * 9 + "\\boxed{5", add_special_tokens=False)["input_ids"]
+    assert decode(boxed_safe_prefix(ids, decode)) == "x " + "中" * 9 == decode(_linear_safe_prefix(ids, decode))
     rng = random.Random(0)
     pieces = ["\\boxed{", "\\", "{", "}", "5", "x", " the", "é", "中", "😀", "\\frac"]
     for _ in range(2000):
-        ids = tokenizer("".join(rng.choice(pieces) for _ in range(rng.randint(1, 12))), add_special_tokens=False)
+        ids = tokenizer("".join(rng.choice(pieces) for _ in range(rng.randint(1, 30))), add_special_tokens=False)
         ids = ids["input_ids"]
         assert boxed_safe_prefix(ids, decode) == _linear_safe_prefix(ids, decode), decode(ids)
 

@@ -417,6 +417,35 @@ def test_an_earlier_checkpoint_never_replaces_the_outputs_of_a_later_step(refere
 
 
 @pytest.mark.slow
+def test_finished_runs_without_dated_outputs_and_checkpoints_past_the_end_are_left_alone(reference, tmp_path, capsys):
+    """A finished run that saved no model and ran no evaluation is still known finished (Trainer's end-of-training
+    record in metrics.jsonl): an earlier end is refused. A checkpoint past the run's last step writes nothing, even
+    where final outputs are missing (they would be another step's). A checkpoint that does not exist is named before
+    anything is touched."""
+    out = tmp_path / "bare"
+    bare = [*RUN, "--save_steps", "1", "--save_final_model", "false", "--eval_size", "0", "--output_dir", str(out)]
+    assert main(bare) == 0
+    before = {p: _digest(p) for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit) as stopped:
+        main([*bare, "--max_steps", "3", "--resume_from_checkpoint", str(out / "checkpoint-2")])
+    assert "the end-of-training record of step 4 in metrics.jsonl" in str(stopped.value), stopped.value
+    with pytest.raises(SystemExit) as stopped:
+        main([*bare, "--resume_from_checkpoint", str(out / "checkpoint-9")])
+    assert "checkpoint-9 is not a folder" in str(stopped.value), stopped.value
+    assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
+
+    out = tmp_path / "past"
+    shutil.copytree(reference[0], out)
+    for name in ("model.safetensors", "config.json", "training_args.bin"):
+        (out / name).unlink()
+    before = {p: _digest(p) for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main([*RUN, "--output_dir", str(out), "--max_steps", "3", "--resume_from_checkpoint", "true"]) == 0
+    assert "nothing to train" in capsys.readouterr().out
+    assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.slow
 def test_a_run_stopped_after_a_checkpoint_can_end_there(reference, tmp_path, capsys):
     """Stopped (killed) after step 4 was logged, with checkpoint-3 its last: resumed with --max_steps 3, the run ends
     at checkpoint-3 and gets its final outputs; the records of the unfinished step 4 are cut, as a resume does."""
@@ -428,6 +457,8 @@ def test_a_run_stopped_after_a_checkpoint_can_end_there(reference, tmp_path, cap
     shutil.rmtree(out / "checkpoint-4", ignore_errors=True)
     for name in ("model.safetensors", "config.json", "training_args.bin", "trainer_state.json", "heldout.json"):
         (out / name).unlink()
+    killed = [r for r in read_metrics(out / "metrics.jsonl") if "train_runtime" not in r and "heldout/stage" not in r]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in killed))  # no end-of-training record
     capsys.readouterr()
     assert main([*RUN, "--output_dir", str(out), "--max_steps", "3", "--resume_from_checkpoint", "true"]) == 0
     assert "is at the run's last step" in capsys.readouterr().out

@@ -79,10 +79,17 @@ def _ends_inside_boxed(text: str) -> bool:
     return _open_boxed_start(text) is not None
 
 
-#: Tokens past the bisection's landing point that :func:`boxed_safe_prefix` checks one by one: a character split
-#: over byte tokens (byte-level or byte-fallback vocabularies) decodes to replacement characters until its last byte,
-#: so decoded lengths can run a few characters ahead of the text over a few tokens (4 bytes a character at most).
+#: Tokens past the bisection's landing point that :func:`boxed_safe_prefix` checks one by one, in case a tokenizer
+#: decodes a split character in a way :func:`_complete_length` does not foresee.
 _SPLIT_CHARACTER_TOKENS = 16
+
+
+def _complete_length(text: str) -> int:
+    """The length of ``text`` without the replacement characters it ends with. A character split over byte tokens
+    (byte-level or byte-fallback vocabularies) decodes to replacement characters until its last byte (one or more
+    for each byte, for a whole run of byte tokens), so the decoded length of a growing prefix can run ahead and fall
+    back; without them it never decreases."""
+    return len(text.rstrip("\ufffd"))
 
 
 def boxed_safe_prefix(ids: list[int], decode) -> list[int]:
@@ -91,26 +98,26 @@ def boxed_safe_prefix(ids: list[int], decode) -> list[int]:
     Guided Error Correction shortens a completion to make room for the injected text. Cutting inside the
     completion's own ``\\boxed{`` would leave the injected text inside an unclosed box: the prefix is cut back
     to before it instead. Every prefix whose text reaches past the open box's start stops inside it, so the cut
-    jumps to the longest prefix that ends before that start (a bisection on decoded lengths, then the few tokens
-    after its landing point one by one, where a split multi-byte character makes the lengths run ahead), then checks
-    again for an earlier open box: a few dozen decodes for a long completion, not one per token, with the result of
-    cutting one token at a time.
+    jumps to the longest prefix that ends before that start (a bisection on decoded lengths, split characters'
+    replacement characters left out, then the few tokens after its landing point one by one), then checks again for
+    an earlier open box: a few dozen decodes for a long completion, not one per token, with the result of cutting
+    one token at a time.
     """
     n = len(ids)
     while n > 0:
         start = _open_boxed_start(decode(ids[:n]))
         if start is None:
             return ids[:n]
-        low, high = 0, n - 1  # the longest m < n with a text no longer than `start`, lengths taken as monotone
+        low, high = 0, n - 1  # the longest m < n whose text stops before `start` (see _complete_length)
         while low < high:
             middle = (low + high + 1) // 2
-            if len(decode(ids[:middle])) <= start:
+            if _complete_length(decode(ids[:middle])) <= start:
                 low = middle
             else:
                 high = middle - 1
         for m in range(min(n - 1, low + _SPLIT_CHARACTER_TOKENS), low, -1):
             text = decode(ids[:m])
-            if len(text) <= start and _open_boxed_start(text) is None:
+            if _complete_length(text) <= start and _open_boxed_start(text) is None:
                 low = m
                 break
         n = low

@@ -63,6 +63,12 @@ def resume_checkpoint(training_args) -> str | None:
             )
     elif isinstance(resume, str) and resume.lower() in ("false", "none", ""):
         resume = None
+    if isinstance(resume, (str, Path)) and not Path(resume).is_dir():
+        raise SystemExit(
+            f"egpo-trl train: resume_from_checkpoint={resume} is not a folder (a checkpoint removed by "
+            "save_total_limit, or a typo?); give an existing checkpoint-* folder, or true for the last one in "
+            "output_dir."
+        )
     return resume
 
 
@@ -133,10 +139,11 @@ def trainer_last_step(trainer) -> int | None:
 
 def later_final_outputs(output_dir: str | Path, step: int) -> str | None:
     """The final outputs in ``output_dir`` of a run that finished after ``step`` (its trained model, dated by the
-    ``trainer_state.json`` beside it, or its held-out evaluation after training), or ``None``: what a run that ends
-    at ``step`` in that folder would replace. Training records after ``step`` in ``metrics.jsonl`` alone (a run
-    stopped after its last checkpoint) do not count: a resume replays those steps anyway."""
-    from egpo_trl.script.outputs import HELDOUT_FILE
+    ``trainer_state.json`` beside it, its held-out evaluation after training, or the end-of-training record that
+    Trainer logs to ``metrics.jsonl`` when a run finishes), or ``None``: what a run that ends at ``step`` in that
+    folder would replace. Training records after ``step`` alone (a run stopped after its last checkpoint) do not
+    count: a resume replays those steps anyway."""
+    from egpo_trl.script.outputs import HELDOUT_FILE, METRICS_FILE
 
     output_dir = Path(output_dir)
     later = []
@@ -148,6 +155,11 @@ def later_final_outputs(output_dir: str | Path, step: int) -> str | None:
         after = (json.loads(heldout.read_text()).get("after") or {}).get("step")
         if isinstance(after, int) and after > step:
             later.append(f"the held-out evaluation after training at step {after}")
+    metrics = output_dir / METRICS_FILE
+    if metrics.is_file():
+        ends = [r["step"] for r in read_metrics(metrics) if "train_runtime" in r and isinstance(r.get("step"), int)]
+        if ends and max(ends) > step:
+            later.append(f"the end-of-training record of step {max(ends)} in {METRICS_FILE}")
     return " and ".join(later) or None
 
 

@@ -235,7 +235,9 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     if resume is not None:  # a run sized by max_steps: judged before anything loads
         finished = finished_message(training_args, resume)
         if finished is not None:
-            if not _outputs_to_write(script_args, training_args, resume, finished, own_run=own_run):
+            if not _outputs_to_write(
+                script_args, training_args, resume, finished, own_run=own_run, last_step=training_args.max_steps
+            ):
                 return nothing_to_do  # nothing loads, nothing is written
             finish_only = True
 
@@ -250,7 +252,9 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
             _refuse_to_replace_later_outputs(training_args, resume, last_step=last_step)
         finished = None if last_step is None else finished_message(training_args, resume, last_step=last_step)
         if finished is not None:
-            if not _outputs_to_write(script_args, training_args, resume, finished, own_run=own_run):
+            if not _outputs_to_write(
+                script_args, training_args, resume, finished, own_run=own_run, last_step=last_step
+            ):
                 return nothing_to_do
             finish_only = True
     clear_output_dir()  # with --overwrite_output_dir: only now that the model, data and rewards have loaded
@@ -355,7 +359,13 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
                 f"the outputs in {output_dir} are left as they are."
             )
             if not _outputs_to_write(
-                script_args, training_args, resume, finished, own_run=own_run, heldout=heldout is not None
+                script_args,
+                training_args,
+                resume,
+                finished,
+                own_run=own_run,
+                last_step=trainer.state.max_steps,
+                heldout=heldout is not None,
             ):
                 trainer.accelerator.wait_for_everyone()
                 return summary
@@ -403,11 +413,18 @@ def _refuse_to_replace_later_outputs(training_args, resume, last_step: int) -> N
 
 
 def _outputs_to_write(
-    script_args, training_args, resume, finished: str, own_run: bool, heldout: bool | None = None
+    script_args,
+    training_args,
+    resume,
+    finished: str,
+    own_run: bool,
+    last_step: int,
+    heldout: bool | None = None,
 ) -> bool:
-    """For a resume at the run's last step: whether outputs a finished run writes after it are missing (they are
-    then written from the checkpoint, without training; this is said), or all there (``finished`` is printed). A
-    checkpoint of another folder starts a new run in ``output_dir``, whose final outputs are all missing there.
+    """For a resume at the run's last step (``last_step``): whether outputs a finished run writes after it are
+    missing (they are then written from the checkpoint, without training; this is said), or all there
+    (``finished`` is printed). A checkpoint of another folder starts a new run in ``output_dir``, whose final
+    outputs are all missing there. A checkpoint past ``last_step`` writes nothing: its step is not this run's end.
 
     Raises:
         SystemExit: when ``output_dir`` holds outputs of a later step, which writing this step's would replace.
@@ -416,6 +433,10 @@ def _outputs_to_write(
     output_dir = training_args.output_dir
     main_process = os.environ.get("RANK", "0") == "0"
     heldout = script_args.eval_size > 0 if heldout is None else heldout
+    if step > last_step:
+        if main_process:
+            print(finished, flush=True)
+        return False
     if own_run:
         _refuse_to_replace_later_outputs(training_args, resume, last_step=step)
         missing = missing_final_outputs(output_dir, script_args.save_final_model, heldout=heldout, step=step)
