@@ -230,33 +230,32 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     )
     nothing_to_do = {"output_dir": str(training_args.output_dir), "heldout_before": None, "heldout_after": None}
     finish_only = False  # the checkpoint is at the last step, but what a run writes after its last step is missing
-    if resume is not None and own_run and training_args.max_steps > 0:
-        _refuse_to_replace_later_outputs(training_args, resume, last_step=training_args.max_steps)
-    if resume is not None:  # a run sized by max_steps: judged before anything loads
-        finished = finished_message(training_args, resume)
-        if finished is not None:
-            if not _outputs_to_write(
-                script_args, training_args, resume, finished, own_run=own_run, last_step=training_args.max_steps
-            ):
-                return nothing_to_do  # nothing loads, nothing is written
-            finish_only = True
+    if resume is not None and training_args.max_steps > 0:  # a run sized by max_steps: judged before anything loads
+        outcome = _resume_outcome(
+            script_args,
+            training_args,
+            resume,
+            own_run,
+            training_args.max_steps,
+            finished_message(training_args, resume),
+        )
+        if outcome == "done":
+            return nothing_to_do  # nothing loads, nothing is written
+        finish_only = outcome == "finish"
 
     check_model_exists(model_args.model_name_or_path, model_args.model_revision, training_args.trust_remote_code)
     train_dataset, heldout = load_datasets(script_args, seed=training_args.seed)
     trainer = build_trainer(script_args, training_args, model_args, train_dataset)
-    if resume is not None and not finish_only and training_args.max_steps <= 0:
+    if resume is not None and training_args.max_steps <= 0:
         # A run sized by num_train_epochs: judged by the step count the trainer will use (this run's data and batch
         # sizes), now that it is built and before anything is written.
         last_step = trainer_last_step(trainer)
-        if last_step is not None and own_run:
-            _refuse_to_replace_later_outputs(training_args, resume, last_step=last_step)
-        finished = None if last_step is None else finished_message(training_args, resume, last_step=last_step)
-        if finished is not None:
-            if not _outputs_to_write(
-                script_args, training_args, resume, finished, own_run=own_run, last_step=last_step
-            ):
+        if last_step is not None:
+            finished = finished_message(training_args, resume, last_step=last_step)
+            outcome = _resume_outcome(script_args, training_args, resume, own_run, last_step, finished)
+            if outcome == "done":
                 return nothing_to_do
-            finish_only = True
+            finish_only = outcome == "finish"
     clear_output_dir()  # with --overwrite_output_dir: only now that the model, data and rewards have loaded
     is_main = trainer.accelerator.is_main_process
     output_dir = Path(training_args.output_dir)
@@ -272,8 +271,10 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         stored_after = stored_heldout_after(output_dir, {**settings, "step": checkpoint_step(resume)})
     # The files as this command found them: a resumed run that the trainer finds finished when it loads the checkpoint
     # (a safety net, where the count above could not be made) gets them back unchanged.
-    found = {path: path.read_bytes() if path.is_file() else None for path in (metrics_path, heldout_path)}
-    trainer.accelerator.wait_for_everyone()  # every process has read them before the main process writes
+    found = {}
+    if resume is not None and not finish_only:
+        found = {path: path.read_bytes() if path.is_file() else None for path in (metrics_path, heldout_path)}
+        trainer.accelerator.wait_for_everyone()  # every process has read them before the main process writes
     if own_run and metrics_path.is_file() and trainer.accelerator.is_main_process and not stored_after:
         truncate_metrics(metrics_path, checkpoint_step(resume))
         time_offset = resumed_time(metrics_path, checkpoint_step(resume))
@@ -354,6 +355,8 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
                     written[path] = path.read_bytes() if path.is_file() else None
                     _put_back(path, content)
             trainer.accelerator.wait_for_everyone()
+            if own_run:
+                _refuse_to_replace_later_outputs(training_args, resume, last_step=trainer.state.max_steps)
             finished = (
                 f"egpo-trl train: nothing to train: {resume} is at this run's last step ({trainer.state.global_step}); "
                 f"the outputs in {output_dir} are left as they are."
@@ -412,6 +415,18 @@ def _refuse_to_replace_later_outputs(training_args, resume, last_step: int) -> N
         )
 
 
+def _resume_outcome(script_args, training_args, resume, own_run: bool, last_step: int, finished: str | None) -> str:
+    """What a resume that ends at ``last_step`` does: ``"train"``, ``"finish"`` (the checkpoint is at the last step:
+    write the missing final outputs from it, without training) or ``"done"`` (nothing to write; ``finished``, the
+    reason nothing trains, is printed). In its own folder, a resume that would replace the final outputs of a later
+    step is refused first (:func:`_refuse_to_replace_later_outputs`)."""
+    if own_run:
+        _refuse_to_replace_later_outputs(training_args, resume, last_step=last_step)
+    if finished is None:
+        return "train"
+    return "finish" if _outputs_to_write(script_args, training_args, resume, finished, own_run, last_step) else "done"
+
+
 def _outputs_to_write(
     script_args,
     training_args,
@@ -425,9 +440,7 @@ def _outputs_to_write(
     missing (they are then written from the checkpoint, without training; this is said), or all there
     (``finished`` is printed). A checkpoint of another folder starts a new run in ``output_dir``, whose final
     outputs are all missing there. A checkpoint past ``last_step`` writes nothing: its step is not this run's end.
-
-    Raises:
-        SystemExit: when ``output_dir`` holds outputs of a later step, which writing this step's would replace.
+    The caller has refused a resume that would replace a later step's final outputs.
     """
     step = checkpoint_step(resume)
     output_dir = training_args.output_dir
@@ -438,7 +451,6 @@ def _outputs_to_write(
             print(finished, flush=True)
         return False
     if own_run:
-        _refuse_to_replace_later_outputs(training_args, resume, last_step=step)
         missing = missing_final_outputs(output_dir, script_args.save_final_model, heldout=heldout, step=step)
     else:
         missing = ["the trained model"] if script_args.save_final_model else []
