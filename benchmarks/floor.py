@@ -17,7 +17,11 @@ checkpointing; the architecture comes from ``--model-config`` (a folder with ``c
   the line ``egpo-trl train`` prints at start-up, read from the run folder's ``train.log``, or ``--kv-cache-tokens``),
   against the same bound within that cache: no decode step holds more than ``K`` tokens of context, so there are at
   least ``max(L, B * (L * P + L (L + 1) / 2) / K)`` decode steps, each reading the weights once (a lower bound: a
-  scheduler that admits whole rounds of sequences that all run to their limit reads them more often);
+  scheduler that admits whole rounds of sequences that all run to their limit reads them more often). Beside it,
+  a reading of those rounds, not a bound: the cache holds ``S = K // vllm_max_model_length`` sequences at their
+  length limit (the start-up line's count), so the ``B`` completions decode in ``ceil(B / S)`` rounds of ``L``
+  steps, each step reading the weights once, plus the same KV cache reads. Random weights run nearly every
+  completion to its limit, as this reading assumes; a model whose completions end early shares the cache better;
 * **old log-prob pass** (``timing/old_logps_s``) against its forward FLOPs, ``2 * N * B * (P + L)``;
 * **scoring + training** (the step minus ``timing/generate_and_score_s``: rewards, the loss's forward, backward and
   the optimizer step) against ``6 * N * B * (P + L)`` FLOPs, times 4/3 with gradient checkpointing;
@@ -160,6 +164,8 @@ def floors(args, run: Path) -> list[dict]:
     max_length = setting(argv, recipe, "max_completion_length") if edge else 0
     gec_new = setting(argv, recipe, "edge_gec_max_new_tokens") if edge else 0
     kv_tokens = args.kv_cache_tokens or logged_kv_cache_tokens(run)
+    sequence_limit = option(argv, "vllm_max_model_length", recipe.get("vllm_max_model_length"))
+    sequence_limit = int(sequence_limit) if str(sequence_limit).isdigit() else None
     out = []
     for row in rows:
         length = row.get("mean_length")
@@ -188,10 +194,19 @@ def floors(args, run: Path) -> list[dict]:
             "floor_gec_s": 0.0,
             "kv_cache_tokens": kv_tokens,
             "floor_generation_kv_s": None,
+            "generation_rounds": None,
+            "reading_generation_rounds_s": None,
         }
         if kv_tokens:  # no decode step holds more context than the cache: at least context_steps / K steps
             steps = max(length, context_steps / kv_tokens)
             floor["floor_generation_kv_s"] = (steps * BYTES_BF16 * params + kv * context_steps) / (bandwidth * 1e12)
+            if sequence_limit:  # the reading: rounds of the sequences the cache holds at their length limit
+                at_once = max(1, kv_tokens // sequence_limit)
+                rounds = -(-per_gpu // at_once)
+                floor["generation_rounds"] = rounds
+                floor["reading_generation_rounds_s"] = (rounds * length * BYTES_BF16 * params + kv * context_steps) / (
+                    bandwidth * 1e12
+                )
         if not row.get("old_logps_s"):
             floor["floor_old_logps_s"] = floor["floor_old_logps_attn_s"] = 0.0  # no pass this step
         if row.get("gec_s") is not None and row.get("gec_frac_reflect"):
@@ -210,13 +225,14 @@ def floors(args, run: Path) -> list[dict]:
         for phase, measured in (
             ("generation", row.get("generation_s")),
             ("generation_kv", row.get("generation_s")),
+            ("generation_rounds", row.get("generation_s")),
             ("old_logps", row.get("old_logps_s")),
             ("old_logps_attn", row.get("old_logps_s")),
             ("gec", row.get("gec_s")),
             ("training", row.get("rest_s")),
             ("training_attn", row.get("rest_s")),
         ):
-            bound = floor[f"floor_{phase}_s"]
+            bound = floor.get(f"floor_{phase}_s", floor.get(f"reading_{phase}_s"))
             floor[f"ratio_{phase}"] = measured / bound if measured is not None and bound else None
         if args.vllm_alone_s and row.get("generation_s") is not None:
             floor["ratio_generation_vllm_alone"] = row["generation_s"] / args.vllm_alone_s
@@ -225,6 +241,14 @@ def floors(args, run: Path) -> list[dict]:
             generation_floor + floor["floor_old_logps_attn_s"] + floor["floor_gec_s"] + floor["floor_training_attn_s"]
         )
         floor["ratio_step_attn"] = row["step_s"] / floor["floor_step_attn_s"]
+        if floor["reading_generation_rounds_s"]:  # the step with generation at its rounds' reading instead
+            floor["reading_step_rounds_attn_s"] = (
+                max(floor["reading_generation_rounds_s"], args.vllm_alone_s or 0.0)
+                + floor["floor_old_logps_attn_s"]
+                + floor["floor_gec_s"]
+                + floor["floor_training_attn_s"]
+            )
+            floor["ratio_step_rounds_attn"] = row["step_s"] / floor["reading_step_rounds_attn_s"]
         out.append({**row, **floor})
     return out
 
@@ -277,8 +301,29 @@ def table(rows: list[dict]) -> str:
                     f"decode bandwidth, {row['kv_cache_tokens']:,}-token KV cache",
                 ),
             )
+        if row.get("reading_generation_rounds_s"):
+            rounds = row["generation_rounds"]
+            phases.insert(
+                2,
+                (
+                    "generation",
+                    row["generation_s"],
+                    row["reading_generation_rounds_s"],
+                    f"decode bandwidth in {rounds} round{'s' * (rounds > 1)} of the sequences that cache holds "
+                    "(a reading, not a bound)",
+                ),
+            )
         if row.get("vllm_alone_s"):
             phases.insert(1, ("generation", row["generation_s"], row["vllm_alone_s"], "vLLM alone"))
+        if row.get("reading_step_rounds_attn_s"):
+            phases.append(
+                (
+                    "step",
+                    row["step_s"],
+                    row["reading_step_rounds_attn_s"],
+                    "sum, with attention and generation's rounds",
+                )
+            )
         for name, measured, bound, what in phases:
             ratio = measured / bound if measured is not None and bound else None
             lines.append(
