@@ -69,6 +69,14 @@ def test_resume_from_a_checkpoint_inside_a_generation_batch_is_exact(reference, 
     assert _digest(out / "model.safetensors") == ref_weights
     times = [r["time_s"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert times == sorted(times)  # the clock continues, it does not restart at 0
+    # The copied file's records after step 3 (those steps, trained again, and the evaluation after training) were
+    # moved aside, not lost.
+    copied = read_metrics(ref_out / "metrics.jsonl")
+    later = [r for r in copied if r.get("step", 0) > 3 or r.get("heldout/stage") == "after"]
+    replaced = read_metrics(out / "metrics.replaced.jsonl")
+    assert later and [{k: v for k, v in r.items() if k != "replaced_on_resume_from"} for r in replaced] == later
+    assert {r["replaced_on_resume_from"] for r in replaced} == {3}
+    assert f"{len(later)} records of metrics.jsonl after step 3, which this run trains again, moved to" in printed
 
 
 def _interrupted_run(monkeypatch, argv: list[str], after_micro_batches: int) -> int:

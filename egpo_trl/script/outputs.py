@@ -21,6 +21,7 @@ __all__ = [
     "HELDOUT_FILE",
     "METRICS_FILE",
     "PLOT_FILE",
+    "REPLACED_METRICS_FILE",
     "RUN_MARKERS",
     "prepare_output_dir",
     "refuse_output_dir_over_model",
@@ -32,6 +33,8 @@ __all__ = [
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "training_curves.png"
 HELDOUT_FILE = "heldout.json"
+# The records a resume cut from metrics.jsonl (the steps after its checkpoint, which it trains again), kept here.
+REPLACED_METRICS_FILE = "metrics.replaced.jsonl"
 # Files that mark a folder as holding the outputs of an earlier run.
 RUN_MARKERS = (METRICS_FILE, HELDOUT_FILE, "trainer_state.json", "model.safetensors", "adapter_model.safetensors")
 
@@ -84,7 +87,7 @@ def prepare_output_dir(
     def clear_earlier_run() -> None:
         for checkpoint in checkpoints:
             shutil.rmtree(checkpoint, ignore_errors=True)  # every process of a launch may clear it
-        for name in (*RUN_MARKERS, PLOT_FILE):
+        for name in (*RUN_MARKERS, PLOT_FILE, REPLACED_METRICS_FILE):
             (path / name).unlink(missing_ok=True)
         logger.warning("overwrite_output_dir: removed the earlier run's outputs in %s (%s)", path, found)
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from egpo_trl.resume_state import finished_run_step
-from egpo_trl.script.outputs import read_metrics
+from egpo_trl.script.outputs import REPLACED_METRICS_FILE, read_metrics
 
 __all__ = [
     "LAST_SAVED_FILE",
@@ -263,14 +263,20 @@ def resumed_time(path: Path, step: int) -> float:
 
 
 def truncate_metrics(path: Path, step: int) -> int:
-    """Drop the records a resumed run will write again: training steps after ``step`` and the final evaluation.
+    """Move out the records a resumed run will write again: training steps after ``step`` and the final evaluation.
 
     Resuming from ``checkpoint-N`` replays the steps after N, so without this ``metrics.jsonl`` would hold them
-    twice (and the curves would run back in time). Returns the number of records dropped.
+    twice (and the curves would run back in time). The records cut are appended to ``metrics.replaced.jsonl`` beside
+    it, each with ``replaced_on_resume_from`` = ``step``: a run ended at an earlier checkpoint than its last keeps
+    what its later steps logged. The cut records go there first, so a crash in between loses none. Returns the
+    number of records moved.
     """
     records = read_metrics(path)
     kept = [r for r in records if r.get("step", 0) <= step and r.get("heldout/stage") != "after"]
     if len(kept) != len(records):
+        cut = [r for r in records if r.get("step", 0) > step or r.get("heldout/stage") == "after"]
+        with (path.parent / REPLACED_METRICS_FILE).open("a") as replaced:
+            replaced.writelines(json.dumps({**r, "replaced_on_resume_from": step}, default=float) + "\n" for r in cut)
         path.write_text("".join(json.dumps(r, default=float) + "\n" for r in kept))
     return len(records) - len(kept)
 

@@ -22,6 +22,7 @@ from egpo_trl.script.outputs import (
     HELDOUT_FILE,
     METRICS_FILE,
     PLOT_FILE,
+    REPLACED_METRICS_FILE,
     prepare_output_dir,
     put_heldout_record,
     read_metrics,
@@ -273,10 +274,19 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     # (a safety net, where the count above could not be made) gets them back unchanged.
     found = {}
     if resume is not None and not finish_only:
-        found = {path: path.read_bytes() if path.is_file() else None for path in (metrics_path, heldout_path)}
+        replaced_path = output_dir / REPLACED_METRICS_FILE
+        found = {
+            path: path.read_bytes() if path.is_file() else None for path in (metrics_path, heldout_path, replaced_path)
+        }
         trainer.accelerator.wait_for_everyone()  # every process has read them before the main process writes
     if own_run and metrics_path.is_file() and trainer.accelerator.is_main_process and not stored_after:
-        truncate_metrics(metrics_path, checkpoint_step(resume))
+        moved = truncate_metrics(metrics_path, checkpoint_step(resume))
+        if moved:
+            print(
+                f"{moved} records of {METRICS_FILE} after step {checkpoint_step(resume)}, which this run trains again, "
+                f"moved to {REPLACED_METRICS_FILE}.",
+                flush=True,
+            )
         time_offset = resumed_time(metrics_path, checkpoint_step(resume))
     metrics = MetricsCallback(
         metrics_path,
