@@ -146,6 +146,29 @@ def _judged_rows(result: AdvantageOutput, scored: torch.Tensor | None) -> tuple[
     return result.correct & scored, ~result.correct & scored & (result.group_type != -1)
 
 
+def vllm_out_of_memory_message(args, processes: int, error: BaseException) -> str | None:
+    """What to do when a colocated vLLM engine runs out of GPU memory while it generates, or ``None`` where ``error``
+    is not that.
+
+    In colocate mode vLLM takes back its share of each GPU (``vllm_gpu_memory_utilization``) at every generation, on
+    top of what training keeps there: the weights' and optimizer's shards under ZeRO, more of them per GPU the fewer
+    processes share them. PyTorch's out-of-memory error and the one vLLM's sleep-mode allocator raises on wake-up
+    ("CUDA Error: out of memory") are both ``RuntimeError``s that say "out of memory".
+    """
+    if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate"):
+        return None
+    if not isinstance(error, RuntimeError) or "out of memory" not in str(error).lower():
+        return None
+    share = args.vllm_gpu_memory_utilization
+    return (
+        f"vLLM ran out of GPU memory while generating: its share of each GPU (vllm_gpu_memory_utilization={share}) "
+        f"does not fit beside what training keeps there ({processes} process{'es' * (processes != 1)}). Lower "
+        "vllm_gpu_memory_utilization (the start-up line 'vLLM's KV cache holds ...' says how many sequences a share "
+        "holds at once), or train on more processes so that ZeRO holds less per GPU. vLLM said: "
+        f"{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}"
+    )
+
+
 def _random_training_forward(model: torch.nn.Module) -> bool:
     """Whether a training-mode forward of ``model`` is random: a dropout module with p > 0 (LoRA's included), or a
     configured dropout probability, router jitter noise (mixture-of-experts routing in training mode), layer drop or
@@ -426,6 +449,15 @@ class EGPOTrainer(
         )
 
     def _generate(self, prompts: list):
+        try:
+            return self._egpo_generate(prompts)
+        except RuntimeError as error:
+            message = vllm_out_of_memory_message(self.args, self.accelerator.num_processes, error)
+            if message is None:
+                raise
+            raise RuntimeError(message) from error
+
+    def _egpo_generate(self, prompts: list):
         gec = self.args.edge_gec and self.model.training and getattr(self, "_egpo_round_inputs", None) is not None
         # GuidedErrorCorrectionMixin: the continuations share the round's vLLM wake-up and weight sync.
         with self._gec_vllm_awake() if gec else nullcontext():
