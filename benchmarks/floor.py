@@ -18,9 +18,9 @@ checkpointing; the architecture comes from ``--model-config`` (a folder with ``c
   against the same bound within that cache: no decode step holds more than ``K`` tokens of context, so there are at
   least ``max(L, B * (L * P + L (L + 1) / 2) / K)`` decode steps, each reading the weights once (a lower bound: a
   scheduler that admits whole rounds of sequences that all run to their limit reads them more often). Beside it,
-  a reading of those rounds, not a bound: the cache holds ``S = K // vllm_max_model_length`` sequences at their
-  length limit (the start-up line's count), so the ``B`` completions decode in ``ceil(B / S)`` rounds of ``L``
-  steps, each step reading the weights once, plus the same KV cache reads. Random weights run nearly every
+  a reading of those rounds, not a bound: the cache holds ``S`` sequences at their length limit (the start-up
+  line's count, else ``K // vllm_max_model_length``), so the ``B`` completions decode in ``ceil(B / S)`` rounds
+  of ``L`` steps, each step reading the weights once, plus the same KV cache reads. Random weights run nearly every
   completion to its limit, as this reading assumes; a model whose completions end early shares the cache better;
 * **old log-prob pass** (``timing/old_logps_s``) against its forward FLOPs, ``2 * N * B * (P + L)``;
 * **scoring + training** (the step minus ``timing/generate_and_score_s``: rewards, the loss's forward, backward and
@@ -128,13 +128,17 @@ def setting(argv: list[str], recipe: dict, name: str) -> int:
     return int(value)
 
 
-def logged_kv_cache_tokens(run: Path) -> int | None:
-    """The KV cache size the run's start-up line gives (``vLLM's KV cache holds N tokens``), from ``train.log``."""
+def logged_kv_cache(run: Path) -> tuple[int | None, int | None]:
+    """The KV cache size and the sequences it holds at their length limit, as the run's start-up line gives them
+    (``vLLM's KV cache holds N tokens: S sequences of ...``) in ``train.log``; ``None`` for what it does not say."""
     log = run / "train.log"
     if not log.is_file():
-        return None
-    found = re.search(r"vLLM's KV cache holds ([\d,]+) tokens", log.read_text(errors="replace"))
-    return int(found.group(1).replace(",", "")) if found else None
+        return None, None
+    text = log.read_text(errors="replace")
+    found = re.search(r"vLLM's KV cache holds ([\d,]+) tokens(?:: (\d+) sequences)?", text)
+    if not found:
+        return None, None
+    return int(found.group(1).replace(",", "")), int(found.group(2)) if found.group(2) else None
 
 
 def floors(args, run: Path) -> list[dict]:
@@ -163,9 +167,15 @@ def floors(args, run: Path) -> list[dict]:
     edge = any(row.get("gec_s") is not None for row in rows)
     max_length = setting(argv, recipe, "max_completion_length") if edge else 0
     gec_new = setting(argv, recipe, "edge_gec_max_new_tokens") if edge else 0
-    kv_tokens = args.kv_cache_tokens or logged_kv_cache_tokens(run)
+    logged_tokens, logged_at_once = logged_kv_cache(run)
+    kv_tokens = args.kv_cache_tokens or logged_tokens
     sequence_limit = option(argv, "vllm_max_model_length", recipe.get("vllm_max_model_length"))
     sequence_limit = int(sequence_limit) if str(sequence_limit).isdigit() else None
+    # The sequences the cache holds at their length limit: the start-up line's count for its own cache, else the
+    # cache over the engine's model length.
+    at_once = logged_at_once if not args.kv_cache_tokens else None
+    if at_once is None and kv_tokens and sequence_limit:
+        at_once = kv_tokens // sequence_limit
     out = []
     for row in rows:
         length = row.get("mean_length")
@@ -196,13 +206,13 @@ def floors(args, run: Path) -> list[dict]:
             "floor_generation_kv_s": None,
             "generation_rounds": None,
             "reading_generation_rounds_s": None,
+            "reading_step_rounds_attn_s": None,
         }
         if kv_tokens:  # no decode step holds more context than the cache: at least context_steps / K steps
             steps = max(length, context_steps / kv_tokens)
             floor["floor_generation_kv_s"] = (steps * BYTES_BF16 * params + kv * context_steps) / (bandwidth * 1e12)
-            if sequence_limit:  # the reading: rounds of the sequences the cache holds at their length limit
-                at_once = max(1, kv_tokens // sequence_limit)
-                rounds = -(-per_gpu // at_once)
+            if at_once is not None:  # the reading: rounds of the sequences the cache holds at their length limit
+                rounds = -(-per_gpu // max(1, at_once))
                 floor["generation_rounds"] = rounds
                 floor["reading_generation_rounds_s"] = (rounds * length * BYTES_BF16 * params + kv * context_steps) / (
                     bandwidth * 1e12
@@ -249,6 +259,7 @@ def floors(args, run: Path) -> list[dict]:
                 + floor["floor_training_attn_s"]
             )
             floor["ratio_step_rounds_attn"] = row["step_s"] / floor["reading_step_rounds_attn_s"]
+        floor.setdefault("ratio_step_rounds_attn", None)
         out.append({**row, **floor})
     return out
 
@@ -261,7 +272,12 @@ def summarize_plain(run: Path, recipe_path: str) -> list[dict]:
         folder = Path(tmp) / Path(recipe_path).stem
         (folder / "run").mkdir(parents=True)
         (folder / "run" / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text())
-        (folder / "command.txt").write_text(f"egpo-trl train {shlex.quote(recipe_path)}\n")
+        command = run / "command.txt"  # the run's own command (processes, accumulation) where the folder keeps it
+        text = command.read_text() if command.is_file() else f"egpo-trl train {shlex.quote(recipe_path)}\n"
+        (folder / "command.txt").write_text(text)
+        for name in ("exit_status", "gpu_memory.csv"):
+            if (run / name).is_file():
+                (folder / name).write_bytes((run / name).read_bytes())
         return summarize(folder)
 
 
@@ -321,7 +337,9 @@ def table(rows: list[dict]) -> str:
                     "step",
                     row["step_s"],
                     row["reading_step_rounds_attn_s"],
-                    "sum, with attention and generation's rounds",
+                    "sum, with attention; generation at its rounds reading"
+                    + (" or vLLM alone, the larger" if row.get("vllm_alone_s") else "")
+                    + " (a reading, not a bound)",
                 )
             )
         for name, measured, bound, what in phases:

@@ -24,7 +24,9 @@ A run prints the held-out accuracy before and after training and writes into ``o
 * ``training_curves.png``: reward, accuracy, the entropy gap (incorrect minus correct) and the
   group-type fractions over the steps,
 * ``heldout.json``: the held-out accuracies, overall and per level,
-* the trained model and tokenizer (``save_final_model``).
+* the trained model and tokenizer (``save_final_model``),
+* ``replaced/<time>-from-step-N/``, on a resume from ``checkpoint-N`` of a run that had gone further: the
+  records and checkpoints of its later steps, which the resumed run trains again.
 
 ``output_dir`` may contain ``{timestamp}``, replaced by the start time (``20260101-120000``), so that
 repeated runs of one recipe never write into each other's folder.

@@ -318,23 +318,29 @@ def test_floor_bounds_generation_within_the_kv_cache_the_run_logged(tmp_path, mo
     assert row["floor_generation_kv_s"] == pytest.approx(bound(100_000))
     assert row["floor_generation_kv_s"] > row["floor_generation_s"]  # the weights are read more than once a token
     assert row["ratio_generation_kv"] == pytest.approx(25.0 / bound(100_000))
-    # The rounds reading: the recipe's 4,096-token sequences, 24 at once in 100,000 tokens, so 128 in 6 rounds of
-    # 3,000 decode steps, each reading the weights; the step beside it with that generation.
-    assert row["generation_rounds"] == 6
-    reading = (6 * 3000 * 2 * params + kv * context) / 3.35e12
+    # The rounds reading: the line's 30 sequences at once, so 128 in 5 rounds of 3,000 decode steps, each reading
+    # the weights; the step beside it with that generation.
+    assert row["generation_rounds"] == 5
+    reading = (5 * 3000 * 2 * params + kv * context) / 3.35e12
     assert row["reading_generation_rounds_s"] == pytest.approx(reading)
     assert row["ratio_generation_rounds"] == pytest.approx(25.0 / reading)
     assert row["reading_step_rounds_attn_s"] == pytest.approx(
         reading + row["floor_old_logps_attn_s"] + row["floor_training_attn_s"]
     )
-    assert "decode bandwidth in 6 rounds of the sequences that cache holds" in out, out
-    # A command line's model length counts: 2,048-token sequences, 48 at once, 3 rounds.
+    assert "decode bandwidth in 5 rounds of the sequences that cache holds" in out, out
+    # A cache given by hand: the sequences it holds at the engine's model length, the command's when it sets one
+    # (2,048 tokens: 48 at once, 3 rounds), else the recipe's (4,096: 24 at once, 6 rounds).
     command = (folder / "command.txt").read_text().strip()
     (folder / "command.txt").write_text(command + " --vllm_max_model_length 2048\n")
-    run("benchmarks/floor.py", str(folder), "--shape", "qwen15b", "--summary", str(summary))
+    run("benchmarks/floor.py", str(folder), "--shape", "qwen15b", "--kv-cache-tokens", "100000",
+        "--summary", str(summary))  # fmt: skip
     (row,) = json.loads(summary.read_text())
     assert row["generation_rounds"] == 3
     (folder / "command.txt").write_text(command + "\n")
+    run("benchmarks/floor.py", str(folder), "--shape", "qwen15b", "--kv-cache-tokens", "100000",
+        "--summary", str(summary))  # fmt: skip
+    (row,) = json.loads(summary.read_text())
+    assert row["generation_rounds"] == 6
     # A cache that holds the whole batch at once: the bound is the batch-wide one.
     run("benchmarks/floor.py", str(folder), "--shape", "qwen15b", "--kv-cache-tokens", "10000000",
         "--summary", str(summary))  # fmt: skip
@@ -351,7 +357,7 @@ def test_floor_bounds_generation_within_the_kv_cache_the_run_logged(tmp_path, mo
     assert row["kv_cache_tokens"] is None and row["floor_generation_kv_s"] is None
     assert row["ratio_generation_kv"] is None
     assert row["reading_generation_rounds_s"] is None and row["ratio_generation_rounds"] is None
-    assert "reading_step_rounds_attn_s" not in row
+    assert row["reading_step_rounds_attn_s"] is None and row["ratio_step_rounds_attn"] is None
 
 
 def _edge_run(tmp_path, command: str, recipe_lines: str | None = None):

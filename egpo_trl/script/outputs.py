@@ -21,7 +21,7 @@ __all__ = [
     "HELDOUT_FILE",
     "METRICS_FILE",
     "PLOT_FILE",
-    "REPLACED_METRICS_FILE",
+    "REPLACED_DIR",
     "RUN_MARKERS",
     "prepare_output_dir",
     "refuse_output_dir_over_model",
@@ -33,10 +33,17 @@ __all__ = [
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "training_curves.png"
 HELDOUT_FILE = "heldout.json"
-# The records a resume cut from metrics.jsonl (the steps after its checkpoint, which it trains again), kept here.
-REPLACED_METRICS_FILE = "metrics.replaced.jsonl"
-# Files that mark a folder as holding the outputs of an earlier run.
-RUN_MARKERS = (METRICS_FILE, HELDOUT_FILE, "trainer_state.json", "model.safetensors", "adapter_model.safetensors")
+# What a resume set aside: the records and checkpoints of the steps after the checkpoint it resumed from.
+REPLACED_DIR = "replaced"
+# Files (and the folder above) that mark a folder as holding the outputs of an earlier run.
+RUN_MARKERS = (
+    METRICS_FILE,
+    HELDOUT_FILE,
+    "trainer_state.json",
+    "model.safetensors",
+    "adapter_model.safetensors",
+    REPLACED_DIR,
+)
 
 
 def prepare_output_dir(
@@ -87,8 +94,10 @@ def prepare_output_dir(
     def clear_earlier_run() -> None:
         for checkpoint in checkpoints:
             shutil.rmtree(checkpoint, ignore_errors=True)  # every process of a launch may clear it
-        for name in (*RUN_MARKERS, PLOT_FILE, REPLACED_METRICS_FILE):
-            (path / name).unlink(missing_ok=True)
+        shutil.rmtree(path / REPLACED_DIR, ignore_errors=True)
+        for name in (*RUN_MARKERS, PLOT_FILE):
+            if name != REPLACED_DIR:
+                (path / name).unlink(missing_ok=True)
         logger.warning("overwrite_output_dir: removed the earlier run's outputs in %s (%s)", path, found)
 
     return clear_earlier_run

@@ -1,5 +1,5 @@
-"""Stopping and resuming a run: the checkpoint saved on Ctrl-C, the command that resumes, ``metrics.jsonl`` cut back
-to the checkpoint a run resumes from, the held-out evaluation and the clock carried over, and the check that a
+"""Stopping and resuming a run: the checkpoint saved on Ctrl-C, the command that resumes, the records and checkpoints
+of steps after the checkpoint a run resumes from set aside, the held-out evaluation and the clock carried over, and the check that a
 resumed run has something left to train.
 
 What makes the resumed training itself exact (the generation buffer, the RNG states at the step boundary, vLLM's
@@ -8,15 +8,17 @@ sampling seeds) lives with the trainer: :mod:`egpo_trl.resume_state`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from egpo_trl.resume_state import finished_run_step
-from egpo_trl.script.outputs import REPLACED_METRICS_FILE, read_metrics
+from egpo_trl.script.outputs import METRICS_FILE, REPLACED_DIR, read_metrics
 
 __all__ = [
     "LAST_SAVED_FILE",
@@ -32,8 +34,9 @@ __all__ = [
     "save_interrupted",
     "stored_heldout_after",
     "stored_heldout_before",
+    "put_back_later_history",
+    "set_aside_later_history",
     "trainer_last_step",
-    "truncate_metrics",
 ]
 
 
@@ -262,23 +265,63 @@ def resumed_time(path: Path, step: int) -> float:
     return float(times[-1]) if times else 0.0
 
 
-def truncate_metrics(path: Path, step: int) -> int:
-    """Move out the records a resumed run will write again: training steps after ``step`` and the final evaluation.
+def set_aside_later_history(output_dir: str | Path, step: int) -> Path | None:
+    """Move what ``output_dir`` holds of the steps after ``step`` out of the way of a run resumed from that step.
 
-    Resuming from ``checkpoint-N`` replays the steps after N, so without this ``metrics.jsonl`` would hold them
-    twice (and the curves would run back in time). The records cut are appended to ``metrics.replaced.jsonl`` beside
-    it, each with ``replaced_on_resume_from`` = ``step``: a run ended at an earlier checkpoint than its last keeps
-    what its later steps logged. The cut records go there first, so a crash in between loses none. Returns the
-    number of records moved.
+    Resuming from ``checkpoint-N`` trains the steps after N again. Their records in ``metrics.jsonl`` (and the
+    evaluation after training) would be there twice, and the curves would run back in time; the folder's later
+    checkpoints would be taken for this run's (``--resume_from_checkpoint true`` picks the last one) and be written
+    over when it reaches their steps. Both go to ``replaced/<time>-from-step-N/`` in ``output_dir``: the records as
+    a ``metrics.jsonl`` of their own, the checkpoints as they are. ``metrics.jsonl`` is rewritten through a temporary
+    file after its records are copied there, so a crash in between loses none. Returns that folder, or ``None`` when
+    there was nothing to move (one process only: the main one).
     """
-    records = read_metrics(path)
-    kept = [r for r in records if r.get("step", 0) <= step and r.get("heldout/stage") != "after"]
-    if len(kept) != len(records):
-        cut = [r for r in records if r.get("step", 0) > step or r.get("heldout/stage") == "after"]
-        with (path.parent / REPLACED_METRICS_FILE).open("a") as replaced:
-            replaced.writelines(json.dumps({**r, "replaced_on_resume_from": step}, default=float) + "\n" for r in cut)
-        path.write_text("".join(json.dumps(r, default=float) + "\n" for r in kept))
-    return len(records) - len(kept)
+    output_dir = Path(output_dir)
+    metrics = output_dir / METRICS_FILE
+    records = read_metrics(metrics) if metrics.is_file() else []
+    replayed = [r.get("step", 0) > step or r.get("heldout/stage") == "after" for r in records]
+    cut = [r for r, out in zip(records, replayed, strict=True) if out]
+    later = sorted(
+        (c for c in output_dir.glob("checkpoint-*") if c.is_dir() and _checkpoint_number(c) > step),
+        key=_checkpoint_number,
+    )
+    if not cut and not later:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folder = output_dir / REPLACED_DIR / f"{stamp}-from-step-{step}"
+    attempt = 1
+    while folder.exists():
+        attempt += 1
+        folder = output_dir / REPLACED_DIR / f"{stamp}-{attempt}-from-step-{step}"
+    folder.mkdir(parents=True)
+    if cut:
+        (folder / METRICS_FILE).write_text("".join(json.dumps(r, default=float) + "\n" for r in cut))
+        kept = [r for r, out in zip(records, replayed, strict=True) if not out]
+        partial = metrics.with_name(metrics.name + ".tmp")
+        partial.write_text("".join(json.dumps(r, default=float) + "\n" for r in kept))
+        partial.replace(metrics)
+    for checkpoint in later:
+        checkpoint.rename(folder / checkpoint.name)
+    return folder
+
+
+def put_back_later_history(output_dir: str | Path, folder: Path) -> None:
+    """Undo :func:`set_aside_later_history` for a resume that trained nothing: its checkpoints go back (where no
+    checkpoint of that name has been made since) and ``folder`` goes once empty. ``metrics.jsonl`` is the caller's,
+    from the copy it took before."""
+    output_dir = Path(output_dir)
+    for checkpoint in sorted(folder.glob("checkpoint-*")):
+        if not (output_dir / checkpoint.name).exists():
+            checkpoint.rename(output_dir / checkpoint.name)
+    if not any(folder.glob("checkpoint-*")):
+        shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        folder.parent.rmdir()  # replaced/, when nothing else is in it
+
+
+def _checkpoint_number(path: Path) -> int:
+    number = path.name.rsplit("-", 1)[-1]
+    return int(number) if number.isdigit() else -1
 
 
 def save_interrupted(trainer) -> None:

@@ -22,7 +22,6 @@ from egpo_trl.script.outputs import (
     HELDOUT_FILE,
     METRICS_FILE,
     PLOT_FILE,
-    REPLACED_METRICS_FILE,
     prepare_output_dir,
     put_heldout_record,
     read_metrics,
@@ -37,14 +36,15 @@ from egpo_trl.script.resume import (
     heldout_fingerprint,
     later_final_outputs,
     missing_final_outputs,
+    put_back_later_history,
     resume_checkpoint,
     resumed_time,
     resumes_own_run,
     save_interrupted,
+    set_aside_later_history,
     stored_heldout_after,
     stored_heldout_before,
     trainer_last_step,
-    truncate_metrics,
 )
 
 logger = logging.getLogger(__name__)
@@ -272,22 +272,24 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         stored_after = stored_heldout_after(output_dir, {**settings, "step": checkpoint_step(resume)})
     # The files as this command found them: a resumed run that the trainer finds finished when it loads the checkpoint
     # (a safety net, where the count above could not be made) gets them back unchanged.
+    # A resume that fails before its first step gets them back too, with the checkpoints it set aside.
     found = {}
-    if resume is not None and not finish_only:
-        replaced_path = output_dir / REPLACED_METRICS_FILE
-        found = {
-            path: path.read_bytes() if path.is_file() else None for path in (metrics_path, heldout_path, replaced_path)
-        }
+    if resume is not None:
+        found = {path: path.read_bytes() if path.is_file() else None for path in (metrics_path, heldout_path)}
         trainer.accelerator.wait_for_everyone()  # every process has read them before the main process writes
-    if own_run and metrics_path.is_file() and trainer.accelerator.is_main_process and not stored_after:
-        moved = truncate_metrics(metrics_path, checkpoint_step(resume))
-        if moved:
+    set_aside = None  # replaced/<time>-from-step-N/: what the folder held of the steps this run trains again
+    if own_run and trainer.accelerator.is_main_process and not stored_after:
+        set_aside = set_aside_later_history(output_dir, checkpoint_step(resume))
+        if set_aside is not None:
             print(
-                f"{moved} records of {METRICS_FILE} after step {checkpoint_step(resume)}, which this run trains again, "
-                f"moved to {REPLACED_METRICS_FILE}.",
+                f"Resuming from step {checkpoint_step(resume)}: what {output_dir} held of later steps (their "
+                f"{METRICS_FILE} records and checkpoints) moved to {set_aside}.",
                 flush=True,
             )
-        time_offset = resumed_time(metrics_path, checkpoint_step(resume))
+        if metrics_path.is_file():
+            time_offset = resumed_time(metrics_path, checkpoint_step(resume))
+    if own_run:
+        trainer.accelerator.wait_for_everyone()  # later checkpoints are set aside before any process looks for one
     metrics = MetricsCallback(
         metrics_path,
         correctness_name,
@@ -341,17 +343,25 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
             )
     trainer.accelerator.wait_for_everyone()
 
+    # A resume that fails before its first step (a checkpoint that does not load, memory, ...) leaves the folder as
+    # this command found it: the files it changed and the checkpoints it set aside go back. Ctrl-C is not a failure.
+    undone_on_failure = _UndoneOnFailure(
+        lambda: is_main and resume is not None and trainer.state.global_step <= checkpoint_step(resume),
+        lambda: _undo_resume(output_dir, found, set_aside),
+    )
     if finish_only:
         # Trainer loads the checkpoint (weights, and the DeepSpeed/FSDP wrapping) inside train(); with
         # egpo_load_only, EGPOTrainer.train stops there, before any step (see ExactResumeMixin.train).
         trainer.egpo_load_only = True
-        trainer.train(resume_from_checkpoint=resume)
+        with undone_on_failure:
+            trainer.train(resume_from_checkpoint=resume)
+            if trainer.state.global_step != checkpoint_step(resume):
+                raise RuntimeError(f"{resume} loaded at step {trainer.state.global_step}, not its own step")
         trainer.egpo_load_only = False
-        if trainer.state.global_step != checkpoint_step(resume):
-            raise RuntimeError(f"{resume} loaded at step {trainer.state.global_step}, not its own step")
     else:
         try:
-            train_output = trainer.train(resume_from_checkpoint=resume)
+            with undone_on_failure:
+                train_output = trainer.train(resume_from_checkpoint=resume)
         except KeyboardInterrupt:
             save_interrupted(trainer)
             raise
@@ -361,9 +371,9 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
             # this command found, and are judged as they were.
             written = {}
             if is_main:
-                for path, content in found.items():
+                for path in found:
                     written[path] = path.read_bytes() if path.is_file() else None
-                    _put_back(path, content)
+                _undo_resume(output_dir, found, set_aside)
             trainer.accelerator.wait_for_everyone()
             if own_run:
                 _refuse_to_replace_later_outputs(training_args, resume, last_step=trainer.state.max_steps)
@@ -397,6 +407,29 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         if not finish_only:
             save_interrupted(trainer)
         raise
+
+
+class _UndoneOnFailure:
+    """A context that runs ``undo`` when its body raises an ``Exception`` and ``applies()`` says so."""
+
+    def __init__(self, applies, undo):
+        self.applies, self.undo = applies, undo
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if kind is not None and issubclass(kind, Exception) and self.applies():
+            self.undo()
+        return False
+
+
+def _undo_resume(output_dir: Path, found: dict[Path, bytes | None], set_aside: Path | None) -> None:
+    """Put the files a resume changed back as it found them, and the checkpoints it set aside back in place."""
+    for path, content in found.items():
+        _put_back(path, content)
+    if set_aside is not None:
+        put_back_later_history(output_dir, set_aside)
 
 
 def _put_back(path: Path, content: bytes | None) -> None:
