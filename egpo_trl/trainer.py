@@ -157,14 +157,16 @@ def vllm_out_of_memory_message(args, processes: int, error: BaseException) -> st
     """
     if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate"):
         return None
-    if not isinstance(error, RuntimeError) or "out of memory" not in str(error).lower():
-        return None
+    text = str(error)
+    if not isinstance(error, RuntimeError) or "out of memory" not in text.lower() or "CPUAllocator" in text:
+        return None  # not an out-of-memory error, or the host's memory
     share = args.vllm_gpu_memory_utilization
     return (
         f"vLLM ran out of GPU memory while generating: its share of each GPU (vllm_gpu_memory_utilization={share}) "
         f"does not fit beside what training keeps there ({processes} process{'es' * (processes != 1)}). Lower "
         "vllm_gpu_memory_utilization (the start-up line 'vLLM's KV cache holds ...' says how many sequences a share "
-        "holds at once), or train on more processes so that ZeRO holds less per GPU. vLLM said: "
+        "holds at once), or, where ZeRO-3 or FSDP shard the training state, train on more processes so that each "
+        "GPU holds less of it. vLLM said: "
         f"{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}"
     )
 

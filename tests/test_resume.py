@@ -826,3 +826,41 @@ def test_a_resume_from_an_earlier_checkpoint_sets_the_later_steps_aside(referenc
 
     assert main([*RUN, "--output_dir", str(out), "--overwrite_output_dir", "true", "--max_steps", "1"]) == 0
     assert not (out / "replaced").exists() and not (out / "checkpoint-3").exists()
+
+
+@pytest.mark.slow
+def test_the_trainers_own_finish_with_outputs_to_write_keeps_the_records_it_set_aside(tmp_path, capsys, monkeypatch):
+    """Where only the trainer can tell that the checkpoint is at the run's end (the command's count made unavailable
+    here) and a final output is missing, the resume writes it, and the records it set aside (the evaluation after
+    training and the end-of-training record, both made again) stay in replaced/."""
+    import egpo_trl.script.run as run_module
+
+    monkeypatch.setattr(run_module, "trainer_last_step", lambda trainer: None)
+    out = tmp_path / "run"
+    run = [*EPOCH_RUN, "--synthetic_train_size", "4", "--num_train_epochs", "1", "--output_dir", str(out)]
+    assert main(run) == 0
+    records = read_metrics(out / "metrics.jsonl")
+    (out / "model.safetensors").unlink()
+    assert main([*run, "--resume_from_checkpoint", "true"]) == 0
+    assert (out / "model.safetensors").is_file()
+    (aside,) = (out / "replaced").iterdir()
+    moved = read_metrics(aside / "metrics.jsonl")
+    assert moved == [r for r in records if r.get("step", 0) > 4 or r.get("heldout/stage") == "after"] and moved
+    assert [r for r in read_metrics(out / "metrics.jsonl") if r.get("heldout/stage") == "after"]  # made again
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{step}" for step in range(1, 5)]
+
+
+def test_a_run_started_from_a_checkpoint_inside_output_dir_is_not_cleared_away(reference, tmp_path):
+    """--overwrite_output_dir would clear the folder before the run loads the checkpoint it starts from, when that
+    checkpoint lies inside it (one set aside in replaced/, say): refused, and nothing is removed."""
+    ref_out, _, _ = reference
+    out = tmp_path / "run"
+    shutil.copytree(ref_out, out)
+    aside = out / "replaced" / "20260101-000000-from-step-3"
+    aside.mkdir(parents=True)
+    (out / "checkpoint-4").rename(aside / "checkpoint-4")
+    found = _contents(out)
+    with pytest.raises(SystemExit, match="inside .* which --overwrite_output_dir would clear"):
+        main([*RUN, "--output_dir", str(out), "--overwrite_output_dir", "true",
+              "--resume_from_checkpoint", str(aside / "checkpoint-4")])  # fmt: skip
+    assert _contents(out) == found

@@ -78,6 +78,11 @@ def prepare_output_dir(
 
         return clear_failed_start
     found = ", ".join(p.name for p in (checkpoints + markers)[:5])
+    if overwrite and start_from is not None and path.resolve() in Path(start_from).resolve().parents:
+        raise SystemExit(
+            f"egpo-trl train: the run starts from {start_from}, inside {path}, which --overwrite_output_dir would "
+            "clear before it loads. Choose another --output_dir for the new run, or copy the checkpoint out first."
+        )
     if not overwrite and start_from is not None:
         raise SystemExit(
             f"egpo-trl train: {path} already holds another run ({found}), and {start_from} is not one of its "
@@ -85,10 +90,10 @@ def prepare_output_dir(
             "'{timestamp}' in it makes one per run), or replace the earlier run with --overwrite_output_dir true."
         )
     if not overwrite:
+        resume = "resume with --resume_from_checkpoint true, " if checkpoints else ""
         raise SystemExit(
             f"egpo-trl train: {path} already holds another run ({found}). Choose a new --output_dir (a "
-            "'{timestamp}' in it makes one per run), resume with --resume_from_checkpoint true, or replace it with "
-            "--overwrite_output_dir true."
+            f"'{{timestamp}}' in it makes one per run), {resume}or replace it with --overwrite_output_dir true."
         )
 
     def clear_earlier_run() -> None:

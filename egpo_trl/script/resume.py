@@ -34,6 +34,7 @@ __all__ = [
     "save_interrupted",
     "stored_heldout_after",
     "stored_heldout_before",
+    "discard_set_aside",
     "put_back_later_history",
     "set_aside_later_history",
     "trainer_last_step",
@@ -292,7 +293,7 @@ def set_aside_later_history(output_dir: str | Path, step: int) -> Path | None:
     attempt = 1
     while folder.exists():
         attempt += 1
-        folder = output_dir / REPLACED_DIR / f"{stamp}-{attempt}-from-step-{step}"
+        folder = output_dir / REPLACED_DIR / f"{stamp}-from-step-{step}-{attempt}"
     folder.mkdir(parents=True)
     if cut:
         (folder / METRICS_FILE).write_text("".join(json.dumps(r, default=float) + "\n" for r in cut))
@@ -305,16 +306,25 @@ def set_aside_later_history(output_dir: str | Path, step: int) -> Path | None:
     return folder
 
 
-def put_back_later_history(output_dir: str | Path, folder: Path) -> None:
+def put_back_later_history(output_dir: str | Path, folder: Path, keep_records: bool = False) -> None:
     """Undo :func:`set_aside_later_history` for a resume that trained nothing: its checkpoints go back (where no
-    checkpoint of that name has been made since) and ``folder`` goes once empty. ``metrics.jsonl`` is the caller's,
-    from the copy it took before."""
+    checkpoint of that name has been made since), and ``folder`` goes once it holds nothing else. ``metrics.jsonl``
+    is the caller's to put back, from the copy it took before; with ``keep_records`` the records set aside stay in
+    ``folder`` (for a caller that writes the cut file again)."""
     output_dir = Path(output_dir)
     for checkpoint in sorted(folder.glob("checkpoint-*")):
         if not (output_dir / checkpoint.name).exists():
             checkpoint.rename(output_dir / checkpoint.name)
-    if not any(folder.glob("checkpoint-*")):
-        shutil.rmtree(folder, ignore_errors=True)
+    if not keep_records:
+        discard_set_aside(folder)
+
+
+def discard_set_aside(folder: Path) -> None:
+    """Remove the records :func:`set_aside_later_history` copied into ``folder`` (the caller has them back in
+    ``metrics.jsonl``), then ``folder`` and ``replaced/`` when nothing else is left in them."""
+    (folder / METRICS_FILE).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        folder.rmdir()
     with contextlib.suppress(OSError):
         folder.parent.rmdir()  # replaced/, when nothing else is in it
 

@@ -32,6 +32,7 @@ from egpo_trl.script.resolve import check_model_exists, resolve_model_path, reso
 from egpo_trl.script.resume import (
     LAST_SAVED_FILE,
     checkpoint_step,
+    discard_set_aside,
     finished_message,
     heldout_fingerprint,
     later_final_outputs,
@@ -277,19 +278,9 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     if resume is not None:
         found = {path: path.read_bytes() if path.is_file() else None for path in (metrics_path, heldout_path)}
         trainer.accelerator.wait_for_everyone()  # every process has read them before the main process writes
-    set_aside = None  # replaced/<time>-from-step-N/: what the folder held of the steps this run trains again
-    if own_run and trainer.accelerator.is_main_process and not stored_after:
-        set_aside = set_aside_later_history(output_dir, checkpoint_step(resume))
-        if set_aside is not None:
-            print(
-                f"Resuming from step {checkpoint_step(resume)}: what {output_dir} held of later steps (their "
-                f"{METRICS_FILE} records and checkpoints) moved to {set_aside}.",
-                flush=True,
-            )
-        if metrics_path.is_file():
-            time_offset = resumed_time(metrics_path, checkpoint_step(resume))
-    if own_run:
-        trainer.accelerator.wait_for_everyone()  # later checkpoints are set aside before any process looks for one
+    resume_step = checkpoint_step(resume) if resume is not None else None
+    if own_run and is_main and not stored_after and metrics_path.is_file():
+        time_offset = resumed_time(metrics_path, resume_step)
     metrics = MetricsCallback(
         metrics_path,
         correctness_name,
@@ -343,10 +334,21 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
             )
     trainer.accelerator.wait_for_everyone()
 
-    # A resume that fails before its first step (a checkpoint that does not load, memory, ...) leaves the folder as
-    # this command found it: the files it changed and the checkpoints it set aside go back. Ctrl-C is not a failure.
+    # What the folder held after the checkpoint resumed from goes to replaced/<time>-from-step-N/, just before
+    # training. A resume that fails before its first step (a checkpoint that does not load, memory, ...) leaves the
+    # folder as this command found it: the files it changed and what it set aside go back (on the main process; with
+    # several, a failure elsewhere can end the launch first, and replaced/ then keeps them). Ctrl-C is no failure.
+    set_aside = None
+    if own_run and is_main and not stored_after:
+        set_aside = set_aside_later_history(output_dir, resume_step)
+        if set_aside is not None:
+            print(
+                f"Resuming from step {resume_step}: {_set_aside_summary(set_aside)} moved to {set_aside}.", flush=True
+            )
+    if own_run:
+        trainer.accelerator.wait_for_everyone()  # later checkpoints are set aside before any process looks for one
     undone_on_failure = _UndoneOnFailure(
-        lambda: is_main and resume is not None and trainer.state.global_step <= checkpoint_step(resume),
+        lambda: is_main and resume is not None and trainer.state.global_step <= resume_step,
         lambda: _undo_resume(output_dir, found, set_aside),
     )
     if finish_only:
@@ -373,7 +375,7 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
             if is_main:
                 for path in found:
                     written[path] = path.read_bytes() if path.is_file() else None
-                _undo_resume(output_dir, found, set_aside)
+                _undo_resume(output_dir, found, set_aside, keep_records=True)
             trainer.accelerator.wait_for_everyone()
             if own_run:
                 _refuse_to_replace_later_outputs(training_args, resume, last_step=trainer.state.max_steps)
@@ -390,9 +392,12 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
                 last_step=trainer.state.max_steps,
                 heldout=heldout is not None,
             ):
+                if is_main and set_aside is not None:  # metrics.jsonl holds them again
+                    discard_set_aside(set_aside)
                 trainer.accelerator.wait_for_everyone()
                 return summary
-            if is_main:  # writing the missing outputs, as from a finished checkpoint caught before loading
+            if is_main:  # writing the missing outputs, as from a finished checkpoint caught before loading (the
+                # records cut stay in replaced/)
                 for path, content in written.items():
                     _put_back(path, content)
             trainer.accelerator.wait_for_everyone()
@@ -424,12 +429,27 @@ class _UndoneOnFailure:
         return False
 
 
-def _undo_resume(output_dir: Path, found: dict[Path, bytes | None], set_aside: Path | None) -> None:
-    """Put the files a resume changed back as it found them, and the checkpoints it set aside back in place."""
+def _undo_resume(
+    output_dir: Path, found: dict[Path, bytes | None], set_aside: Path | None, keep_records: bool = False
+) -> None:
+    """Put the files a resume changed back as it found them, and the checkpoints it set aside back in place (the
+    records it set aside too, unless ``keep_records``)."""
     for path, content in found.items():
         _put_back(path, content)
     if set_aside is not None:
-        put_back_later_history(output_dir, set_aside)
+        put_back_later_history(output_dir, set_aside, keep_records=keep_records)
+
+
+def _set_aside_summary(folder: Path) -> str:
+    """What :func:`set_aside_later_history` moved into ``folder``, in words."""
+    records = len(read_metrics(folder / METRICS_FILE)) if (folder / METRICS_FILE).is_file() else 0
+    checkpoints = sorted(c.name for c in folder.glob("checkpoint-*"))
+    parts = []
+    if records:
+        parts.append(f"{records} record{'s' * (records != 1)} of {METRICS_FILE} that this run writes again")
+    if checkpoints:
+        parts.append(f"the later {', '.join(checkpoints)}")
+    return " and ".join(parts)
 
 
 def _put_back(path: Path, content: bytes | None) -> None:
