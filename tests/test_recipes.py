@@ -177,6 +177,12 @@ def test_dry_run_lists_every_late_failure(tiny_model_dir, local_dataset, tmp_pat
     code = dry_run(["--config", "recipes/egpo_qwen15b.yaml", *overrides, "--resume_from_checkpoint", "true"])
     out = capsys.readouterr().out
     assert "already holds another run" not in out and "resumes from" in out
+    # Resuming an earlier checkpoint of it: the later one is named as set aside.
+    (out_dir / "checkpoint-5").mkdir()
+    resume = ["--resume_from_checkpoint", str(out_dir / "checkpoint-5")]
+    dry_run(["--config", "recipes/egpo_qwen15b.yaml", *overrides, *resume])
+    out = capsys.readouterr().out
+    assert "checkpoint-10 of" in out and "the run sets them aside" in out and "replaced/" in out
 
 
 def test_launch_plan_and_command(tmp_path):
