@@ -207,6 +207,7 @@ def floors(args, run: Path) -> list[dict]:
             "generation_rounds": None,
             "reading_generation_rounds_s": None,
             "reading_step_rounds_attn_s": None,
+            "ratio_step_rounds_attn": None,
         }
         if kv_tokens:  # no decode step holds more context than the cache: at least context_steps / K steps
             steps = max(length, context_steps / kv_tokens)
@@ -259,7 +260,6 @@ def floors(args, run: Path) -> list[dict]:
                 + floor["floor_training_attn_s"]
             )
             floor["ratio_step_rounds_attn"] = row["step_s"] / floor["reading_step_rounds_attn_s"]
-        floor.setdefault("ratio_step_rounds_attn", None)
         out.append({**row, **floor})
     return out
 

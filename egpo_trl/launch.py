@@ -384,12 +384,6 @@ def _check_dataset(script_args, report: DryRunReport) -> None:
         report.notes.append(f"dataset: {name} is loaded from the Hugging Face Hub at run time (not checked).")
 
 
-def _number(checkpoint) -> int:
-    """The step number in a ``checkpoint-N`` folder's name (-1 for another name)."""
-    number = Path(checkpoint).name.rsplit("-", 1)[-1]
-    return int(number) if number.isdigit() else -1
-
-
 def _check_output_dir(script_args, training_args, report: DryRunReport) -> None:
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -414,15 +408,14 @@ def _check_output_dir(script_args, training_args, report: DryRunReport) -> None:
             report.problems.append(f"resume_from_checkpoint={resume} does not exist.")
         else:
             report.settings.append(("resumes from", resume))
-            later = [
-                c.name
-                for c in sorted(path.glob("checkpoint-*"))
-                if c.is_dir() and Path(resume).resolve().parent == path.resolve() and _number(c) > _number(resume)
-            ]
+            from egpo_trl.script.resume import checkpoint_step, later_checkpoints
+
+            own = Path(resume).resolve().parent == path.resolve()
+            later = later_checkpoints(path, checkpoint_step(resume)) if own else []
             if later:
                 report.notes.append(
-                    f"{', '.join(later)} of {path} come after the checkpoint resumed from: the run sets them aside, "
-                    "with the records of their steps, in replaced/<time>-from-step-N/."
+                    f"{', '.join(c.name for c in later)} of {path} come after the checkpoint resumed from: the run "
+                    "sets them aside, with the records of their steps, in replaced/<time>-from-step-N/."
                 )
     if path.is_dir() and not resuming:
         found = [p.name for p in sorted(path.glob("checkpoint-*")) if p.is_dir()]

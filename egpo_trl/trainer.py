@@ -166,8 +166,7 @@ def vllm_out_of_memory_message(args, processes: int, error: BaseException) -> st
         f"does not fit beside what training keeps there ({processes} process{'es' * (processes != 1)}). Lower "
         "vllm_gpu_memory_utilization (the start-up line 'vLLM's KV cache holds ...' says how many sequences a share "
         "holds at once), or, where ZeRO-3 or FSDP shard the training state, train on more processes so that each "
-        "GPU holds less of it. vLLM said: "
-        f"{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}"
+        f"GPU holds less of it. vLLM said: {text.strip().splitlines()[0] if text.strip() else type(error).__name__}"
     )
 
 

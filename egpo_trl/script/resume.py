@@ -1,6 +1,6 @@
 """Stopping and resuming a run: the checkpoint saved on Ctrl-C, the command that resumes, the records and checkpoints
-of steps after the checkpoint a run resumes from set aside, the held-out evaluation and the clock carried over, and the check that a
-resumed run has something left to train.
+of steps after the checkpoint a run resumes from set aside, the held-out evaluation and the clock carried over, and
+the check that a resumed run has something left to train.
 
 What makes the resumed training itself exact (the generation buffer, the RNG states at the step boundary, vLLM's
 sampling seeds) lives with the trainer: :mod:`egpo_trl.resume_state`.
@@ -23,20 +23,21 @@ from egpo_trl.script.outputs import METRICS_FILE, REPLACED_DIR, read_metrics
 __all__ = [
     "LAST_SAVED_FILE",
     "checkpoint_step",
+    "discard_set_aside",
     "finished_message",
     "heldout_fingerprint",
     "interrupted_message",
+    "later_checkpoints",
     "later_final_outputs",
     "missing_final_outputs",
+    "put_back_later_history",
     "resume_checkpoint",
     "resumed_time",
     "resumes_own_run",
     "save_interrupted",
+    "set_aside_later_history",
     "stored_heldout_after",
     "stored_heldout_before",
-    "discard_set_aside",
-    "put_back_later_history",
-    "set_aside_later_history",
     "trainer_last_step",
 ]
 
@@ -282,10 +283,7 @@ def set_aside_later_history(output_dir: str | Path, step: int) -> Path | None:
     records = read_metrics(metrics) if metrics.is_file() else []
     replayed = [r.get("step", 0) > step or r.get("heldout/stage") == "after" for r in records]
     cut = [r for r, out in zip(records, replayed, strict=True) if out]
-    later = sorted(
-        (c for c in output_dir.glob("checkpoint-*") if c.is_dir() and _checkpoint_number(c) > step),
-        key=_checkpoint_number,
-    )
+    later = later_checkpoints(output_dir, step)
     if not cut and not later:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -329,9 +327,10 @@ def discard_set_aside(folder: Path) -> None:
         folder.parent.rmdir()  # replaced/, when nothing else is in it
 
 
-def _checkpoint_number(path: Path) -> int:
-    number = path.name.rsplit("-", 1)[-1]
-    return int(number) if number.isdigit() else -1
+def later_checkpoints(output_dir: str | Path, step: int) -> list[Path]:
+    """The ``checkpoint-N`` folders of ``output_dir`` with N after ``step``, in step order (other names left out)."""
+    numbered = [(c, c.name.rsplit("-", 1)[-1]) for c in Path(output_dir).glob("checkpoint-*") if c.is_dir()]
+    return [c for c, n in sorted((c, int(n)) for c, n in numbered if n.isdigit() and int(n) > step)]
 
 
 def save_interrupted(trainer) -> None:

@@ -357,7 +357,7 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         trainer.egpo_load_only = True
         with undone_on_failure:
             trainer.train(resume_from_checkpoint=resume)
-            if trainer.state.global_step != checkpoint_step(resume):
+            if trainer.state.global_step != resume_step:
                 raise RuntimeError(f"{resume} loaded at step {trainer.state.global_step}, not its own step")
         trainer.egpo_load_only = False
     else:
