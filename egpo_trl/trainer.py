@@ -90,6 +90,13 @@ from egpo_trl.config import EGPOConfig, distribution_changing_sampling_options, 
 from egpo_trl.correctness import binary_correctness_features, correctness_reward_index, reward_func_names
 from egpo_trl.fused import GROUP_KEY as _FUSED_GROUP_KEY
 from egpo_trl.fused import LossForwardEntropyMixin
+from egpo_trl.gpu_memory import (
+    GIB,
+    GenerationMemoryError,
+    device_memory,
+    generation_memory_verdict,
+    pending_optimizer_state_bytes,
+)
 from egpo_trl.input_checks import check_trainer_inputs, config_makes_forward_random
 from egpo_trl.old_logps import FORWARD_KEYS as _FORWARD_KEYS
 from egpo_trl.resume_state import ExactResumeMixin
@@ -160,6 +167,8 @@ def vllm_out_of_memory_message(args, processes: int, error: BaseException) -> st
     text = str(error)
     if not isinstance(error, RuntimeError) or "out of memory" not in text.lower() or "CPUAllocator" in text:
         return None  # not an out-of-memory error, or the host's memory
+    if isinstance(error, GenerationMemoryError):
+        return None  # the trainer's own check: its message names the fix already
     share = args.vllm_gpu_memory_utilization
     return (
         f"vLLM ran out of GPU memory while generating: its share of each GPU (vllm_gpu_memory_utilization={share}) "
@@ -284,6 +293,7 @@ class EGPOTrainer(
         self._egpo_capture_entropy = False  # capture the entropies of TRL's next old-log-prob pass
         self._egpo_captured_entropies: torch.Tensor | None = None
         self._egpo_round_inputs: list[dict[str, Any]] | None = None
+        self._egpo_memory_checked = False  # the GPU memory check of the first generation (egpo_trl/gpu_memory.py)
         #: What the last generation batch computed (global tensors), for inspection and tests.
         self.egpo_last_batch: dict[str, Any] = {}
 
@@ -451,12 +461,73 @@ class EGPOTrainer(
 
     def _generate(self, prompts: list):
         try:
-            return self._egpo_generate(prompts)
+            with self._egpo_memory_check_at_first_generation():
+                return self._egpo_generate(prompts)
         except RuntimeError as error:
             message = vllm_out_of_memory_message(self.args, self.accelerator.num_processes, error)
             if message is None:
                 raise
             raise RuntimeError(message) from error
+
+    @contextmanager
+    def _egpo_memory_check_at_first_generation(self):
+        """At the first generation of training with a colocated vLLM engine, check the GPUs' memory once vLLM is
+        awake, before it generates (:mod:`egpo_trl.gpu_memory`): the engine's ``generate`` is wrapped for that one
+        call. The held-out evaluation, which generates on one process, is not a training generation."""
+        generation = getattr(self, "vllm_generation", None)
+        llm = getattr(generation, "llm", None)
+        if (
+            self._egpo_memory_checked
+            or not self.model.training
+            or not getattr(self, "use_vllm", False)
+            or getattr(generation, "mode", None) != "colocate"
+            or llm is None
+        ):
+            yield
+            return
+        self._egpo_memory_checked = True
+        own = "generate" in vars(llm)  # a wrapper set on the engine itself stays as it was
+        previous = llm.generate
+
+        def restore():
+            if own:
+                llm.generate = previous
+            else:
+                vars(llm).pop("generate", None)
+
+        def checked(*args, **kwargs):
+            restore()
+            self._egpo_check_generation_memory()
+            return previous(*args, **kwargs)
+
+        llm.generate = checked
+        try:
+            yield
+        finally:
+            if vars(llm).get("generate") is checked:
+                restore()
+
+    def _egpo_check_generation_memory(self) -> None:
+        """Stop before the first generation where later ones will not fit: every process reads its GPU (vLLM awake)
+        and the optimizer state its first step will create; all decide on the gathered readings alike."""
+        device = self.accelerator.device
+        reading = device_memory(device)
+        pending = pending_optimizer_state_bytes(self.optimizer, device.type)
+        if reading is None or pending is None:  # the same on every process: one device type, one optimizer class
+            return
+        free, total = reading
+        values = torch.tensor([total - free, total, *pending], dtype=torch.float64, device=device)
+        readings = [tuple(row) for row in self.accelerator.gather(values).view(-1, 4).tolist()]
+        per_generation = max(
+            1, self.args.steps_per_generation * self.num_iterations // self.args.gradient_accumulation_steps
+        )
+        later_generations = self.state.max_steps - self.state.global_step > per_generation
+        line, error = generation_memory_verdict(readings, self.args.vllm_gpu_memory_utilization, later_generations)
+        if error is not None:
+            raise GenerationMemoryError(error)
+        if self.accelerator.is_main_process:
+            tight = max(used + more - total for used, total, more, _ in readings) > -2 * GIB
+            (logger.warning if tight and later_generations else logger.info)(line)
 
     def _egpo_generate(self, prompts: list):
         gec = self.args.edge_gec and self.model.training and getattr(self, "_egpo_round_inputs", None) is not None

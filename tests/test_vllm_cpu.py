@@ -382,3 +382,34 @@ def test_too_small_memory_share_gets_a_clear_error(tmp_path, vllm_model_dir):
     )
     assert result.returncode != 0
     assert "VLLMCPUError" in result.stderr and "vllm_gpu_memory_utilization=0.02" in result.stderr
+
+
+@pytest.mark.vllm
+@requires_vllm_cpu
+def test_a_share_the_optimizer_state_will_not_leave_room_for_stops_before_the_first_generation(
+    tmp_path, vllm_model_dir
+):
+    """With vLLM awake at the first generation, the device's memory in use plus the AdamW moments that the first
+    optimizer step creates must fit the card, or later generations run out of memory: the run stops before it
+    generates, naming the share that would fit. The CPU has no memory reading, so the script gives one: 1 KiB free
+    of 10 GiB, less than the tiny model's moments."""
+    common = [sys.executable, str(SCRIPT), vllm_model_dir, "--device-free-total", f"1024,{10 * 1024**3}"]
+    result = subprocess.run(
+        [*common[:3], str(tmp_path / "two.json"), *common[3:], "--steps", "2"],
+        capture_output=True, text=True, env=_subprocess_env(), cwd=REPO, timeout=900,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "GenerationMemoryError" in result.stderr, result.stderr[-3000:]
+    assert "Lower vllm_gpu_memory_utilization from 0.25 to at most 0.14" in result.stderr
+    assert not (tmp_path / "two.json").exists()
+    # One step: no later generation, so the same reading lets it train; the device was read once, at the first
+    # training generation (the script's own generations after training are not checked).
+    out = tmp_path / "one.json"
+    result = subprocess.run(
+        [*common[:3], str(out), *common[3:], "--steps", "1"],
+        capture_output=True, text=True, env=_subprocess_env(), cwd=REPO, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = json.loads(out.read_text())
+    assert written["device_memory_readings"] == ["cpu"]
+    assert len(written["detokenize"]) == 1  # the script's own wrapper of the engine's generate saw the generation

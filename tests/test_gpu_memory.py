@@ -1,0 +1,103 @@
+"""The GPU memory check of the first generation (``egpo_trl/gpu_memory.py``): the optimizer state still to come, and
+the verdict on the readings. The check inside a training run with a colocated vLLM engine is in test_vllm_cpu.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import make_prompt_dataset, parity_reward
+from conftest import trainer_config as config
+
+from egpo_trl import EGPOTrainer
+from egpo_trl.gpu_memory import (
+    GIB,
+    GenerationMemoryError,
+    generation_memory_verdict,
+    pending_optimizer_state_bytes,
+)
+from egpo_trl.trainer import vllm_out_of_memory_message
+
+
+def _step(optimizer, parameters):
+    sum(p.float().sum() for p in parameters).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("amsgrad, moments", [(False, 2), (True, 3)])
+def test_adamw_state_is_pending_until_its_first_step(amsgrad, moments):
+    parameters = [torch.nn.Parameter(torch.zeros(10, 3)), torch.nn.Parameter(torch.zeros(7, dtype=torch.bfloat16))]
+    optimizer = torch.optim.AdamW(parameters, lr=1e-3, amsgrad=amsgrad)
+    assert pending_optimizer_state_bytes(optimizer, "cpu") == (moments * (30 * 4 + 7 * 2), 37)
+    assert pending_optimizer_state_bytes(optimizer, "cuda") == (0, 0)  # state follows its parameter's device
+    _step(optimizer, parameters)
+    assert pending_optimizer_state_bytes(optimizer, "cpu") == (0, 0)
+    # the state the step created is what was announced
+    created = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim())
+    assert created == moments * (30 * 4 + 7 * 2)
+
+
+def test_optimizers_whose_state_is_not_known_are_left_alone():
+    parameters = [torch.nn.Parameter(torch.zeros(5))]
+    assert pending_optimizer_state_bytes(torch.optim.SGD(parameters, lr=0.1, momentum=0.9), "cpu") is None
+    assert pending_optimizer_state_bytes(None) is None
+
+
+# Measured: the R1-Distill-7B recipe at share 0.65 on 4 x H100 under ZeRO-3 had 73.7 GiB of 79.6 in use during its
+# first generation; AdamW's moments of 7.6B parameters over 4 processes are 14.2 GiB a GPU.
+R1_7B_FOUR_GPUS = (73.7 * GIB, 79.6 * GIB, 14.2 * GIB, 1.9e9)
+
+
+def test_a_share_that_will_not_fit_after_the_first_step_is_stopped_with_the_share_that_would():
+    fits = (60.0 * GIB, 79.6 * GIB, 7.1 * GIB, 0.95e9)
+    line, error = generation_memory_verdict([fits, R1_7B_FOUR_GPUS, fits], 0.65, later_generations=True)
+    assert "process 1" in line and "73.7 of 79.6 GiB" in line and "about 87.9 GiB" in line
+    expected = math.floor((0.65 - (87.9 - 79.6 + 1) / 79.6) * 100) / 100
+    assert expected == 0.53
+    assert "Lower vllm_gpu_memory_utilization from 0.65 to at most 0.53" in error
+    assert "1.90B parameters" in error and "add 14.2 GiB" in error and "Stopped before generating" in error
+    # a run without a later generation (one step) is let through, with the line
+    line, error = generation_memory_verdict([R1_7B_FOUR_GPUS], 0.65, later_generations=False)
+    assert error is None and "87.9 GiB" in line
+    # where it fits, only the line
+    line, error = generation_memory_verdict([fits, fits], 0.65, later_generations=True)
+    assert error is None and "about 67.1 GiB" in line
+    # nothing left for vLLM: the other ways out
+    _, error = generation_memory_verdict([(79.0 * GIB, 79.6 * GIB, 30 * GIB, 4e9)], 0.3, later_generations=True)
+    assert "vllm_mode: server" in error and "Lower" not in error
+
+
+def test_the_checks_error_is_not_rewrapped_as_a_vllm_out_of_memory_error(tmp_path):
+    args = config(tmp_path, use_vllm=True, vllm_mode="colocate")
+    error = GenerationMemoryError("... would need about 88 GiB and run out of memory a whole step from now ...")
+    assert vllm_out_of_memory_message(args, 4, error) is None
+    assert vllm_out_of_memory_message(args, 4, RuntimeError("CUDA error: out of memory")) is not None
+
+
+@pytest.mark.slow
+def test_the_trainer_reads_its_optimizer_and_decides_on_the_gathered_readings(tmp_path, tiny_model_dir, monkeypatch):
+    """The trainer's check on the real trainer and optimizer (one process, CPU: the device reading is given)."""
+    trainer = EGPOTrainer(
+        tiny_model_dir, parity_reward, config(tmp_path, max_steps=3), train_dataset=make_prompt_dataset()
+    )
+    trainer.create_optimizer()
+    trainer.state.max_steps = 3
+    pending, parameters = pending_optimizer_state_bytes(trainer.optimizer, "cpu")
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    assert parameters == trainable and pending == 2 * 4 * trainable  # float32 weights, two moments
+    readings = []
+    monkeypatch.setattr("egpo_trl.trainer.device_memory", lambda device: readings.append(device) or (free, 10 * GIB))
+    free = pending + GIB  # room for the moments
+    trainer._egpo_check_generation_memory()
+    free = pending // 2  # not enough
+    with pytest.raises(GenerationMemoryError, match=r"from 0\.3 to at most 0\.19"):
+        trainer._egpo_check_generation_memory()
+    trainer.state.max_steps = 1  # no later generation
+    trainer._egpo_check_generation_memory()
+    assert len(readings) == 3
+    # after training, through accelerate's wrapper: the moments exist, nothing is pending
+    trainer.train()
+    assert not isinstance(trainer.optimizer, torch.optim.AdamW)
+    assert pending_optimizer_state_bytes(trainer.optimizer, "cpu") == (0, 0)
