@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODELS = {
     "qwen15b": ("Qwen/Qwen2.5-Math-1.5B", 3072, "zero2", 0.3),
     "qwen7b": ("Qwen/Qwen2.5-Math-7B", 3072, "zero3", 0.4),
-    "r1_distill_15b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", 15360, "zero2", 0.4),
+    "r1_distill_15b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", 15360, "zero2", 0.55),
     "r1_distill_7b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", 15360, "zero3", 0.65),
 }
 METHODS = ("egpo", "grpo", "dapo", "edge_grpo")
