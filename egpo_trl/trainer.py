@@ -472,8 +472,8 @@ class EGPOTrainer(
     @contextmanager
     def _egpo_memory_check_at_first_generation(self):
         """At the first generation of training with a colocated vLLM engine, check the GPUs' memory once vLLM is
-        awake, before it generates (:mod:`egpo_trl.gpu_memory`): the engine's ``generate`` is wrapped for that one
-        call. The held-out evaluation, which generates on one process, is not a training generation."""
+        awake, before it generates and once it has (:mod:`egpo_trl.gpu_memory`): the engine's ``generate`` is wrapped
+        for that one call. Evaluation (the model not in training mode) is not a training generation."""
         generation = getattr(self, "vllm_generation", None)
         llm = getattr(generation, "llm", None)
         if (
@@ -485,7 +485,6 @@ class EGPOTrainer(
         ):
             yield
             return
-        self._egpo_memory_checked = True
         own = "generate" in vars(llm)  # a wrapper set on the engine itself stays as it was
         previous = llm.generate
 
@@ -497,8 +496,11 @@ class EGPOTrainer(
 
         def checked(*args, **kwargs):
             restore()
-            self._egpo_check_generation_memory()
-            return previous(*args, **kwargs)
+            self._egpo_memory_checked = True  # here: a generation that never reaches the engine leaves it for later
+            self._egpo_check_generation_memory(generated=False)
+            result = previous(*args, **kwargs)
+            self._egpo_check_generation_memory(generated=True)
+            return result
 
         llm.generate = checked
         try:
@@ -507,9 +509,10 @@ class EGPOTrainer(
             if vars(llm).get("generate") is checked:
                 restore()
 
-    def _egpo_check_generation_memory(self) -> None:
-        """Stop before the first generation where later ones will not fit: every process reads its GPU (vLLM awake)
-        and the optimizer state its first step will create; all decide on the gathered readings alike."""
+    def _egpo_check_generation_memory(self, generated: bool) -> None:
+        """Stop at the first generation where later ones will not fit: every process reads its GPU (vLLM awake;
+        ``generated``: once it has generated) and the optimizer state its first step will create; all decide on the
+        gathered readings alike."""
         device = self.accelerator.device
         reading = device_memory(device)
         pending = pending_optimizer_state_bytes(self.optimizer, device.type)
@@ -522,10 +525,12 @@ class EGPOTrainer(
             1, self.args.steps_per_generation * self.num_iterations // self.args.gradient_accumulation_steps
         )
         later_generations = self.state.max_steps - self.state.global_step > per_generation
-        line, error = generation_memory_verdict(readings, self.args.vllm_gpu_memory_utilization, later_generations)
+        line, error = generation_memory_verdict(
+            readings, self.args.vllm_gpu_memory_utilization, later_generations, generated
+        )
         if error is not None:
             raise GenerationMemoryError(error)
-        if self.accelerator.is_main_process:
+        if generated and self.accelerator.is_main_process:
             tight = max(used + more - total for used, total, more, _ in readings) > -2 * GIB
             (logger.warning if tight and later_generations else logger.info)(line)
 

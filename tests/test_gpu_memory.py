@@ -39,6 +39,34 @@ def test_adamw_state_is_pending_until_its_first_step(amsgrad, moments):
     assert created == moments * (30 * 4 + 7 * 2)
 
 
+class ZeroStage3Like:
+    """DeepSpeed ZeRO-3's layout (deepspeed/runtime/zero/stage3.py): the fp32 partitions on the wrapper itself, the
+    inner optimizer's ``param_groups`` emptied except during its step, its state keyed by the partitions."""
+
+    def __init__(self, partitions):
+        self.fp32_partitioned_groups_flat = partitions
+        self.optimizer = torch.optim.AdamW(partitions, lr=1e-3)
+        for group in self.optimizer.param_groups:
+            group["params"] = []
+
+    def step(self):
+        for partition in self.fp32_partitioned_groups_flat:
+            self.optimizer.param_groups[0]["params"] = [partition]
+            self.optimizer.step()
+        self.optimizer.param_groups[0]["params"] = []
+
+
+def test_zero3s_partitions_are_found_on_its_wrapper():
+    partitions = [torch.nn.Parameter(torch.zeros(12)), torch.nn.Parameter(torch.zeros(4))]
+    zero3 = ZeroStage3Like(partitions)
+    wrapper = type("AcceleratedLike", (), {"optimizer": zero3})()  # accelerate's wrapper holds DeepSpeed's
+    assert pending_optimizer_state_bytes(wrapper, "cpu") == (2 * 16 * 4, 16)
+    for partition in partitions:
+        partition.grad = torch.ones_like(partition)
+    zero3.step()
+    assert pending_optimizer_state_bytes(wrapper, "cpu") == (0, 0)
+
+
 def test_optimizers_whose_state_is_not_known_are_left_alone():
     parameters = [torch.nn.Parameter(torch.zeros(5))]
     assert pending_optimizer_state_bytes(torch.optim.SGD(parameters, lr=0.1, momentum=0.9), "cpu") is None
@@ -52,20 +80,22 @@ R1_7B_FOUR_GPUS = (73.7 * GIB, 79.6 * GIB, 14.2 * GIB, 1.9e9)
 
 def test_a_share_that_will_not_fit_after_the_first_step_is_stopped_with_the_share_that_would():
     fits = (60.0 * GIB, 79.6 * GIB, 7.1 * GIB, 0.95e9)
-    line, error = generation_memory_verdict([fits, R1_7B_FOUR_GPUS, fits], 0.65, later_generations=True)
-    assert "process 1" in line and "73.7 of 79.6 GiB" in line and "about 87.9 GiB" in line
+    line, error = generation_memory_verdict([fits, R1_7B_FOUR_GPUS, fits], 0.65, True, generated=True)
+    assert "process 1" in line and "after it" in line and "73.7 of 79.6 GiB" in line and "about 87.9 GiB" in line
     expected = math.floor((0.65 - (87.9 - 79.6 + 1) / 79.6) * 100) / 100
     assert expected == 0.53
     assert "Lower vllm_gpu_memory_utilization from 0.65 to at most 0.53" in error
-    assert "1.90B parameters" in error and "add 14.2 GiB" in error and "Stopped before generating" in error
+    assert "1.90B parameters" in error and "add 14.2 GiB" in error and "Stopped after the first generation" in error
+    _, error = generation_memory_verdict([R1_7B_FOUR_GPUS], 0.65, True, generated=False)
+    assert "Before the first generation" in error and "Stopped before the first generation" in error
     # a run without a later generation (one step) is let through, with the line
-    line, error = generation_memory_verdict([R1_7B_FOUR_GPUS], 0.65, later_generations=False)
+    line, error = generation_memory_verdict([R1_7B_FOUR_GPUS], 0.65, False, generated=True)
     assert error is None and "87.9 GiB" in line
     # where it fits, only the line
-    line, error = generation_memory_verdict([fits, fits], 0.65, later_generations=True)
+    line, error = generation_memory_verdict([fits, fits], 0.65, True, generated=True)
     assert error is None and "about 67.1 GiB" in line
     # nothing left for vLLM: the other ways out
-    _, error = generation_memory_verdict([(79.0 * GIB, 79.6 * GIB, 30 * GIB, 4e9)], 0.3, later_generations=True)
+    _, error = generation_memory_verdict([(79.0 * GIB, 79.6 * GIB, 30 * GIB, 4e9)], 0.3, True, generated=True)
     assert "vllm_mode: server" in error and "Lower" not in error
 
 
@@ -90,13 +120,14 @@ def test_the_trainer_reads_its_optimizer_and_decides_on_the_gathered_readings(tm
     readings = []
     monkeypatch.setattr("egpo_trl.trainer.device_memory", lambda device: readings.append(device) or (free, 10 * GIB))
     free = pending + GIB  # room for the moments
-    trainer._egpo_check_generation_memory()
+    trainer._egpo_check_generation_memory(generated=False)
+    trainer._egpo_check_generation_memory(generated=True)
     free = pending // 2  # not enough
     with pytest.raises(GenerationMemoryError, match=r"from 0\.3 to at most 0\.19"):
-        trainer._egpo_check_generation_memory()
+        trainer._egpo_check_generation_memory(generated=True)
     trainer.state.max_steps = 1  # no later generation
-    trainer._egpo_check_generation_memory()
-    assert len(readings) == 3
+    trainer._egpo_check_generation_memory(generated=True)
+    assert len(readings) == 4
     # after training, through accelerate's wrapper: the moments exist, nothing is pending
     trainer.train()
     assert not isinstance(trainer.optimizer, torch.optim.AdamW)

@@ -401,9 +401,10 @@ def test_a_share_the_optimizer_state_will_not_leave_room_for_stops_before_the_fi
     assert result.returncode != 0
     assert "GenerationMemoryError" in result.stderr, result.stderr[-3000:]
     assert "Lower vllm_gpu_memory_utilization from 0.25 to at most 0.14" in result.stderr
+    assert "Stopped before the first generation" in result.stderr
     assert not (tmp_path / "two.json").exists()
-    # One step: no later generation, so the same reading lets it train; the device was read once, at the first
-    # training generation (the script's own generations after training are not checked).
+    # One step: no later generation, so the same reading lets it train; the device was read at the first training
+    # generation only (the script's own generations after training are not checked).
     out = tmp_path / "one.json"
     result = subprocess.run(
         [*common[:3], str(out), *common[3:], "--steps", "1"],
@@ -411,5 +412,5 @@ def test_a_share_the_optimizer_state_will_not_leave_room_for_stops_before_the_fi
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     written = json.loads(out.read_text())
-    assert written["device_memory_readings"] == ["cpu"]
+    assert written["device_memory_readings"] == ["cpu", "cpu"]  # vLLM awake, before and after it generated
     assert len(written["detokenize"]) == 1  # the script's own wrapper of the engine's generate saw the generation
