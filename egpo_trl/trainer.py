@@ -530,9 +530,14 @@ class EGPOTrainer(
         )
         if error is not None:
             raise GenerationMemoryError(error)
-        if generated and self.accelerator.is_main_process:
-            tight = max(used + more - total for used, total, more, _ in readings) > -2 * GIB
-            (logger.warning if tight and later_generations else logger.info)(line)
+        if generated:
+            # The fullest GPU's figures, logged with the first step (the same on every process: gathered readings).
+            used, total, pending, _ = max(readings, key=lambda reading: reading[0] + reading[2] - reading[1])
+            self._metrics["train"]["egpo/gpu_memory_first_generation_gib"].append(used / GIB)
+            self._metrics["train"]["egpo/gpu_memory_later_generations_gib"].append((used + pending) / GIB)
+            if self.accelerator.is_main_process:
+                tight = used + pending - total > -2 * GIB
+                (logger.warning if tight and later_generations else logger.info)(line)
 
     def _egpo_generate(self, prompts: list):
         gec = self.args.edge_gec and self.model.training and getattr(self, "_egpo_round_inputs", None) is not None

@@ -128,6 +128,11 @@ def test_the_trainer_reads_its_optimizer_and_decides_on_the_gathered_readings(tm
     trainer.state.max_steps = 1  # no later generation
     trainer._egpo_check_generation_memory(generated=True)
     assert len(readings) == 4
+    # the fullest GPU's figures go to the first step's metrics (one per check made after generating that passed)
+    metrics = trainer._metrics["train"]
+    assert metrics["egpo/gpu_memory_first_generation_gib"][0] == pytest.approx(10 - (pending + GIB) / GIB)
+    assert metrics["egpo/gpu_memory_later_generations_gib"][0] == pytest.approx(9.0)
+    metrics.clear()
     # after training, through accelerate's wrapper: the moments exist, nothing is pending
     trainer.train()
     assert not isinstance(trainer.optimizer, torch.optim.AdamW)

@@ -413,4 +413,8 @@ def test_a_share_the_optimizer_state_will_not_leave_room_for_stops_before_the_fi
     assert result.returncode == 0, result.stderr[-3000:]
     written = json.loads(out.read_text())
     assert written["device_memory_readings"] == ["cpu", "cpu"]  # vLLM awake, before and after it generated
+    # the fullest GPU's figures in the first step's metrics: the memory given, and that plus the moments to come
+    first = written["first_step_memory"]
+    assert first["egpo/gpu_memory_first_generation_gib"] == pytest.approx(10 - 1024 / 1024**3)
+    assert first["egpo/gpu_memory_later_generations_gib"] > 10
     assert len(written["detokenize"]) == 1  # the script's own wrapper of the engine's generate saw the generation

@@ -162,6 +162,7 @@ def main() -> None:
         "synced_vs_trainer": (synced - current).abs().max().item(),
         "initial_vs_trainer": (initial - current).abs().max().item(),
         "device_memory_readings": readings if cli.device_free_total else None,
+        "first_step_memory": {key: value for key, value in metrics[0].items() if key.startswith("egpo/gpu_memory")},
     }
     Path(cli.out).write_text(json.dumps(result, indent=2))
 
