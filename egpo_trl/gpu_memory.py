@@ -24,6 +24,7 @@ __all__ = [
     "GenerationMemoryError",
     "device_memory",
     "generation_memory_verdict",
+    "optimizer_name",
     "pending_optimizer_state_bytes",
 ]
 
@@ -54,6 +55,22 @@ def _moments_per_parameter(optimizer, group: dict) -> int | None:
     return None
 
 
+def _optimizer_chain(optimizer) -> list:
+    """``optimizer`` and the optimizers it wraps (accelerate's and DeepSpeed's wrappers: ``.optimizer``)."""
+    chain = [optimizer]
+    for _ in range(8):
+        inner = getattr(chain[-1], "optimizer", None)
+        if inner is None or inner is chain[-1]:
+            break
+        chain.append(inner)
+    return chain
+
+
+def optimizer_name(optimizer) -> str:
+    """The class name of the optimizer that holds the state, under its wrappers."""
+    return type(_optimizer_chain(optimizer)[-1]).__name__
+
+
 def _updated_tensors(chain: list) -> list | None:
     """The tensors the innermost optimizer updates: DeepSpeed ZeRO-3 keeps its fp32 partitions on its own wrapper
     (``fp32_partitioned_groups_flat``) and puts each in the inner optimizer's ``param_groups`` only for the length of
@@ -61,7 +78,7 @@ def _updated_tensors(chain: list) -> list | None:
     for level in chain:
         flats = getattr(level, "fp32_partitioned_groups_flat", None)
         if isinstance(flats, (list, tuple)) and flats:
-            return [flat for flat in flats if isinstance(flat, torch.Tensor)]  # None: swapped out to NVMe
+            return [flat for flat in flats if isinstance(flat, torch.Tensor)]  # swapped to NVMe: empty, counts 0
     tensors = [parameter for group in getattr(chain[-1], "param_groups", None) or () for parameter in group["params"]]
     return tensors or None
 
@@ -77,12 +94,7 @@ def pending_optimizer_state_bytes(optimizer, device_type: str = "cuda") -> tuple
     """
     if optimizer is None:
         return None
-    chain = [optimizer]
-    for _ in range(8):  # through accelerate's and DeepSpeed's wrappers
-        inner = getattr(chain[-1], "optimizer", None)
-        if inner is None or inner is chain[-1]:
-            break
-        chain.append(inner)
+    chain = _optimizer_chain(optimizer)
     inner = chain[-1]
     groups = getattr(inner, "param_groups", None)
     tensors = _updated_tensors(chain)

@@ -95,6 +95,7 @@ from egpo_trl.gpu_memory import (
     GenerationMemoryError,
     device_memory,
     generation_memory_verdict,
+    optimizer_name,
     pending_optimizer_state_bytes,
 )
 from egpo_trl.input_checks import check_trainer_inputs, config_makes_forward_random
@@ -517,6 +518,13 @@ class EGPOTrainer(
         reading = device_memory(device)
         pending = pending_optimizer_state_bytes(self.optimizer, device.type)
         if reading is None or pending is None:  # the same on every process: one device type, one optimizer class
+            if reading is not None and not generated and self.accelerator.is_main_process:
+                logger.warning(
+                    "The GPU memory check of the first generation stands aside: the optimizer (%s) is not one whose "
+                    "state it knows (Adam, AdamW, DeepSpeed's FusedAdam on the GPU). Later generations have that "
+                    "state beside vLLM's share; if they run out of memory, lower vllm_gpu_memory_utilization.",
+                    optimizer_name(self.optimizer),
+                )
             return
         free, total = reading
         values = torch.tensor([total - free, total, *pending], dtype=torch.float64, device=device)

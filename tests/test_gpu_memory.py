@@ -137,3 +137,34 @@ def test_the_trainer_reads_its_optimizer_and_decides_on_the_gathered_readings(tm
     trainer.train()
     assert not isinstance(trainer.optimizer, torch.optim.AdamW)
     assert pending_optimizer_state_bytes(trainer.optimizer, "cpu") == (0, 0)
+
+
+@pytest.mark.slow
+def test_the_check_says_when_it_stands_aside_and_its_figures_survive_dynamic_samplings_rounds(
+    tmp_path, tiny_model_dir, monkeypatch, caplog
+):
+    trainer = EGPOTrainer(
+        tiny_model_dir, parity_reward, config(tmp_path, max_steps=3), train_dataset=make_prompt_dataset()
+    )
+    trainer.state.max_steps = 3
+    monkeypatch.setattr("egpo_trl.trainer.device_memory", lambda device: (GIB, 10 * GIB))
+    trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.1)  # state this check does not know
+    with caplog.at_level("WARNING", logger="egpo_trl.trainer"):
+        trainer._egpo_check_generation_memory(generated=False)
+        trainer._egpo_check_generation_memory(generated=True)
+    assert [r.getMessage().count("stands aside: the optimizer (SGD)") for r in caplog.records] == [1]
+    assert "egpo/gpu_memory_first_generation_gib" not in trainer._metrics["train"]
+
+    # Dynamic sampling keeps the metrics of the rounds whose groups fill the batch; the memory check's figures,
+    # logged in the first round, are the run's, whichever rounds are kept.
+    metrics = trainer._metrics["train"]
+    metrics["egpo/gpu_memory_first_generation_gib"].append(9.0)
+    metrics["egpo/gpu_memory_later_generations_gib"].append(9.5)
+    metrics["completions/mean_length"].append(7.0)
+    marks = [{}, {name: len(values) for name, values in metrics.items()}]
+    metrics["completions/mean_length"].append(8.0)  # the second round's
+    rewards = torch.tensor([[1.0], [-1.0]] * (trainer.num_generations // 2))
+    trainer._keep_batch_metrics(marks, [1], {}, rewards, trainer.num_generations)  # only the second round is used
+    assert metrics["egpo/gpu_memory_first_generation_gib"] == [9.0]
+    assert metrics["egpo/gpu_memory_later_generations_gib"] == [9.5]
+    assert metrics["completions/mean_length"] == [8.0]

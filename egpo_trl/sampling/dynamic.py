@@ -199,6 +199,8 @@ class DynamicSamplingMixin:
             values = metrics[name]
             if name == "num_tokens":  # a running total TRL sets (not appends): every generated token counts
                 continue
+            if name.startswith("egpo/gpu_memory_"):  # the first generation's memory check: of the run, not a round
+                continue
             starts = [mark.get(name, 0) for mark in marks] + [len(values)]
             if starts[-1] == starts[0]:
                 continue  # nothing logged during the rounds
