@@ -10,7 +10,10 @@ the old-policy log-prob pass (``timing/old_logps_s``), Guided Error Correction (
 rewrites and continuations; EDGE-GRPO only; of which the continuations' generation alone,
 ``timing/gec_continuation_s``) and the rest (scoring, advantages and the forward/backward/optimizer
 step); completion tokens per second over the step; TRL's importance-sampling ratio
-(mean and min, when the correction is on), loss and gradient norm. Standard library plus PyYAML.
+(mean and min, when the correction is on), loss and gradient norm; with the first step where vLLM is colocated on
+GPUs, the trainer's estimate of what later generations hold on the fullest GPU
+(``egpo/gpu_memory_later_generations_gib``: against a two-step run's peak, a check of it). Standard library plus
+PyYAML.
 """
 
 from __future__ import annotations
@@ -116,6 +119,7 @@ def summarize(folder: Path) -> list[dict]:
                 loss=record.get("loss"),
                 grad_norm=record.get("grad_norm"),
                 all_incorrect=record.get("egpo/frac_all_incorrect"),
+                later_gib=record.get("egpo/gpu_memory_later_generations_gib"),
             )
         )
     return rows or [dict(base, step="-")]
@@ -141,6 +145,7 @@ COLUMNS = [
     ("is_min", "IS ratio min", "{:.3g}"),
     ("loss", "loss", "{:.4g}"),
     ("grad_norm", "grad norm", "{:.3g}"),
+    ("later_gib", "later generations GiB (trainer's estimate)", "{:.1f}"),
     ("exit", "exit", "{}"),
 ]
 
