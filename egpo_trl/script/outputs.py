@@ -28,6 +28,7 @@ __all__ = [
     "put_heldout_record",
     "read_metrics",
     "remove_if_empty",
+    "write_metrics",
 ]
 
 METRICS_FILE = "metrics.jsonl"
@@ -169,6 +170,13 @@ def put_heldout_record(path: str | Path, record: dict[str, Any]) -> None:
     else:
         records.append(record)
     path.parent.mkdir(parents=True, exist_ok=True)
+    write_metrics(path, records)
+
+
+def write_metrics(path: str | Path, records: list[dict[str, Any]]) -> None:
+    """Write ``records`` as the ``metrics.jsonl`` file ``path``, whole, through a temporary file, so that a crash
+    leaves the old file (or none)."""
+    path = Path(path)
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_text("".join(json.dumps(r, default=float) + "\n" for r in records))
     temporary.replace(path)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from egpo_trl.resume_state import finished_run_step
-from egpo_trl.script.outputs import METRICS_FILE, REPLACED_DIR, read_metrics
+from egpo_trl.script.outputs import METRICS_FILE, REPLACED_DIR, read_metrics, write_metrics
 
 __all__ = [
     "LAST_SAVED_FILE",
@@ -294,11 +294,8 @@ def set_aside_later_history(output_dir: str | Path, step: int) -> Path | None:
         folder = output_dir / REPLACED_DIR / f"{stamp}-from-step-{step}-{attempt}"
     folder.mkdir(parents=True)
     if cut:
-        (folder / METRICS_FILE).write_text("".join(json.dumps(r, default=float) + "\n" for r in cut))
-        kept = [r for r, out in zip(records, replayed, strict=True) if not out]
-        partial = metrics.with_name(metrics.name + ".tmp")
-        partial.write_text("".join(json.dumps(r, default=float) + "\n" for r in kept))
-        partial.replace(metrics)
+        write_metrics(folder / METRICS_FILE, cut)
+        write_metrics(metrics, [r for r, out in zip(records, replayed, strict=True) if not out])
     for checkpoint in later:
         checkpoint.rename(folder / checkpoint.name)
     return folder
