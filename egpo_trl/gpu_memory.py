@@ -23,6 +23,7 @@ import torch
 __all__ = [
     "GenerationMemoryError",
     "device_memory",
+    "fullest_reading",
     "generation_memory_verdict",
     "optimizer_name",
     "pending_optimizer_state_bytes",
@@ -117,6 +118,12 @@ def pending_optimizer_state_bytes(optimizer, device_type: str = "cuda") -> tuple
     return pending, elements
 
 
+def fullest_reading(readings: list[tuple[float, float, float, float]]) -> int:
+    """The process whose GPU comes closest to (or furthest over) its card once the optimizer state is there: the
+    largest ``used + pending - total`` of ``readings`` (see :func:`generation_memory_verdict`)."""
+    return max(range(len(readings)), key=lambda i: readings[i][0] + readings[i][2] - readings[i][1])
+
+
 def generation_memory_verdict(
     readings: list[tuple[float, float, float, float]], share: float, later_generations: bool, generated: bool
 ) -> tuple[str, str | None]:
@@ -128,7 +135,7 @@ def generation_memory_verdict(
     rather than before it. The verdict takes the sum as it is: on two-step runs it came out 0.9-1.4 GiB above the
     later generations' measured peak, so it adds no margin of its own; the share it suggests leaves 1 GiB.
     """
-    worst = max(range(len(readings)), key=lambda i: readings[i][0] + readings[i][2] - readings[i][1])
+    worst = fullest_reading(readings)
     used, total, pending, parameters = readings[worst]
     later = used + pending
     moment = "after" if generated else "before"

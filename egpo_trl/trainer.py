@@ -94,6 +94,7 @@ from egpo_trl.gpu_memory import (
     GIB,
     GenerationMemoryError,
     device_memory,
+    fullest_reading,
     generation_memory_verdict,
     optimizer_name,
     pending_optimizer_state_bytes,
@@ -540,7 +541,7 @@ class EGPOTrainer(
             raise GenerationMemoryError(error)
         if generated:
             # The fullest GPU's figures, logged with the first step (the same on every process: gathered readings).
-            used, total, pending, _ = max(readings, key=lambda reading: reading[0] + reading[2] - reading[1])
+            used, total, pending, _ = readings[fullest_reading(readings)]
             self._metrics["train"]["egpo/gpu_memory_first_generation_gib"].append(used / GIB)
             self._metrics["train"]["egpo/gpu_memory_later_generations_gib"].append((used + pending) / GIB)
             if self.accelerator.is_main_process:
