@@ -99,6 +99,17 @@ def test_a_share_that_will_not_fit_after_the_first_step_is_stopped_with_the_shar
     assert "vllm_mode: server" in error and "Lower" not in error
 
 
+def test_later_generations_must_leave_a_margin_of_the_card_free():
+    # Measured on one H100 (Qwen2.5-Math-1.5B shape, one process, ZeRO-2): the estimate came out 0.13 GiB below the
+    # second generation's peak (46.07 against 46.20 GiB), so a sum just under the card is not taken as fitting.
+    card = 79.2 * GIB
+    just_under = (card - 13.2 * GIB - 0.3 * GIB, card, 13.2 * GIB, 1.78e9)
+    line, error = generation_memory_verdict([just_under], 0.6, True, generated=False)
+    assert error is not None and "Lower vllm_gpu_memory_utilization from 0.6 to at most 0.59" in error, error
+    clear = (card - 13.2 * GIB - 0.6 * GIB, card, 13.2 * GIB, 1.78e9)
+    assert generation_memory_verdict([clear], 0.6, True, generated=False)[1] is None
+
+
 def test_the_checks_error_is_not_rewrapped_as_a_vllm_out_of_memory_error(tmp_path):
     args = config(tmp_path, use_vllm=True, vllm_mode="colocate")
     error = GenerationMemoryError("... would need about 88 GiB and run out of memory a whole step from now ...")
