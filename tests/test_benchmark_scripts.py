@@ -486,3 +486,35 @@ def test_card_check_times_each_device_and_flags_a_slow_one(tmp_path):
     ]
     assert flag_slow(rows, 0.85) == ["cuda:2", "cuda:3"]
     assert rows[2]["matmul_vs_best"] == pytest.approx(400 / 705)
+
+
+def test_train_breakdown_times_the_recipes_micro_batches_without_generation(tmp_path):
+    out_json = tmp_path / "breakdown.json"
+    out = run("benchmarks/train_breakdown.py", "recipes/demo_tiny_cpu.yaml", "--bench-tiny", "--bench-lengths",
+              "spread", "--gradient_accumulation_steps", "4", "--output_dir", str(tmp_path / "run"),
+              "--bench-json", str(out_json))  # fmt: skip
+    assert "| micro-batch (median) |" in out and "| step 1 |" in out, out
+    report = json.loads(out_json.read_text())
+    assert report["sharding"] == "none" and report["processes"] == 1 and report["steps"] == 1
+    assert report["micro_batches_per_step"] == 4 and report["completion_length"] == 64
+    assert report["micro_batch_median_s"] > 0 and report["micro_batch_floor_s"] > 0
+    assert report["forward_median_s"] > 0 and report["step_s"][0] > report["micro_batch_median_s"]
+
+
+def test_train_breakdown_rollouts_and_kernel_split():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from train_breakdown import SyntheticRollout, _intersection, _union
+
+    rollout = SyntheticRollout(50, {0, 1, None}, prompt_length=20, completion_length=40, lengths="spread")
+    prompts = ["a", "a", "b"]
+    out = rollout(prompts, trainer=None)
+    assert out["prompt_ids"][0] == out["prompt_ids"][1] != out["prompt_ids"][2]  # repeats share the prompt
+    assert out["completion_ids"][0] != out["completion_ids"][1]  # ... and draw their own completions
+    for prompt, completion, logprobs in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):
+        assert 15 <= len(prompt) <= 20 and 10 <= len(completion) <= 40 and len(logprobs) == len(completion)
+        assert not {0, 1} & set(prompt + completion)  # no end or padding id: every completion runs to its length
+    full = SyntheticRollout(50, set(), prompt_length=20, completion_length=40, lengths="full")(prompts, None)
+    assert {len(c) for c in full["completion_ids"]} == {40}
+    merged = _union([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)])
+    assert merged == [(0.0, 2.0), (3.0, 4.0)]
+    assert _intersection(merged, [(1.5, 3.5)]) == pytest.approx(1.0)

@@ -1,0 +1,415 @@
+"""Where a recipe's scoring + training time goes, without generation: per micro-batch forward and backward, the
+optimizer step, and (``--profile``) how much of a micro-batch the GPU spends computing, communicating, or idle.
+
+The recipe runs through the real trainer (``EGPOTrainer`` built as ``egpo-trl train`` builds it, the same loss,
+DeepSpeed or not as launched), but its rollouts come from TRL's ``rollout_func`` hook instead of vLLM: random token
+ids, prompts of 3/4 to all of ``--prompt-length`` tokens and completions of ``max_completion_length`` tokens without
+an end (``--lengths full``, as random weights generate) or of a quarter to all of it (``--lengths spread``). So the
+per-GPU batch, the micro-batches and every sharding choice are the recipe's, and the only thing missing is vLLM::
+
+    python benchmarks/real_shapes.py --output /tmp/shapes --shapes qwen7b --device cuda
+    # the recipe as launched: ZeRO-3 over 4 GPUs
+    accelerate launch --config_file recipes/accelerate/zero3.yaml --num_processes 4 benchmarks/train_breakdown.py \\
+        recipes/grpo_qwen7b.yaml --model_name_or_path /tmp/shapes/qwen7b --gradient_accumulation_steps 64 \\
+        --bench-json /tmp/zero3.json
+    # the same per-GPU work on one GPU without sharding: the compute alone
+    CUDA_VISIBLE_DEVICES=0 python benchmarks/train_breakdown.py recipes/grpo_qwen7b.yaml \\
+        --model_name_or_path /tmp/shapes/qwen7b --gradient_accumulation_steps 64 --bench-json /tmp/one_gpu.json
+    python benchmarks/train_breakdown.py recipes/demo_tiny_cpu.yaml --bench-tiny      # CPU smoke run
+
+Options of this script start with ``--bench-``; everything else is a recipe field as for ``egpo-trl train`` (the run
+is forced to ``use_vllm false``, no saving, no reporting, ``--max_steps`` 1 unless given). The reward is
+``benchmarks/timing_rewards.py``'s coin flip unless ``--reward_funcs`` is given, so groups are mixed.
+
+Each micro-batch is timed with the GPU synchronised before and after its forward (``compute_loss``) and its whole
+``training_step``; the backward is the difference. The first micro-batch of a step also scores the generation batch
+(rewards, advantages, EGPO's pass) and is reported apart; under DeepSpeed the last one also runs the optimizer step.
+Floors are those of ``benchmarks/floor.py``: ``6 N`` FLOPs per token (x 4/3 with gradient checkpointing) plus causal
+attention, at ``--bench-mfu`` (50%) of the card's dense bf16 peak.
+
+``--bench-profile K`` runs the K-th micro-batch of the first step (K >= 2) under ``torch.profiler`` on every process
+and prints, for the main process, that micro-batch's time split by what the GPU was doing: computing (any kernel that
+is not a collective), communicating only (NCCL kernels with no compute kernel running), or idle (neither: waiting for
+the host, for a launch, or for another GPU), with the kernel time of each kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from floor import CARDS, architecture  # noqa: E402
+
+
+class SyntheticRollout:
+    """TRL's ``rollout_func``: random prompt and completion token ids in place of generation.
+
+    A prompt's ids depend only on its text (the repeats of one prompt share them, as TRL's own tokenisation gives);
+    each completion draws its own. No id is an end-of-sequence or padding id, so every completion runs to its length.
+    """
+
+    def __init__(self, vocab_size: int, excluded: set[int], prompt_length: int, completion_length: int, lengths: str):
+        self.vocab_size = vocab_size
+        self.excluded = sorted(i for i in excluded if i is not None and 0 <= i < vocab_size)
+        self.prompt_length = prompt_length
+        self.completion_length = completion_length
+        self.lengths = lengths
+        self.calls = 0
+
+    def _ids(self, generator: torch.Generator, count: int) -> list[int]:
+        ids = torch.randint(0, self.vocab_size, (count,), generator=generator)
+        for token in self.excluded:  # shift special ids to their neighbour
+            ids[ids == token] = (token + 1) % self.vocab_size
+        return ids.tolist()
+
+    def __call__(self, prompts: list, trainer) -> dict:
+        self.calls += 1
+        rank = int(os.environ.get("RANK", "0"))
+        prompt_ids, completion_ids = [], []
+        for index, prompt in enumerate(prompts):
+            seed = int.from_bytes(hashlib.sha256(repr(prompt).encode()).digest()[:6], "little")
+            generator = torch.Generator().manual_seed(seed)
+            length = int(
+                torch.randint(max(1, self.prompt_length * 3 // 4), self.prompt_length + 1, (1,), generator=generator)
+            )
+            prompt_ids.append(self._ids(generator, length))
+            generator = torch.Generator().manual_seed(seed ^ (self.calls << 32) ^ (rank << 24) ^ index)
+            length = self.completion_length
+            if self.lengths == "spread":
+                length = int(torch.randint(max(1, length // 4), length + 1, (1,), generator=generator))
+            completion_ids.append(self._ids(generator, length))
+        logprobs = [[0.0] * len(ids) for ids in completion_ids]
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timings:
+    """Per micro-batch forward and whole ``training_step`` times, and each step's wall time."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.forward: list[float] = []
+        self.micro: list[float] = []
+        self.steps: list[float] = []
+        self.after_micro: list[float] = []  # last training_step's end to the step's end (optimizer, outside DeepSpeed)
+        self._step_start = None
+        self._last_micro_end = None
+
+    def instrument(self, trainer, profile_at: int | None) -> None:
+        compute_loss, training_step = trainer.compute_loss, trainer.training_step
+        self.profile_at, self.profile = profile_at, None
+
+        def timed_compute_loss(*args, **kwargs):
+            _sync(self.device)
+            start = time.perf_counter()
+            out = compute_loss(*args, **kwargs)
+            _sync(self.device)
+            self.forward.append(time.perf_counter() - start)
+            return out
+
+        def timed_training_step(*args, **kwargs):
+            _sync(self.device)
+            start = time.perf_counter()
+            if self.profile_at is not None and len(self.micro) + 1 == self.profile_at:
+                from torch.profiler import ProfilerActivity, profile
+
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+                with profile(activities=activities) as prof:
+                    out = training_step(*args, **kwargs)
+                    _sync(self.device)
+                self.profile = prof
+            else:
+                out = training_step(*args, **kwargs)
+            _sync(self.device)
+            self._last_micro_end = time.perf_counter()
+            self.micro.append(self._last_micro_end - start)
+            return out
+
+        trainer.compute_loss = timed_compute_loss
+        trainer.training_step = timed_training_step
+
+    def step_begin(self) -> None:
+        _sync(self.device)
+        self._step_start = time.perf_counter()
+
+    def step_end(self) -> None:
+        _sync(self.device)
+        now = time.perf_counter()
+        self.steps.append(now - self._step_start)
+        if self._last_micro_end is not None:
+            self.after_micro.append(now - self._last_micro_end)
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, end - start)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def kernel_split(prof, wall_s: float) -> dict:
+    """A profiled micro-batch's GPU time: compute kernels (union over streams), collectives with no compute beside
+    them, idle; and each kind's summed kernel time (matrix products, attention, collectives, the rest)."""
+    compute, comm = [], []
+    sums = {"matmul": 0.0, "attention": 0.0, "collective": 0.0, "other": 0.0}
+    for event in prof.events():
+        if getattr(event, "device_type", None) is None or "CUDA" not in str(event.device_type):
+            continue
+        name = event.name.lower()
+        start, end = event.time_range.start / 1e6, event.time_range.end / 1e6
+        if "nccl" in name:
+            comm.append((start, end))
+            sums["collective"] += end - start
+            continue
+        compute.append((start, end))
+        if any(key in name for key in ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul", "splitk")):
+            sums["matmul"] += end - start
+        elif any(key in name for key in ("flash", "fmha", "attention", "sdpa", "efficient_attention")):
+            sums["attention"] += end - start
+        else:
+            sums["other"] += end - start
+    compute, comm = _union(compute), _union(comm)
+    busy = _length(compute)
+    comm_only = _length(comm) - _intersection(compute, comm)
+    return {
+        "profiled_wall_s": wall_s,
+        "compute_busy_s": busy,
+        "collective_only_s": comm_only,
+        "idle_s": max(0.0, wall_s - busy - comm_only),
+        **{f"kernels_{k}_s": v for k, v in sums.items()},
+    }
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    own, rest, i = [], [], 0
+    while i < len(argv):
+        if argv[i].startswith("--bench-"):
+            own.append(argv[i])
+            if "=" not in argv[i] and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                own.append(argv[i + 1])
+                i += 1
+        else:
+            rest.append(argv[i])
+        i += 1
+    return own, rest
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    own, rest = split_argv(list(sys.argv[1:] if argv is None else argv))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bench-prompt-length", type=int, default=200)
+    parser.add_argument("--bench-lengths", choices=["full", "spread"], default="full")
+    parser.add_argument("--bench-profile", type=int, default=None, metavar="K")
+    parser.add_argument("--bench-card", choices=sorted(CARDS), default="h100")
+    parser.add_argument("--bench-mfu", type=float, default=0.5)
+    parser.add_argument("--bench-json", default=None)
+    parser.add_argument("--bench-tiny", action="store_true", help="CPU smoke run: the tiny model, short completions")
+    args = parser.parse_args(own)
+    if args.bench_profile is not None and args.bench_profile < 2:
+        parser.error("--bench-profile K: K >= 2 (the first micro-batch also scores the generation batch)")
+
+    from transformers import TrainerCallback
+
+    from egpo_trl.launch import normalize_argv
+    from egpo_trl.script.args import parse_args
+    from egpo_trl.script.data import load_datasets
+    from egpo_trl.script.run import build_trainer
+
+    forced = ["--use_vllm", "false", "--save_strategy", "no", "--report_to", "none", "--eval_size", "0"]
+    if "--reward_funcs" not in rest:
+        forced += ["--reward_funcs", "benchmarks.timing_rewards:coin_flip_reward"]
+    if "--max_steps" not in rest:
+        forced += ["--max_steps", "1"]
+    if "--output_dir" not in rest:
+        forced += ["--output_dir", f"/tmp/train_breakdown-{os.getpid()}"]
+    if args.bench_tiny:
+        forced += ["--max_completion_length", "64", "--logging_steps", "1"]
+    rest, _ = normalize_argv(rest + forced)
+    script_args, training_args, model_args = parse_args(rest)
+    train_dataset, _ = load_datasets(script_args, seed=training_args.seed)
+    trainer = build_trainer(script_args, training_args, model_args, train_dataset)
+    tokenizer = trainer.processing_class
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+    config = trainer.model.config
+    excluded = {tokenizer.pad_token_id, tokenizer.eos_token_id, *getattr(trainer, "eos_token_ids", [])}
+    excluded |= set(getattr(tokenizer, "all_special_ids", []))
+    prompt_length = min(args.bench_prompt_length, script_args.max_prompt_length or args.bench_prompt_length)
+    trainer.rollout_func = SyntheticRollout(
+        min(config.vocab_size, len(tokenizer)),
+        excluded,
+        prompt_length,
+        training_args.max_completion_length,
+        args.bench_lengths,
+    )
+    device = trainer.accelerator.device
+    timings = Timings(device)
+    timings.instrument(trainer, args.bench_profile)
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            timings.step_begin()
+
+        def on_step_end(self, *a, **k):
+            timings.step_end()
+
+    trainer.add_callback(StepTimer())
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    error = None
+    try:
+        trainer.train()
+    except torch.OutOfMemoryError as oom:
+        # One process only (others would wait for it): e.g. the optimizer's state at its first step on one GPU. The
+        # micro-batches that ran are still reported.
+        if trainer.accelerator.num_processes > 1:
+            raise
+        error = f"out of memory after {len(timings.micro)} micro-batches: {str(oom).splitlines()[0]}"
+        torch.cuda.empty_cache()
+
+    accumulation = training_args.gradient_accumulation_steps
+    rows = training_args.per_device_train_batch_size
+    steps = len(timings.steps)
+    micro = timings.micro
+    # Per step (begun): the first micro-batch scores the batch, the last one may run the optimizer (DeepSpeed).
+    begun = -(-len(micro) // accumulation)
+    firsts = [micro[i * accumulation] for i in range(begun)]
+    lasts = [micro[(i + 1) * accumulation - 1] for i in range(begun) if (i + 1) * accumulation <= len(micro)]
+    lasts = lasts if accumulation > 1 else []
+    middle = [t for i, t in enumerate(micro) if 0 < i % accumulation < accumulation - 1]
+    forward_middle = [t for i, t in enumerate(timings.forward) if 0 < i % accumulation < accumulation - 1]
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    peaks = trainer.accelerator.gather(torch.tensor([peak], device=device)).tolist()
+
+    arch = architecture(config.to_dict())
+    tokens_per_row = prompt_length * 7 / 8 + (
+        training_args.max_completion_length * (5 / 8 if args.bench_lengths == "spread" else 1)
+    )
+    recompute = 4 / 3 if training_args.gradient_checkpointing else 1
+    peak_tflops = CARDS[args.bench_card][0]
+    flops_per_s = args.bench_mfu * peak_tflops * 1e12
+    micro_flops = rows * (
+        6 * arch["matmul_parameters"] * tokens_per_row + 3 * arch["attention_flops_per_t2"] * tokens_per_row**2
+    )
+    floor_micro = micro_flops * recompute / flops_per_s
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    sharding = f"ZeRO-{plugin.zero_stage}" if plugin is not None else ("FSDP" if trainer.is_fsdp_enabled else "none")
+    median = statistics.median
+    result = {
+        "error": error,
+        "recipe_argv": rest,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "card": args.bench_card,
+        "processes": trainer.accelerator.num_processes,
+        "sharding": sharding,
+        "rows_per_micro_batch": rows,
+        "micro_batches_per_step": accumulation,
+        "completion_length": training_args.max_completion_length,
+        "lengths": args.bench_lengths,
+        "prompt_length": prompt_length,
+        "gradient_checkpointing": bool(training_args.gradient_checkpointing),
+        "steps": steps,
+        "micro_batches_timed": len(micro),
+        "step_s": timings.steps,
+        "first_micro_batch_s": firsts,
+        "last_micro_batch_s": lasts,
+        "micro_batch_median_s": median(middle) if middle else None,
+        "forward_median_s": median(forward_middle) if forward_middle else None,
+        "backward_median_s": (median(middle) - median(forward_middle)) if middle and forward_middle else None,
+        "after_micro_batches_s": timings.after_micro,
+        "micro_batch_floor_s": floor_micro,
+        "micro_batch_x_floor": (median(middle) / floor_micro) if middle else None,
+        "step_floor_s": floor_micro * accumulation,
+        "step_x_floor": [s / (floor_micro * accumulation) for s in timings.steps],
+        "peak_allocated_gib_per_process": peaks,
+        "deepspeed_config": plugin.deepspeed_config if plugin is not None else None,
+    }
+    if timings.profile is not None:
+        split = kernel_split(timings.profile, micro[args.bench_profile - 1])
+        result["profile_micro_batch"] = args.bench_profile
+        result.update(split)
+    if trainer.accelerator.is_main_process:
+        print_table(result)
+        if args.bench_json:
+            Path(args.bench_json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.bench_json).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def print_table(r: dict) -> None:
+    def f(value):
+        return "-" if value is None else f"{value:.3f}"
+
+    print(
+        f"\n{r['device']}: {r['processes']} process(es), {r['sharding']}, {r['rows_per_micro_batch']} rows x "
+        f"{r['micro_batches_per_step']} micro-batches per step and GPU, completions {r['completion_length']} "
+        f"({r['lengths']}), prompts <= {r['prompt_length']}, checkpointing {r['gradient_checkpointing']}"
+    )
+    print("| what | s | floor s | x floor |\n| --- | ---: | ---: | ---: |")
+    print(
+        f"| micro-batch (median) | {f(r['micro_batch_median_s'])} | {f(r['micro_batch_floor_s'])} | "
+        f"{f(r['micro_batch_x_floor'])} |"
+    )
+    print(f"| forward (median) | {f(r['forward_median_s'])} | | |")
+    print(f"| backward (median) | {f(r['backward_median_s'])} | | |")
+    for i, first in enumerate(r["first_micro_batch_s"]):
+        if i < len(r["step_s"]):
+            print(f"| step {i + 1} | {r['step_s'][i]:.2f} | {r['step_floor_s']:.2f} | {r['step_x_floor'][i]:.2f} |")
+        print(f"| step {i + 1}: first micro-batch (scores the batch) | {first:.3f} | | |")
+        if i < len(r["last_micro_batch_s"]):
+            print(f"| step {i + 1}: last micro-batch | {r['last_micro_batch_s'][i]:.3f} | | |")
+        if i < len(r["after_micro_batches_s"]):
+            print(f"| step {i + 1}: after the micro-batches | {r['after_micro_batches_s'][i]:.3f} | | |")
+    if "compute_busy_s" in r:
+        print(f"| profiled micro-batch {r['profile_micro_batch']} (wall) | {r['profiled_wall_s']:.3f} | | |")
+        for key in (
+            "compute_busy_s",
+            "collective_only_s",
+            "idle_s",
+            "kernels_matmul_s",
+            "kernels_attention_s",
+            "kernels_collective_s",
+            "kernels_other_s",
+        ):
+            print(f"| {key.removesuffix('_s').replace('_', ' ')} | {r[key]:.3f} | | |")
+    if r["error"]:
+        print(f"stopped: {r['error']}")
+    print("peak allocated GiB per process: " + ", ".join(f"{p:.1f}" for p in r["peak_allocated_gib_per_process"]))
+
+
+if __name__ == "__main__":
+    main()
