@@ -27,6 +27,9 @@ Each micro-batch is timed with the GPU synchronised before and after its forward
 Floors are those of ``benchmarks/floor.py``: ``6 N`` FLOPs per token (x 4/3 with gradient checkpointing) plus causal
 attention, at ``--bench-mfu`` (50%) of the card's dense bf16 peak.
 
+``--bench-steps-only`` times whole steps only, with nothing synchronised between micro-batches, as a real run goes
+(the synchronisation itself can cost a launch that overlaps work across micro-batches, e.g. ZeRO-3's prefetch).
+
 ``--bench-profile K`` runs the K-th micro-batch of the first step (K >= 2) under ``torch.profiler`` on every process
 and prints, for the main process, that micro-batch's time split by what the GPU was doing: computing (any kernel that
 is not a collective), communicating only (NCCL kernels with no compute kernel running), or idle (neither: waiting for
@@ -110,6 +113,7 @@ class Timings:
         self.after_micro: list[float] = []  # last training_step's end to the step's end (optimizer, outside DeepSpeed)
         self._step_start = None
         self._last_micro_end = None
+        self.profile_at, self.profile = None, None
 
     def instrument(self, trainer, profile_at: int | None) -> None:
         compute_loss, training_step = trainer.compute_loss, trainer.training_step
@@ -239,7 +243,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--bench-mfu", type=float, default=0.5)
     parser.add_argument("--bench-json", default=None)
     parser.add_argument("--bench-tiny", action="store_true", help="CPU smoke run: the tiny model, short completions")
+    parser.add_argument(
+        "--bench-steps-only",
+        action="store_true",
+        help="time whole steps only, with no synchronisation between micro-batches (as in a real run)",
+    )
     args = parser.parse_args(own)
+    if args.bench_steps_only and args.bench_profile is not None:
+        parser.error("--bench-profile times a micro-batch: it does not go with --bench-steps-only")
     if args.bench_profile is not None and args.bench_profile < 2:
         parser.error("--bench-profile K: K >= 2 (the first micro-batch also scores the generation batch)")
 
@@ -278,7 +289,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     )
     device = trainer.accelerator.device
     timings = Timings(device)
-    timings.instrument(trainer, args.bench_profile)
+    if not args.bench_steps_only:
+        timings.instrument(trainer, args.bench_profile)
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *a, **k):
@@ -380,6 +392,9 @@ def print_table(r: dict) -> None:
         f"({r['lengths']}), prompts <= {r['prompt_length']}, checkpointing {r['gradient_checkpointing']}"
     )
     print("| what | s | floor s | x floor |\n| --- | ---: | ---: | ---: |")
+    if not r["micro_batches_timed"]:  # --bench-steps-only
+        for i, step in enumerate(r["step_s"]):
+            print(f"| step {i + 1} | {step:.2f} | {r['step_floor_s']:.2f} | {r['step_x_floor'][i]:.2f} |")
     print(
         f"| micro-batch (median) | {f(r['micro_batch_median_s'])} | {f(r['micro_batch_floor_s'])} | "
         f"{f(r['micro_batch_x_floor'])} |"

@@ -501,6 +501,16 @@ def test_train_breakdown_times_the_recipes_micro_batches_without_generation(tmp_
     assert report["forward_median_s"] > 0 and report["step_s"][0] > report["micro_batch_median_s"]
 
 
+def test_train_breakdown_can_time_whole_steps_only(tmp_path):
+    out_json = tmp_path / "steps.json"
+    run("benchmarks/train_breakdown.py", "recipes/demo_tiny_cpu.yaml", "--bench-tiny", "--bench-steps-only",
+        "--max_steps", "2", "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "run"),
+        "--bench-json", str(out_json))  # fmt: skip
+    report = json.loads(out_json.read_text())
+    assert report["steps"] == 2 and len(report["step_s"]) == 2 and all(s > 0 for s in report["step_s"])
+    assert report["micro_batches_timed"] == 0 and report["micro_batch_median_s"] is None
+
+
 def test_train_breakdown_rollouts_and_kernel_split():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from train_breakdown import SyntheticRollout, _intersection, _union
