@@ -1,10 +1,11 @@
 """Where a recipe's scoring + training time goes, without generation: per micro-batch forward and backward, the
-optimizer step, and (``--profile``) how much of a micro-batch the GPU spends computing, communicating, or idle.
+optimizer step, and (``--bench-profile``) how much of a micro-batch the GPU spends computing, communicating, or idle.
 
 The recipe runs through the real trainer (``EGPOTrainer`` built as ``egpo-trl train`` builds it, the same loss,
 DeepSpeed or not as launched), but its rollouts come from TRL's ``rollout_func`` hook instead of vLLM: random token
-ids, prompts of 3/4 to all of ``--prompt-length`` tokens and completions of ``max_completion_length`` tokens without
-an end (``--lengths full``, as random weights generate) or of a quarter to all of it (``--lengths spread``). So the
+ids, prompts of 3/4 to all of ``--bench-prompt-length`` tokens and completions of ``max_completion_length`` tokens
+without an end (``--bench-lengths full``, as random weights generate) or of a quarter to all of it
+(``--bench-lengths spread``). So the
 per-GPU batch, the micro-batches and every sharding choice are the recipe's, and the only thing missing is vLLM::
 
     python benchmarks/real_shapes.py --output /tmp/shapes --shapes qwen7b --device cuda
@@ -12,9 +13,10 @@ per-GPU batch, the micro-batches and every sharding choice are the recipe's, and
     accelerate launch --config_file recipes/accelerate/zero3.yaml --num_processes 4 benchmarks/train_breakdown.py \\
         recipes/grpo_qwen7b.yaml --model_name_or_path /tmp/shapes/qwen7b --gradient_accumulation_steps 64 \\
         --bench-json /tmp/zero3.json
-    # the same per-GPU work on one GPU without sharding: the compute alone
-    CUDA_VISIBLE_DEVICES=0 python benchmarks/train_breakdown.py recipes/grpo_qwen7b.yaml \\
-        --model_name_or_path /tmp/shapes/qwen7b --gradient_accumulation_steps 64 --bench-json /tmp/one_gpu.json
+    # the same per-GPU batch under ZeRO-2, which gathers no parameters
+    accelerate launch --config_file recipes/accelerate/zero2.yaml --num_processes 4 benchmarks/train_breakdown.py \\
+        recipes/grpo_qwen7b.yaml --model_name_or_path /tmp/shapes/qwen7b --gradient_accumulation_steps 64 \\
+        --bench-json /tmp/zero2.json
     python benchmarks/train_breakdown.py recipes/demo_tiny_cpu.yaml --bench-tiny      # CPU smoke run
 
 Options of this script start with ``--bench-``; everything else is a recipe field as for ``egpo-trl train`` (the run
@@ -24,16 +26,22 @@ is forced to ``use_vllm false``, no saving, no reporting, ``--max_steps`` 1 unle
 Each micro-batch is timed with the GPU synchronised before and after its forward (``compute_loss``) and its whole
 ``training_step``; the backward is the difference. The first micro-batch of a step also scores the generation batch
 (rewards, advantages, EGPO's pass) and is reported apart; under DeepSpeed the last one also runs the optimizer step.
+The medians are those of the others (so ``gradient_accumulation_steps`` must be at least 3, one generation batch per
+optimizer step and ``num_iterations`` 1, as in the recipes), the profiled one left out. Without DeepSpeed the model
+trains in the dtype it loads in (TRL's default float32, under bf16 autocast); ``--dtype bfloat16`` loads it in bf16
+as DeepSpeed trains it.
 Floors are those of ``benchmarks/floor.py``: ``6 N`` FLOPs per token (x 4/3 with gradient checkpointing) plus causal
 attention, at ``--bench-mfu`` (50%) of the card's dense bf16 peak.
 
 ``--bench-steps-only`` times whole steps only, with nothing synchronised between micro-batches, as a real run goes
 (the synchronisation itself can cost a launch that overlaps work across micro-batches, e.g. ZeRO-3's prefetch).
 
-``--bench-profile K`` runs the K-th micro-batch of the first step (K >= 2) under ``torch.profiler`` on every process
-and prints, for the main process, that micro-batch's time split by what the GPU was doing: computing (any kernel that
-is not a collective), communicating only (NCCL kernels with no compute kernel running), or idle (neither: waiting for
-the host, for a launch, or for another GPU), with the kernel time of each kind.
+``--bench-profile K`` runs the K-th micro-batch of the first step (neither its first nor its last) under
+``torch.profiler`` on every process and prints, for the main process, that micro-batch's wall time split by what the
+GPU was doing: compute kernels running (any kernel that is not a collective), only collectives running (NCCL kernels,
+including those waiting for other processes to arrive), or no kernel at all (the host, launches, and the profiler's
+own work: a profiled micro-batch runs longer than the others), with the kernel time of each kind. The split shows
+where a micro-batch waits; the unprofiled medians say how long micro-batches take.
 """
 
 from __future__ import annotations
@@ -219,12 +227,17 @@ def kernel_split(prof, wall_s: float) -> dict:
     }
 
 
+#: This script's switches (its other options take a value).
+SWITCHES = ("--bench-tiny", "--bench-steps-only")
+
+
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """This script's options (``--bench-*``, with their values) apart from the recipe's arguments."""
     own, rest, i = [], [], 0
     while i < len(argv):
         if argv[i].startswith("--bench-"):
             own.append(argv[i])
-            if "=" not in argv[i] and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            if argv[i] not in SWITCHES and "=" not in argv[i] and i + 1 < len(argv):
                 own.append(argv[i + 1])
                 i += 1
         else:
@@ -251,8 +264,6 @@ def main(argv: list[str] | None = None) -> dict | None:
     args = parser.parse_args(own)
     if args.bench_steps_only and args.bench_profile is not None:
         parser.error("--bench-profile times a micro-batch: it does not go with --bench-steps-only")
-    if args.bench_profile is not None and args.bench_profile < 2:
-        parser.error("--bench-profile K: K >= 2 (the first micro-batch also scores the generation batch)")
 
     from transformers import TrainerCallback
 
@@ -261,17 +272,41 @@ def main(argv: list[str] | None = None) -> dict | None:
     from egpo_trl.script.data import load_datasets
     from egpo_trl.script.run import build_trainer
 
+    def given(name: str) -> bool:
+        return any(a == name or a.startswith(name + "=") for a in rest)
+
     forced = ["--use_vllm", "false", "--save_strategy", "no", "--report_to", "none", "--eval_size", "0"]
-    if "--reward_funcs" not in rest:
+    if not given("--reward_funcs"):
         forced += ["--reward_funcs", "benchmarks.timing_rewards:coin_flip_reward"]
-    if "--max_steps" not in rest:
+    if not given("--max_steps"):
         forced += ["--max_steps", "1"]
-    if "--output_dir" not in rest:
+    if not given("--output_dir"):
         forced += ["--output_dir", f"/tmp/train_breakdown-{os.getpid()}"]
     if args.bench_tiny:
         forced += ["--max_completion_length", "64", "--logging_steps", "1"]
     rest, _ = normalize_argv(rest + forced)
     script_args, training_args, model_args = parse_args(rest)
+    accumulation = training_args.gradient_accumulation_steps
+    if not args.bench_steps_only:
+        problems = []
+        if accumulation < 3:
+            problems.append(
+                f"gradient_accumulation_steps is {accumulation}: the medians need micro-batches that are neither a "
+                "step's first (it scores the batch) nor its last (it may run the optimizer), so at least 3 (or time "
+                "whole steps with --bench-steps-only)"
+            )
+        if (training_args.steps_per_generation or accumulation) != accumulation or training_args.num_iterations != 1:
+            problems.append(
+                "one generation batch per optimizer step is assumed (steps_per_generation equal to "
+                "gradient_accumulation_steps, num_iterations 1, as in the recipes); use --bench-steps-only otherwise"
+            )
+        if args.bench_profile is not None and not 2 <= args.bench_profile <= accumulation - 1:
+            problems.append(
+                f"--bench-profile {args.bench_profile}: profile a micro-batch of the first step that is neither its "
+                f"first nor its last, 2 to {accumulation - 1}"
+            )
+        if problems:
+            raise SystemExit("train_breakdown.py: " + "; ".join(problems) + ".")
     train_dataset, _ = load_datasets(script_args, seed=training_args.seed)
     trainer = build_trainer(script_args, training_args, model_args, train_dataset)
     tokenizer = trainer.processing_class
@@ -313,7 +348,6 @@ def main(argv: list[str] | None = None) -> dict | None:
         error = f"out of memory after {len(timings.micro)} micro-batches: {str(oom).splitlines()[0]}"
         torch.cuda.empty_cache()
 
-    accumulation = training_args.gradient_accumulation_steps
     rows = training_args.per_device_train_batch_size
     steps = len(timings.steps)
     micro = timings.micro
@@ -322,8 +356,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     firsts = [micro[i * accumulation] for i in range(begun)]
     lasts = [micro[(i + 1) * accumulation - 1] for i in range(begun) if (i + 1) * accumulation <= len(micro)]
     lasts = lasts if accumulation > 1 else []
-    middle = [t for i, t in enumerate(micro) if 0 < i % accumulation < accumulation - 1]
-    forward_middle = [t for i, t in enumerate(timings.forward) if 0 < i % accumulation < accumulation - 1]
+    profiled = (args.bench_profile or 0) - 1
+
+    def in_middle(i: int) -> bool:  # neither a step's first nor its last micro-batch, nor the profiled one
+        return 0 < i % accumulation < accumulation - 1 and i != profiled
+
+    middle = [t for i, t in enumerate(micro) if in_middle(i)]
+    forward_middle = [t for i, t in enumerate(timings.forward) if in_middle(i)]
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     peaks = trainer.accelerator.gather(torch.tensor([peak], device=device)).tolist()
 

@@ -160,14 +160,15 @@ def generation_memory_verdict(
         "or FSDP shard the training state further, or run vLLM on GPUs of its own (vllm_mode: server)."
     )
     # Within the margin: the estimate ran 0.13 GiB low on a GPU run, so a sum this close to the card is not a fit.
-    outcome = "and run out of memory a whole step from now"
+    outcome, verdict = "and run out of memory a whole step from now", "will not fit"
     if later <= total:
+        verdict = "leaves too little room"
         outcome = (
             f", within {MARGIN_BYTES / GIB:.1f} GiB of the card, too close to rely on (on a GPU run this estimate came "
             "out 0.13 GiB below the measured peak), and likely run out of memory a whole step from now"
         )
     error = (
-        f"vLLM's share of each GPU will not fit beside training after the first optimizer step. {moment.capitalize()} "
+        f"vLLM's share of each GPU {verdict} beside training after the first optimizer step. {moment.capitalize()} "
         f"the first generation process {worst}'s GPU has {used / GIB:.1f} of {total / GIB:.1f} GiB in use (vLLM awake, "
         f"vllm_gpu_memory_utilization={share}); the optimizer's moment estimates, which its first step creates for "
         f"this process's {parameters / 1e9:.2f}B parameters, add {pending / GIB:.1f} GiB, so the second generation "

@@ -511,6 +511,17 @@ def test_train_breakdown_can_time_whole_steps_only(tmp_path):
     assert report["micro_batches_timed"] == 0 and report["micro_batch_median_s"] is None
 
 
+def test_train_breakdown_refuses_batches_it_cannot_read():
+    done = subprocess.run(
+        [sys.executable, "benchmarks/train_breakdown.py", "recipes/demo_tiny_cpu.yaml", "--bench-tiny",
+         "--gradient_accumulation_steps=2", "--bench-profile", "5"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "gradient_accumulation_steps is 2" in done.stderr and "--bench-steps-only" in done.stderr, done.stderr
+    assert "--bench-profile 5" in done.stderr
+
+
 def test_train_breakdown_rollouts_and_kernel_split():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from train_breakdown import SyntheticRollout, _intersection, _union
@@ -525,6 +536,15 @@ def test_train_breakdown_rollouts_and_kernel_split():
         assert not {0, 1} & set(prompt + completion)  # no end or padding id: every completion runs to its length
     full = SyntheticRollout(50, set(), prompt_length=20, completion_length=40, lengths="full")(prompts, None)
     assert {len(c) for c in full["completion_ids"]} == {40}
+    from train_breakdown import split_argv
+
+    own, rest = split_argv(
+        ["--bench-tiny", "recipes/x.yaml", "--bench-profile", "3", "--max_steps=2", "--bench-json=o"]
+    )
+    assert own == ["--bench-tiny", "--bench-profile", "3", "--bench-json=o"] and rest == [
+        "recipes/x.yaml",
+        "--max_steps=2",
+    ]
     merged = _union([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)])
     assert merged == [(0.0, 2.0), (3.0, 4.0)]
     assert _intersection(merged, [(1.5, 3.5)]) == pytest.approx(1.0)
