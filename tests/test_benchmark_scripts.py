@@ -158,6 +158,26 @@ def test_gpu_recipes_script_runs_a_recipe_and_summarizes_it(tmp_path, tiny_model
     assert summary[0]["generation_s"] > 0  # from the trainer's timing/generation_s (the table rounds it)
 
 
+def test_gpu_checks_breakdown_stage_times_a_recipe_under_each_launch(tmp_path, tiny_model_dir):
+    shapes = tmp_path / "shapes"
+    shapes.mkdir()
+    (shapes / "qwen15b").symlink_to(tiny_model_dir)
+    extra = ("--use_cpu true --bf16 false --max_completion_length 16 --per_device_train_batch_size 16 "
+             "--gradient_checkpointing false --torch_num_threads 1")  # fmt: skip
+    env = {**ENV, "PYTHON": sys.executable, "EXTRA": extra, "SHAPES": str(shapes), "RUNS": str(tmp_path / "runs"),
+           "CONFIGS": "none", "STEPS_ONLY": "1", "PROFILE": "2"}  # fmt: skip
+    done = subprocess.run(
+        ["bash", "benchmarks/gpu_checks.sh", "breakdown", str(tmp_path / "out"), "grpo_qwen15b@0:4"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "grpo_qwen15b under none (micro): exit 0" in done.stdout, done.stdout
+    assert "grpo_qwen15b under none (steps): exit 0" in done.stdout, done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| none-")]
+    assert [row.split("|")[1].strip() for row in rows] == ["none-micro", "none-steps"], done.stdout
+    assert list((tmp_path / "out").glob("breakdown-*.tgz"))  # the stage's logs and tables, packed
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_is_gap_measures_vllm_against_the_trainer_on_cpu(tmp_path):
