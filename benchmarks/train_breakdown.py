@@ -28,8 +28,8 @@ Each micro-batch is timed with the GPU synchronised before and after its forward
 (rewards, advantages, EGPO's pass) and is reported apart; under DeepSpeed the last one also runs the optimizer step.
 The medians are those of the others (so ``gradient_accumulation_steps`` must be at least 3, one generation batch per
 optimizer step and ``num_iterations`` 1, as in the recipes), the profiled one left out. Without DeepSpeed the model
-trains in the dtype it loads in (TRL's default float32, under bf16 autocast); ``--dtype bfloat16`` loads it in bf16
-as DeepSpeed trains it.
+trains in the dtype it loads in (TRL's default float32, under bf16 autocast); ``--dtype bfloat16`` runs the forward
+and backward in bf16 as DeepSpeed does (its optimizer then keeps bf16 moments and no fp32 master weights).
 Floors are those of ``benchmarks/floor.py``: ``6 N`` FLOPs per token (x 4/3 with gradient checkpointing) plus causal
 attention, at ``--bench-mfu`` (50%) of the card's dense bf16 peak.
 
@@ -345,7 +345,12 @@ def main(argv: list[str] | None = None) -> dict | None:
         # micro-batches that ran are still reported.
         if trainer.accelerator.num_processes > 1:
             raise
-        error = f"out of memory after {len(timings.micro)} micro-batches: {str(oom).splitlines()[0]}"
+        where = (
+            f"during step {len(timings.steps) + 1}"
+            if args.bench_steps_only
+            else f"after {len(timings.micro)} micro-batches"
+        )
+        error = f"out of memory {where}: {str(oom).splitlines()[0]}"
         torch.cuda.empty_cache()
 
     rows = training_args.per_device_train_batch_size

@@ -158,24 +158,52 @@ def test_gpu_recipes_script_runs_a_recipe_and_summarizes_it(tmp_path, tiny_model
     assert summary[0]["generation_s"] > 0  # from the trainer's timing/generation_s (the table rounds it)
 
 
+FAKE_ACCELERATE = """#!/usr/bin/env bash
+# stands in for `accelerate launch`: records the launch, then runs the script in this one process
+echo "$@" >> "$FAKE_ACCELERATE_LOG"
+shift
+while [[ $1 == --* ]]; do shift 2; done
+exec "$PYTHON" "$@"
+"""
+
+
 def test_gpu_checks_breakdown_stage_times_a_recipe_under_each_launch(tmp_path, tiny_model_dir):
     shapes = tmp_path / "shapes"
     shapes.mkdir()
     (shapes / "qwen15b").symlink_to(tiny_model_dir)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "accelerate").write_text(FAKE_ACCELERATE)
+    (bin_dir / "accelerate").chmod(0o755)
+    launches = tmp_path / "launches.txt"
     extra = ("--use_cpu true --bf16 false --max_completion_length 16 --per_device_train_batch_size 16 "
              "--gradient_checkpointing false --torch_num_threads 1")  # fmt: skip
     env = {**ENV, "PYTHON": sys.executable, "EXTRA": extra, "SHAPES": str(shapes), "RUNS": str(tmp_path / "runs"),
-           "CONFIGS": "none", "STEPS_ONLY": "1", "PROFILE": "2"}  # fmt: skip
-    done = subprocess.run(
-        ["bash", "benchmarks/gpu_checks.sh", "breakdown", str(tmp_path / "out"), "grpo_qwen15b@0:4"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+           "PATH": f"{bin_dir}:{ENV['PATH']}", "FAKE_ACCELERATE_LOG": str(launches)}  # fmt: skip
+
+    def stage(**more):
+        return subprocess.run(
+            ["bash", "benchmarks/gpu_checks.sh", "breakdown", str(tmp_path / "out"), "grpo_qwen15b@0:4"],
+            cwd=ROOT, env={**env, **more}, capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+
+    # the recipe's own config is ZeRO-2 already: one launch, through accelerate, with the stage's port
+    done = stage(STEPS_ONLY="1")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "grpo_qwen15b under none (micro): exit 0" in done.stdout, done.stdout
-    assert "grpo_qwen15b under none (steps): exit 0" in done.stdout, done.stdout
-    rows = [line for line in done.stdout.splitlines() if line.startswith("| none-")]
-    assert [row.split("|")[1].strip() for row in rows] == ["none-micro", "none-steps"], done.stdout
+    assert "grpo_qwen15b under zero2 (micro): exit 0" in done.stdout and "under zero2 (steps): exit 0" in done.stdout
+    assert done.stdout.count("under zero2 (micro)") == 1, done.stdout
+    lines = launches.read_text().splitlines()
+    prefix = ("launch --config_file recipes/accelerate/zero2.yaml --num_processes 1 --main_process_port 29700 "
+              "benchmarks/train_breakdown.py recipes/grpo_qwen15b.yaml ")  # fmt: skip
+    assert len(lines) == 2 and all(line.startswith(prefix) for line in lines), lines
+    assert "--bench-profile 2 " in lines[0] and "--bench-steps-only " in lines[1]  # 4 micro-batches: profile the 2nd
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| zero2-")]
+    assert [row.split("|")[1].strip() for row in rows] == ["zero2-micro", "zero2-steps"], done.stdout
     assert list((tmp_path / "out").glob("breakdown-*.tgz"))  # the stage's logs and tables, packed
+    # one plain process, and a run that fails fails the stage, with its error shown
+    done = stage(CONFIGS="none", PROFILE="9")
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "grpo_qwen15b under none (micro): exit 1" in done.stdout and "--bench-profile 9" in done.stdout
 
 
 @pytest.mark.vllm

@@ -107,6 +107,9 @@ def test_later_generations_must_leave_a_margin_of_the_card_free():
     just_under = (card - 13.2 * GIB - 0.3 * GIB, card, 13.2 * GIB, 1.78e9)
     line, error = generation_memory_verdict([just_under], 0.6, True, generated=False)
     assert error is not None and "Lower vllm_gpu_memory_utilization from 0.6 to at most 0.59" in error, error
+    assert (
+        error.startswith("vLLM's share of each GPU leaves too little room") and "within 0.5 GiB of the card" in error
+    )
     clear = (card - 13.2 * GIB - 0.6 * GIB, card, 13.2 * GIB, 1.78e9)
     assert generation_memory_verdict([clear], 0.6, True, generated=False)[1] is None
 
