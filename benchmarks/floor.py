@@ -82,6 +82,16 @@ def architecture(config: dict) -> dict:
     }
 
 
+def training_flops(arch: dict, rows: float, row_tokens: float, checkpointing: bool, attention: bool = True) -> float:
+    """FLOPs of training ``rows`` rows of ``row_tokens`` tokens each (forward and backward): ``6 N`` per token, plus
+    causal attention's score and value products (x3) where ``attention``; x4/3 with gradient checkpointing."""
+    recompute = 4 / 3 if checkpointing else 1
+    matrix = 6 * arch["matmul_parameters"] * rows * row_tokens
+    if not attention:
+        return matrix * recompute
+    return (matrix + 3 * rows * arch["attention_flops_per_t2"] * row_tokens**2) * recompute
+
+
 def load_config(args, recipe: dict) -> dict:
     """The model's ``config.json`` as a dict, from ``--model-config``, ``--shape`` or the recipe's local model."""
     if args.model_config:
@@ -162,7 +172,6 @@ def floors(args, run: Path) -> list[dict]:
         per_gpu = args.completions_per_gpu
     checkpointing = str(option(argv, "gradient_checkpointing", recipe.get("gradient_checkpointing", False)))
     checkpointing = checkpointing.lower() in ("true", "1", "yes")
-    recompute = 4 / 3 if checkpointing else 1
     flops_per_s = args.mfu * peak_tflops * 1e12
     edge = any(row.get("gec_s") is not None for row in rows)
     max_length = setting(argv, recipe, "max_completion_length") if edge else 0
@@ -198,9 +207,9 @@ def floors(args, run: Path) -> list[dict]:
             "vllm_alone_s": args.vllm_alone_s,
             "floor_generation_s": decode_bytes / (bandwidth * 1e12),
             "floor_old_logps_s": 2 * params * tokens / flops_per_s,
-            "floor_training_s": 6 * params * tokens * recompute / flops_per_s,
+            "floor_training_s": training_flops(arch, per_gpu, prompt + length, checkpointing, False) / flops_per_s,
             "floor_old_logps_attn_s": (2 * params * tokens + attention) / flops_per_s,
-            "floor_training_attn_s": (6 * params * tokens + 3 * attention) * recompute / flops_per_s,
+            "floor_training_attn_s": training_flops(arch, per_gpu, prompt + length, checkpointing) / flops_per_s,
             "floor_gec_s": 0.0,
             "kv_cache_tokens": kv_tokens,
             "floor_generation_kv_s": None,

@@ -45,14 +45,18 @@ nvidia-smi -L > "$RUNS/$name/cards.txt" 2>&1
 tiktoken=()
 [[ -n ${QWEN_TIKTOKEN:-} ]] && tiktoken=(--tiktoken-file "$QWEN_TIKTOKEN")
 
+# The random-weight shape a recipe trains: its name after the method (grpo_qwen7b, edge_grpo_qwen7b: qwen7b).
+shape_of() {
+    if [[ $1 == edge_grpo_* ]]; then echo "${1#edge_grpo_}"; else echo "${1#*_}"; fi
+}
+
 # The random-weight shape of each job's recipe (a job is RECIPE[@GPUS][:ACCUMULATION][+OVERRIDES]), unless built.
 build_shapes() {
     local job recipe shape
     for job in "$@"; do
         job=${job%%+*}
         recipe=${job%%[@:]*}
-        shape=${recipe#*_}
-        [[ $recipe == edge_grpo_* ]] && shape=${recipe#edge_grpo_}
+        shape=$(shape_of "$recipe")
         [[ -f $SHAPES/$shape/config.json ]] || "$PY" benchmarks/real_shapes.py --output "$SHAPES" --shapes "$shape" \
             --device cuda "${tiktoken[@]}" >> "$RUNS/$name/build.log" 2>&1
     done
@@ -192,8 +196,7 @@ PY
         [[ $job == *:* ]] && count=${job##*:}
         accumulation=()
         [[ -n $count ]] && accumulation=(--gradient_accumulation_steps "$count")
-        shape=${recipe#*_}
-        [[ $recipe == edge_grpo_* ]] && shape=${recipe#edge_grpo_}
+        shape=$(shape_of "$recipe")
         processes=$(awk -F, '{print NF}' <<< "$gpus")
         own=$(awk '/^accelerate_config:/ {print $2; exit}' "recipes/$recipe.yaml")
         profile=${PROFILE:-5}

@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from floor import CARDS, architecture  # noqa: E402
+from floor import CARDS, architecture, training_flops  # noqa: E402
 
 
 class SyntheticRollout:
@@ -125,7 +125,7 @@ class Timings:
 
     def instrument(self, trainer, profile_at: int | None) -> None:
         compute_loss, training_step = trainer.compute_loss, trainer.training_step
-        self.profile_at, self.profile = profile_at, None
+        self.profile_at = profile_at
 
         def timed_compute_loss(*args, **kwargs):
             _sync(self.device)
@@ -375,13 +375,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     tokens_per_row = prompt_length * 7 / 8 + (
         training_args.max_completion_length * (5 / 8 if args.bench_lengths == "spread" else 1)
     )
-    recompute = 4 / 3 if training_args.gradient_checkpointing else 1
     peak_tflops = CARDS[args.bench_card][0]
     flops_per_s = args.bench_mfu * peak_tflops * 1e12
-    micro_flops = rows * (
-        6 * arch["matmul_parameters"] * tokens_per_row + 3 * arch["attention_flops_per_t2"] * tokens_per_row**2
-    )
-    floor_micro = micro_flops * recompute / flops_per_s
+    floor_micro = training_flops(arch, rows, tokens_per_row, training_args.gradient_checkpointing) / flops_per_s
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     sharding = f"ZeRO-{plugin.zero_stage}" if plugin is not None else ("FSDP" if trainer.is_fsdp_enabled else "none")
     median = statistics.median

@@ -160,7 +160,7 @@ def generation_memory_verdict(
         "or FSDP shard the training state further, or run vLLM on GPUs of its own (vllm_mode: server)."
     )
     # Within the margin: the estimate ran 0.13 GiB low on a GPU run, so a sum this close to the card is not a fit.
-    outcome, verdict = "and run out of memory a whole step from now", "will not fit"
+    outcome, verdict = " and run out of memory a whole step from now", "will not fit"
     if later <= total:
         verdict = "leaves too little room"
         outcome = (
@@ -172,7 +172,7 @@ def generation_memory_verdict(
         f"the first generation process {worst}'s GPU has {used / GIB:.1f} of {total / GIB:.1f} GiB in use (vLLM awake, "
         f"vllm_gpu_memory_utilization={share}); the optimizer's moment estimates, which its first step creates for "
         f"this process's {parameters / 1e9:.2f}B parameters, add {pending / GIB:.1f} GiB, so the second generation "
-        f"would need about {later / GIB:.1f} GiB{'' if later <= total else ' '}{outcome}. {fix} "
+        f"would need about {later / GIB:.1f} GiB{outcome}. {fix} "
         f"Stopped {moment} the first generation."
     )
     return line, error
