@@ -72,9 +72,10 @@ def summarize(folder: Path) -> list[dict]:
     accumulation = int(_option(argv, "gradient_accumulation_steps", recipe.get("gradient_accumulation_steps", 1)))
     per_device = int(_option(argv, "per_device_train_batch_size", recipe.get("per_device_train_batch_size", 1)))
     completions = processes * accumulation * per_device
-    accelerate = (
-        yaml.safe_load(Path(recipe["accelerate_config"]).read_text()) if recipe.get("accelerate_config") else {}
-    )
+    # The launch's accelerate config: an --accelerate_config override, else the recipe's ("none": one plain process).
+    launch = _option(argv, "accelerate_config", recipe.get("accelerate_config"))
+    launch = None if str(launch).lower() in ("none", "null", "") else launch
+    accelerate = yaml.safe_load(Path(launch).read_text()) if launch and Path(launch).is_file() else {}
     zero = (accelerate.get("deepspeed_config") or {}).get("zero_stage")
     status = (folder / "exit_status").read_text().split() if (folder / "exit_status").is_file() else ["?", "?"]
     peak, total = peak_memory(folder / "gpu_memory.csv")

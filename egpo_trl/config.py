@@ -180,11 +180,11 @@ class EGPOConfig(GRPOConfig):
             engines' numerical differences (up to 6% of a completion's proxy in `docs/multi_gpu.md`);
             `"loss_forward"` takes \\(\\pi_{old}\\)'s log-probs from the loss's own forward, which runs with the
             weights that sampled the batch: the micro-batches of each group run their forwards, then EGPO's
-            weights, then one backward (`egpo_trl/fused.py`), with no pass of their own. EGPO's estimator, and
+            weights, then their backwards (`egpo_trl/fused.py`), with no pass of their own. EGPO's estimator, and
             EDGE-GRPO's with `edge_grpo_entropy_normalization="group"` (its Shannon entropies from the same forwards),
             where TRL computes no old log-probs, each process's batch holds whole groups, the policy has no active
             dropout, and no loss term is normalised per micro-batch (`bnpo`, `top_entropy_quantile`, an entropy
-            bonus); checked under DDP and DeepSpeed ZeRO-2/3, not yet under FSDP.
+            bonus); checked under DDP and DeepSpeed ZeRO-2/3 (DeepSpeed 0.19 and later), not yet under FSDP.
         egpo_entropy_metrics (`bool`, *optional*, defaults to `True`):
             Compute the entropy proxy (and the `egpo/entropy_*` metrics) even when the advantage estimator does not
             use it (`grpo`, `nsr`). With one optimizer step per generation batch, the log-probs come from the
@@ -344,7 +344,7 @@ class EGPOConfig(GRPOConfig):
             "model in one no-grad pass (as verl, the paper's trainer, does); 'sampler' takes vLLM's sampling "
             "log-probs at no cost (equal to the policy's up to numerical differences, under plain sampling); "
             "'loss_forward' takes pi_old's log-probs from the loss's own forward (each group's micro-batches run "
-            "their forwards, then the weights, then one backward), with no pass of its own.",
+            "their forwards, then the weights, then their backwards), with no pass of its own.",
             "choices": list(ENTROPY_LOGPS),
         },
     )
@@ -543,6 +543,12 @@ class EGPOConfig(GRPOConfig):
         world_size, engine = self._loss_forward_launch()
         if engine == "FSDP":
             problems.append(f"it has not been checked under {engine} yet")
+        if engine == "DeepSpeed":
+            from egpo_trl.fused import deepspeed_problem
+
+            old_deepspeed = deepspeed_problem()
+            if old_deepspeed:
+                problems.append(old_deepspeed)
         if (
             self.gradient_checkpointing
             and reentrant_checkpointing(self.gradient_checkpointing_kwargs)

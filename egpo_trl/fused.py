@@ -12,9 +12,15 @@ every row, about a quarter of the training's FLOPs with gradient checkpointing.
   (``lcm(per_device_train_batch_size, num_generations) / per_device_train_batch_size`` micro-batches; TRL shuffles
   the rows first, as usual, and the groups keep the order in which they first appear);
 * the micro-batches of a block run their forwards only; the last one's step then computes EGPO's weights from their
-  log-probs, TRL's loss of each micro-batch with the weighted advantages, and one backward of their sum. The
-  gradient is the sum of the micro-batches' gradients, as with one backward each (every scaling is linear), and the
-  accumulation boundary stays at the generation batch's last micro-batch;
+  log-probs and TRL's loss of each micro-batch with the weighted advantages, and runs each loss's backward as soon
+  as it is computed (every scaling is linear, so the gradient is the one of a backward per micro-batch). The
+  accumulation boundary stays at the generation batch's last micro-batch: the earlier micro-batches' backwards run
+  as accumulation steps, the last one's in the trainer's own step. One backward of the losses' sum would give the
+  same gradient, but it holds every parameter's partial gradient, a whole unsharded gradient, until the block's
+  first micro-batch reaches it, and DeepSpeed reduces nothing before then (at the Qwen2.5-Math-7B shape under
+  ZeRO-2 the first step's training peak was 30 GB above GRPO's, and the second step, with Adam's moments,
+  ran out of memory). Under DDP (not DeepSpeed), whose gradient synchronisation is armed by the forward, the block
+  still runs one backward of the sum;
 * a block holds the forwards of all its micro-batches at once: with gradient checkpointing, each layer's input of
   each row (``rows x tokens x hidden_size x 2`` bytes per layer in bf16, about 1.1 GiB for 4 rows of 3,300 tokens
   at the Qwen2.5-Math-1.5B shape).
@@ -52,6 +58,44 @@ ROW_KEY = "egpo_fused_row"
 FUSED_KEYS = (GROUP_KEY, REWARD_KEY, CORRECT_KEY, MASK_KEY, ROW_KEY)
 
 
+#: The first DeepSpeed release ``loss_forward`` was checked with (benchmarks/loss_forward_check.py, ZeRO-2 and ZeRO-3:
+#: 0.19.8 on H100s and on CPU). Its ZeRO optimizers close a gradient-accumulation micro-step at the next forward
+#: (``clear_backward_seen_flag``), which the block's backwards call themselves; earlier releases differ.
+DEEPSPEED_CHECKED = "0.19"
+
+
+def deepspeed_problem() -> str | None:
+    """Why the installed DeepSpeed cannot serve ``loss_forward`` (a release older than :data:`DEEPSPEED_CHECKED`), or
+    ``None`` (a checked release, or none installed: a DeepSpeed launch then fails on its own)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        installed = version("deepspeed")
+    except PackageNotFoundError:
+        return None
+    try:
+        old = Version(installed) < Version(DEEPSPEED_CHECKED)
+    except InvalidVersion:  # pragma: no cover - a local build's odd version string
+        return None
+    if not old:
+        return None
+    return (
+        f"it was checked under DeepSpeed {DEEPSPEED_CHECKED} and later, and DeepSpeed {installed} is installed (its "
+        "ZeRO optimizers count gradient-accumulation micro-steps differently); pip install 'deepspeed>="
+        f"{DEEPSPEED_CHECKED}'"
+    )
+
+
+def _is_zero_optimizer(optimizer) -> bool:
+    try:
+        from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    except ImportError:  # pragma: no cover - DeepSpeed moved it
+        return True
+    return isinstance(optimizer, ZeROOptimizer)
+
+
 def block_size(per_device_batch: int, num_generations: int) -> int:
     """Micro-batches per block: the fewest consecutive micro-batches of ``per_device_batch`` rows that hold whole
     groups of ``num_generations`` rows."""
@@ -62,7 +106,7 @@ def block_memory_note(per_device_batch: int, blocks: int) -> str:
     """The warning for ``loss_forward`` with gradient checkpointing off, where a block's activations add up."""
     return (
         f"egpo_entropy_logps='loss_forward' holds {blocks} micro-batches ({blocks * per_device_batch} rows) of "
-        "forwards until one backward; with gradient_checkpointing off that is all their activations at once, "
+        "forwards until their backwards; with gradient_checkpointing off that is all their activations at once, "
         f"{blocks} times one micro-batch's, which runs out of GPU memory at long completions. Turn "
         "gradient_checkpointing on, or use egpo_entropy_logps='policy'."
     )
@@ -246,8 +290,9 @@ class LossForwardEntropyMixin:
 
     def _fused_block_loss(self, model, inputs, loss_of):
         """The block's loss: every micro-batch's forward, EGPO's weights from their log-probs, then TRL's loss of each
-        micro-batch (``loss_of(model, micro_batch)``, which reads the kept forwards) with the weighted advantages,
-        summed for one backward."""
+        micro-batch (``loss_of(model, micro_batch)``, which reads the kept forwards) with the weighted advantages.
+        Each loss but the last is backpropagated here (see :meth:`_fused_backward_each`); the returned loss, the last
+        micro-batch's plus the others' detached, goes to the trainer's own backward and log."""
         from egpo_trl.advantages import sequence_entropy, sequence_mean
 
         block, self._fused_pending = self._fused_pending + [inputs], []
@@ -299,10 +344,13 @@ class LossForwardEntropyMixin:
         weights = self._egpo_estimator(rewards, entropy_input, n, correct=correct, **self._estimator_kwargs())
         self._fused_record(block, weights, nll, shannon)
         self._fused_cache = list(forwards)
+        del forwards  # each kept forward is freed with its micro-batch's backward
+        early = self._fused_backward_each(model)
         total = None
+        done = None  # the losses already backpropagated, for the logged loss
         start = 0
         try:
-            for batch in block:
+            for index, batch in enumerate(block):
                 rows = batch["advantages"].shape[0]
                 weighted = dict(batch)
                 weighted["advantages"] = (
@@ -310,12 +358,64 @@ class LossForwardEntropyMixin:
                 ).to(batch["advantages"].dtype)
                 start += rows
                 loss = loss_of(model, weighted)
-                total = loss if total is None else total + loss
+                if early and index < len(block) - 1:
+                    self._fused_backward_now(loss)
+                    loss = loss.detach()
+                    done = loss if done is None else done + loss
+                else:
+                    total = loss if total is None else total + loss
         finally:
             leftover, self._fused_cache = self._fused_cache, []
         if leftover:  # pragma: no cover - TRL 1.16's loss runs one forward per micro-batch
             raise RuntimeError("The loss did not use every kept forward of its block; is the TRL version 1.16.0?")
-        return total
+        # The trainer's step backpropagates what is left (the last micro-batch's loss) and logs the block's sum.
+        return total if done is None else total + done
+
+    def _fused_backward_each(self, model) -> bool:
+        """Whether the block's micro-batches can each run their backward as their loss is computed: under DeepSpeed
+        and in a process that trains alone. DDP arms its gradient synchronisation in the forward (every kept forward
+        ran in the block's last step, synchronised when that step ends the generation batch), so under DDP the
+        block runs one backward of the losses' sum."""
+        from accelerate.utils import DistributedType
+
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            return True
+        return not isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.accelerator.num_processes == 1
+
+    def _fused_backward_now(self, loss: torch.Tensor) -> None:
+        """The backward of one of the block's micro-batches before the last, as ``Trainer.training_step`` runs it
+        (TRL's loss is already scaled for gradient accumulation; DeepSpeed told not to scale it again), as an
+        accumulation step: no optimizer step, whatever the block's last micro-batch is."""
+        from accelerate.utils import DistributedType
+
+        if getattr(self.args, "n_gpu", 1) > 1:  # pragma: no cover - GRPOTrainer refuses DataParallel
+            loss = loss.mean()
+        if getattr(self, "loss_is_scaled_for_ga", None) is False:  # pragma: no cover - TRL 1.16 sets it True
+            loss = loss / self.current_gradient_accumulation_steps
+        kwargs = {}
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            kwargs["scale_wrt_gas"] = False
+        state = self.accelerator.gradient_state
+        sync = state.sync_gradients
+        state._set_sync_gradients(False)
+        try:
+            self.accelerator.backward(loss, **kwargs)
+        finally:
+            state._set_sync_gradients(sync)
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            # DeepSpeed's ZeRO optimizers close a micro-step at the next forward (ZeRO-3 counts it there, so that the
+            # next backward adds its gradients instead of copying over them; ZeRO-1/2 clear their accumulation
+            # hooks' state): the block's forwards all ran before, so close it here, as DeepSpeed's forward does.
+            optimizer = self.accelerator.deepspeed_engine_wrapped.engine.optimizer
+            close = getattr(optimizer, "clear_backward_seen_flag", None)
+            if callable(close):
+                close()
+            elif _is_zero_optimizer(optimizer):  # pragma: no cover - DeepSpeed 0.19 has it (deepspeed_problem)
+                raise RuntimeError(
+                    f"egpo_entropy_logps='loss_forward': {type(optimizer).__name__} of this DeepSpeed release has no "
+                    "clear_backward_seen_flag, so a micro-batch's gradients might overwrite the previous one's; it was "
+                    f"checked with DeepSpeed {DEEPSPEED_CHECKED} and later. Use egpo_entropy_logps='policy'."
+                )
 
     def _fused_record(self, block, weights, nll, shannon=None) -> None:
         """Keep the block's weights and entropies; once every row of the batch has been trained on, log the batch's

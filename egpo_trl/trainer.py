@@ -18,8 +18,9 @@ override of TRL's methods and calls the features from them (``_generate`` for Gu
 here, in one file.
 
 TRL's clipped objective, every loss type, ``num_iterations``, gradient accumulation, PEFT, vLLM and
-multi-process training are untouched, except that ``egpo_entropy_logps="loss_forward"`` runs a block of
-micro-batches' losses in one backward (the same gradient; it refuses the settings where it would not be).
+multi-process training are untouched, except that ``egpo_entropy_logps="loss_forward"`` runs the backwards of a
+block of micro-batches in its last micro-batch's step (the same gradient; it refuses the settings where it would not
+be).
 
 Where the log-probs come from (the paper's "zero-overhead" proxy):
 

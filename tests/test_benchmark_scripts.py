@@ -156,6 +156,15 @@ def test_gpu_recipes_script_runs_a_recipe_and_summarizes_it(tmp_path, tiny_model
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary[0]["exit"] == "0" and summary[0]["loss"] is not None
     assert summary[0]["generation_s"] > 0  # from the trainer's timing/generation_s (the table rounds it)
+    assert summary[0]["zero"] == "-"  # the launch's --accelerate_config none, not the recipe's ZeRO-2
+
+    from benchmarks.summarize_recipe_runs import summarize
+
+    run = tmp_path / "out" / "egpo_qwen15b"
+    command = (run / "command.txt").read_text().replace("--accelerate_config none", "--accelerate_config "
+                                                         "recipes/accelerate/zero3.yaml")  # fmt: skip
+    (run / "command.txt").write_text(command)
+    assert summarize(run)[0]["zero"] == "ZeRO-3"
 
 
 FAKE_ACCELERATE = """#!/usr/bin/env bash

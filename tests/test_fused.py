@@ -3,6 +3,8 @@ same as the no-grad pass ("policy"), on the tiny Qwen2 model with TRL's real GRP
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import make_prompt_dataset, parity_reward, train_two_steps
@@ -290,6 +292,101 @@ def test_loss_forward_trains_as_the_no_grad_pass_over_two_processes(tmp_path, ti
         assert on["egpo/entropy_extra_pass"] == 0.0
     for name, weight in policy_weights.items():
         torch.testing.assert_close(fused_weights[name], weight, rtol=1e-4, atol=1e-6)
+    # process 0's backward calls over 2 steps of 4 micro-batches: one per block of 2 under DDP
+    assert json.loads((tmp_path / "policy" / "backwards.json").read_text()) == 8
+    assert json.loads((tmp_path / "loss_forward" / "backwards.json").read_text()) == 4
+
+
+def test_loss_forward_backpropagates_each_micro_batch_as_its_loss_is_computed(tmp_path, tiny_model_dir):
+    """One process, blocks of 2 micro-batches: each micro-batch's gradient reaches the parameters by a backward of its
+    own, as without blocks (one backward of the block's sum would hold every parameter's partial gradient until the
+    block's first micro-batch reaches it, a whole gradient beside DeepSpeed's shards), and only the last one's waits
+    for the trainer's step; the logged loss still counts every micro-batch (the same as the pass's run)."""
+    overrides = dict(per_device_train_batch_size=2, gradient_accumulation_steps=4)
+    args = config(tmp_path / "fused", max_steps=2, egpo_entropy_logps="loss_forward", bf16=False, **overrides)
+    trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    assert trainer._fused_block == 2
+    parameter = trainer.model.get_input_embeddings().weight
+    arrivals = []  # the optimizer step during which each gradient arrived
+    parameter.register_post_accumulate_grad_hook(lambda _: arrivals.append(trainer.state.global_step))
+    backwards = []
+    original = trainer.accelerator.backward
+    trainer.accelerator.backward = lambda loss, **kwargs: backwards.append(loss.detach()) or original(loss, **kwargs)
+    trainer.train()
+    assert arrivals == [0, 0, 0, 0, 1, 1, 1, 1] and len(backwards) == 8
+    _, policy, _ = train_two_steps(tmp_path / "policy", tiny_model_dir, egpo_entropy_logps="policy", **overrides)
+    fused = [row for row in trainer.state.log_history if "loss" in row]
+    assert [row["loss"] for row in fused] == pytest.approx([row["loss"] for row in policy], rel=1e-4, abs=1e-6)
+
+
+def test_trl_scales_its_loss_for_accumulation_itself():
+    """A block's earlier micro-batches repeat Trainer.training_step's backward (fused.py, _fused_backward_now), which
+    scales the loss by the accumulation steps unless ``loss_is_scaled_for_ga``: TRL 1.16's loss is scaled already."""
+    from trl import GRPOTrainer
+
+    assert GRPOTrainer.loss_is_scaled_for_ga is True
+
+
+@pytest.mark.slow
+def test_loss_forward_trains_as_the_no_grad_pass_under_deepspeed_zero(tmp_path):
+    """DeepSpeed ZeRO-2 and ZeRO-3 over 2 CPU processes (benchmarks/loss_forward_check.py): the same metrics and
+    weights as the no-grad pass, with a backward per micro-batch. ZeRO-3 counts a micro-step at the next forward, so
+    without the block closing each micro-step itself the second backward would overwrite the first's gradients
+    (a grad norm of 0.35 against the pass's 0.46 on this check's first step)."""
+    pytest.importorskip("deepspeed")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    env.update(DS_ACCELERATOR="cpu", PYTHONPATH=f"{root}:{os.environ.get('PYTHONPATH', '')}")
+    done = subprocess.run(
+        [sys.executable, "benchmarks/loss_forward_check.py", "--out", str(tmp_path / "runs"), "--engines", "zero2",
+         "zero3", "--checkpointing", "1", "--port", str(29800 + os.getpid() % 100), "--json", str(tmp_path / "rows.json")],
+        cwd=root, env=env, capture_output=True, text=True, timeout=1200, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [(row["engine"], row["compared"]) for row in rows] == [
+        ("zero2", "policy_again vs policy"),
+        ("zero2", "loss_forward vs policy"),
+        ("zero3", "policy_again vs policy"),
+        ("zero3", "loss_forward vs policy"),
+    ]
+    for row in rows:
+        assert row["within"] and row["metric_rel"] <= 1e-4 and row["weight_abs"] <= 1e-5, row
+    for row in rows[1::2]:
+        assert row["backwards"] == {"policy": 8, "loss_forward": 8}, row
+
+
+def test_loss_forward_refuses_a_deepspeed_older_than_the_one_it_was_checked_with(monkeypatch):
+    """DeepSpeed before 0.19 closes ZeRO's micro-steps otherwise: refused, naming the upgrade; 0.19 and later, or none
+    installed (a DeepSpeed launch then fails by itself), pass."""
+    import importlib.metadata
+
+    from egpo_trl import EGPOConfig, fused
+
+    installed = {"version": "0.17.6"}
+
+    def version(name):
+        if name != "deepspeed":
+            return importlib.metadata.version(name)
+        if installed["version"] is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed["version"]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    message = fused.deepspeed_problem()
+    assert "DeepSpeed 0.17.6 is installed" in message and "pip install 'deepspeed>=0.19'" in message
+    with pytest.raises(ValueError, match="0.17.6"):
+        EGPOConfig._validate_loss_forward(_loss_forward_arguments(deepspeed="zero2.json"))
+    EGPOConfig._validate_loss_forward(_loss_forward_arguments())  # no DeepSpeed in the launch: not asked
+    for fine in ("0.19.0", "0.19.8", "0.20.1", None):
+        installed["version"] = fine
+        assert fused.deepspeed_problem() is None
+        EGPOConfig._validate_loss_forward(_loss_forward_arguments(deepspeed="zero2.json"))
 
 
 @pytest.mark.parametrize(

@@ -82,7 +82,7 @@ METHODS = [
     (
         "training_step",
         ["model", "inputs", "num_items_in_batch"],
-        "trainer.py (override: fused.py keeps a block's micro-batches for one backward)",
+        "trainer.py (override: fused.py keeps a block's micro-batches until the last one's step)",
     ),
     # transformers.Trainer's, overridden by ExactResumeMixin (egpo_trl/resume_state.py) for exact resume.
     (
@@ -219,6 +219,25 @@ INSTANCE_ATTRIBUTES = [
 # Text that TRL's source must contain: each is a behaviour egpo_trl relies on and a signature cannot show.
 # (object, text, why, used by).
 SOURCE = [
+    (
+        "Trainer.training_step",
+        "loss_is_scaled_for_ga = self.loss_is_scaled_for_ga",
+        "the loss's scaling for gradient accumulation, which a block's earlier micro-batches repeat for their own "
+        "backwards",
+        "fused.py (_fused_backward_now)",
+    ),
+    (
+        "Trainer.training_step",
+        'kwargs["scale_wrt_gas"] = False',
+        "DeepSpeed is told not to scale the loss again (so is each of a block's earlier backwards)",
+        "fused.py (_fused_backward_now)",
+    ),
+    (
+        "Trainer.training_step",
+        "self.accelerator.backward(loss, **kwargs)",
+        "the backward goes through accelerator.backward, as a block's earlier micro-batches' do",
+        "fused.py (_fused_backward_now)",
+    ),
     (
         "GRPOTrainer._generate_and_score_completions",
         "= self._generate(prompts)",

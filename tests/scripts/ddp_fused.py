@@ -2,7 +2,8 @@
 logged metrics (rank 0). Used by tests/test_fused.py: ``torchrun --nproc_per_node 2 tests/scripts/ddp_fused.py MODEL
 OUT ENTROPY_LOGPS [GRADIENT_CHECKPOINTING]`` with 2 rows per device and 4 accumulation steps (one generation batch
 of two groups of 4 per process: blocks of 2 micro-batches under egpo_entropy_logps='loss_forward'), and by
-benchmarks/loss_forward_check.py under ``accelerate launch`` with DeepSpeed on GPUs (float32 throughout)."""
+benchmarks/loss_forward_check.py under ``accelerate launch`` with DeepSpeed (float32 throughout). Also writes how many
+backward calls process 0 made (``backwards.json``)."""
 
 from __future__ import annotations
 
@@ -31,12 +32,16 @@ def main(model_dir: str, out_dir: str, logps: str, checkpointing: bool) -> None:
     }
     args = EGPOConfig(output_dir=out_dir, **{**TRAINER_TEST_SETTINGS, **settings})
     trainer = EGPOTrainer(model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    backwards = []  # the backward calls of this process: one per micro-batch, or one per block of them under DDP
+    original = trainer.accelerator.backward
+    trainer.accelerator.backward = lambda loss, **kwargs: backwards.append(1) or original(loss, **kwargs)
     trainer.train()
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # every process: ZeRO-3 gathers the shards
     if trainer.accelerator.is_main_process:
         torch.save({k: v.detach().float().cpu() for k, v in state.items()}, f"{out_dir}/weights.pt")
         rows = [row for row in trainer.state.log_history if "loss" in row]
         Path(out_dir, "log.json").write_text(json.dumps(rows))
+        Path(out_dir, "backwards.json").write_text(json.dumps(len(backwards)))
 
 
 if __name__ == "__main__":
