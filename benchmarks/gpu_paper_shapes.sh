@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_paper_shapes.sh build  RESULTS   # random-weight checkpoints of the 4 shapes (+ a sharpened one)
 #   bash benchmarks/gpu_paper_shapes.sh small  RESULTS   # 1.5B shapes: egpo+grpo qwen15b on GPUs 0,1 | egpo r1 on 2,3
 #   bash benchmarks/gpu_paper_shapes.sh measure RESULTS  # trainer-vs-vLLM log-prob gaps (is_gap.py), egpo-trl eval
-#   bash benchmarks/gpu_paper_shapes.sh qwen7b RESULTS   # egpo_qwen7b on 4 GPUs (ZeRO-3)
+#   bash benchmarks/gpu_paper_shapes.sh qwen7b RESULTS   # egpo_qwen7b on 4 GPUs (ZeRO-2)
 #   bash benchmarks/gpu_paper_shapes.sh r1_7b  RESULTS   # egpo_r1_distill_7b on 4 GPUs (ZeRO-3, 15k-token rollouts)
 #   bash benchmarks/gpu_paper_shapes.sh policy RESULTS   # 1 GPU: eval killed and resumed; the entropy proxy's cost
 #

@@ -9,7 +9,7 @@ without an end (``--bench-lengths full``, as random weights generate) or of a qu
 per-GPU batch, the micro-batches and every sharding choice are the recipe's, and the only thing missing is vLLM::
 
     python benchmarks/real_shapes.py --output /tmp/shapes --shapes qwen7b --device cuda
-    # the recipe as launched: ZeRO-3 over 4 GPUs
+    # ZeRO-3 over 4 GPUs (--accelerate_config's zero3.yaml)
     accelerate launch --config_file recipes/accelerate/zero3.yaml --num_processes 4 benchmarks/train_breakdown.py \\
         recipes/grpo_qwen7b.yaml --model_name_or_path /tmp/shapes/qwen7b --gradient_accumulation_steps 64 \\
         --bench-json /tmp/zero3.json

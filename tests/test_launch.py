@@ -42,7 +42,7 @@ def test_launched_processes_train_in_process():
 
 
 def test_launch_port_is_passed_to_accelerate():
-    argv = ["--config", "recipes/egpo_qwen7b.yaml", "--num_processes", "4", "--main_process_port", "29611"]
+    argv = ["--config", "recipes/egpo_r1_distill_7b.yaml", "--num_processes", "4", "--main_process_port", "29611"]
     command = launch_command(plan_launch(argv))
     assert command[:8] == [
         "accelerate", "launch", "--config_file", "recipes/accelerate/zero3.yaml",

@@ -20,7 +20,7 @@ from egpo_trl.train import parse_args
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {
     "qwen15b": ("Qwen/Qwen2.5-Math-1.5B", 3072, "zero2", 0.3),
-    "qwen7b": ("Qwen/Qwen2.5-Math-7B", 3072, "zero3", 0.4),
+    "qwen7b": ("Qwen/Qwen2.5-Math-7B", 3072, "zero2", 0.4),
     "r1_distill_15b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", 15360, "zero2", 0.55),
     "r1_distill_7b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", 15360, "zero3", 0.65),
 }
@@ -186,12 +186,13 @@ def test_dry_run_lists_every_late_failure(tiny_model_dir, local_dataset, tmp_pat
 
 
 def test_launch_plan_and_command(tmp_path):
-    plan = plan_launch(["--config", "recipes/egpo_qwen7b.yaml", "--num_processes", "4", "--seed", "1"])
+    plan = plan_launch(["--config", "recipes/egpo_r1_distill_7b.yaml", "--num_processes", "4", "--seed", "1"])
     assert plan.accelerate_config == "recipes/accelerate/zero3.yaml" and plan.zero_stage == 3
     assert launch_command(plan) == [
         "accelerate", "launch", "--config_file", "recipes/accelerate/zero3.yaml", "--num_processes", "4",
-        "-m", "egpo_trl.train", "--config", "recipes/egpo_qwen7b.yaml", "--num_processes", "4", "--seed", "1",
+        "-m", "egpo_trl.train", "--config", "recipes/egpo_r1_distill_7b.yaml", "--num_processes", "4", "--seed", "1",
     ]  # fmt: skip
+    assert plan_launch(["--config", "recipes/egpo_qwen7b.yaml"]).zero_stage == 2
     assert (
         plan_launch(["--config", "recipes/egpo_qwen7b.yaml", "--accelerate_config", "none"]).accelerate_config is None
     )
