@@ -1,11 +1,11 @@
 """Does ``egpo_entropy_logps="loss_forward"`` train as the no-grad pass (``"policy"``) under a distributed engine?
 
 Runs ``tests/scripts/ddp_fused.py`` (a tiny random Qwen2, float32, two optimizer steps, 2 rows per device, 4
-accumulation steps: blocks of 2 micro-batches) under ``accelerate launch`` with each engine's configuration from
+accumulation steps: blocks of 2 micro-batches; ``--per-device-batch 1 --accumulation 8``: blocks of 4) under ``accelerate launch`` with each engine's configuration from
 ``recipes/accelerate/``, once per setting, and prints, per engine, the largest differences between the two runs'
 logged metrics and final weights. A second ``policy`` run gives the engine's own run-to-run spread, the yardstick.
-The last column counts process 0's backward calls: one per micro-batch (8 in the 2 steps), or under DDP one per block
-(4), where the block's micro-batches share one backward.
+The last column counts process 0's backward calls: one per micro-batch (8 in the 2 steps by default), or under DDP
+one per block (4), where the block's micro-batches share one backward.
 
     CUDA_VISIBLE_DEVICES=0,1 python benchmarks/loss_forward_check.py --out /tmp/lf --engines zero2 zero3
 
@@ -31,13 +31,22 @@ ROOT = Path(__file__).resolve().parents[1]
 METRICS = ("reward", "loss", "grad_norm", "egpo/entropy_mean", "egpo/weight_correct", "egpo/weight_incorrect")
 
 
-def run(engine: str, logps: str, checkpointing: bool, model: str, out: Path, port: int, processes: int) -> dict:
+def run(
+    engine: str,
+    logps: str,
+    checkpointing: bool,
+    model: str,
+    out: Path,
+    port: int,
+    processes: int,
+    shape: tuple[int, int] = (2, 4),
+) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
     command += [str(ROOT / "recipes" / "accelerate" / f"{engine}.yaml"), "--num_processes", str(processes)]
     command += ["--mixed_precision", "no", "--main_process_port", str(port)]
     script = ROOT / "tests" / "scripts" / "ddp_fused.py"
-    command += [str(script), model, str(out), logps, "1" if checkpointing else "0"]
+    command += [str(script), model, str(out), logps, "1" if checkpointing else "0", *map(str, shape)]
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     with open(out / "run.log", "w") as log:
         done = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900)
@@ -68,6 +77,8 @@ def main() -> int:
     parser.add_argument("--engines", nargs="+", default=["zero2", "zero3"], choices=["ddp", "zero2", "zero3"])
     parser.add_argument("--checkpointing", nargs="+", type=int, default=[1, 0], choices=[0, 1])
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--per-device-batch", type=int, default=2, help="rows per micro-batch (1 makes blocks of 4)")
+    parser.add_argument("--accumulation", type=int, default=4, help="micro-batches per optimizer step")
     parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--rtol", type=float, default=1e-4, help="largest relative metric difference accepted")
     parser.add_argument("--atol", type=float, default=1e-5, help="largest weight difference accepted")
@@ -89,7 +100,8 @@ def main() -> int:
             runs = {}
             for name, logps in (("policy", "policy"), ("policy_again", "policy"), ("loss_forward", "loss_forward")):
                 folder = out / f"{engine}-ckpt{checkpointing}" / name
-                runs[name] = run(engine, logps, bool(checkpointing), model, folder, args.port, args.processes)
+                shape = (args.per_device_batch, args.accumulation)
+                runs[name] = run(engine, logps, bool(checkpointing), model, folder, args.port, args.processes, shape)
                 args.port += 1
             for other in ("policy_again", "loss_forward"):
                 row = {"engine": engine, "checkpointing": bool(checkpointing), "compared": f"{other} vs policy"}

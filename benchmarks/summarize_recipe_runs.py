@@ -75,7 +75,9 @@ def summarize(folder: Path) -> list[dict]:
     # The launch's accelerate config: an --accelerate_config override, else the recipe's ("none": one plain process).
     launch = _option(argv, "accelerate_config", recipe.get("accelerate_config"))
     launch = None if str(launch).lower() in ("none", "null", "") else launch
-    accelerate = yaml.safe_load(Path(launch).read_text()) if launch and Path(launch).is_file() else {}
+    if launch and not Path(launch).is_absolute():
+        launch = Path(__file__).resolve().parents[1] / launch  # recipes name it from the repository's root
+    accelerate = yaml.safe_load(Path(launch).read_text()) if launch else {}
     zero = (accelerate.get("deepspeed_config") or {}).get("zero_stage")
     status = (folder / "exit_status").read_text().split() if (folder / "exit_status").is_file() else ["?", "?"]
     peak, total = peak_memory(folder / "gpu_memory.csv")

@@ -300,6 +300,12 @@ def main(argv: list[str] | None = None) -> dict | None:
                 "one generation batch per optimizer step is assumed (steps_per_generation equal to "
                 "gradient_accumulation_steps, num_iterations 1, as in the recipes); use --bench-steps-only otherwise"
             )
+        if getattr(training_args, "egpo_entropy_logps", None) == "loss_forward":
+            problems.append(
+                "egpo_entropy_logps is loss_forward: a block's micro-batches run their forwards and then their "
+                "backwards in the block's last step, inside the loss this script times as a forward, so the split "
+                "would be wrong (pass --egpo_entropy_logps policy, or time whole steps with --bench-steps-only)"
+            )
         if args.bench_profile is not None and not 2 <= args.bench_profile <= accumulation - 1:
             problems.append(
                 f"--bench-profile {args.bench_profile}: profile a micro-batch of the first step that is neither its "

@@ -20,7 +20,9 @@ every row, about a quarter of the training's FLOPs with gradient checkpointing.
   first micro-batch reaches it, and DeepSpeed reduces nothing before then (at the Qwen2.5-Math-7B shape under
   ZeRO-2 the first step's training peak was 30 GB above GRPO's, and the second step, with Adam's moments,
   ran out of memory). Under DDP (not DeepSpeed), whose gradient synchronisation is armed by the forward, the block
-  still runs one backward of the sum;
+  still runs one backward of the sum, and so holds that extra gradient. A step stopped by an exception inside a
+  block may leave the block's earlier micro-batches' gradients accumulated (``Trainer.train`` zeroes them when it
+  starts again);
 * a block holds the forwards of all its micro-batches at once: with gradient checkpointing, each layer's input of
   each row (``rows x tokens x hidden_size x 2`` bytes per layer in bf16, about 1.1 GiB for 4 rows of 3,300 tokens
   at the Qwen2.5-Math-1.5B shape).
@@ -58,9 +60,11 @@ ROW_KEY = "egpo_fused_row"
 FUSED_KEYS = (GROUP_KEY, REWARD_KEY, CORRECT_KEY, MASK_KEY, ROW_KEY)
 
 
-#: The first DeepSpeed release ``loss_forward`` was checked with (benchmarks/loss_forward_check.py, ZeRO-2 and ZeRO-3:
-#: 0.19.8 on H100s and on CPU). Its ZeRO optimizers close a gradient-accumulation micro-step at the next forward
-#: (``clear_backward_seen_flag``), which the block's backwards call themselves; earlier releases differ.
+#: The DeepSpeed release line ``loss_forward`` was checked with (benchmarks/loss_forward_check.py, ZeRO-2 and ZeRO-3,
+#: 0.19.8: a backward per micro-batch on the CPU, one backward of a block's sum on H100s). Its ZeRO optimizers close a
+#: gradient-accumulation micro-step at the next forward (``clear_backward_seen_flag``), which the block calls itself
+#: after each of its backwards. Earlier releases were not checked: on the CPU 0.17.6 and 0.18.9 did not even run the
+#: no-grad pass's training correctly (with torch 2.13).
 DEEPSPEED_CHECKED = "0.19"
 
 
@@ -82,9 +86,9 @@ def deepspeed_problem() -> str | None:
     if not old:
         return None
     return (
-        f"it was checked under DeepSpeed {DEEPSPEED_CHECKED} and later, and DeepSpeed {installed} is installed (its "
-        "ZeRO optimizers count gradient-accumulation micro-steps differently); pip install 'deepspeed>="
-        f"{DEEPSPEED_CHECKED}'"
+        f"it was checked under DeepSpeed {DEEPSPEED_CHECKED}, and DeepSpeed {installed} is installed (how ZeRO "
+        "closes a gradient-accumulation micro-step, which the loss's forward blocks rely on, has changed between "
+        f"releases); pip install 'deepspeed>={DEEPSPEED_CHECKED}'"
     )
 
 
@@ -404,8 +408,8 @@ class LossForwardEntropyMixin:
             state._set_sync_gradients(sync)
         if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
             # DeepSpeed's ZeRO optimizers close a micro-step at the next forward (ZeRO-3 counts it there, so that the
-            # next backward adds its gradients instead of copying over them; ZeRO-1/2 clear their accumulation
-            # hooks' state): the block's forwards all ran before, so close it here, as DeepSpeed's forward does.
+            # next backward adds its gradients instead of copying over them; ZeRO-1 clears its gradient
+            # accumulators): the block's forwards all ran before, so close it here, as DeepSpeed's forward does.
             optimizer = self.accelerator.deepspeed_engine_wrapped.engine.optimizer
             close = getattr(optimizer, "clear_backward_seen_flag", None)
             if callable(close):

@@ -577,6 +577,13 @@ def test_train_breakdown_refuses_batches_it_cannot_read():
     assert done.returncode != 0
     assert "gradient_accumulation_steps is 2" in done.stderr and "--bench-steps-only" in done.stderr, done.stderr
     assert "--bench-profile 5" in done.stderr
+    # loss_forward's blocks run backwards inside the loss the script times as a forward
+    done = subprocess.run(
+        [sys.executable, "benchmarks/train_breakdown.py", "recipes/demo_tiny_cpu.yaml", "--bench-tiny",
+         "--gradient_accumulation_steps=4", "--egpo_entropy_logps", "loss_forward"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode != 0 and "egpo_entropy_logps is loss_forward" in done.stderr, done.stderr
 
 
 def test_train_breakdown_rollouts_and_kernel_split():

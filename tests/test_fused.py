@@ -309,11 +309,14 @@ def test_loss_forward_backpropagates_each_micro_batch_as_its_loss_is_computed(tm
     parameter = trainer.model.get_input_embeddings().weight
     arrivals = []  # the optimizer step during which each gradient arrived
     parameter.register_post_accumulate_grad_hook(lambda _: arrivals.append(trainer.state.global_step))
-    backwards = []
-    original = trainer.accelerator.backward
-    trainer.accelerator.backward = lambda loss, **kwargs: backwards.append(loss.detach()) or original(loss, **kwargs)
+    events = []  # "loss" when TRL computes a micro-batch's loss, "backward" for each backward call
+    backward, compute = trainer.accelerator.backward, trainer._compute_loss
+    trainer.accelerator.backward = lambda loss, **kwargs: events.append("backward") or backward(loss, **kwargs)
+    trainer._compute_loss = lambda *args, **kwargs: events.append("loss") or compute(*args, **kwargs)
     trainer.train()
-    assert arrivals == [0, 0, 0, 0, 1, 1, 1, 1] and len(backwards) == 8
+    assert arrivals == [0, 0, 0, 0, 1, 1, 1, 1]
+    # each backward right after its loss: no block keeps two micro-batches' losses (and graphs) waiting
+    assert events == ["loss", "backward"] * 8, events
     _, policy, _ = train_two_steps(tmp_path / "policy", tiny_model_dir, egpo_entropy_logps="policy", **overrides)
     fused = [row for row in trainer.state.log_history if "loss" in row]
     assert [row["loss"] for row in fused] == pytest.approx([row["loss"] for row in policy], rel=1e-4, abs=1e-6)
@@ -359,6 +362,16 @@ def test_loss_forward_trains_as_the_no_grad_pass_under_deepspeed_zero(tmp_path):
         assert row["within"] and row["metric_rel"] <= 1e-4 and row["weight_abs"] <= 1e-5, row
     for row in rows[1::2]:
         assert row["backwards"] == {"policy": 8, "loss_forward": 8}, row
+    # blocks of 4 micro-batches (1 row each, 8 a step): 3 backwards of a block before its last one's, under ZeRO-2
+    done = subprocess.run(
+        [sys.executable, "benchmarks/loss_forward_check.py", "--out", str(tmp_path / "blocks4"), "--engines", "zero2",
+         "--checkpointing", "1", "--per-device-batch", "1", "--accumulation", "8",
+         "--port", str(29900 + os.getpid() % 100), "--json", str(tmp_path / "blocks4.json")],
+        cwd=root, env=env, capture_output=True, text=True, timeout=1200, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    again, fused = json.loads((tmp_path / "blocks4.json").read_text())
+    assert again["within"] and fused["within"] and fused["backwards"] == {"policy": 16, "loss_forward": 16}, fused
 
 
 def test_loss_forward_refuses_a_deepspeed_older_than_the_one_it_was_checked_with(monkeypatch):

@@ -1,7 +1,8 @@
 """Train EGPO for two optimizer steps in every process of a distributed launch and save the final weights and
 logged metrics (rank 0). Used by tests/test_fused.py: ``torchrun --nproc_per_node 2 tests/scripts/ddp_fused.py MODEL
-OUT ENTROPY_LOGPS [GRADIENT_CHECKPOINTING]`` with 2 rows per device and 4 accumulation steps (one generation batch
-of two groups of 4 per process: blocks of 2 micro-batches under egpo_entropy_logps='loss_forward'), and by
+OUT ENTROPY_LOGPS [GRADIENT_CHECKPOINTING [ROWS ACCUMULATION]]`` with 2 rows per device and 4 accumulation steps by
+default (one generation batch of two groups of 4 per process: blocks of 2 micro-batches under
+egpo_entropy_logps='loss_forward'; 1 row and 8 steps make blocks of 4), and by
 benchmarks/loss_forward_check.py under ``accelerate launch`` with DeepSpeed (float32 throughout). Also writes how many
 backward calls process 0 made (``backwards.json``)."""
 
@@ -19,10 +20,10 @@ from conftest import TRAINER_TEST_SETTINGS, make_prompt_dataset, parity_reward  
 from egpo_trl import EGPOConfig, EGPOTrainer  # noqa: E402
 
 
-def main(model_dir: str, out_dir: str, logps: str, checkpointing: bool) -> None:
+def main(model_dir: str, out_dir: str, logps: str, checkpointing: bool, per_device: int = 2, accumulation: int = 4):
     settings = {
-        "per_device_train_batch_size": 2,
-        "gradient_accumulation_steps": 4,
+        "per_device_train_batch_size": per_device,
+        "gradient_accumulation_steps": accumulation,
         "max_steps": 2,
         "egpo_entropy_logps": logps,
         "bf16": False,
@@ -45,4 +46,5 @@ def main(model_dir: str, out_dir: str, logps: str, checkpointing: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "1")
+    shape = [int(value) for value in sys.argv[5:7]]  # rows per device and accumulation steps, (2, 4) by default
+    main(sys.argv[1], sys.argv[2], sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "1", *shape)
