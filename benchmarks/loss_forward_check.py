@@ -1,8 +1,8 @@
 """Does ``egpo_entropy_logps="loss_forward"`` train as the no-grad pass (``"policy"``) under a distributed engine?
 
 Runs ``tests/scripts/ddp_fused.py`` (a tiny random Qwen2, float32, two optimizer steps, 2 rows per device, 4
-accumulation steps: blocks of 2 micro-batches; ``--per-device-batch 1 --accumulation 8``: blocks of 4) under ``accelerate launch`` with each engine's configuration from
-``recipes/accelerate/``, once per setting, and prints, per engine, the largest differences between the two runs'
+accumulation steps: blocks of 2 micro-batches; ``--per-device-batch 1 --accumulation 8``: blocks of 4) under
+``accelerate launch`` with each engine's configuration from ``recipes/accelerate/``, once per setting, and prints, per engine, the largest differences between the two runs'
 logged metrics and final weights. A second ``policy`` run gives the engine's own run-to-run spread, the yardstick.
 The last column counts process 0's backward calls: one per micro-batch (8 in the 2 steps by default), or under DDP
 one per block (4), where the block's micro-batches share one backward.
@@ -90,6 +90,7 @@ def main() -> int:
     out = Path(args.out)
     model = build_tiny_model(str(out / "tiny-qwen2"))
     table, failed = [], False
+    shape = (args.per_device_batch, args.accumulation)
     print(
         "| engine | checkpointing | compared | metrics max abs | metrics max rel | weights max abs | within | "
         "backward calls (process 0) |"
@@ -100,7 +101,6 @@ def main() -> int:
             runs = {}
             for name, logps in (("policy", "policy"), ("policy_again", "policy"), ("loss_forward", "loss_forward")):
                 folder = out / f"{engine}-ckpt{checkpointing}" / name
-                shape = (args.per_device_batch, args.accumulation)
                 runs[name] = run(engine, logps, bool(checkpointing), model, folder, args.port, args.processes, shape)
                 args.port += 1
             for other in ("policy_again", "loss_forward"):

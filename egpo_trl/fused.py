@@ -380,9 +380,7 @@ class LossForwardEntropyMixin:
         and in a process that trains alone. DDP arms its gradient synchronisation in the forward (every kept forward
         ran in the block's last step, synchronised when that step ends the generation batch), so under DDP the
         block runs one backward of the losses' sum."""
-        from accelerate.utils import DistributedType
-
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+        if self.is_deepspeed_enabled:
             return True
         return not isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.accelerator.num_processes == 1
 
@@ -390,15 +388,11 @@ class LossForwardEntropyMixin:
         """The backward of one of the block's micro-batches before the last, as ``Trainer.training_step`` runs it
         (TRL's loss is already scaled for gradient accumulation; DeepSpeed told not to scale it again), as an
         accumulation step: no optimizer step, whatever the block's last micro-batch is."""
-        from accelerate.utils import DistributedType
-
         if getattr(self.args, "n_gpu", 1) > 1:  # pragma: no cover - GRPOTrainer refuses DataParallel
             loss = loss.mean()
         if getattr(self, "loss_is_scaled_for_ga", None) is False:  # pragma: no cover - TRL 1.16 sets it True
             loss = loss / self.current_gradient_accumulation_steps
-        kwargs = {}
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            kwargs["scale_wrt_gas"] = False
+        kwargs = {"scale_wrt_gas": False} if self.is_deepspeed_enabled else {}
         state = self.accelerator.gradient_state
         sync = state.sync_gradients
         state._set_sync_gradients(False)
@@ -406,7 +400,7 @@ class LossForwardEntropyMixin:
             self.accelerator.backward(loss, **kwargs)
         finally:
             state._set_sync_gradients(sync)
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+        if self.is_deepspeed_enabled:
             # DeepSpeed's ZeRO optimizers close a micro-step at the next forward (ZeRO-3 counts it there, so that the
             # next backward adds its gradients instead of copying over them; ZeRO-1 clears its gradient
             # accumulators): the block's forwards all ran before, so close it here, as DeepSpeed's forward does.

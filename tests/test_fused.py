@@ -345,13 +345,18 @@ def test_loss_forward_trains_as_the_no_grad_pass_under_deepspeed_zero(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     env.update(DS_ACCELERATOR="cpu", PYTHONPATH=f"{root}:{os.environ.get('PYTHONPATH', '')}")
-    done = subprocess.run(
-        [sys.executable, "benchmarks/loss_forward_check.py", "--out", str(tmp_path / "runs"), "--engines", "zero2",
-         "zero3", "--checkpointing", "1", "--port", str(29800 + os.getpid() % 100), "--json", str(tmp_path / "rows.json")],
-        cwd=root, env=env, capture_output=True, text=True, timeout=1200, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = json.loads((tmp_path / "rows.json").read_text())
+
+    def check(name: str, port: int, *options: str) -> list[dict]:
+        """benchmarks/loss_forward_check.py with ``options``, with gradient checkpointing: its JSON rows."""
+        done = subprocess.run(
+            [sys.executable, "benchmarks/loss_forward_check.py", "--out", str(tmp_path / name), "--checkpointing", "1",
+             "--port", str(port + os.getpid() % 100), "--json", str(tmp_path / f"{name}.json"), *options],
+            cwd=root, env=env, capture_output=True, text=True, timeout=1200, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return json.loads((tmp_path / f"{name}.json").read_text())
+
+    rows = check("runs", 29800, "--engines", "zero2", "zero3")
     assert [(row["engine"], row["compared"]) for row in rows] == [
         ("zero2", "policy_again vs policy"),
         ("zero2", "loss_forward vs policy"),
@@ -363,20 +368,13 @@ def test_loss_forward_trains_as_the_no_grad_pass_under_deepspeed_zero(tmp_path):
     for row in rows[1::2]:
         assert row["backwards"] == {"policy": 8, "loss_forward": 8}, row
     # blocks of 4 micro-batches (1 row each, 8 a step): 3 backwards of a block before its last one's, under ZeRO-2
-    done = subprocess.run(
-        [sys.executable, "benchmarks/loss_forward_check.py", "--out", str(tmp_path / "blocks4"), "--engines", "zero2",
-         "--checkpointing", "1", "--per-device-batch", "1", "--accumulation", "8",
-         "--port", str(29900 + os.getpid() % 100), "--json", str(tmp_path / "blocks4.json")],
-        cwd=root, env=env, capture_output=True, text=True, timeout=1200, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    again, fused = json.loads((tmp_path / "blocks4.json").read_text())
+    again, fused = check("blocks4", 29900, "--engines", "zero2", "--per-device-batch", "1", "--accumulation", "8")
     assert again["within"] and fused["within"] and fused["backwards"] == {"policy": 16, "loss_forward": 16}, fused
 
 
 def test_loss_forward_refuses_a_deepspeed_older_than_the_one_it_was_checked_with(monkeypatch):
-    """DeepSpeed before 0.19 closes ZeRO's micro-steps otherwise: refused, naming the upgrade; 0.19 and later, or none
-    installed (a DeepSpeed launch then fails by itself), pass."""
+    """DeepSpeed before 0.19 was not checked (how ZeRO closes a micro-step has changed between releases): refused,
+    naming the upgrade; 0.19 and later, or none installed (a DeepSpeed launch then fails by itself), pass."""
     import importlib.metadata
 
     from egpo_trl import EGPOConfig, fused
