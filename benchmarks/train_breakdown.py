@@ -33,6 +33,17 @@ and backward in bf16 as DeepSpeed does (its optimizer then keeps bf16 moments an
 Floors are those of ``benchmarks/floor.py``: ``6 N`` FLOPs per token (x 4/3 with gradient checkpointing) plus causal
 attention, at ``--bench-mfu`` (50%) of the card's dense bf16 peak.
 
+Under ``--egpo_entropy_logps loss_forward`` a block of micro-batches (whole groups) trains in its last micro-batch's
+``training_step``: every forward of the block, then each micro-batch's loss from its kept forward with EGPO's weights,
+each loss but the last backpropagated at once, and the last one by the trainer. The script then reports the median
+block that is neither a step's first nor its last (so ``gradient_accumulation_steps`` at least three blocks), split
+into its forwards, its losses, its backwards before the last and its last backward; its micro-batch row is the block
+over its micro-batches, to compare with the same recipe under ``policy``. ``--bench-profile K`` then profiles the
+block that micro-batch K ends.
+
+Each process's caching-allocator counters (peak reserved memory, segments allocated and freed, allocations retried
+after emptying the cache) are printed too: a working set near the card's memory shows there before it runs out.
+
 ``--bench-steps-only`` times whole steps only, with nothing synchronised between micro-batches, as a real run goes
 (the synchronisation itself can cost a launch that overlaps work across micro-batches, e.g. ZeRO-3's prefetch).
 
@@ -111,7 +122,10 @@ def _sync(device: torch.device) -> None:
 
 
 class Timings:
-    """Per micro-batch forward and whole ``training_step`` times, and each step's wall time."""
+    """Per micro-batch forward and whole ``training_step`` times, and each step's wall time. Under
+    ``egpo_entropy_logps="loss_forward"`` also each model forward of the loss (``forwards``) and each backward the
+    block runs before its last micro-batch's (``early_backwards``), each with the index of the micro-batch whose
+    ``training_step`` ran it."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -119,21 +133,37 @@ class Timings:
         self.micro: list[float] = []
         self.steps: list[float] = []
         self.after_micro: list[float] = []  # last training_step's end to the step's end (optimizer, outside DeepSpeed)
+        self.forwards: list[tuple[int, float]] = []
+        self.early_backwards: list[tuple[int, float]] = []
         self._step_start = None
         self._last_micro_end = None
         self.profile_at, self.profile = None, None
 
+    def _timed(self, function, record):
+        def timed(*args, **kwargs):
+            _sync(self.device)
+            start = time.perf_counter()
+            out = function(*args, **kwargs)
+            _sync(self.device)
+            record(time.perf_counter() - start)
+            return out
+
+        return timed
+
     def instrument(self, trainer, profile_at: int | None) -> None:
         compute_loss, training_step = trainer.compute_loss, trainer.training_step
         self.profile_at = profile_at
+        if getattr(trainer, "_fused", False):
+            # loss_forward: the block's last training_step runs every forward of the block, then each loss and (but
+            # the last) its backward; time those apart, on the micro-batch index that runs them
+            trainer._egpo_trl_pass = self._timed(
+                trainer._egpo_trl_pass, lambda s: self.forwards.append((len(self.micro), s))
+            )
+            trainer._fused_backward_now = self._timed(
+                trainer._fused_backward_now, lambda s: self.early_backwards.append((len(self.micro), s))
+            )
 
-        def timed_compute_loss(*args, **kwargs):
-            _sync(self.device)
-            start = time.perf_counter()
-            out = compute_loss(*args, **kwargs)
-            _sync(self.device)
-            self.forward.append(time.perf_counter() - start)
-            return out
+        timed_compute_loss = self._timed(compute_loss, self.forward.append)
 
         def timed_training_step(*args, **kwargs):
             _sync(self.device)
@@ -151,6 +181,8 @@ class Timings:
             _sync(self.device)
             self._last_micro_end = time.perf_counter()
             self.micro.append(self._last_micro_end - start)
+            if len(self.forward) < len(self.micro):  # a micro-batch kept for its block's last one: no loss yet
+                self.forward.append(0.0)
             return out
 
         trainer.compute_loss = timed_compute_loss
@@ -166,6 +198,48 @@ class Timings:
         self.steps.append(now - self._step_start)
         if self._last_micro_end is not None:
             self.after_micro.append(now - self._last_micro_end)
+
+
+def block_breakdown(timings: Timings, accumulation: int, block: int, profiled: int) -> dict:
+    """loss_forward's blocks that are neither a step's first (its first micro-batch scores the batch) nor its last
+    (the optimizer): the median block (its last micro-batch's ``training_step``), and the medians of what it runs."""
+    ends = [i for i in range(len(timings.micro)) if (i % accumulation + 1) % block == 0]
+    middle = [i for i in ends if block <= i % accumulation < accumulation - 1 and i != profiled]
+    median = statistics.median
+
+    def per_block(pairs):
+        return {i: [s for at, s in pairs if at == i] for i in middle}
+
+    forwards, early = per_block(timings.forwards), per_block(timings.early_backwards)
+    if not middle:
+        return {}
+    return {
+        "block_micro_batches": block,
+        "blocks_timed": len(middle),
+        "block_median_s": median(timings.micro[i] for i in middle),
+        "block_forwards_median_s": median(sum(forwards[i]) for i in middle),
+        "block_losses_median_s": median(
+            timings.forward[i] - sum(forwards[i]) - sum(early[i]) for i in middle
+        ),  # each micro-batch's loss from its kept forward, and EGPO's weights
+        "block_early_backwards_median_s": median(sum(early[i]) for i in middle),
+        "block_last_backward_median_s": median(timings.micro[i] - timings.forward[i] for i in middle),
+        "model_forward_median_s": median(s for i in middle for s in forwards[i]),
+        "early_backward_median_s": median(s for i in middle for s in early[i]) if block > 1 else None,
+    }
+
+
+def allocator_stats(device: torch.device) -> list[float]:
+    """This process's caching-allocator counters: peak reserved GiB, device allocations and frees (cudaMalloc and
+    cudaFree of its segments) and allocations retried after freeing the cache (the sign of memory pressure)."""
+    if device.type != "cuda":
+        return [0.0, 0.0, 0.0, 0.0]
+    stats = torch.cuda.memory_stats(device)
+    return [
+        torch.cuda.max_memory_reserved(device) / 2**30,
+        float(stats.get("num_device_alloc", 0)),
+        float(stats.get("num_device_free", 0)),
+        float(stats.get("num_alloc_retries", 0)),
+    ]
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -301,11 +375,22 @@ def main(argv: list[str] | None = None) -> dict | None:
                 "gradient_accumulation_steps, num_iterations 1, as in the recipes); use --bench-steps-only otherwise"
             )
         if getattr(training_args, "egpo_entropy_logps", None) == "loss_forward":
-            problems.append(
-                "egpo_entropy_logps is loss_forward: a block's micro-batches run their forwards and then their "
-                "backwards in the block's last step, inside the loss this script times as a forward, so the split "
-                "would be wrong (pass --egpo_entropy_logps policy, or time whole steps with --bench-steps-only)"
-            )
+            from egpo_trl.fused import block_size
+
+            block = block_size(training_args.per_device_train_batch_size, training_args.num_generations)
+            if accumulation % block or accumulation // block < 3:
+                problems.append(
+                    f"egpo_entropy_logps is loss_forward with blocks of {block} micro-batches (whole groups of "
+                    f"{training_args.num_generations} rows in micro-batches of "
+                    f"{training_args.per_device_train_batch_size}): the medians need blocks that are neither a step's "
+                    f"first nor its last, so gradient_accumulation_steps a multiple of {block} and at least "
+                    f"{3 * block} (or time whole steps with --bench-steps-only)"
+                )
+            elif args.bench_profile is not None and args.bench_profile % block:
+                problems.append(
+                    f"--bench-profile {args.bench_profile}: under loss_forward a block's last micro-batch runs the "
+                    f"block; profile one of {block}, {2 * block}, ..."
+                )
         if args.bench_profile is not None and not 2 <= args.bench_profile <= accumulation - 1:
             problems.append(
                 f"--bench-profile {args.bench_profile}: profile a micro-batch of the first step that is neither its "
@@ -374,8 +459,15 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     middle = [t for i, t in enumerate(micro) if in_middle(i)]
     forward_middle = [t for i, t in enumerate(timings.forward) if in_middle(i)]
+    blocks = {}
+    if getattr(trainer, "_fused", False) and not args.bench_steps_only:
+        blocks = block_breakdown(timings, accumulation, trainer._fused_block, profiled)
+        # the micro-batch equivalents: a block's time over its micro-batches; forward and backward per micro-batch
+        middle = [blocks["block_median_s"] / blocks["block_micro_batches"]] if blocks else []
+        forward_middle = [blocks["model_forward_median_s"]] if blocks else []
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     peaks = trainer.accelerator.gather(torch.tensor([peak], device=device)).tolist()
+    allocator = trainer.accelerator.gather(torch.tensor([allocator_stats(device)], device=device)).tolist()
 
     arch = architecture(config.to_dict())
     tokens_per_row = prompt_length * 7 / 8 + (
@@ -407,13 +499,22 @@ def main(argv: list[str] | None = None) -> dict | None:
         "last_micro_batch_s": lasts,
         "micro_batch_median_s": median(middle) if middle else None,
         "forward_median_s": median(forward_middle) if forward_middle else None,
-        "backward_median_s": (median(middle) - median(forward_middle)) if middle and forward_middle else None,
+        "backward_median_s": (
+            (blocks.get("early_backward_median_s") if blocks else median(middle) - median(forward_middle))
+            if middle and forward_middle
+            else None
+        ),
         "after_micro_batches_s": timings.after_micro,
         "micro_batch_floor_s": floor_micro,
         "micro_batch_x_floor": (median(middle) / floor_micro) if middle else None,
         "step_floor_s": floor_micro * accumulation,
         "step_x_floor": [s / (floor_micro * accumulation) for s in timings.steps],
         "peak_allocated_gib_per_process": peaks,
+        "allocator_per_process": [
+            dict(zip(("peak_reserved_gib", "device_allocs", "device_frees", "alloc_retries"), row))
+            for row in allocator
+        ],
+        "loss_forward": blocks or None,
         "deepspeed_config": plugin.deepspeed_config if plugin is not None else None,
     }
     if timings.profile is not None:
@@ -455,6 +556,20 @@ def print_table(r: dict) -> None:
             print(f"| step {i + 1}: last micro-batch | {r['last_micro_batch_s'][i]:.3f} | | |")
         if i < len(r["after_micro_batches_s"]):
             print(f"| step {i + 1}: after the micro-batches | {r['after_micro_batches_s'][i]:.3f} | | |")
+    if r.get("loss_forward"):
+        lf = r["loss_forward"]
+        print(
+            f"| loss_forward: block of {lf['block_micro_batches']} micro-batches (median of {lf['blocks_timed']}) | "
+            f"{lf['block_median_s']:.3f} | {r['micro_batch_floor_s'] * lf['block_micro_batches']:.3f} | "
+            f"{lf['block_median_s'] / (r['micro_batch_floor_s'] * lf['block_micro_batches']):.2f} |"
+        )
+        for key, label in (
+            ("block_forwards_median_s", "its forwards"),
+            ("block_losses_median_s", "its losses (from the kept forwards) and EGPO's weights"),
+            ("block_early_backwards_median_s", "its backwards before the last"),
+            ("block_last_backward_median_s", "its last backward"),
+        ):
+            print(f"| {label} | {lf[key]:.3f} | | |")
     if "compute_busy_s" in r:
         print(f"| profiled micro-batch {r['profile_micro_batch']} (wall) | {r['profiled_wall_s']:.3f} | | |")
         for key in (
@@ -470,6 +585,13 @@ def print_table(r: dict) -> None:
     if r["error"]:
         print(f"stopped: {r['error']}")
     print("peak allocated GiB per process: " + ", ".join(f"{p:.1f}" for p in r["peak_allocated_gib_per_process"]))
+    print(
+        "caching allocator per process (peak reserved GiB, segments allocated / freed, allocations retried): "
+        + "; ".join(
+            f"{a['peak_reserved_gib']:.1f}, {a['device_allocs']:.0f} / {a['device_frees']:.0f}, {a['alloc_retries']:.0f}"
+            for a in r["allocator_per_process"]
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -577,13 +577,46 @@ def test_train_breakdown_refuses_batches_it_cannot_read():
     assert done.returncode != 0
     assert "gradient_accumulation_steps is 2" in done.stderr and "--bench-steps-only" in done.stderr, done.stderr
     assert "--bench-profile 5" in done.stderr
-    # loss_forward's blocks run backwards inside the loss the script times as a forward
+    # loss_forward's medians need a block that is neither a step's first nor its last: 4 rows of groups of 8 make
+    # blocks of 2 micro-batches, and 4 micro-batches only two blocks
     done = subprocess.run(
         [sys.executable, "benchmarks/train_breakdown.py", "recipes/demo_tiny_cpu.yaml", "--bench-tiny",
-         "--gradient_accumulation_steps=4", "--egpo_entropy_logps", "loss_forward"],
+         "--per_device_train_batch_size", "4", "--gradient_accumulation_steps=4", "--egpo_entropy_logps",
+         "loss_forward"],
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
-    assert done.returncode != 0 and "egpo_entropy_logps is loss_forward" in done.stderr, done.stderr
+    assert done.returncode != 0 and "blocks of 2 micro-batches" in done.stderr and "at least 6" in done.stderr
+    done = subprocess.run(
+        [sys.executable, "benchmarks/train_breakdown.py", "recipes/demo_tiny_cpu.yaml", "--bench-tiny",
+         "--per_device_train_batch_size", "4", "--gradient_accumulation_steps=8", "--egpo_entropy_logps",
+         "loss_forward", "--bench-profile", "3"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode != 0 and "profile one of 2, 4" in done.stderr, done.stderr
+
+
+def test_train_breakdown_splits_a_loss_forward_block(tmp_path):
+    """Under loss_forward a block's last micro-batch runs every forward of the block, then each loss and backward:
+    the script reports the block and its parts, and per micro-batch the block over its micro-batches."""
+    out_json = tmp_path / "blocks.json"
+    out = run("benchmarks/train_breakdown.py", "recipes/demo_tiny_cpu.yaml", "--bench-tiny",
+              "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "8", "--egpo_entropy_logps",
+              "loss_forward", "--output_dir", str(tmp_path / "run"), "--bench-json", str(out_json))  # fmt: skip
+    assert "| loss_forward: block of 2 micro-batches (median of 2) |" in out, out
+    report = json.loads(out_json.read_text())
+    blocks = report["loss_forward"]
+    # 8 micro-batches are 4 blocks: the first scores the batch and the last runs the optimizer, 2 are timed
+    assert blocks["block_micro_batches"] == 2 and blocks["blocks_timed"] == 2
+    assert report["micro_batch_median_s"] == pytest.approx(blocks["block_median_s"] / 2)
+    parts = ("block_forwards_median_s", "block_losses_median_s", "block_early_backwards_median_s",
+             "block_last_backward_median_s")  # fmt: skip
+    assert all(blocks[key] > 0 for key in parts), blocks
+    # two blocks: the median of each part is the mean of two, as is the block's, so the parts add up to the block
+    assert sum(blocks[key] for key in parts) == pytest.approx(blocks["block_median_s"], rel=0.02)
+    assert blocks["block_forwards_median_s"] == pytest.approx(2 * blocks["model_forward_median_s"], rel=0.5)
+    assert report["forward_median_s"] == blocks["model_forward_median_s"]
+    assert report["backward_median_s"] == blocks["early_backward_median_s"]
+    assert len(report["allocator_per_process"]) == 1
 
 
 def test_train_breakdown_rollouts_and_kernel_split():

@@ -43,6 +43,9 @@ def main(model_dir: str, out_dir: str, logps: str, checkpointing: bool, per_devi
         rows = [row for row in trainer.state.log_history if "loss" in row]
         Path(out_dir, "log.json").write_text(json.dumps(rows))
         Path(out_dir, "backwards.json").write_text(json.dumps(len(backwards)))
+    if torch.distributed.is_initialized():  # every process leaves the group together before the interpreter exits
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
