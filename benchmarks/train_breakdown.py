@@ -36,10 +36,11 @@ attention, at ``--bench-mfu`` (50%) of the card's dense bf16 peak.
 Under ``--egpo_entropy_logps loss_forward`` a block of micro-batches (whole groups) trains in its last micro-batch's
 ``training_step``: every forward of the block, then each micro-batch's loss from its kept forward with EGPO's weights,
 each loss but the last backpropagated at once, and the last one by the trainer. The script then reports the median
-block that is neither a step's first nor its last (so ``gradient_accumulation_steps`` at least three blocks), split
-into its forwards, its losses, its backwards before the last and its last backward; its micro-batch row is the block
-over its micro-batches, to compare with the same recipe under ``policy``. ``--bench-profile K`` then profiles the
-block that micro-batch K ends.
+block that does not run the optimizer (a step's last; with blocks of one micro-batch also a step's first, which scores
+the batch), split into its forwards, its losses, its backwards before the last (none under DDP, which runs one
+backward of the block's sum) and its last backward. Its micro-batch, forward and backward rows are the block's time,
+its forwards and losses, and its backwards, over its micro-batches: what they mean under ``policy``, to compare.
+``--bench-profile K`` then profiles the block that micro-batch K ends.
 
 Each process's caching-allocator counters (peak reserved memory, segments allocated and freed, allocations retried
 after emptying the cache) are printed too: a working set near the card's memory shows there before it runs out.
@@ -201,18 +202,24 @@ class Timings:
 
 
 def block_breakdown(timings: Timings, accumulation: int, block: int, profiled: int) -> dict:
-    """loss_forward's blocks that are neither a step's first (its first micro-batch scores the batch) nor its last
-    (the optimizer): the median block (its last micro-batch's ``training_step``), and the medians of what it runs."""
+    """loss_forward's blocks that do not run the optimizer (a step's last) nor score the batch (with blocks of one
+    micro-batch, a step's first), the profiled one left out: the median block (its last micro-batch's
+    ``training_step``), the medians of what it runs, and per micro-batch the forward and backward as the ``policy``
+    rows mean them (a block's forwards and losses, and its backwards, over its micro-batches). Under DDP a block runs
+    one backward of its losses' sum, its last: no early backwards."""
     ends = [i for i in range(len(timings.micro)) if (i % accumulation + 1) % block == 0]
-    middle = [i for i in ends if block <= i % accumulation < accumulation - 1 and i != profiled]
+    middle = [
+        i for i in ends if i % accumulation != accumulation - 1 and (block > 1 or i % accumulation) and i != profiled
+    ]
+    if not middle:
+        return {}
     median = statistics.median
 
     def per_block(pairs):
         return {i: [s for at, s in pairs if at == i] for i in middle}
 
     forwards, early = per_block(timings.forwards), per_block(timings.early_backwards)
-    if not middle:
-        return {}
+    early_each = [s for i in middle for s in early[i]]
     return {
         "block_micro_batches": block,
         "blocks_timed": len(middle),
@@ -224,7 +231,11 @@ def block_breakdown(timings: Timings, accumulation: int, block: int, profiled: i
         "block_early_backwards_median_s": median(sum(early[i]) for i in middle),
         "block_last_backward_median_s": median(timings.micro[i] - timings.forward[i] for i in middle),
         "model_forward_median_s": median(s for i in middle for s in forwards[i]),
-        "early_backward_median_s": median(s for i in middle for s in early[i]) if block > 1 else None,
+        "early_backward_median_s": median(early_each) if early_each else None,
+        "forward_per_micro_batch_median_s": median((timings.forward[i] - sum(early[i])) / block for i in middle),
+        "backward_per_micro_batch_median_s": median(
+            (sum(early[i]) + timings.micro[i] - timings.forward[i]) / block for i in middle
+        ),
     }
 
 
@@ -378,13 +389,13 @@ def main(argv: list[str] | None = None) -> dict | None:
             from egpo_trl.fused import block_size
 
             block = block_size(training_args.per_device_train_batch_size, training_args.num_generations)
-            if accumulation % block or accumulation // block < 3:
+            if block > 1 and (accumulation % block or accumulation // block < 2):
                 problems.append(
                     f"egpo_entropy_logps is loss_forward with blocks of {block} micro-batches (whole groups of "
                     f"{training_args.num_generations} rows in micro-batches of "
-                    f"{training_args.per_device_train_batch_size}): the medians need blocks that are neither a step's "
-                    f"first nor its last, so gradient_accumulation_steps a multiple of {block} and at least "
-                    f"{3 * block} (or time whole steps with --bench-steps-only)"
+                    f"{training_args.per_device_train_batch_size}): the medians need a block that is not a step's "
+                    f"last (it runs the optimizer), so gradient_accumulation_steps a multiple of {block} and at least "
+                    f"{2 * block} (or time whole steps with --bench-steps-only)"
                 )
             elif args.bench_profile is not None and args.bench_profile % block:
                 problems.append(
@@ -462,9 +473,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     blocks = {}
     if getattr(trainer, "_fused", False) and not args.bench_steps_only:
         blocks = block_breakdown(timings, accumulation, trainer._fused_block, profiled)
-        # the micro-batch equivalents: a block's time over its micro-batches; forward and backward per micro-batch
+        # per micro-batch as under policy: a block's time, its forwards and losses, its backwards, over its micro-batches
         middle = [blocks["block_median_s"] / blocks["block_micro_batches"]] if blocks else []
-        forward_middle = [blocks["model_forward_median_s"]] if blocks else []
+        forward_middle = [blocks["forward_per_micro_batch_median_s"]] if blocks else []
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     peaks = trainer.accelerator.gather(torch.tensor([peak], device=device)).tolist()
     allocator = trainer.accelerator.gather(torch.tensor([allocator_stats(device)], device=device)).tolist()
@@ -500,7 +511,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         "micro_batch_median_s": median(middle) if middle else None,
         "forward_median_s": median(forward_middle) if forward_middle else None,
         "backward_median_s": (
-            (blocks.get("early_backward_median_s") if blocks else median(middle) - median(forward_middle))
+            (blocks["backward_per_micro_batch_median_s"] if blocks else median(middle) - median(forward_middle))
             if middle and forward_middle
             else None
         ),
@@ -553,7 +564,8 @@ def print_table(r: dict) -> None:
             print(f"| step {i + 1} | {r['step_s'][i]:.2f} | {r['step_floor_s']:.2f} | {r['step_x_floor'][i]:.2f} |")
         print(f"| step {i + 1}: first micro-batch (scores the batch) | {first:.3f} | | |")
         if i < len(r["last_micro_batch_s"]):
-            print(f"| step {i + 1}: last micro-batch | {r['last_micro_batch_s'][i]:.3f} | | |")
+            last = "last block (its last micro-batch)" if r.get("loss_forward") else "last micro-batch"
+            print(f"| step {i + 1}: {last} | {r['last_micro_batch_s'][i]:.3f} | | |")
         if i < len(r["after_micro_batches_s"]):
             print(f"| step {i + 1}: after the micro-batches | {r['after_micro_batches_s'][i]:.3f} | | |")
     if r.get("loss_forward"):
@@ -566,12 +578,13 @@ def print_table(r: dict) -> None:
         for key, label in (
             ("block_forwards_median_s", "its forwards"),
             ("block_losses_median_s", "its losses (from the kept forwards) and EGPO's weights"),
-            ("block_early_backwards_median_s", "its backwards before the last"),
+            ("block_early_backwards_median_s", "its backwards before the last (none under DDP: one of the sum)"),
             ("block_last_backward_median_s", "its last backward"),
         ):
             print(f"| {label} | {lf[key]:.3f} | | |")
     if "compute_busy_s" in r:
-        print(f"| profiled micro-batch {r['profile_micro_batch']} (wall) | {r['profiled_wall_s']:.3f} | | |")
+        what = "block ending at micro-batch" if r.get("loss_forward") else "micro-batch"
+        print(f"| profiled {what} {r['profile_micro_batch']} (wall) | {r['profiled_wall_s']:.3f} | | |")
         for key in (
             "compute_busy_s",
             "collective_only_s",

@@ -390,14 +390,16 @@ def test_ctrl_c_saves_a_checkpoint_and_prints_the_resume_command(tmp_path):
 
     out = tmp_path / "run"
     args = ["train", str(DEMO_RECIPE), *TINY_TRAIN, "--max_steps", "30", "--output_dir", str(out)]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "egpo_trl.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    # the run's output goes to files: a pipe nobody reads while waiting could fill and stall the run
+    with open(tmp_path / "stdout.txt", "w") as stdout, open(tmp_path / "stderr.txt", "w") as stderr_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "egpo_trl.cli", *args],
+            stdout=stdout,
+            stderr=stderr_file,
+            text=True,
+            cwd=tmp_path,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     started = time.time()  # a loaded machine can take minutes to the second logged step: wait for it, not a guess
     logged = 0
     while time.time() < started + 600 and process.poll() is None:
@@ -405,10 +407,17 @@ def test_ctrl_c_saves_a_checkpoint_and_prints_the_resume_command(tmp_path):
         if logged >= 2:
             break
         time.sleep(0.2)
-    assert process.poll() is None, f"the run ended before it was interrupted: {process.communicate()[1][-3000:]}"
+    running = process.poll() is None
+    if not running or logged < 2:
+        process.kill()
+        process.wait(timeout=60)
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert running, f"the run ended before it was interrupted: {stderr[-3000:]}"
+    assert logged >= 2, f"no second step logged in {time.time() - started:.0f} s: {stderr[-3000:]}"
     waited = f"interrupted after {time.time() - started:.0f} s with {logged} steps logged"
     process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=240)
+    process.wait(timeout=240)
+    stderr = (tmp_path / "stderr.txt").read_text()
     assert process.returncode == 130, f"{waited}; {stderr[-3000:]}"
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
     checkpoints = sorted(out.glob("checkpoint-*"))
