@@ -61,10 +61,10 @@ FUSED_KEYS = (GROUP_KEY, REWARD_KEY, CORRECT_KEY, MASK_KEY, ROW_KEY)
 
 
 #: The DeepSpeed release line ``loss_forward`` was checked with (benchmarks/loss_forward_check.py, ZeRO-2 and ZeRO-3,
-#: 0.19.8: a backward per micro-batch on the CPU, one backward of a block's sum on H100s). Its ZeRO optimizers close a
-#: gradient-accumulation micro-step at the next forward (``clear_backward_seen_flag``), which the block calls itself
-#: after each of its backwards. Earlier releases were not checked: on the CPU 0.17.6 and 0.18.9 did not even run the
-#: no-grad pass's training correctly (with torch 2.13).
+#: 0.19.8: a backward per micro-batch on the CPU and on H200s, one backward of a block's sum on H100s). Its ZeRO
+#: optimizers close a gradient-accumulation micro-step at the next forward (``clear_backward_seen_flag``), which the
+#: block calls itself after each of its backwards. Earlier releases were not checked: on the CPU 0.17.6 and 0.18.9
+#: did not even run the no-grad pass's training correctly (with torch 2.13).
 DEEPSPEED_CHECKED = "0.19"
 
 
