@@ -294,10 +294,11 @@ def kernel_split(prof, wall_s: float) -> dict:
             sums["collective"] += end - start
             continue
         compute.append((start, end))
-        if any(key in name for key in ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul", "splitk")):
-            sums["matmul"] += end - start
-        elif any(key in name for key in ("flash", "fmha", "attention", "sdpa", "efficient_attention")):
+        # Attention first: flash-attention kernels are templated on CUTLASS types, so their names contain "cutlass".
+        if any(key in name for key in ("flash", "fmha", "attention", "sdpa", "efficient_attention")):
             sums["attention"] += end - start
+        elif any(key in name for key in ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul", "splitk")):
+            sums["matmul"] += end - start
         else:
             sums["other"] += end - start
     compute, comm = _union(compute), _union(comm)

@@ -692,6 +692,30 @@ def test_train_breakdown_rollouts_and_kernel_split():
         "recipes/x.yaml",
         "--max_steps=2",
     ]
+    from types import SimpleNamespace
+
+    from train_breakdown import kernel_split
+
+    def kernel(name, start_us, end_us, device="DeviceType.CUDA"):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start_us, end=end_us))
+
+    prof = SimpleNamespace(
+        events=lambda: [
+            kernel("void flash::flash_bwd_dq_dk_dv_loop_kernel<Flash_bwd_kernel_traits<cutlass::bfloat16_t>>", 0, 2e5),
+            kernel("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", 2e5, 5e5),
+            kernel("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 4e5, 7e5),
+            kernel("void at::native::vectorized_elementwise_kernel<4>", 8e5, 9e5),
+            kernel("aten::mm", 0, 1e6, device="DeviceType.CPU"),  # host events do not count
+        ]
+    )
+    split = kernel_split(prof, wall_s=1.0)
+    assert split["kernels_attention_s"] == pytest.approx(0.2)  # a flash kernel is attention, "cutlass" in its name
+    assert split["kernels_matmul_s"] == pytest.approx(0.3)
+    assert split["kernels_collective_s"] == pytest.approx(0.3)
+    assert split["kernels_other_s"] == pytest.approx(0.1)
+    assert split["compute_busy_s"] == pytest.approx(0.6)
+    assert split["collective_only_s"] == pytest.approx(0.2)  # 0.5-0.7 s: the collective alone
+    assert split["idle_s"] == pytest.approx(0.2)
     merged = _union([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)])
     assert merged == [(0.0, 2.0), (3.0, 4.0)]
     assert _intersection(merged, [(1.5, 3.5)]) == pytest.approx(1.0)
