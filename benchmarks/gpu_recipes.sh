@@ -15,8 +15,11 @@
 # sequence; run two invocations at once on disjoint GPUs (PORT differs per invocation) to share a machine.
 #
 # Environment: STEPS (2), DATASET (the vendored MATH training problems), PORT (29500), PYTHON (python3),
-# EXTRA (more overrides, e.g. "--save_final_model false"). Writes OUT_DIR/RECIPE/{command.txt,train.log,
-# gpu_memory.csv,exit_status,run/metrics.jsonl}; an existing OUT_DIR/RECIPE is never overwritten.
+# EXTRA (more overrides, e.g. "--save_final_model false"), PYTORCH_CUDA_ALLOC_CONF (passed on, and written into
+# command.txt), BALLAST_GIB (hold each job's GPUs down to this many free GiB with benchmarks/memory_ballast.py while
+# it runs: an 80 GB card's memory on a larger one; its lines go to ballast.txt, and the driver's readings in
+# gpu_memory.csv include it). Writes OUT_DIR/RECIPE/{command.txt,train.log,gpu_memory.csv,exit_status,
+# run/metrics.jsonl}; an existing OUT_DIR/RECIPE is never overwritten.
 set -uo pipefail
 
 if [[ $# -lt 3 ]]; then
@@ -61,7 +64,9 @@ for job in "$@"; do
     fi
     mkdir -p "$dir"
     processes=$(awk -F, '{print NF}' <<< "$gpus")
-    command=(env CUDA_VISIBLE_DEVICES="$gpus" "$PY" -m egpo_trl.train "recipes/$recipe.yaml"
+    command=(env)
+    [[ -n ${PYTORCH_CUDA_ALLOC_CONF:-} ]] && command+=(PYTORCH_CUDA_ALLOC_CONF="$PYTORCH_CUDA_ALLOC_CONF")
+    command+=(CUDA_VISIBLE_DEVICES="$gpus" "$PY" -m egpo_trl.train "recipes/$recipe.yaml"
         --model_name_or_path "$SHAPES/$shape" --dataset_name "$DATASET" --prompt_template "{problem}"
         --max_steps "$STEPS" --num_processes "$processes" --main_process_port "$PORT"
         --output_dir "$dir/run" --report_to none)
@@ -74,11 +79,23 @@ for job in "$@"; do
     nvidia-smi --query-gpu=timestamp,index,memory.used,memory.total,utilization.gpu --format=csv,noheader,nounits \
         -i "$gpus" -l 1 > "$dir/gpu_memory.csv" 2>/dev/null &
     sampler=$!
+    ballast=""
+    if [[ -n ${BALLAST_GIB:-} ]]; then
+        CUDA_VISIBLE_DEVICES="$gpus" "$PY" benchmarks/memory_ballast.py --leave-gib "$BALLAST_GIB" \
+            > "$dir/ballast.txt" 2>&1 &
+        ballast=$!
+        while kill -0 "$ballast" 2>/dev/null && ! grep -q '^ready' "$dir/ballast.txt"; do sleep 1; done
+        if ! grep -q '^ready' "$dir/ballast.txt"; then
+            kill "$sampler" 2>/dev/null
+            echo "   the ballast did not start: $(cat "$dir/ballast.txt")" >&2
+            exit 1
+        fi
+    fi
     start=$(date +%s)
     "${command[@]}" > "$dir/train.log" 2>&1
     rc=$?
-    kill "$sampler" 2>/dev/null
-    wait "$sampler" 2>/dev/null
+    kill "$sampler" $ballast 2>/dev/null
+    wait "$sampler" $ballast 2>/dev/null
     echo "$rc $(( $(date +%s) - start )) $gpus" > "$dir/exit_status"
     if [[ $rc != 0 ]]; then
         status=1

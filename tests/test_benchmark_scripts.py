@@ -144,12 +144,16 @@ def test_gpu_recipes_script_runs_a_recipe_and_summarizes_it(tmp_path, tiny_model
     extra = ("--use_vllm false --use_cpu true --bf16 false --accelerate_config none --max_completion_length 8 "
              "--per_device_train_batch_size 16 --gradient_checkpointing false --save_final_model false "
              "--save_strategy no --torch_num_threads 1")  # fmt: skip
-    env = {**ENV, "STEPS": "1", "PYTHON": sys.executable, "EXTRA": extra}
+    env = {**ENV, "STEPS": "1", "PYTHON": sys.executable, "EXTRA": extra,
+           "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # fmt: skip
     done = subprocess.run(
         ["bash", "benchmarks/gpu_recipes.sh", str(tmp_path / "out"), str(shapes), "egpo_qwen15b:1"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # the allocator setting reaches the run and its recorded command
+    command = (tmp_path / "out" / "egpo_qwen15b" / "command.txt").read_text()
+    assert command.startswith("env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True CUDA_VISIBLE_DEVICES=0 ")
     row = next(line for line in done.stdout.splitlines() if line.startswith("| egpo_qwen15b |"))
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells[3] == "16" and cells[4] == "8" and cells[6] == "1"  # completions, max completion, step
@@ -165,6 +169,17 @@ def test_gpu_recipes_script_runs_a_recipe_and_summarizes_it(tmp_path, tiny_model
                                                          "recipes/accelerate/zero3.yaml")  # fmt: skip
     (run / "command.txt").write_text(command)
     assert summarize(run)[0]["zero"] == "ZeRO-3"
+
+    import torch
+
+    if not torch.cuda.is_available():  # a ballast that cannot start stops the job before it runs, saying why
+        refused = subprocess.run(
+            ["bash", "benchmarks/gpu_recipes.sh", str(tmp_path / "out2"), str(shapes), "egpo_qwen15b:1"],
+            cwd=ROOT, env={**env, "BALLAST_GIB": "79.1"}, capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        assert refused.returncode == 1 and "the ballast did not start" in refused.stderr
+        assert "needs CUDA GPUs" in refused.stderr
+        assert not (tmp_path / "out2" / "egpo_qwen15b" / "train.log").exists()
 
 
 FAKE_ACCELERATE = """#!/usr/bin/env bash
@@ -719,3 +734,20 @@ def test_train_breakdown_rollouts_and_kernel_split():
     merged = _union([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)])
     assert merged == [(0.0, 2.0), (3.0, 4.0)]
     assert _intersection(merged, [(1.5, 3.5)]) == pytest.approx(1.0)
+
+
+def test_memory_ballast_sizes_and_cpu_refusal(capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from memory_ballast import GIB, ballast_bytes, main
+
+    assert ballast_bytes(139 * GIB, 79 * GIB) == 60 * GIB  # an H200's free memory down to an H100's
+    assert ballast_bytes(79 * GIB, 79 * GIB) == 0
+    with pytest.raises(ValueError, match="less than the 79.00 GiB to leave"):
+        ballast_bytes(70 * GIB, 79 * GIB)
+    with pytest.raises(ValueError, match="must be positive"):
+        ballast_bytes(70 * GIB, 0)
+    import torch
+
+    if not torch.cuda.is_available():
+        assert main(["--leave-gib", "79.1"]) == 2
+        assert "needs CUDA GPUs" in capsys.readouterr().err

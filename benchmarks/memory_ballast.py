@@ -1,0 +1,80 @@
+"""Hold GPU memory so that a larger card leaves a run only as much as a smaller one would: a memory check for an
+80 GB H100 on a 141 GB H200.
+
+On each visible GPU this process allocates all free memory but ``--leave-gib`` and holds it until it is stopped
+(SIGTERM or SIGINT), so a run started beside it (``egpo-trl train``, vLLM included) finds that much free, as it would
+on the smaller card. Run it in the background, wait for its ``ready`` line, start the run, stop it afterwards::
+
+    python benchmarks/memory_ballast.py --leave-gib 79.1 > /tmp/ballast.log 2>&1 &
+    until grep -q ready /tmp/ballast.log; do sleep 1; done
+    egpo-trl train recipes/egpo_qwen7b.yaml ... --vllm_gpu_memory_utilization 0.2256   # 0.4 of 79.2 GiB
+    kill %1
+
+What this does not change: vLLM's ``gpu_memory_utilization`` is a share of the card's total memory, so pass the
+share that gives the smaller card's size (0.4 x 79.2 / 139.8 on an H200, for a recipe's 0.4 on an H100); the
+driver's readings (``nvidia-smi``, the ``gpu_memory.csv`` of ``benchmarks/gpu_checks.sh``) include the ballast, which
+this script prints per GPU; the trainer's own memory check reads the card's total. The ballast's CUDA context (about
+0.5 GiB) is taken before the free memory is measured, so the run sees ``--leave-gib`` free: slightly less than a
+fresh smaller card, where that context is not there. Speed is the larger card's: only memory is emulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+GIB = 1024**3
+
+
+def ballast_bytes(free_bytes: int, leave_bytes: int) -> int:
+    """How much to hold so that ``leave_bytes`` stay free; an error when less than that is free already."""
+    if leave_bytes <= 0:
+        raise ValueError(f"--leave-gib must be positive, got {leave_bytes / GIB:g}")
+    if free_bytes < leave_bytes:
+        raise ValueError(
+            f"only {free_bytes / GIB:.2f} GiB are free, less than the {leave_bytes / GIB:.2f} GiB to leave: "
+            "nothing to hold (is another run on this GPU?)"
+        )
+    return free_bytes - leave_bytes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--leave-gib", type=float, required=True, help="memory to leave free on each GPU, GiB")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("memory_ballast.py needs CUDA GPUs: none is visible", file=sys.stderr)
+        return 2
+    held = []
+    for index in range(torch.cuda.device_count()):
+        with torch.cuda.device(index):
+            free, total = torch.cuda.mem_get_info()
+            try:
+                size = ballast_bytes(free, int(args.leave_gib * GIB))
+            except ValueError as error:
+                print(f"cuda:{index}: {error}", file=sys.stderr)
+                return 2
+            held.append(torch.empty(size, dtype=torch.uint8, device=f"cuda:{index}"))
+            free_after, _ = torch.cuda.mem_get_info()
+            print(
+                f"cuda:{index} ({torch.cuda.get_device_name(index)}): total {total / GIB:.2f} GiB, holding "
+                f"{size / GIB:.2f} GiB, {free_after / GIB:.2f} GiB free",
+                flush=True,
+            )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print("ready", flush=True)
+    while not stop.wait(1.0):
+        pass
+    print("released", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
