@@ -7,15 +7,17 @@ on the smaller card. Run it in the background, wait for its ``ready`` line, star
 
     python benchmarks/memory_ballast.py --leave-gib 79.1 > /tmp/ballast.log 2>&1 &
     until grep -q ready /tmp/ballast.log; do sleep 1; done
-    egpo-trl train recipes/egpo_qwen7b.yaml ... --vllm_gpu_memory_utilization 0.2256   # 0.4 of 79.2 GiB
+    egpo-trl train recipes/egpo_qwen7b.yaml ... --vllm_gpu_memory_utilization S   # S: 0.4 x the factor it prints
     kill %1
 
-What this does not change: vLLM's ``gpu_memory_utilization`` is a share of the card's total memory, so pass the
-share that gives the smaller card's size (0.4 x 79.2 / 139.8 on an H200, for a recipe's 0.4 on an H100); the
-driver's readings (``nvidia-smi``, the ``gpu_memory.csv`` of ``benchmarks/gpu_checks.sh``) include the ballast, which
-this script prints per GPU; the trainer's own memory check reads the card's total. The ballast's CUDA context (about
-0.5 GiB) is taken before the free memory is measured, so the run sees ``--leave-gib`` free: slightly less than a
-fresh smaller card, where that context is not there. Speed is the larger card's: only memory is emulated.
+What this does not change: vLLM's ``gpu_memory_utilization`` is a share of the card's total memory, so pass the share
+that gives the smaller card's size: the share the recipe sets times ``--leave-gib`` over the card's total as CUDA
+reports it, a factor this script prints. The driver's readings (``nvidia-smi``, the ``gpu_memory.csv`` of
+``benchmarks/gpu_checks.sh``) include the ballast, which this script prints per GPU. The trainer's check of later
+generations' memory (``egpo_trl/gpu_memory.py``) compares the memory in use, ballast included, with the card's total,
+so it judges as on the smaller card. The ballast's CUDA context (about 0.5 GiB) is taken before the free memory is
+measured, so the run sees ``--leave-gib`` free: slightly less than a fresh smaller card, where that context is not
+there. Speed is the larger card's: only memory is emulated.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             free_after, _ = torch.cuda.mem_get_info()
             print(
                 f"cuda:{index} ({torch.cuda.get_device_name(index)}): total {total / GIB:.2f} GiB, holding "
-                f"{size / GIB:.2f} GiB, {free_after / GIB:.2f} GiB free",
+                f"{size / GIB:.2f} GiB, {free_after / GIB:.2f} GiB free; a smaller card's vLLM share is "
+                f"{args.leave_gib * GIB / total:.4f} x that share here",
                 flush=True,
             )
     stop = threading.Event()
