@@ -284,7 +284,7 @@ def summarize_plain(run: Path, recipe_path: str) -> list[dict]:
         command = run / "command.txt"  # the run's own command (processes, accumulation) where the folder keeps it
         text = command.read_text() if command.is_file() else f"egpo-trl train {shlex.quote(recipe_path)}\n"
         (folder / "command.txt").write_text(text)
-        for name in ("exit_status", "gpu_memory.csv"):
+        for name in ("exit_status", "gpu_memory.csv", "ballast.txt"):
             if (run / name).is_file():
                 (folder / name).write_bytes((run / name).read_bytes())
         return summarize(folder)

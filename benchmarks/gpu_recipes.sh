@@ -15,11 +15,12 @@
 # sequence; run two invocations at once on disjoint GPUs (PORT differs per invocation) to share a machine.
 #
 # Environment: STEPS (2), DATASET (the vendored MATH training problems), PORT (29500), PYTHON (python3),
-# EXTRA (more overrides, e.g. "--save_final_model false"), PYTORCH_CUDA_ALLOC_CONF (passed on, and written into
-# command.txt), BALLAST_GIB (hold each job's GPUs down to this many free GiB with benchmarks/memory_ballast.py while
-# it runs: an 80 GB card's memory on a larger one; its lines go to ballast.txt, and the driver's readings in
-# gpu_memory.csv include it). Writes OUT_DIR/RECIPE/{command.txt,train.log,gpu_memory.csv,exit_status,
-# run/metrics.jsonl}; an existing OUT_DIR/RECIPE is never overwritten.
+# EXTRA (more overrides, e.g. "--save_final_model false"), PYTORCH_CUDA_ALLOC_CONF (passed on), BALLAST_GIB (hold
+# each job's GPUs down to this many free GiB with benchmarks/memory_ballast.py while it runs: an 80 GB card's memory
+# on a larger one; also pass the vLLM share that gives the smaller card's size, in EXTRA: the recipe's share times the
+# factor the ballast prints in ballast.txt; the driver's readings in gpu_memory.csv include the ballast, the summary's
+# peak does not). Both are written into command.txt. Writes OUT_DIR/RECIPE/{command.txt,train.log,gpu_memory.csv,
+# exit_status,run/metrics.jsonl} and, with a ballast, ballast.txt; an existing OUT_DIR/RECIPE is never overwritten.
 set -uo pipefail
 
 if [[ $# -lt 3 ]]; then
@@ -41,6 +42,10 @@ export HF_HUB_OFFLINE=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false PYTHONU
 
 status=0
 names=()
+sampler=""
+ballast=""
+# Whatever way this script ends, its sampler and ballast end with it: a ballast left behind holds the GPUs.
+trap 'kill $sampler $ballast 2>/dev/null' EXIT
 for job in "$@"; do
     recipe=${job%%[@:]*}
     gpus=0
@@ -66,6 +71,7 @@ for job in "$@"; do
     processes=$(awk -F, '{print NF}' <<< "$gpus")
     command=(env)
     [[ -n ${PYTORCH_CUDA_ALLOC_CONF:-} ]] && command+=(PYTORCH_CUDA_ALLOC_CONF="$PYTORCH_CUDA_ALLOC_CONF")
+    [[ -n ${BALLAST_GIB:-} ]] && command+=(BALLAST_GIB="$BALLAST_GIB")  # for the record: the run ignores it
     command+=(CUDA_VISIBLE_DEVICES="$gpus" "$PY" -m egpo_trl.train "recipes/$recipe.yaml"
         --model_name_or_path "$SHAPES/$shape" --dataset_name "$DATASET" --prompt_template "{problem}"
         --max_steps "$STEPS" --num_processes "$processes" --main_process_port "$PORT"
@@ -84,11 +90,19 @@ for job in "$@"; do
         CUDA_VISIBLE_DEVICES="$gpus" "$PY" benchmarks/memory_ballast.py --leave-gib "$BALLAST_GIB" \
             > "$dir/ballast.txt" 2>&1 &
         ballast=$!
-        while kill -0 "$ballast" 2>/dev/null && ! grep -q '^ready' "$dir/ballast.txt"; do sleep 1; done
+        for _ in $(seq 300); do
+            grep -q '^ready' "$dir/ballast.txt" || ! kill -0 "$ballast" 2>/dev/null && break
+            sleep 1
+        done
         if ! grep -q '^ready' "$dir/ballast.txt"; then
-            kill "$sampler" 2>/dev/null
-            echo "   the ballast did not start: $(cat "$dir/ballast.txt")" >&2
-            exit 1
+            kill "$sampler" "$ballast" 2>/dev/null
+            wait "$sampler" "$ballast" 2>/dev/null
+            sampler="" ballast=""
+            echo "ballast 0 $gpus" > "$dir/exit_status"
+            status=1
+            echo "   the ballast did not start, so the job did not run: $(cat "$dir/ballast.txt")" >&2
+            names+=("$recipe")
+            continue
         fi
     fi
     start=$(date +%s)
@@ -96,6 +110,7 @@ for job in "$@"; do
     rc=$?
     kill "$sampler" $ballast 2>/dev/null
     wait "$sampler" $ballast 2>/dev/null
+    sampler="" ballast=""
     echo "$rc $(( $(date +%s) - start )) $gpus" > "$dir/exit_status"
     if [[ $rc != 0 ]]; then
         status=1

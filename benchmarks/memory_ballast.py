@@ -23,16 +23,16 @@ there. Speed is the larger card's: only memory is emulated.
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
-import threading
 
 GIB = 1024**3
 
 
 def ballast_bytes(free_bytes: int, leave_bytes: int) -> int:
     """How much to hold so that ``leave_bytes`` stay free; an error when less than that is free already."""
-    if leave_bytes <= 0:
+    if not leave_bytes > 0:
         raise ValueError(f"--leave-gib must be positive, got {leave_bytes / GIB:g}")
     if free_bytes < leave_bytes:
         raise ValueError(
@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--leave-gib", type=float, required=True, help="memory to leave free on each GPU, GiB")
     args = parser.parse_args(argv)
+    if not math.isfinite(args.leave_gib) or args.leave_gib <= 0:
+        parser.error(f"--leave-gib must be a positive number of GiB, got {args.leave_gib}")
 
     import torch
 
@@ -65,18 +67,23 @@ def main(argv: list[str] | None = None) -> int:
             free_after, _ = torch.cuda.mem_get_info()
             print(
                 f"cuda:{index} ({torch.cuda.get_device_name(index)}): total {total / GIB:.2f} GiB, holding "
-                f"{size / GIB:.2f} GiB, {free_after / GIB:.2f} GiB free; a smaller card's vLLM share is "
+                f"{size / GIB:.2f} GiB ({size} bytes), {free_after / GIB:.2f} GiB free; a smaller card's vLLM share is "
                 f"{args.leave_gib * GIB / total:.4f} x that share here",
                 flush=True,
             )
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    print("ready", flush=True)
-    while not stop.wait(1.0):
-        pass
+    wait_for_stop()
+    del held
     print("released", flush=True)
     return 0
+
+
+def wait_for_stop() -> int:
+    """Print ``ready`` and wait for SIGTERM or SIGINT; the signal's number. The signals are blocked and waited for,
+    so no handler runs in the middle of anything."""
+    stop = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    print("ready", flush=True)
+    return signal.sigwait(stop)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 
 Reads, per recipe, ``OUT_DIR/RECIPE/{command.txt,exit_status,gpu_memory.csv,run/metrics.jsonl}`` and the recipe
 itself. Columns: the card and the number of GPUs, the DeepSpeed stage, completions per optimizer step, the peak GPU
-memory of any GPU of the run as the driver reports it (vLLM's memory pool included), then per step: its seconds
+memory of any GPU of the run as the driver reports it (vLLM's memory pool included; less what
+``benchmarks/memory_ballast.py`` held there, where ``ballast.txt`` says so), then per step: its seconds
 (TRL's ``step_time``), of which generation (``timing/generation_s``: vLLM's wake-up, weight sync and sampling),
 the old-policy log-prob pass (``timing/old_logps_s``), Guided Error Correction (``timing/gec_s``: its scoring,
 rewrites and continuations; EDGE-GRPO only; of which the continuations' generation alone,
@@ -19,6 +20,7 @@ PyYAML.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -45,17 +47,35 @@ def _option(argv: list[str], name: str, default=None):
     return value
 
 
-def peak_memory(path: Path) -> tuple[float | None, float | None]:
-    """The highest ``memory.used`` of any GPU in the sampler's CSV, and that GPU's total, in GiB."""
+def ballast_held_mib(folder: Path) -> dict[int, float]:
+    """What ``benchmarks/memory_ballast.py`` held on each GPU of the run in ``folder`` (``ballast.txt``), in MiB, by
+    the GPU's index as the driver numbers it (the run's ``CUDA_VISIBLE_DEVICES``, from ``exit_status``)."""
+    path = folder / "ballast.txt"
+    if not path.is_file():
+        return {}
+    status = (folder / "exit_status").read_text().split() if (folder / "exit_status").is_file() else []
+    visible = [int(g) for g in status[2].split(",")] if len(status) > 2 else []
+    held = {}
+    for match in re.finditer(r"^cuda:(\d+) .*?\((\d+) bytes\)", path.read_text(), flags=re.M):
+        index = int(match.group(1))
+        held[visible[index] if index < len(visible) else index] = int(match.group(2)) / 1024**2
+    return held
+
+
+def peak_memory(path: Path, held: dict[int, float] | None = None) -> tuple[float | None, float | None]:
+    """The highest ``memory.used`` of any GPU in the sampler's CSV, and that GPU's total, in GiB; less what a ballast
+    held on that GPU (``held``, MiB by GPU index: see :func:`ballast_held_mib`)."""
     peak, total = None, None
     if not path.is_file():
         return peak, total
+    held = held or {}
     for line in path.read_text().splitlines():
         parts = [p.strip() for p in line.split(",")]
         if len(parts) < 4:
             continue
         try:
-            used, capacity = float(parts[2]) / 1024, float(parts[3]) / 1024
+            index = int(parts[1])
+            used, capacity = (float(parts[2]) - held.get(index, 0.0)) / 1024, float(parts[3]) / 1024
         except ValueError:
             continue
         if peak is None or used > peak:
@@ -80,7 +100,8 @@ def summarize(folder: Path) -> list[dict]:
     accelerate = yaml.safe_load(Path(launch).read_text()) if launch else {}
     zero = (accelerate.get("deepspeed_config") or {}).get("zero_stage")
     status = (folder / "exit_status").read_text().split() if (folder / "exit_status").is_file() else ["?", "?"]
-    peak, total = peak_memory(folder / "gpu_memory.csv")
+    held = ballast_held_mib(folder)
+    peak, total = peak_memory(folder / "gpu_memory.csv", held)
     base = {
         "recipe": folder.name,
         "gpus": processes,
@@ -89,6 +110,7 @@ def summarize(folder: Path) -> list[dict]:
         "length": _option(argv, "max_completion_length", recipe.get("max_completion_length")),
         "peak_gib": peak,
         "total_gib": total,
+        "ballast_gib": max(held.values()) / 1024 if held else None,
         "exit": status[0],
         "wall_s": status[1] if len(status) > 1 else "?",
     }

@@ -179,7 +179,10 @@ def test_gpu_recipes_script_runs_a_recipe_and_summarizes_it(tmp_path, tiny_model
         )  # fmt: skip
         assert refused.returncode == 1 and "the ballast did not start" in refused.stderr
         assert "needs CUDA GPUs" in refused.stderr
-        assert not (tmp_path / "out2" / "egpo_qwen15b" / "train.log").exists()
+        job = tmp_path / "out2" / "egpo_qwen15b"
+        assert not (job / "train.log").exists() and (job / "exit_status").read_text().split()[0] == "ballast"
+        assert "BALLAST_GIB=79.1 " in (job / "command.txt").read_text()
+        assert "| egpo_qwen15b |" in refused.stdout  # the summary still runs, with the job's status
 
 
 FAKE_ACCELERATE = """#!/usr/bin/env bash
@@ -751,3 +754,37 @@ def test_memory_ballast_sizes_and_cpu_refusal(capsys):
     if not torch.cuda.is_available():
         assert main(["--leave-gib", "79.1"]) == 2
         assert "needs CUDA GPUs" in capsys.readouterr().err
+    for bad in ("nan", "inf", "0"):
+        with pytest.raises(SystemExit):
+            main(["--leave-gib", bad])
+    # the wait: ready, then SIGTERM ends it (the memory is released as the process exits)
+    waiter = subprocess.Popen(
+        [sys.executable, "-c", "import signal, memory_ballast; print(memory_ballast.wait_for_stop() == signal.SIGTERM)"],
+        cwd=ROOT / "benchmarks", stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert waiter.stdout.readline().strip() == "ready"
+    waiter.terminate()
+    assert waiter.communicate(timeout=60)[0].strip() == "True" and waiter.returncode == 0
+
+
+def test_summary_peak_leaves_out_the_ballast(tmp_path):
+    from benchmarks.summarize_recipe_runs import ballast_held_mib, peak_memory
+
+    run = tmp_path / "grpo_qwen15b"
+    run.mkdir()
+    (run / "exit_status").write_text("0 100 2,3\n")
+    gib = 1024**3
+    (run / "ballast.txt").write_text(
+        f"cuda:0 (NVIDIA H200): total 139.80 GiB, holding 60.00 GiB ({60 * gib} bytes), 79.10 GiB free; ...\n"
+        f"cuda:1 (NVIDIA H200): total 139.80 GiB, holding 59.50 GiB ({int(59.5 * gib)} bytes), 79.10 GiB free; ...\n"
+        "ready\n"
+    )
+    (run / "gpu_memory.csv").write_text(
+        "2026/11/28 06:45:33.383, 2, 102400, 143771, 90\n"  # 100 GiB on GPU 2 (cuda:0), 60 of them the ballast
+        "2026/11/28 06:45:33.384, 3, 112640, 143771, 90\n"  # 110 GiB on GPU 3 (cuda:1), 59.5 the ballast
+    )
+    held = ballast_held_mib(run)
+    assert held == {2: 60 * 1024, 3: 59.5 * 1024}
+    peak, total = peak_memory(run / "gpu_memory.csv", held)
+    assert peak == pytest.approx(50.5) and total == pytest.approx(143771 / 1024)
+    assert peak_memory(run / "gpu_memory.csv")[0] == pytest.approx(110.0)  # the driver's own reading
