@@ -213,6 +213,15 @@ class EGPOConfig(GRPOConfig):
 
         > Parameters of the baselines (see `docs/baselines.md`)
 
+        egpo_length_sorted_micro_batches (`bool`, *optional*, defaults to `False`):
+            Put rows of similar length into the same micro-batch: after TRL shuffles a generation batch, the rows of
+            each optimizer step (of each `loss_forward` block, which keeps its whole groups) are sorted by prompt
+            plus completion length, longest first. The loss's forward is cut to its micro-batch's longest row
+            (`egpo_shift_prompt_padding`), so completions of varied lengths compute fewer padding tokens; the
+            gradient is the same sum over the same rows (to floating-point rounding), as every loss normalisation
+            but the per-micro-batch ones is independent of which rows share a micro-batch (`bnpo`,
+            `top_entropy_quantile` < 1 and an entropy bonus are refused). Metrics averaged per micro-batch (TRL's
+            clip ratios, entropy) can differ from an unsorted run's.
         nsr_positive_weight (`float`, *optional*, defaults to `0.0`):
             `advantage_estimator="nsr"`: the advantage of a correct completion. `0` is negative sample reinforcement
             alone (every incorrect completion gets -1, correct ones 0); `0.1` is the same paper's Weighted-REINFORCE.
@@ -366,6 +375,14 @@ class EGPOConfig(GRPOConfig):
     egpo_entropy_batch_size: int | None = field(
         default=None,
         metadata={"help": "Rows per micro-batch of the no-grad log-prob pass; unset: egpo_entropy_tokens_per_batch."},
+    )
+    egpo_length_sorted_micro_batches: bool = field(
+        default=False,
+        metadata={
+            "help": "Sort each optimizer step's rows (each loss_forward block's) by length, longest first, so that a "
+            "micro-batch's forward, cut to its longest row, computes less padding; the same gradient. Not with "
+            "bnpo, top_entropy_quantile < 1 or an entropy bonus."
+        },
     )
     egpo_shift_prompt_padding: bool = field(
         default=True,
@@ -589,6 +606,23 @@ class EGPOConfig(GRPOConfig):
         choose("egpo_entropy_logps", self.egpo_entropy_logps, ENTROPY_LOGPS)
         if self.egpo_entropy_logps == "loss_forward":
             self._validate_loss_forward()
+        if self.egpo_length_sorted_micro_batches:
+            # Sorting changes which rows share a micro-batch: only terms that do not depend on it are served.
+            per_micro_batch = []
+            if self.loss_type == "bnpo":
+                per_micro_batch.append("loss_type 'bnpo' averages over each micro-batch's tokens")
+            if self.top_entropy_quantile < 1.0:
+                per_micro_batch.append("top_entropy_quantile < 1 takes its threshold within each micro-batch")
+            if self.entropy_coef != 0.0 or getattr(self, "use_adaptive_entropy", False):
+                per_micro_batch.append(
+                    "an entropy bonus (entropy_coef, use_adaptive_entropy) is averaged per micro-batch"
+                )
+            if per_micro_batch:
+                raise ValueError(
+                    "egpo_length_sorted_micro_batches=True would train on another objective: "
+                    + "; ".join(per_micro_batch)
+                    + ". Set egpo_length_sorted_micro_batches=False, or change those settings."
+                )
         if self.egpo_entropy_logps == "sampler" and self.advantage_estimator == "egpo":
             self._note_sampler_fallback()
         for name in ("egpo_lambda_min", "egpo_lambda_max", "egpo_entropy_eps"):

@@ -44,7 +44,14 @@ from egpo_trl.old_logps import FORWARD_KEYS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["block_memory_note", "block_size", "group_first_order", "reorder_rows"]
+__all__ = [
+    "block_memory_note",
+    "block_size",
+    "group_first_order",
+    "length_sorted_order",
+    "reorder_rows",
+    "shuffle_then",
+]
 
 #: Global group index of each row (0, 0, ..., 1, 1, ... in the generation batch's order before TRL shuffles it).
 GROUP_KEY = "egpo_fused_group"
@@ -128,6 +135,51 @@ def group_first_order(groups: torch.Tensor) -> torch.Tensor:
     return torch.sort(rank, stable=True).indices
 
 
+def length_sorted_order(batch: dict[str, Any], window: int) -> torch.Tensor:
+    """A permutation that sorts the rows of each ``window`` consecutive rows by their length, longest first (ties
+    keep their order): a row's prompt tokens plus its completion up to its last scored token, the width the loss's
+    forward is cut to under ``egpo_shift_prompt_padding``. Rows never leave their window, so a window that is an
+    optimizer step's rows (or a ``loss_forward`` block's whole groups) keeps exactly its rows."""
+    from egpo_trl.old_logps import completion_widths
+
+    completion_mask = batch["completion_mask"]
+    lengths = completion_widths(completion_mask).cpu()
+    prompt_mask = batch.get("prompt_mask")
+    if prompt_mask is not None:
+        lengths = lengths + prompt_mask.sum(dim=1).cpu()
+    rows = lengths.numel()
+    if window < 1:
+        raise ValueError(f"window must be at least one row, got {window}")
+    order = []
+    for start in range(0, rows, window):
+        segment = lengths[start : start + window]
+        order.append(start + torch.sort(segment, descending=True, stable=True).indices)
+    return torch.cat(order) if order else torch.arange(0)
+
+
+def shuffle_then(prepare, generation_batch, reorders):
+    """``prepare(generation_batch)`` (TRL's ``_prepare_inputs``) with each of ``reorders`` (functions of the batch
+    returning a row permutation) applied, in turn, to a new generation batch right after TRL shuffles its rows and
+    before it splits them into micro-batches."""
+    from trl.trainer import grpo_trainer
+
+    original = grpo_trainer.shuffle_sequence_dict
+
+    def shuffle_and_reorder(batch):
+        batch = original(batch)
+        for reorder in reorders:
+            permutation = reorder(batch)
+            if permutation is not None:
+                batch = reorder_rows(batch, permutation)
+        return batch
+
+    grpo_trainer.shuffle_sequence_dict = shuffle_and_reorder
+    try:
+        return prepare(generation_batch)
+    finally:
+        grpo_trainer.shuffle_sequence_dict = original
+
+
 def reorder_rows(batch: dict[str, Any], permutation: torch.Tensor) -> dict[str, Any]:
     """``batch`` with every row-indexed value (tensors with a first dimension, lists) taken in ``permutation``'s
     order, as TRL's ``shuffle_sequence_dict`` permutes them."""
@@ -188,6 +240,12 @@ class LossForwardEntropyMixin:
         """Refuse, at init, the settings where the loss's forward cannot give pi_old's log-probs to EGPO."""
         args = self.args
         self._fused = False
+        if getattr(args, "egpo_length_sorted_micro_batches", False) and getattr(self, "aux_loss_enabled", False):
+            raise ValueError(
+                "egpo_length_sorted_micro_batches=True would train on another objective: the MoE router's auxiliary "
+                "loss is averaged over each micro-batch, whose rows the sorting changes. Set "
+                "egpo_length_sorted_micro_batches=False."
+            )
         if args.egpo_entropy_logps != "loss_forward":
             return
         engine = "FSDP" if self.is_fsdp_enabled else None
@@ -254,22 +312,17 @@ class LossForwardEntropyMixin:
     # ------------------------------------------------------------------ micro-batches grouped in blocks
     def _fused_prepare_inputs(self, prepare, generation_batch):
         """TRL's ``_prepare_inputs`` (``prepare``) with the shuffled rows of a new generation batch grouped so that each
-        block of micro-batches holds whole groups."""
-        from trl.trainer import grpo_trainer
+        block of micro-batches holds whole groups; with ``egpo_length_sorted_micro_batches``, each block's rows then
+        sorted by length (they stay in their block, which keeps its whole groups)."""
 
-        original = grpo_trainer.shuffle_sequence_dict
+        def group(batch):
+            return group_first_order(batch[GROUP_KEY]) if GROUP_KEY in batch else None
 
-        def shuffle_then_group(batch):
-            shuffled = original(batch)
-            if GROUP_KEY not in shuffled:
-                return shuffled
-            return reorder_rows(shuffled, group_first_order(shuffled[GROUP_KEY]))
-
-        grpo_trainer.shuffle_sequence_dict = shuffle_then_group
-        try:
-            return prepare(generation_batch)
-        finally:
-            grpo_trainer.shuffle_sequence_dict = original
+        reorders = [group]
+        if getattr(self.args, "egpo_length_sorted_micro_batches", False):
+            rows = self._fused_block * self.args.per_device_train_batch_size
+            reorders.append(lambda batch: length_sorted_order(batch, rows) if GROUP_KEY in batch else None)
+        return shuffle_then(prepare, generation_batch, reorders)
 
     def _fused_training_step(self, model, inputs, step):
         """A micro-batch that does not end its block: prepared and kept, with GRPOTrainer's step bookkeeping, and

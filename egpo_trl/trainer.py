@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import time
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -882,6 +883,16 @@ class EGPOTrainer(
     def _prepare_inputs(self, generation_batch):
         if getattr(self, "_fused", False) and self.model.training:
             return self._fused_prepare_inputs(super()._prepare_inputs, generation_batch)
+        if getattr(self.args, "egpo_length_sorted_micro_batches", False) and self.model.training:
+            from egpo_trl.fused import length_sorted_order, shuffle_then
+
+            # Rows stay within their optimizer step (and their generation batch's split): windows of
+            # gcd(gradient_accumulation_steps, steps_per_generation) micro-batches.
+            steps = math.gcd(self.args.gradient_accumulation_steps, self.args.steps_per_generation)
+            rows = steps * self.args.per_device_train_batch_size
+            return shuffle_then(
+                super()._prepare_inputs, generation_batch, [lambda batch: length_sorted_order(batch, rows)]
+            )
         return super()._prepare_inputs(generation_batch)
 
     def training_step(self, model, inputs, num_items_in_batch=None):

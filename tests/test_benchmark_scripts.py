@@ -788,3 +788,25 @@ def test_summary_peak_leaves_out_the_ballast(tmp_path):
     peak, total = peak_memory(run / "gpu_memory.csv", held)
     assert peak == pytest.approx(50.5) and total == pytest.approx(143771 / 1024)
     assert peak_memory(run / "gpu_memory.csv")[0] == pytest.approx(110.0)  # the driver's own reading
+
+
+def test_padding_counts_tokens_of_shuffled_and_sorted_micro_batches():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from padding import computed_tokens, padding_rows, sorted_within
+
+    lengths = torch_tensor([5, 1, 4, 2])
+    assert computed_tokens(lengths, 2) == 2 * 5 + 2 * 4 and computed_tokens(lengths, 4) == 20
+    assert sorted_within(lengths, 2).tolist() == [5, 1, 4, 2] and sorted_within(lengths, 4).tolist() == [5, 4, 2, 1]
+    assert computed_tokens(sorted_within(lengths, 4), 2) == 2 * 5 + 2 * 2
+    full = padding_rows("full", rows=32, group=16, micro_batches=(2, 16), prompt=(100, 100), repeats=3)
+    assert all(row["shuffled"] == row["sorted_step"] == row["sorted_block"] == 1.0 for row in full)
+    for row in padding_rows("lognormal", rows=32, group=16, micro_batches=(2, 4), repeats=5):
+        assert 1.0 <= row["sorted_step"] <= row["sorted_block"] <= row["shuffled"]
+    one_group = padding_rows("uniform", rows=32, group=16, micro_batches=(16,), repeats=5)[0]
+    assert one_group["sorted_block"] == pytest.approx(one_group["shuffled"], rel=0.1)  # a group per micro-batch
+
+
+def torch_tensor(values):
+    import torch
+
+    return torch.tensor(values)

@@ -1,0 +1,126 @@
+"""How many tokens the loss's forwards compute for the tokens a generation batch holds: each micro-batch is cut to its
+longest row (``egpo_shift_prompt_padding``), so rows of varied lengths in one micro-batch compute padding. Counts,
+not timings: for a per-GPU generation batch of completions whose lengths follow a distribution, the tokens computed
+(rows x the micro-batch's longest row, summed over micro-batches) over the tokens held, with TRL's shuffled
+micro-batches and with ``egpo_length_sorted_micro_batches`` (each optimizer step's rows, or each ``loss_forward``
+block's, sorted by length), for several micro-batch sizes::
+
+    python benchmarks/padding.py                      # 128 rows per GPU, 16 per group, prompts of 150-200 tokens
+    python benchmarks/padding.py --max-length 15360 --median 4000 --p99 12000
+
+Lengths: ``full`` (every completion at the maximum, as random weights generate: no padding either way),
+``uniform`` (a quarter of the maximum to all of it, ``benchmarks/train_breakdown.py --bench-lengths spread``) and
+``lognormal`` (``--median`` and ``--p99``, cut at the maximum; the defaults follow the paper's note that over 99% of
+Qwen2.5-Math's responses stay below 2,500 tokens). Attention's share of the FLOPs grows with the square of a row's
+length and is left out: the ratios are those of the matrix products.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+
+def draw_lengths(kind: str, rows: int, max_length: int, median: float, p99: float, generator) -> torch.Tensor:
+    """``rows`` completion lengths of the distribution ``kind``, each at least 1 and at most ``max_length``."""
+    if kind == "full":
+        return torch.full((rows,), max_length)
+    if kind == "uniform":
+        low = max(1, max_length // 4)
+        return torch.randint(low, max_length + 1, (rows,), generator=generator)
+    if kind == "lognormal":
+        sigma = math.log(p99 / median) / 2.3263  # the 99th percentile of a standard normal
+        normal = torch.randn(rows, generator=generator, dtype=torch.float64)
+        return (median * torch.exp(sigma * normal)).round().clamp(1, max_length).long()
+    raise ValueError(f"unknown length distribution {kind!r}")
+
+
+def computed_tokens(lengths: torch.Tensor, micro_batch: int) -> int:
+    """Rows x the longest row, summed over consecutive micro-batches of ``micro_batch`` rows."""
+    return sum(int(chunk.numel() * chunk.max()) for chunk in torch.split(lengths, micro_batch) if chunk.numel())
+
+
+def sorted_within(lengths: torch.Tensor, window: int) -> torch.Tensor:
+    """``lengths`` with each ``window`` consecutive rows sorted, longest first."""
+    return torch.cat([chunk.sort(descending=True).values for chunk in torch.split(lengths, window)])
+
+
+def padding_rows(
+    kind: str,
+    rows: int = 128,
+    group: int = 16,
+    micro_batches: tuple[int, ...] = (2, 4, 8, 16),
+    max_length: int = 3072,
+    prompt: tuple[int, int] = (150, 200),
+    median: float = 700.0,
+    p99: float = 2500.0,
+    repeats: int = 200,
+    seed: int = 0,
+) -> list[dict]:
+    """Per micro-batch size: tokens computed over tokens held, averaged over ``repeats`` generation batches, with
+    shuffled rows, sorted over the optimizer step (``policy``: the whole batch) and sorted within ``loss_forward``'s
+    blocks (the fewest micro-batches that hold whole groups, grouped as the trainer groups them)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for micro_batch in micro_batches:
+        block_rows = math.lcm(micro_batch, group)
+        shuffled = step_sorted = block_sorted = held = 0
+        for _ in range(repeats):
+            completions = draw_lengths(kind, rows, max_length, median, p99, generator)
+            prompts = torch.randint(prompt[0], prompt[1] + 1, (rows // group,), generator=generator)
+            lengths = completions + prompts.repeat_interleave(group)  # a group shares its prompt
+            held += int(lengths.sum())
+            order = torch.randperm(rows, generator=generator)
+            shuffled += computed_tokens(lengths[order], micro_batch)
+            step_sorted += computed_tokens(sorted_within(lengths[order], rows), micro_batch)
+            # loss_forward: groups kept together in blocks (in the order they first appear), sorted inside each
+            group_order = torch.randperm(rows // group, generator=generator)
+            grouped = lengths.view(-1, group)[group_order].reshape(-1)
+            block_sorted += computed_tokens(sorted_within(grouped, block_rows), micro_batch)
+        out.append(
+            {
+                "lengths": kind,
+                "micro_batch": micro_batch,
+                "shuffled": shuffled / held,
+                "sorted_step": step_sorted / held,
+                "sorted_block": block_sorted / held,
+                "block_rows": block_rows,
+            }
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=128, help="completions per GPU per optimizer step")
+    parser.add_argument("--group", type=int, default=16, help="num_generations")
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--max-length", type=int, default=3072)
+    parser.add_argument("--median", type=float, default=700.0)
+    parser.add_argument("--p99", type=float, default=2500.0)
+    parser.add_argument("--repeats", type=int, default=200)
+    args = parser.parse_args(argv)
+    if args.rows % args.group or any(args.rows % m for m in args.micro_batches):
+        parser.error("--rows must be a multiple of --group and of every --micro-batches size")
+    print("| lengths | rows per micro-batch | shuffled (TRL) | sorted per optimizer step (policy) | "
+          "sorted per loss_forward block (block rows) |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for kind in ("full", "uniform", "lognormal"):
+        for row in padding_rows(
+            kind, args.rows, args.group, tuple(args.micro_batches), args.max_length,
+            median=args.median, p99=args.p99, repeats=args.repeats,
+        ):  # fmt: skip
+            print(
+                f"| {kind} | {row['micro_batch']} | {row['shuffled']:.3f} | {row['sorted_step']:.3f} | "
+                f"{row['sorted_block']:.3f} ({row['block_rows']}) |"
+            )
+    print("\nTokens computed by the loss's forwards over the tokens the batch holds (prompt + completion); 1.000 is no "
+          "padding. Matrix-product FLOPs follow these ratios; attention's grow faster with a padded row's length.")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
