@@ -2,13 +2,14 @@
 longest row (``egpo_shift_prompt_padding``), so rows of varied lengths in one micro-batch compute padding. Counts,
 not timings: for a per-GPU generation batch of completions whose lengths follow a distribution, the tokens computed
 (rows x the micro-batch's longest row, summed over micro-batches) over the tokens held, with TRL's shuffled
-micro-batches and with ``egpo_length_sorted_micro_batches`` (each optimizer step's rows, or each ``loss_forward``
-block's, sorted by length), for several micro-batch sizes::
+micro-batches and with ``egpo_length_sorted_micro_batches`` (each optimizer step's rows sorted by length, or under
+``loss_forward`` each group's rows, the groups kept together), for several micro-batch sizes::
 
     python benchmarks/padding.py                      # 128 rows per GPU, 16 per group, prompts of 150-200 tokens
     python benchmarks/padding.py --max-length 15360 --median 4000 --p99 12000
 
-Lengths: ``full`` (every completion at the maximum, as random weights generate: no padding either way),
+Lengths: ``full`` (every completion at the maximum, as random weights generate: the only padding comes from the
+prompts' lengths),
 ``uniform`` (a quarter of the maximum to all of it, ``benchmarks/train_breakdown.py --bench-lengths spread``) and
 ``lognormal`` (``--median`` and ``--p99``, cut at the maximum; the defaults follow the paper's note that over 99% of
 Qwen2.5-Math's responses stay below 2,500 tokens). Attention's share of the FLOPs grows with the square of a row's
@@ -60,14 +61,13 @@ def padding_rows(
     repeats: int = 200,
     seed: int = 0,
 ) -> list[dict]:
-    """Per micro-batch size: tokens computed over tokens held, averaged over ``repeats`` generation batches, with
-    shuffled rows, sorted over the optimizer step (``policy``: the whole batch) and sorted within ``loss_forward``'s
-    blocks (the fewest micro-batches that hold whole groups, grouped as the trainer groups them)."""
+    """Per micro-batch size: tokens computed over tokens held, summed over ``repeats`` generation batches, with
+    shuffled rows, sorted over the optimizer step (the whole batch) and, as under ``loss_forward``, with the groups
+    kept together and each group's rows sorted."""
     generator = torch.Generator().manual_seed(seed)
     out = []
     for micro_batch in micro_batches:
-        block_rows = math.lcm(micro_batch, group)
-        shuffled = step_sorted = block_sorted = held = 0
+        shuffled = step_sorted = group_sorted = held = 0
         for _ in range(repeats):
             completions = draw_lengths(kind, rows, max_length, median, p99, generator)
             prompts = torch.randint(prompt[0], prompt[1] + 1, (rows // group,), generator=generator)
@@ -76,18 +76,17 @@ def padding_rows(
             order = torch.randperm(rows, generator=generator)
             shuffled += computed_tokens(lengths[order], micro_batch)
             step_sorted += computed_tokens(sorted_within(lengths[order], rows), micro_batch)
-            # loss_forward: groups kept together in blocks (in the order they first appear), sorted inside each
+            # loss_forward: each group's rows together (the groups in a random order), sorted inside the group
             group_order = torch.randperm(rows // group, generator=generator)
             grouped = lengths.view(-1, group)[group_order].reshape(-1)
-            block_sorted += computed_tokens(sorted_within(grouped, block_rows), micro_batch)
+            group_sorted += computed_tokens(sorted_within(grouped, group), micro_batch)
         out.append(
             {
                 "lengths": kind,
                 "micro_batch": micro_batch,
                 "shuffled": shuffled / held,
                 "sorted_step": step_sorted / held,
-                "sorted_block": block_sorted / held,
-                "block_rows": block_rows,
+                "sorted_group": group_sorted / held,
             }
         )
     return out
@@ -106,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rows % args.group or any(args.rows % m for m in args.micro_batches):
         parser.error("--rows must be a multiple of --group and of every --micro-batches size")
     print("| lengths | rows per micro-batch | shuffled (TRL) | sorted per optimizer step (policy) | "
-          "sorted per loss_forward block (block rows) |")  # fmt: skip
+          "sorted per group (loss_forward) |")  # fmt: skip
     print("| --- | ---: | ---: | ---: | ---: |")
     for kind in ("full", "uniform", "lognormal"):
         for row in padding_rows(
@@ -115,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         ):  # fmt: skip
             print(
                 f"| {kind} | {row['micro_batch']} | {row['shuffled']:.3f} | {row['sorted_step']:.3f} | "
-                f"{row['sorted_block']:.3f} ({row['block_rows']}) |"
+                f"{row['sorted_group']:.3f} |"
             )
     print("\nTokens computed by the loss's forwards over the tokens the batch holds (prompt + completion); 1.000 is no "
           "padding. Matrix-product FLOPs follow these ratios; attention's grow faster with a padded row's length.")  # fmt: skip

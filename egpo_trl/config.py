@@ -211,17 +211,22 @@ class EGPOConfig(GRPOConfig):
             ~3,070 tokens, one H100) it took the scoring and training part of a step from 20.2-21.5 s to
             13.8-14.8 s (BENCHMARKS.md, floors section). `False` gives TRL's passes exactly as `GRPOTrainer` runs them.
 
-        > Parameters of the baselines (see `docs/baselines.md`)
-
         egpo_length_sorted_micro_batches (`bool`, *optional*, defaults to `False`):
             Put rows of similar length into the same micro-batch: after TRL shuffles a generation batch, the rows of
-            each optimizer step (of each `loss_forward` block, which keeps its whole groups) are sorted by prompt
-            plus completion length, longest first. The loss's forward is cut to its micro-batch's longest row
+            each optimizer step are sorted by prompt plus completion length, longest first (under `loss_forward`, the
+            rows of each group, which stays in its block). The loss's forward is cut to its micro-batch's longest row
             (`egpo_shift_prompt_padding`), so completions of varied lengths compute fewer padding tokens; the
             gradient is the same sum over the same rows (to floating-point rounding), as every loss normalisation
             but the per-micro-batch ones is independent of which rows share a micro-batch (`bnpo`,
-            `top_entropy_quantile` < 1 and an entropy bonus are refused). Metrics averaged per micro-batch (TRL's
-            clip ratios, entropy) can differ from an unsorted run's.
+            `top_entropy_quantile` < 1, an entropy bonus and a mixture-of-experts router loss are refused). Where it
+            cannot save anything (the forwards keep TRL's full width: `egpo_shift_prompt_padding` off, TRL computing
+            old-policy log-probs, `beta` != 0; or every window of rows inside one micro-batch) the rows are not
+            sorted and a warning says so. TRL's metrics that are averages of per-micro-batch means (`entropy`,
+            `clip_ratio/*`, `kl`, `cispo_clip_ratio`, `vespo/phi_seq_mean`) weigh short completions more when they
+            share micro-batches, so their curves differ from an unsorted run's.
+
+        > Parameters of the baselines (see `docs/baselines.md`)
+
         nsr_positive_weight (`float`, *optional*, defaults to `0.0`):
             `advantage_estimator="nsr"`: the advantage of a correct completion. `0` is negative sample reinforcement
             alone (every incorrect completion gets -1, correct ones 0); `0.1` is the same paper's Weighted-REINFORCE.
@@ -583,6 +588,24 @@ class EGPOConfig(GRPOConfig):
         if problems:
             raise ValueError(loss_forward_error(problems))
 
+    def _validate_length_sorting(self, problems: list[str] | None = None) -> None:
+        """Refuse ``egpo_length_sorted_micro_batches`` where the loss depends on which rows share a micro-batch (with
+        ``problems`` the trainer found added), in one error that names the fix."""
+        found = []
+        if self.loss_type == "bnpo":
+            found.append("loss_type 'bnpo' averages over each micro-batch's tokens")
+        if self.top_entropy_quantile < 1.0:
+            found.append("top_entropy_quantile < 1 takes its threshold within each micro-batch")
+        if self.entropy_coef != 0.0 or getattr(self, "use_adaptive_entropy", False):
+            found.append("an entropy bonus (entropy_coef, use_adaptive_entropy) is averaged per micro-batch")
+        found += list(problems or [])
+        if found:
+            raise ValueError(
+                "egpo_length_sorted_micro_batches=True would train on another objective: "
+                + "; ".join(found)
+                + ". Set egpo_length_sorted_micro_batches=False, or change those settings."
+            )
+
     def _loss_forward_launch(self) -> tuple[int, str | None]:
         """The run's process count and distributed engine (``"DeepSpeed"``, ``"FSDP"`` or ``None``), as
         ``loss_forward``'s checks see them; ``egpo-trl train --dry-run`` substitutes the launch's own."""
@@ -607,22 +630,7 @@ class EGPOConfig(GRPOConfig):
         if self.egpo_entropy_logps == "loss_forward":
             self._validate_loss_forward()
         if self.egpo_length_sorted_micro_batches:
-            # Sorting changes which rows share a micro-batch: only terms that do not depend on it are served.
-            per_micro_batch = []
-            if self.loss_type == "bnpo":
-                per_micro_batch.append("loss_type 'bnpo' averages over each micro-batch's tokens")
-            if self.top_entropy_quantile < 1.0:
-                per_micro_batch.append("top_entropy_quantile < 1 takes its threshold within each micro-batch")
-            if self.entropy_coef != 0.0 or getattr(self, "use_adaptive_entropy", False):
-                per_micro_batch.append(
-                    "an entropy bonus (entropy_coef, use_adaptive_entropy) is averaged per micro-batch"
-                )
-            if per_micro_batch:
-                raise ValueError(
-                    "egpo_length_sorted_micro_batches=True would train on another objective: "
-                    + "; ".join(per_micro_batch)
-                    + ". Set egpo_length_sorted_micro_batches=False, or change those settings."
-                )
+            self._validate_length_sorting()
         if self.egpo_entropy_logps == "sampler" and self.advantage_estimator == "egpo":
             self._note_sampler_fallback()
         for name in ("egpo_lambda_min", "egpo_lambda_max", "egpo_entropy_eps"):

@@ -240,12 +240,6 @@ class LossForwardEntropyMixin:
         """Refuse, at init, the settings where the loss's forward cannot give pi_old's log-probs to EGPO."""
         args = self.args
         self._fused = False
-        if getattr(args, "egpo_length_sorted_micro_batches", False) and getattr(self, "aux_loss_enabled", False):
-            raise ValueError(
-                "egpo_length_sorted_micro_batches=True would train on another objective: the MoE router's auxiliary "
-                "loss is averaged over each micro-batch, whose rows the sorting changes. Set "
-                "egpo_length_sorted_micro_batches=False."
-            )
         if args.egpo_entropy_logps != "loss_forward":
             return
         engine = "FSDP" if self.is_fsdp_enabled else None
@@ -312,16 +306,17 @@ class LossForwardEntropyMixin:
     # ------------------------------------------------------------------ micro-batches grouped in blocks
     def _fused_prepare_inputs(self, prepare, generation_batch):
         """TRL's ``_prepare_inputs`` (``prepare``) with the shuffled rows of a new generation batch grouped so that each
-        block of micro-batches holds whole groups; with ``egpo_length_sorted_micro_batches``, each block's rows then
-        sorted by length (they stay in their block, which keeps its whole groups)."""
+        block of micro-batches holds whole groups; with ``egpo_length_sorted_micro_batches``, each group's rows then
+        sorted by length (a group stays in place, so each block keeps its whole groups, each group's rows together,
+        as the block's loss needs them)."""
 
         def group(batch):
             return group_first_order(batch[GROUP_KEY]) if GROUP_KEY in batch else None
 
         reorders = [group]
-        if getattr(self.args, "egpo_length_sorted_micro_batches", False):
-            rows = self._fused_block * self.args.per_device_train_batch_size
-            reorders.append(lambda batch: length_sorted_order(batch, rows) if GROUP_KEY in batch else None)
+        window = getattr(self, "_egpo_sort_window", None)
+        if window:
+            reorders.append(lambda batch: length_sorted_order(batch, window) if GROUP_KEY in batch else None)
         return shuffle_then(prepare, generation_batch, reorders)
 
     def _fused_training_step(self, model, inputs, step):

@@ -293,6 +293,7 @@ class EGPOTrainer(
         if args.edge_gec:
             self._check_guided_error_correction()
         self._check_loss_forward_entropy()
+        self._check_length_sorting()
         self._egpo_rewards_per_func: torch.Tensor | None = None
         self._egpo_capture_entropy = False  # capture the entropies of TRL's next old-log-prob pass
         self._egpo_captured_entropies: torch.Tensor | None = None
@@ -883,17 +884,56 @@ class EGPOTrainer(
     def _prepare_inputs(self, generation_batch):
         if getattr(self, "_fused", False) and self.model.training:
             return self._fused_prepare_inputs(super()._prepare_inputs, generation_batch)
-        if getattr(self.args, "egpo_length_sorted_micro_batches", False) and self.model.training:
+        window = getattr(self, "_egpo_sort_window", None)
+        if window and self.model.training:
             from egpo_trl.fused import length_sorted_order, shuffle_then
 
-            # Rows stay within their optimizer step (and their generation batch's split): windows of
-            # gcd(gradient_accumulation_steps, steps_per_generation) micro-batches.
-            steps = math.gcd(self.args.gradient_accumulation_steps, self.args.steps_per_generation)
-            rows = steps * self.args.per_device_train_batch_size
             return shuffle_then(
-                super()._prepare_inputs, generation_batch, [lambda batch: length_sorted_order(batch, rows)]
+                super()._prepare_inputs, generation_batch, [lambda batch: length_sorted_order(batch, window)]
             )
         return super()._prepare_inputs(generation_batch)
+
+    def _check_length_sorting(self) -> None:
+        """``egpo_length_sorted_micro_batches``: refuse (again, with what the trainer knows) what it cannot serve, and
+        set ``_egpo_sort_window``, the rows sorted together (``None``: no sorting). Rows stay within their optimizer
+        step and their generation batch's split: windows of gcd(gradient_accumulation_steps, steps_per_generation)
+        micro-batches; under ``loss_forward`` each group on its own, as its block's loss needs a group's rows
+        together. Where sorting cannot cut any forward (TRL's full width, or a window inside one micro-batch) the
+        rows are not sorted."""
+        args = self.args
+        self._egpo_sort_window = None
+        if not args.egpo_length_sorted_micro_batches:
+            return
+        router = ["the MoE router's auxiliary loss is averaged over each micro-batch"]
+        args._validate_length_sorting(router if getattr(self, "aux_loss_enabled", False) else None)
+        full_width = []
+        if not args.egpo_shift_prompt_padding:
+            full_width.append("egpo_shift_prompt_padding is off")
+        if self._trl_computes_old_logps():
+            full_width.append("TRL computes old-policy log-probs (num_iterations > 1 or vLLM's importance sampling)")
+        if self.beta != 0.0:
+            full_width.append("beta != 0 (a reference model's log-probs)")
+        per_device = args.per_device_train_batch_size
+        if getattr(self, "_fused", False):
+            window = self.num_generations
+            inside = per_device % window == 0  # every group inside one micro-batch
+        else:
+            window = math.gcd(args.gradient_accumulation_steps, args.steps_per_generation) * per_device
+            inside = window == per_device
+        if full_width:
+            logger.warning(
+                "egpo_length_sorted_micro_batches has nothing to save here: the loss's forward keeps TRL's full "
+                "width (%s). Rows are not sorted.",
+                "; ".join(full_width),
+            )
+        elif inside:
+            logger.warning(
+                "egpo_length_sorted_micro_batches has nothing to save here: the rows it may sort together (%d) all "
+                "share one micro-batch. Rows are not sorted.",
+                window,
+            )
+        else:
+            self._egpo_sort_window = window
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if getattr(self, "_fused", False):  # called in training only (the model may not be in train mode yet)

@@ -799,11 +799,11 @@ def test_padding_counts_tokens_of_shuffled_and_sorted_micro_batches():
     assert sorted_within(lengths, 2).tolist() == [5, 1, 4, 2] and sorted_within(lengths, 4).tolist() == [5, 4, 2, 1]
     assert computed_tokens(sorted_within(lengths, 4), 2) == 2 * 5 + 2 * 2
     full = padding_rows("full", rows=32, group=16, micro_batches=(2, 16), prompt=(100, 100), repeats=3)
-    assert all(row["shuffled"] == row["sorted_step"] == row["sorted_block"] == 1.0 for row in full)
+    assert all(row["shuffled"] == row["sorted_step"] == row["sorted_group"] == 1.0 for row in full)
     for row in padding_rows("lognormal", rows=32, group=16, micro_batches=(2, 4), repeats=5):
-        assert 1.0 <= row["sorted_step"] <= row["sorted_block"] <= row["shuffled"]
+        assert 1.0 <= row["sorted_step"] <= row["sorted_group"] <= row["shuffled"]
     one_group = padding_rows("uniform", rows=32, group=16, micro_batches=(16,), repeats=5)[0]
-    assert one_group["sorted_block"] == pytest.approx(one_group["shuffled"], rel=0.1)  # a group per micro-batch
+    assert one_group["sorted_group"] == pytest.approx(one_group["shuffled"], rel=0.1)  # a group per micro-batch
 
 
 def torch_tensor(values):

@@ -45,28 +45,36 @@ def test_length_sorting_refuses_terms_normalised_per_micro_batch(tmp_path, overr
 
 
 class RecordingTrainer(EGPOTrainer):
-    """Keeps, per prepared micro-batch, its rows' lengths (prompt plus completion) and their prompt and completion
-    ids (to compare the rows each optimizer step trained on)."""
+    """Keeps, per prepared micro-batch, its rows' lengths (prompt plus completion), their prompt and completion ids
+    (to compare the rows each optimizer step trained on) and, under loss_forward, their groups."""
 
     def _prepare_inputs(self, generation_batch):
         prepared = super()._prepare_inputs(generation_batch)
         if self.model.training:
-            lengths = completion_widths(prepared["completion_mask"]) + prepared["prompt_mask"].sum(dim=1)
+            widths = completion_widths(prepared["completion_mask"])
+            lengths = widths + prepared["prompt_mask"].sum(dim=1)
             rows = [
                 (tuple(p[m.bool()].tolist()), tuple(c[: int(w)].tolist()))
                 for p, m, c, w in zip(
-                    prepared["prompt_ids"],
-                    prepared["prompt_mask"],
-                    prepared["completion_ids"],
-                    completion_widths(prepared["completion_mask"]),
+                    prepared["prompt_ids"], prepared["prompt_mask"], prepared["completion_ids"], widths
                 )
             ]
-            self.seen.append((lengths.tolist(), rows))
+            groups = prepared[GROUP_KEY].tolist() if GROUP_KEY in prepared else None
+            self.seen.append((lengths.tolist(), rows, groups))
         return prepared
 
 
+#: A bias on the tiny model's end token (id 2), so that its completions end at varied lengths.
+VARIED_LENGTHS = {"sequence_bias": [[[2], 3.0]]}
+
+
 def _train(tmp_path, model_dir, **overrides):
-    settings = dict(max_steps=2, bf16=False, model_init_kwargs={"attn_implementation": "eager"})
+    settings = dict(
+        max_steps=2,
+        bf16=False,
+        model_init_kwargs={"attn_implementation": "eager"},
+        generation_kwargs=VARIED_LENGTHS,
+    )
     args = config(tmp_path, **{**settings, **overrides})
     trainer = RecordingTrainer(model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
     trainer.seen = []
@@ -75,43 +83,67 @@ def _train(tmp_path, model_dir, **overrides):
     return trainer, rows, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
+def _descending(values):
+    return values == sorted(values, reverse=True)
+
+
 @pytest.mark.parametrize(
     "per_device, accumulation, extra, window",
     [
-        (2, 4, {}, 4),  # policy: the optimizer step's 4 micro-batches sorted together
-        (2, 4, {"egpo_entropy_logps": "loss_forward"}, 2),  # loss_forward: each block of 2 (one group) on its own
-        (4, 2, {"egpo_entropy_logps": "loss_forward", "temperature": 0.05}, 1),  # one group per micro-batch: no change
+        (2, 4, {}, 4),  # the optimizer step's 4 micro-batches sorted together
+        (2, 4, {"steps_per_generation": 2}, 2),  # two generation batches per optimizer step: each on its own
+        (2, 4, {"egpo_entropy_logps": "loss_forward"}, "group"),  # blocks of 2 micro-batches, one group each
+        (6, 2, {"egpo_entropy_logps": "loss_forward"}, "group"),  # a block of 2 micro-batches holds 3 groups
     ],
 )
 def test_length_sorted_micro_batches_train_as_unsorted(
     tmp_path, tiny_model_dir, per_device, accumulation, extra, window
 ):
+    """Two optimizer steps with and without sorting: each optimizer step trains on the same rows, sorted longest
+    first within each window (within each group under loss_forward, whose groups stay together), and the losses,
+    EGPO's weights and the final weights are the same to float32 rounding."""
     overrides = dict(per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation, **extra)
     plain, plain_rows, plain_weights = _train(tmp_path / "plain", tiny_model_dir, **overrides)
     sorted_, sorted_rows, sorted_weights = _train(
         tmp_path / "sorted", tiny_model_dir, egpo_length_sorted_micro_batches=True, **overrides
     )
+    assert sorted_._egpo_sort_window == (4 if window == "group" else window * per_device)
     assert len(plain.seen) == len(sorted_.seen) == 2 * accumulation
-    lengths = [length for seen in sorted_.seen for length in seen[0]]
-    assert len(set(lengths)) > 1, "the tiny model's completions all had one length: the test cannot tell"
-
-    def window_rows(seen, start):
-        return sorted(row for _, rows in seen[start : start + window] for row in rows)
-
-    def window_lengths(seen, start):
-        return [length for lengths, _ in seen[start : start + window] for length in lengths]
-
-    unsorted_windows = 0
+    completion_lengths = {len(row[1]) for seen in sorted_.seen for row in seen[1]}
+    assert len(completion_lengths) > 2, f"completion lengths {completion_lengths}: the test cannot tell"
+    unsorted = 0
     for step in range(2):
         plain_step = plain.seen[step * accumulation : (step + 1) * accumulation]
         sorted_step = sorted_.seen[step * accumulation : (step + 1) * accumulation]
-        for start in range(0, accumulation, window):
-            # each window of micro-batches trains on the same rows as without sorting, longest first
-            assert window_rows(sorted_step, start) == window_rows(plain_step, start)
-            assert window_lengths(sorted_step, start) == sorted(window_lengths(sorted_step, start), reverse=True)
-            plain_lengths = window_lengths(plain_step, start)
-            unsorted_windows += plain_lengths != sorted(plain_lengths, reverse=True)
-    assert unsorted_windows > 0, "without sorting every window was sorted already: the test cannot tell"
+        assert sorted(r for _, rows, _ in sorted_step for r in rows) == sorted(
+            r for _, rows, _ in plain_step for r in rows
+        )
+        if window == "group":
+            # each group's rows together, longest first; the blocks hold the same groups as without sorting
+            for seen_step, check in ((sorted_step, True), (plain_step, False)):
+                flat = [(g, n) for lengths, _, groups in seen_step for g, n in zip(groups, lengths)]
+                by_group = {}
+                for position, (g, n) in enumerate(flat):
+                    by_group.setdefault(g, []).append((position, n))
+                for members in by_group.values():
+                    positions = [position for position, _ in members]
+                    assert positions == list(range(positions[0], positions[0] + len(positions)))  # together
+                    if check:
+                        assert _descending([n for _, n in members])
+                    else:
+                        unsorted += not _descending([n for _, n in members])
+        else:
+            for start in range(0, accumulation, window):
+                for seen_step, check in ((sorted_step, True), (plain_step, False)):
+                    values = [n for lengths, _, _ in seen_step[start : start + window] for n in lengths]
+                    if check:
+                        assert _descending(values)
+                    else:
+                        unsorted += not _descending(values)
+                sorted_rows_in = sorted(r for _, rows, _ in sorted_step[start : start + window] for r in rows)
+                plain_rows_in = sorted(r for _, rows, _ in plain_step[start : start + window] for r in rows)
+                assert sorted_rows_in == plain_rows_in  # a window keeps its rows
+    assert unsorted > 0, "without sorting every window was sorted already: the test cannot tell"
     for off, on in zip(plain_rows, sorted_rows, strict=True):
         for key in (
             "reward",
@@ -129,8 +161,54 @@ def test_length_sorted_micro_batches_train_as_unsorted(
         )
 
 
-def test_a_block_sorted_by_length_keeps_its_whole_groups():
-    """loss_forward's blocks: grouped first, then sorted inside each block, every block still holds whole groups."""
+@pytest.mark.parametrize(
+    "overrides, reason",
+    [
+        (dict(beta=0.04), "keeps TRL's full width"),
+        (dict(egpo_shift_prompt_padding=False), "keeps TRL's full width"),
+        (dict(per_device_train_batch_size=8, gradient_accumulation_steps=1), "all share one micro-batch"),
+        (dict(egpo_entropy_logps="loss_forward", per_device_train_batch_size=4), "all share one micro-batch"),
+    ],
+)
+def test_length_sorting_that_saves_nothing_says_so_and_leaves_the_order(
+    tmp_path, tiny_model_dir, overrides, reason, caplog
+):
+    args = config(tmp_path, egpo_length_sorted_micro_batches=True, **{"gradient_accumulation_steps": 2, **overrides})
+    with caplog.at_level("WARNING"):
+        trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    assert trainer._egpo_sort_window is None
+    assert any(reason in record.getMessage() for record in caplog.records), caplog.text
+
+
+def test_length_sorting_checks_the_arguments_again_when_the_trainer_starts(tmp_path, tiny_model_dir):
+    args = config(
+        tmp_path, egpo_length_sorted_micro_batches=True, per_device_train_batch_size=2, gradient_accumulation_steps=2
+    )
+    args.loss_type = "bnpo"  # changed after the arguments were checked
+    with pytest.raises(ValueError, match="'bnpo' averages over each micro-batch's tokens"):
+        EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+
+
+def test_shuffle_then_restores_trl_shuffle_after_an_error():
+    from trl.trainer import grpo_trainer
+
+    from egpo_trl.fused import shuffle_then
+
+    original = grpo_trainer.shuffle_sequence_dict
+
+    def prepare(batch):
+        assert grpo_trainer.shuffle_sequence_dict is not original  # patched while TRL prepares
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        shuffle_then(prepare, {}, [lambda batch: None])
+    assert grpo_trainer.shuffle_sequence_dict is original
+
+
+def test_groups_sorted_by_length_stay_together():
+    """loss_forward: grouped first, then each group's rows sorted; every group's rows stay together."""
+    from egpo_trl.fused import group_first_order
+
     groups = torch.tensor([3, 1, 3, 0, 1, 0, 2, 2])
     widths = torch.tensor([2, 4, 1, 3, 1, 4, 2, 3])
     batch = {
@@ -138,10 +216,8 @@ def test_a_block_sorted_by_length_keeps_its_whole_groups():
         ROW_KEY: torch.arange(8),
         "completion_mask": (torch.arange(4)[None, :] < widths[:, None]).long(),
     }
-    from egpo_trl.fused import group_first_order
-
     grouped = reorder_rows(batch, group_first_order(batch[GROUP_KEY]))
-    blocks = reorder_rows(grouped, length_sorted_order(grouped, window=4))  # blocks of two groups of 2
-    assert blocks[GROUP_KEY][:4].sort().values.tolist() == [1, 1, 3, 3]
-    assert blocks[GROUP_KEY][4:].sort().values.tolist() == [0, 0, 2, 2]
-    assert completion_widths(blocks["completion_mask"]).tolist() == [4, 2, 1, 1, 4, 3, 3, 2]
+    assert grouped[GROUP_KEY].tolist() == [3, 3, 1, 1, 0, 0, 2, 2]
+    result = reorder_rows(grouped, length_sorted_order(grouped, window=2))  # groups of 2
+    assert result[GROUP_KEY].tolist() == [3, 3, 1, 1, 0, 0, 2, 2]
+    assert completion_widths(result["completion_mask"]).tolist() == [2, 1, 4, 1, 4, 3, 3, 2]
