@@ -12,8 +12,10 @@ Lengths: ``full`` (every completion at the maximum, as random weights generate: 
 prompts' lengths),
 ``uniform`` (a quarter of the maximum to all of it, ``benchmarks/train_breakdown.py --bench-lengths spread``) and
 ``lognormal`` (``--median`` and ``--p99``, cut at the maximum; the defaults follow the paper's note that over 99% of
-Qwen2.5-Math's responses stay below 2,500 tokens). Attention's share of the FLOPs grows with the square of a row's
-length and is left out: the ratios are those of the matrix products.
+Qwen2.5-Math's responses stay below 2,500 tokens). Each row's length is drawn on its own: the completions of one
+prompt are related in length, so a group's longest row is nearer its others than here, and the figures for whole
+groups per micro-batch are upper bounds. Attention's share of the FLOPs grows with the square of a row's length and
+is left out: the ratios are those of the matrix products.
 """
 
 from __future__ import annotations

@@ -212,16 +212,17 @@ class EGPOConfig(GRPOConfig):
             13.8-14.8 s (BENCHMARKS.md, floors section). `False` gives TRL's passes exactly as `GRPOTrainer` runs them.
 
         egpo_length_sorted_micro_batches (`bool`, *optional*, defaults to `False`):
-            Put rows of similar length into the same micro-batch: after TRL shuffles a generation batch, the rows of
-            each optimizer step are sorted by prompt plus completion length, longest first (under `loss_forward`, the
-            rows of each group, which stays in its block). The loss's forward is cut to its micro-batch's longest row
+            Put rows of similar length into the same micro-batch: after TRL shuffles a generation batch, its rows are
+            sorted by prompt plus completion length, longest first (under `loss_forward`, the rows of each group,
+            which stays in its block); a generation batch never spans optimizer steps. The loss's forward is cut to its micro-batch's longest row
             (`egpo_shift_prompt_padding`), so completions of varied lengths compute fewer padding tokens; the
             gradient is the same sum over the same rows (to floating-point rounding), as every loss normalisation
             but the per-micro-batch ones is independent of which rows share a micro-batch (`bnpo`,
             `top_entropy_quantile` < 1, an entropy bonus and a mixture-of-experts router loss are refused). Where it
-            cannot save anything (the forwards keep TRL's full width: `egpo_shift_prompt_padding` off, TRL computing
-            old-policy log-probs, `beta` != 0; or every window of rows inside one micro-batch) the rows are not
-            sorted and a warning says so. TRL's metrics that are averages of per-micro-batch means (`entropy`,
+            cannot save anything (the forwards keep TRL's full width: `egpo_shift_prompt_padding` off, a model whose
+            rows cannot be shifted, image inputs, TRL computing old-policy log-probs, `beta` != 0; or sorting cannot
+            change which rows share a micro-batch: one micro-batch per generation batch, one row per micro-batch,
+            whole groups per micro-batch under `loss_forward`) the rows are not sorted and a warning says so. TRL's metrics that are averages of per-micro-batch means (`entropy`,
             `clip_ratio/*`, `kl`, `cispo_clip_ratio`, `vespo/phi_seq_mean`) weigh short completions more when they
             share micro-batches, so their curves differ from an unsorted run's.
 
@@ -384,9 +385,9 @@ class EGPOConfig(GRPOConfig):
     egpo_length_sorted_micro_batches: bool = field(
         default=False,
         metadata={
-            "help": "Sort each optimizer step's rows (each loss_forward block's) by length, longest first, so that a "
-            "micro-batch's forward, cut to its longest row, computes less padding; the same gradient. Not with "
-            "bnpo, top_entropy_quantile < 1 or an entropy bonus."
+            "help": "Sort each generation batch's rows (each group's under loss_forward) by length, longest first, so "
+            "that a micro-batch's forward, cut to its longest row, computes less padding; the same gradient. Not "
+            "with bnpo, top_entropy_quantile < 1, an entropy bonus or a MoE router loss."
         },
     )
     egpo_shift_prompt_padding: bool = field(

@@ -138,8 +138,8 @@ def group_first_order(groups: torch.Tensor) -> torch.Tensor:
 def length_sorted_order(batch: dict[str, Any], window: int) -> torch.Tensor:
     """A permutation that sorts the rows of each ``window`` consecutive rows by their length, longest first (ties
     keep their order): a row's prompt tokens plus its completion up to its last scored token, the width the loss's
-    forward is cut to under ``egpo_shift_prompt_padding``. Rows never leave their window, so a window that is an
-    optimizer step's rows (or a ``loss_forward`` block's whole groups) keeps exactly its rows."""
+    forward is cut to under ``egpo_shift_prompt_padding``. Rows never leave their window, so a window that is a
+    generation batch (or, under ``loss_forward``, a group) keeps exactly its rows."""
     from egpo_trl.old_logps import completion_widths
 
     completion_mask = batch["completion_mask"]

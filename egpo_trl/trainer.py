@@ -906,9 +906,20 @@ class EGPOTrainer(
             return
         router = ["the MoE router's auxiliary loss is averaged over each micro-batch"]
         args._validate_length_sorting(router if getattr(self, "aux_loss_enabled", False) else None)
+        from egpo_trl.old_logps import can_realign
+
         full_width = []
         if not args.egpo_shift_prompt_padding:
             full_width.append("egpo_shift_prompt_padding is off")
+        elif getattr(self, "_is_vlm", False):
+            full_width.append("the model takes image inputs")
+        else:
+            empty = torch.zeros(0, 0, dtype=torch.long)  # no rows: the model's own conditions only
+            if not can_realign(self.accelerator.unwrap_model(self.model), empty, empty):
+                full_width.append(
+                    "this model's rows cannot be shifted past their prompt padding (its type, attention "
+                    "implementation, sliding window, rotary scaling or adapter: see egpo_shift_prompt_padding)"
+                )
         if self._trl_computes_old_logps():
             full_width.append("TRL computes old-policy log-probs (num_iterations > 1 or vLLM's importance sampling)")
         if self.beta != 0.0:
@@ -916,10 +927,10 @@ class EGPOTrainer(
         per_device = args.per_device_train_batch_size
         if getattr(self, "_fused", False):
             window = self.num_generations
-            inside = per_device % window == 0  # every group inside one micro-batch
+            inside = per_device % window == 0 or per_device == 1  # whole groups per micro-batch, or single rows
         else:
             window = math.gcd(args.gradient_accumulation_steps, args.steps_per_generation) * per_device
-            inside = window == per_device
+            inside = window == per_device or per_device == 1
         if full_width:
             logger.warning(
                 "egpo_length_sorted_micro_batches has nothing to save here: the loss's forward keeps TRL's full "
@@ -928,9 +939,10 @@ class EGPOTrainer(
             )
         elif inside:
             logger.warning(
-                "egpo_length_sorted_micro_batches has nothing to save here: the rows it may sort together (%d) all "
-                "share one micro-batch. Rows are not sorted.",
+                "egpo_length_sorted_micro_batches has nothing to save here: the rows it may sort together (%d) "
+                "cannot change which rows share a micro-batch of %d. Rows are not sorted.",
                 window,
+                per_device,
             )
         else:
             self._egpo_sort_window = window

@@ -166,13 +166,18 @@ def test_length_sorted_micro_batches_train_as_unsorted(
     [
         (dict(beta=0.04), "keeps TRL's full width"),
         (dict(egpo_shift_prompt_padding=False), "keeps TRL's full width"),
-        (dict(per_device_train_batch_size=8, gradient_accumulation_steps=1), "all share one micro-batch"),
-        (dict(egpo_entropy_logps="loss_forward", per_device_train_batch_size=4), "all share one micro-batch"),
+        (dict(per_device_train_batch_size=8, gradient_accumulation_steps=1), "cannot change which rows"),
+        (dict(egpo_entropy_logps="loss_forward", per_device_train_batch_size=4), "cannot change which rows"),
+        (dict(per_device_train_batch_size=1, gradient_accumulation_steps=8), "cannot change which rows"),
+        ({"unshiftable": True}, "rows cannot be shifted past their prompt padding"),
     ],
 )
 def test_length_sorting_that_saves_nothing_says_so_and_leaves_the_order(
-    tmp_path, tiny_model_dir, overrides, reason, caplog
+    tmp_path, tiny_model_dir, overrides, reason, caplog, monkeypatch
 ):
+    overrides = dict(overrides)
+    if overrides.pop("unshiftable", False):  # a model type the shifted layout does not serve
+        monkeypatch.setattr("egpo_trl.old_logps.REALIGN_MODEL_TYPES", frozenset())
     args = config(tmp_path, egpo_length_sorted_micro_batches=True, **{"gradient_accumulation_steps": 2, **overrides})
     with caplog.at_level("WARNING"):
         trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
