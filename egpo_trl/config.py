@@ -127,6 +127,19 @@ def loss_forward_error(problems: list[str]) -> str:
     )
 
 
+def per_micro_batch_terms(args) -> list[str]:
+    """The loss terms of ``args`` normalised per micro-batch: what ``loss_forward``'s blocks and length sorting, which
+    change which rows share a micro-batch, cannot serve."""
+    terms = []
+    if args.loss_type == "bnpo":
+        terms.append("loss_type 'bnpo' averages over each micro-batch's tokens")
+    if args.top_entropy_quantile < 1.0:
+        terms.append("top_entropy_quantile < 1 takes its threshold within each micro-batch")
+    if args.entropy_coef != 0.0 or getattr(args, "use_adaptive_entropy", False):
+        terms.append("an entropy bonus (entropy_coef, use_adaptive_entropy) is averaged and updated per micro-batch")
+    return terms
+
+
 @dataclass
 class EGPOConfig(GRPOConfig):
     r"""
@@ -213,18 +226,19 @@ class EGPOConfig(GRPOConfig):
 
         egpo_length_sorted_micro_batches (`bool`, *optional*, defaults to `False`):
             Put rows of similar length into the same micro-batch: after TRL shuffles a generation batch, its rows are
-            sorted by prompt plus completion length, longest first (under `loss_forward`, the rows of each group,
-            which stays in its block); a generation batch never spans optimizer steps. The loss's forward is cut to its micro-batch's longest row
-            (`egpo_shift_prompt_padding`), so completions of varied lengths compute fewer padding tokens; the
-            gradient is the same sum over the same rows (to floating-point rounding), as every loss normalisation
-            but the per-micro-batch ones is independent of which rows share a micro-batch (`bnpo`,
+            sorted by prompt plus completion length, longest first (under `loss_forward`, the rows of each group, which
+            stays in its block); a generation batch never spans optimizer steps. The loss's forward is cut to its
+            micro-batch's longest row (`egpo_shift_prompt_padding`), so completions of varied lengths compute fewer
+            padding tokens; the gradient is the same sum over the same rows (to floating-point rounding), as every loss
+            normalisation but the per-micro-batch ones is independent of which rows share a micro-batch (`bnpo`,
             `top_entropy_quantile` < 1, an entropy bonus and a mixture-of-experts router loss are refused). Where it
             cannot save anything (the forwards keep TRL's full width: `egpo_shift_prompt_padding` off, a model whose
             rows cannot be shifted, image inputs, TRL computing old-policy log-probs, `beta` != 0; or sorting cannot
-            change which rows share a micro-batch: one micro-batch per generation batch, one row per micro-batch,
-            whole groups per micro-batch under `loss_forward`) the rows are not sorted and a warning says so. TRL's metrics that are averages of per-micro-batch means (`entropy`,
-            `clip_ratio/*`, `kl`, `cispo_clip_ratio`, `vespo/phi_seq_mean`) weigh short completions more when they
-            share micro-batches, so their curves differ from an unsorted run's.
+            change which rows share a micro-batch: one micro-batch per generation batch, one row per micro-batch, whole
+            groups per micro-batch under `loss_forward`) the rows are not sorted and a warning says so. TRL's metrics
+            that are averages of per-micro-batch means (`entropy`, `clip_ratio/*`, `kl`, `cispo_clip_ratio`,
+            `vespo/phi_seq_mean`) weigh short completions more when they share micro-batches, so their curves differ
+            from an unsorted run's.
 
         > Parameters of the baselines (see `docs/baselines.md`)
 
@@ -531,14 +545,7 @@ class EGPOConfig(GRPOConfig):
             )
         # Grouping a block's rows changes which rows share a micro-batch: losses and terms normalised per
         # micro-batch would then train on another objective than the default path's.
-        if self.loss_type == "bnpo":
-            problems.append("loss_type 'bnpo' averages over each micro-batch's tokens")
-        if self.top_entropy_quantile < 1.0:
-            problems.append("top_entropy_quantile < 1 takes its threshold within each micro-batch")
-        if self.entropy_coef != 0.0 or getattr(self, "use_adaptive_entropy", False):
-            problems.append(
-                "an entropy bonus (entropy_coef, use_adaptive_entropy) is averaged and updated per micro-batch"
-            )
+        problems += per_micro_batch_terms(self)
         if "lomo" in str(getattr(self, "optim", "")).lower():
             problems.append(
                 f"optim {self.optim!r} updates the weights during each backward, so a block's later forwards would "
@@ -592,14 +599,7 @@ class EGPOConfig(GRPOConfig):
     def _validate_length_sorting(self, problems: list[str] | None = None) -> None:
         """Refuse ``egpo_length_sorted_micro_batches`` where the loss depends on which rows share a micro-batch (with
         ``problems`` the trainer found added), in one error that names the fix."""
-        found = []
-        if self.loss_type == "bnpo":
-            found.append("loss_type 'bnpo' averages over each micro-batch's tokens")
-        if self.top_entropy_quantile < 1.0:
-            found.append("top_entropy_quantile < 1 takes its threshold within each micro-batch")
-        if self.entropy_coef != 0.0 or getattr(self, "use_adaptive_entropy", False):
-            found.append("an entropy bonus (entropy_coef, use_adaptive_entropy) is averaged per micro-batch")
-        found += list(problems or [])
+        found = per_micro_batch_terms(self) + list(problems or [])
         if found:
             raise ValueError(
                 "egpo_length_sorted_micro_batches=True would train on another objective: "

@@ -142,14 +142,14 @@ def length_sorted_order(batch: dict[str, Any], window: int) -> torch.Tensor:
     generation batch (or, under ``loss_forward``, a group) keeps exactly its rows."""
     from egpo_trl.old_logps import completion_widths
 
+    if window < 1:
+        raise ValueError(f"window must be at least one row, got {window}")
     completion_mask = batch["completion_mask"]
     lengths = completion_widths(completion_mask).cpu()
     prompt_mask = batch.get("prompt_mask")
     if prompt_mask is not None:
         lengths = lengths + prompt_mask.sum(dim=1).cpu()
     rows = lengths.numel()
-    if window < 1:
-        raise ValueError(f"window must be at least one row, got {window}")
     order = []
     for start in range(0, rows, window):
         segment = lengths[start : start + window]
