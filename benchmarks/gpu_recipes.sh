@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu_recipes.sh OUT_DIR SHAPES_DIR JOB [JOB ...]
 #
-# JOB is RECIPE[@GPUS][:ACCUMULATION], e.g. egpo_qwen15b@0,1:2 or egpo_r1_distill_7b@0,1,2,3:4. Each job runs
+# JOB is RECIPE[@GPUS][:ACCUMULATION], e.g. egpo_qwen15b@0,1:1 or egpo_r1_distill_7b@0,1,2,3:4. Each job runs
 #   CUDA_VISIBLE_DEVICES=GPUS egpo-trl train recipes/RECIPE.yaml --model_name_or_path SHAPES_DIR/<shape> \
 #       --dataset_name DATASET --prompt_template "{problem}" --max_steps STEPS --num_processes <len(GPUS)> \
 #       --gradient_accumulation_steps ACCUMULATION --output_dir OUT_DIR/RECIPE/run --report_to none

@@ -4,8 +4,10 @@ optimizer step, and (``--bench-profile``) how much of a micro-batch the GPU spen
 The recipe runs through the real trainer (``EGPOTrainer`` built as ``egpo-trl train`` builds it, the same loss,
 DeepSpeed or not as launched), but its rollouts come from TRL's ``rollout_func`` hook instead of vLLM: random token
 ids, prompts of 3/4 to all of ``--bench-prompt-length`` tokens and completions of ``max_completion_length`` tokens
-without an end (``--bench-lengths full``, as random weights generate) or of a quarter to all of it
-(``--bench-lengths spread``). So the
+without an end (``--bench-lengths full``, as random weights generate), of a quarter to all of it
+(``--bench-lengths spread``), or drawn from a log-normal distribution cut at the maximum (``--bench-lengths lognormal``,
+``--bench-median`` and ``--bench-p99``, by default a median of 700 tokens and 99% below 2,500, as
+``benchmarks/padding.py`` counts them; each completion's length drawn on its own). So the
 per-GPU batch, the micro-batches and every sharding choice are the recipe's, and the only thing missing is vLLM::
 
     python benchmarks/real_shapes.py --output /tmp/shapes --shapes qwen7b --device cuda
@@ -74,6 +76,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from floor import CARDS, architecture, training_flops  # noqa: E402
+from padding import draw_lengths  # noqa: E402
 
 
 class SyntheticRollout:
@@ -83,13 +86,25 @@ class SyntheticRollout:
     each completion draws its own. No id is an end-of-sequence or padding id, so every completion runs to its length.
     """
 
-    def __init__(self, vocab_size: int, excluded: set[int], prompt_length: int, completion_length: int, lengths: str):
+    def __init__(
+        self,
+        vocab_size: int,
+        excluded: set[int],
+        prompt_length: int,
+        completion_length: int,
+        lengths: str,
+        median: float = 700,
+        p99: float = 2500,
+    ):
         self.vocab_size = vocab_size
         self.excluded = sorted(i for i in excluded if i is not None and 0 <= i < vocab_size)
         self.prompt_length = prompt_length
         self.completion_length = completion_length
         self.lengths = lengths
+        self.median = median
+        self.p99 = p99
         self.calls = 0
+        self.row_tokens: list[int] = []  # prompt + completion tokens of every row this process drew
 
     def _ids(self, generator: torch.Generator, count: int) -> list[int]:
         ids = torch.randint(0, self.vocab_size, (count,), generator=generator)
@@ -112,7 +127,10 @@ class SyntheticRollout:
             length = self.completion_length
             if self.lengths == "spread":
                 length = int(torch.randint(max(1, length // 4), length + 1, (1,), generator=generator))
+            elif self.lengths == "lognormal":
+                length = int(draw_lengths("lognormal", 1, length, self.median, self.p99, generator)[0])
             completion_ids.append(self._ids(generator, length))
+            self.row_tokens.append(len(prompt_ids[-1]) + length)
         logprobs = [[0.0] * len(ids) for ids in completion_ids]
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
 
@@ -336,7 +354,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     own, rest = split_argv(list(sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bench-prompt-length", type=int, default=200)
-    parser.add_argument("--bench-lengths", choices=["full", "spread"], default="full")
+    parser.add_argument("--bench-lengths", choices=["full", "spread", "lognormal"], default="full")
+    parser.add_argument("--bench-median", type=float, default=700, help="--bench-lengths lognormal: median tokens")
+    parser.add_argument("--bench-p99", type=float, default=2500, help="--bench-lengths lognormal: 99th percentile")
     parser.add_argument("--bench-profile", type=int, default=None, metavar="K")
     parser.add_argument("--bench-card", choices=sorted(CARDS), default="h100")
     parser.add_argument("--bench-mfu", type=float, default=0.5)
@@ -424,6 +444,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         prompt_length,
         training_args.max_completion_length,
         args.bench_lengths,
+        args.bench_median,
+        args.bench_p99,
     )
     device = trainer.accelerator.device
     timings = Timings(device)
@@ -482,12 +504,20 @@ def main(argv: list[str] | None = None) -> dict | None:
     allocator = trainer.accelerator.gather(torch.tensor([allocator_stats(device)], device=device)).tolist()
 
     arch = architecture(config.to_dict())
-    tokens_per_row = prompt_length * 7 / 8 + (
-        training_args.max_completion_length * (5 / 8 if args.bench_lengths == "spread" else 1)
-    )
     peak_tflops = CARDS[args.bench_card][0]
     flops_per_s = args.bench_mfu * peak_tflops * 1e12
-    floor_micro = training_flops(arch, rows, tokens_per_row, training_args.gradient_checkpointing) / flops_per_s
+    # The floor counts the tokens the rows hold (every process's, each row's attention at its own length), not the
+    # padding a micro-batch cut to its longest row computes: time spent on padding shows as a higher ratio.
+    held = trainer.accelerator.gather(
+        torch.tensor(trainer.rollout_func.row_tokens, dtype=torch.float64, device=device)
+    ).cpu()
+    if held.numel():
+        row_flops = training_flops(arch, 1, held, training_args.gradient_checkpointing).sum().item() / held.numel()
+        tokens_per_row = held.mean().item()
+    else:  # nothing drawn (a run that stopped before its first generation)
+        tokens_per_row = prompt_length * 7 / 8 + training_args.max_completion_length
+        row_flops = training_flops(arch, 1, tokens_per_row, training_args.gradient_checkpointing)
+    floor_micro = row_flops * rows / flops_per_s
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     sharding = f"ZeRO-{plugin.zero_stage}" if plugin is not None else ("FSDP" if trainer.is_fsdp_enabled else "none")
     median = statistics.median
@@ -502,6 +532,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         "micro_batches_per_step": accumulation,
         "completion_length": training_args.max_completion_length,
         "lengths": args.bench_lengths,
+        "lengths_median_p99": [args.bench_median, args.bench_p99] if args.bench_lengths == "lognormal" else None,
+        "held_tokens_per_row_mean": tokens_per_row,
+        "length_sorted": bool(getattr(training_args, "egpo_length_sorted_micro_batches", False)),
         "prompt_length": prompt_length,
         "gradient_checkpointing": bool(training_args.gradient_checkpointing),
         "steps": steps,
@@ -548,7 +581,8 @@ def print_table(r: dict) -> None:
     print(
         f"\n{r['device']}: {r['processes']} process(es), {r['sharding']}, {r['rows_per_micro_batch']} rows x "
         f"{r['micro_batches_per_step']} micro-batches per step and GPU, completions {r['completion_length']} "
-        f"({r['lengths']}), prompts <= {r['prompt_length']}, checkpointing {r['gradient_checkpointing']}"
+        f"({r['lengths']}), prompts <= {r['prompt_length']}, checkpointing {r['gradient_checkpointing']}, "
+        f"rows sorted by length {r['length_sorted']}; rows hold {r['held_tokens_per_row_mean']:.0f} tokens on average"
     )
     print("| what | s | floor s | x floor |\n| --- | ---: | ---: | ---: |")
     if not r["micro_batches_timed"]:  # --bench-steps-only

@@ -321,7 +321,7 @@ def test_floor_adds_attention_and_the_gec_continuations_bound(tmp_path, monkeypa
     folder = tmp_path / "edge_grpo_qwen15b"
     (folder / "run").mkdir(parents=True)
     (folder / "command.txt").write_text(
-        "egpo-trl train recipes/edge_grpo_qwen15b.yaml --num_processes 1 --gradient_accumulation_steps 32\n"
+        "egpo-trl train recipes/edge_grpo_qwen15b.yaml --num_processes 1 --gradient_accumulation_steps 8\n"
     )
     record = {
         "step": 2, "step_time": 48.0, "timing/generation_s": 25.0, "timing/old_logps_s": 3.5, "timing/gec_s": 5.0,
@@ -363,7 +363,7 @@ def test_floor_bounds_generation_within_the_kv_cache_the_run_logged(tmp_path, mo
     folder = tmp_path / "egpo_qwen15b"
     (folder / "run").mkdir(parents=True)
     (folder / "command.txt").write_text(
-        "egpo-trl train recipes/egpo_qwen15b.yaml --num_processes 1 --gradient_accumulation_steps 32\n"
+        "egpo-trl train recipes/egpo_qwen15b.yaml --num_processes 1 --gradient_accumulation_steps 8\n"
     )
     record = {
         "step": 1, "step_time": 40.0, "timing/generation_s": 25.0, "timing/old_logps_s": 0.0,
@@ -584,6 +584,29 @@ def test_train_breakdown_can_time_whole_steps_only(tmp_path):
     report = json.loads(out_json.read_text())
     assert report["steps"] == 2 and len(report["step_s"]) == 2 and all(s > 0 for s in report["step_s"])
     assert report["micro_batches_timed"] == 0 and report["micro_batch_median_s"] is None
+
+
+def test_train_breakdown_draws_log_normal_lengths_and_counts_the_tokens_held(tmp_path):
+    """Log-normal completion lengths, rows sorted by length: the floor counts the tokens the rows hold."""
+    out_json = tmp_path / "lognormal.json"
+    out = run("benchmarks/train_breakdown.py", "recipes/demo_tiny_cpu.yaml", "--bench-tiny", "--bench-steps-only",
+              "--bench-lengths", "lognormal", "--bench-median", "16", "--bench-p99", "60", "--max_steps", "2",
+              "--gradient_accumulation_steps", "2", "--egpo_length_sorted_micro_batches", "true",
+              "--output_dir", str(tmp_path / "run"), "--bench-json", str(out_json))  # fmt: skip
+    assert "rows sorted by length True" in out, out
+    report = json.loads(out_json.read_text())
+    assert report["lengths"] == "lognormal" and report["lengths_median_p99"] == [16, 60]
+    assert report["length_sorted"] is True and report["steps"] == 2
+    # the rows hold their prompts plus completions of a median of 16 tokens of at most 64
+    assert 16 < report["held_tokens_per_row_mean"] < report["prompt_length"] + 64
+    # the floor is computed from the rows held: fewer tokens than full-length completions give a lower floor
+    full_json = tmp_path / "full.json"
+    run("benchmarks/train_breakdown.py", "recipes/demo_tiny_cpu.yaml", "--bench-tiny", "--bench-steps-only",
+        "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "full"), "--bench-json",
+        str(full_json))  # fmt: skip
+    full = json.loads(full_json.read_text())
+    assert full["held_tokens_per_row_mean"] - report["held_tokens_per_row_mean"] > 20
+    assert full["micro_batch_floor_s"] > report["micro_batch_floor_s"]
 
 
 def test_train_breakdown_refuses_batches_it_cannot_read():

@@ -111,10 +111,10 @@ def test_gpu_plan_overrides_the_paper_recipes_and_splits_the_gpus(tmp_path):
         assert option(run, "--reward_funcs") == "canary_rewards:letters_reward"
         assert (option(run, "--max_steps"), option(run, "--learning_rate")) == ("30", "0.0002")
         assert option(run, "--max_completion_length") == "64"
-        # 4 completions per GPU (the recipe's) x 2 GPUs x 16 accumulation steps = 128 completions per step
+        # 16 completions per GPU (the recipe's) x 2 GPUs x 4 accumulation steps = 128 completions per step
         assert (option(run, "--per_device_train_batch_size"), option(run, "--gradient_accumulation_steps")) == (
-            "4",
             "16",
+            "4",
         )
         assert run["dir"].name.endswith("_frozen")
         assert "--use_vllm" not in run["command"]  # the recipe's vLLM colocate, sleep mode and all

@@ -219,7 +219,7 @@ def test_dry_run_prints_the_command_of_each_machine(capsys):
     from egpo_trl.launch import dry_run
 
     argv = ["--config", "recipes/egpo_qwen15b.yaml", "--num_processes", "16", "--num_machines", "2"]
-    dry_run([*argv, "--machine_rank", "1", "--main_process_ip", "node-a", "--gradient_accumulation_steps", "16"])
+    dry_run([*argv, "--machine_rank", "1", "--main_process_ip", "node-a", "--gradient_accumulation_steps", "4"])
     out = capsys.readouterr().out
     assert "2 x 8 processes; this one is rank 1, rendezvous at node-a:29500" in out
     assert "--num_machines 2 --machine_rank 1 --main_process_ip node-a -m egpo_trl.train" in out

@@ -94,6 +94,8 @@ def _descending(values):
         (2, 4, {"steps_per_generation": 2}, 2),  # two generation batches per optimizer step: each on its own
         (2, 4, {"egpo_entropy_logps": "loss_forward"}, "group"),  # blocks of 2 micro-batches, one group each
         (6, 2, {"egpo_entropy_logps": "loss_forward"}, "group"),  # a block of 2 micro-batches holds 3 groups
+        # DAPO's dynamic sampling: a generation batch assembled from rounds, then sorted
+        (2, 4, {"advantage_estimator": "grpo", "dynamic_sampling": True, "egpo_entropy_metrics": False}, 4),
     ],
 )
 def test_length_sorted_micro_batches_train_as_unsorted(
@@ -144,6 +146,10 @@ def test_length_sorted_micro_batches_train_as_unsorted(
                 plain_rows_in = sorted(r for _, rows, _ in plain_step[start : start + window] for r in rows)
                 assert sorted_rows_in == plain_rows_in  # a window keeps its rows
     assert unsorted > 0, "without sorting every window was sorted already: the test cannot tell"
+    if extra.get("dynamic_sampling"):
+        rounds = [row.get("dynamic_sampling/rounds") for row in sorted_rows]
+        assert rounds == [row.get("dynamic_sampling/rounds") for row in plain_rows]
+        assert max(rounds) > 1, f"rounds {rounds}: no batch was assembled from several rounds, the test cannot tell"
     for off, on in zip(plain_rows, sorted_rows, strict=True):
         for key in (
             "reward",

@@ -147,7 +147,7 @@ def test_dry_run_passes_on_a_complete_local_setup(tiny_model_dir, local_dataset,
     assert "No problems found" in out, out
     assert code == 0
     assert "model context           512 tokens" in out
-    assert "4 per device x 2 processes x 32 accumulation = 256 completions (16 prompts)" in out
+    assert "16 per device x 2 processes x 8 accumulation = 256 completions (16 prompts)" in out
     assert "train rows              32" in out
 
 
@@ -343,13 +343,16 @@ def test_dry_run_checks_loss_forward_for_the_launch_it_prints(tiny_model_dir, lo
     """loss_forward's checks see the launch's own process count and engine, the adapter's dropout and the memory
     note of a block without gradient checkpointing."""
 
-    def check(*extra):
+    def check(*extra, rows=("--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "32")):
+        # 4 rows per micro-batch: blocks of 4 micro-batches hold a group (the recipe's 16 rows need no block)
         overrides = _tiny_overrides(tiny_model_dir, local_dataset, tmp_path / "out")
-        dry_run(["--config", "recipes/egpo_qwen15b.yaml", *overrides, *extra])
+        dry_run(["--config", "recipes/egpo_qwen15b.yaml", *overrides, *rows, *extra])
         return capsys.readouterr().out
 
     reentrant = ["--gradient_checkpointing_kwargs", '{"use_reentrant": true}']
     problem = "reentrant gradient checkpointing cannot hold several forwards"
+    assert problem not in check(*reentrant, rows=())  # one group per micro-batch: one forward per backward
+    assert "micro-batches (16 rows) of forwards" not in check("--gradient_checkpointing", "false", rows=())
     assert problem not in check(*reentrant, "--accelerate_config", "none")  # one process, no engine: it works
     assert problem in check(*reentrant)  # the recipe's DDP over 2 processes
     assert problem in check(*reentrant, "--accelerate_config", "recipes/accelerate/zero2.yaml", "--num_processes", "1")
