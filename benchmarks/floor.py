@@ -170,6 +170,14 @@ def floors(args, run: Path) -> list[dict]:
     )
     if args.completions_per_gpu:
         per_gpu = args.completions_per_gpu
+    elif option(argv, "per_device_train_batch_size", None) is None:
+        # A run whose command left the per-device batch to its recipe: the recipe may have changed since.
+        print(
+            f"floor.py: per_device_train_batch_size {recipe.get('per_device_train_batch_size', 1)} read from "
+            f"{recipe_path} as it is now ({per_gpu} completions per GPU); pass --completions-per-gpu for a run made "
+            "with another value",
+            file=sys.stderr,
+        )
     checkpointing = str(option(argv, "gradient_checkpointing", recipe.get("gradient_checkpointing", False)))
     checkpointing = checkpointing.lower() in ("true", "1", "yes")
     flops_per_s = args.mfu * peak_tflops * 1e12

@@ -79,6 +79,12 @@ for job in "$@"; do
     [[ -n $accumulation ]] && command+=(--gradient_accumulation_steps "$accumulation")
     # shellcheck disable=SC2206
     [[ -n ${EXTRA:-} ]] && command+=(${EXTRA})
+    # The per-device batch written out (the recipe's unless overridden), so that command.txt alone gives the run's
+    # completions per GPU even after the recipe changes.
+    if ! printf '%s\n' "${command[@]}" | grep -q -- '^--per_device_train_batch_size'; then
+        rows=$(awk '$1 == "per_device_train_batch_size:" {print $2; exit}' "recipes/$recipe.yaml")
+        [[ -n $rows ]] && command+=(--per_device_train_batch_size "$rows")
+    fi
     printf '%q ' "${command[@]}" > "$dir/command.txt"
     echo "== $recipe on GPUs $gpus: $(cat "$dir/command.txt")"
     # GPU memory as the driver sees it (vLLM's pool included), once a second.

@@ -507,7 +507,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     peak_tflops = CARDS[args.bench_card][0]
     flops_per_s = args.bench_mfu * peak_tflops * 1e12
     # The floor counts the tokens the rows hold (every process's, each row's attention at its own length), not the
-    # padding a micro-batch cut to its longest row computes: time spent on padding shows as a higher ratio.
+    # padding a micro-batch cut to its longest row computes: time spent on padding shows as a higher ratio. The
+    # micro-batch floor is that of an average row's micro-batch (sorted rows make some micro-batches longer, some
+    # shorter); the step floor is exact.
     held = trainer.accelerator.gather(
         torch.tensor(trainer.rollout_func.row_tokens, dtype=torch.float64, device=device)
     ).cpu()
@@ -534,7 +536,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         "lengths": args.bench_lengths,
         "lengths_median_p99": [args.bench_median, args.bench_p99] if args.bench_lengths == "lognormal" else None,
         "held_tokens_per_row_mean": tokens_per_row,
-        "length_sorted": bool(getattr(training_args, "egpo_length_sorted_micro_batches", False)),
+        # whether the trainer sorted (it declines, with a warning, where sorting cannot change a micro-batch's rows)
+        "length_sorted": getattr(trainer, "_egpo_sort_window", None) is not None,
+        "length_sorting_asked": bool(getattr(training_args, "egpo_length_sorted_micro_batches", False)),
         "prompt_length": prompt_length,
         "gradient_checkpointing": bool(training_args.gradient_checkpointing),
         "steps": steps,

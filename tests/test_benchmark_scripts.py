@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -173,15 +174,20 @@ def test_gpu_recipes_script_runs_a_recipe_and_summarizes_it(tmp_path, tiny_model
     import torch
 
     if not torch.cuda.is_available():  # a ballast that cannot start stops the job before it runs, saying why
+        no_rows = extra.replace("--per_device_train_batch_size 16 ", "")
         refused = subprocess.run(
             ["bash", "benchmarks/gpu_recipes.sh", str(tmp_path / "out2"), str(shapes), "egpo_qwen15b:1"],
-            cwd=ROOT, env={**env, "BALLAST_GIB": "79.1"}, capture_output=True, text=True, timeout=300, check=False,
+            cwd=ROOT, env={**env, "BALLAST_GIB": "79.1", "EXTRA": no_rows}, capture_output=True, text=True,
+            timeout=300, check=False,
         )  # fmt: skip
         assert refused.returncode == 1 and "the ballast did not start" in refused.stderr
         assert "needs CUDA GPUs" in refused.stderr
         job = tmp_path / "out2" / "egpo_qwen15b"
         assert not (job / "train.log").exists() and (job / "exit_status").read_text().split()[0] == "ballast"
         assert "BALLAST_GIB=79.1 " in (job / "command.txt").read_text()
+        # the recipe's per-device batch written out: the command alone gives the completions per GPU
+        recipe_rows = yaml.safe_load((ROOT / "recipes/egpo_qwen15b.yaml").read_text())["per_device_train_batch_size"]
+        assert (job / "command.txt").read_text().rstrip().endswith(f"--per_device_train_batch_size {recipe_rows}")
         assert "| egpo_qwen15b |" in refused.stdout  # the summary still runs, with the job's status
 
 
@@ -388,6 +394,12 @@ def test_floor_bounds_generation_within_the_kv_cache_the_run_logged(tmp_path, mo
     summary = tmp_path / "summary.json"
     out = run("benchmarks/floor.py", str(folder), "--shape", "qwen15b", "--summary", str(summary))
     assert "decode bandwidth, 100,000-token KV cache" in out, out
+    # the command leaves the per-device batch to the recipe, which may have changed since the run: said on stderr
+    done = subprocess.run(
+        [sys.executable, "benchmarks/floor.py", str(folder), "--shape", "qwen15b"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    assert "read from recipes/egpo_qwen15b.yaml as it is now (128 completions per GPU)" in done.stderr, done.stderr
     (row,) = json.loads(summary.read_text())
     assert row["kv_cache_tokens"] == 100_000
     assert row["floor_generation_kv_s"] == pytest.approx(bound(100_000))
