@@ -195,6 +195,10 @@ def floors(args, run: Path) -> list[dict]:
         at_once = kv_tokens // sequence_limit
     out = []
     for row in rows:
+        if args.completions_per_gpu and row.get("gpus"):  # the run's own batch, not its recipe's as it is now
+            row["completions"] = per_gpu * int(row["gpus"])
+            if row.get("tokens_per_s") and row.get("mean_length") and row.get("step_s"):
+                row["tokens_per_s"] = row["completions"] * row["mean_length"] / row["step_s"]
         length = row.get("mean_length")
         if not length:
             out.append(row)

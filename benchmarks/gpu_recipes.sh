@@ -11,8 +11,9 @@
 #       --gradient_accumulation_steps ACCUMULATION --output_dir OUT_DIR/RECIPE/run --report_to none
 # so the recipe's lengths, per-device batch, sampling, precision, DeepSpeed stage and vLLM settings are its own;
 # only the model (SHAPES_DIR/<shape>, e.g. from benchmarks/real_shapes.py), the data, the step count, the process
-# count and the gradient accumulation (the completions per step) change. Jobs listed one after another run in
-# sequence; run two invocations at once on disjoint GPUs (PORT differs per invocation) to share a machine.
+# count and the gradient accumulation (the completions per step) change; the recipe's per_device_train_batch_size is
+# written into the command (unless EXTRA sets it), so that command.txt gives the completions per GPU. Jobs listed one
+# after another run in sequence; run two invocations at once on disjoint GPUs (PORT differs per invocation) to share a machine.
 #
 # Environment: STEPS (2), DATASET (the vendored MATH training problems), PORT (29500), PYTHON (python3),
 # EXTRA (more overrides, e.g. "--save_final_model false"), PYTORCH_CUDA_ALLOC_CONF (passed on), BALLAST_GIB (hold
@@ -81,7 +82,11 @@ for job in "$@"; do
     [[ -n ${EXTRA:-} ]] && command+=(${EXTRA})
     # The per-device batch written out (the recipe's unless overridden), so that command.txt alone gives the run's
     # completions per GPU even after the recipe changes.
-    if ! printf '%s\n' "${command[@]}" | grep -q -- '^--per_device_train_batch_size'; then
+    given=""
+    for item in "${command[@]}"; do
+        [[ $item =~ ^--per[-_]device[-_]train[-_]batch[-_]size(=|$) ]] && given=1
+    done
+    if [[ -z $given ]]; then
         rows=$(awk '$1 == "per_device_train_batch_size:" {print $2; exit}' "recipes/$recipe.yaml")
         [[ -n $rows ]] && command+=(--per_device_train_batch_size "$rows")
     fi

@@ -44,6 +44,8 @@ def _option(argv: list[str], name: str, default=None):
     for index, item in enumerate(argv):
         if item == f"--{name}" and index + 1 < len(argv):
             value = argv[index + 1]
+        elif item.startswith(f"--{name}="):
+            value = item.split("=", 1)[1]
     return value
 
 

@@ -32,9 +32,10 @@ __all__ = [
 GIB = 1024**3
 #: What the suggested share leaves free on the fullest GPU at later generations, for the allocator's slack.
 HEADROOM_BYTES = 1 * GIB
-#: Later generations must leave this much of the card free to pass: on one H100 (Qwen2.5-Math-1.5B's shape, one
-#: process under ZeRO-2, 2026-11-27) the estimate came out 0.13 GiB below the second generation's measured peak.
-MARGIN_BYTES = GIB // 2
+#: Later generations must leave this much of the card free to pass: at Qwen2.5-Math-1.5B's shape (one process under
+#: ZeRO-2) the estimate came out 0.11-0.14 GiB below the second generation's measured peak with 4-row micro-batches
+#: (one H100, 2026-11-27; two H200s, 2026-11-28) and 0.75 GiB below with 16-row ones (the H200s).
+MARGIN_BYTES = 1 * GIB
 #: Optimizers whose state is known: per parameter, tensors shaped and typed like it (exp_avg, exp_avg_sq).
 _ADAM_CLASS_NAMES = ("FusedAdam",)
 
@@ -135,9 +136,10 @@ def generation_memory_verdict(
     ``readings`` holds, per process, ``(used, total, pending, parameters)``: bytes in use on its GPU with vLLM
     awake, the card's bytes, and the optimizer state still to come (bytes, and of how many parameters).
     ``generated``: read once the generation ran (what vLLM's sampling allocated is still held by PyTorch's cache),
-    rather than before it. On a two-step run on one H100 the sum came out 0.13 GiB below the second generation's
-    measured peak (46.07 against 46.20 GiB), so later generations must leave ``MARGIN_BYTES`` (0.5 GiB) of the card
-    free; the share it suggests leaves ``HEADROOM_BYTES`` (1 GiB).
+    rather than before it. On GPU runs the sum came out up to 0.75 GiB below the second generation's measured peak
+    (64.45 against 65.20 GiB at the 1.5B shape with 16-row micro-batches; 0.13 GiB with 4-row ones), so later
+    generations must leave ``MARGIN_BYTES`` (1 GiB) of the card free; the share it suggests leaves ``HEADROOM_BYTES``
+    (1 GiB).
     """
     worst = fullest_reading(readings)
     used, total, pending, parameters = readings[worst]
@@ -159,13 +161,13 @@ def generation_memory_verdict(
         else "No share leaves room for vLLM's weights beside training here: train on more processes so that ZeRO "
         "or FSDP shard the training state further, or run vLLM on GPUs of its own (vllm_mode: server)."
     )
-    # Within the margin: the estimate ran 0.13 GiB low on a GPU run, so a sum this close to the card is not a fit.
+    # Within the margin: the estimate ran up to 0.75 GiB low on GPU runs, so a sum this close to the card is not a fit.
     outcome, verdict = " and run out of memory a whole step from now", "will not fit"
     if later <= total:
         verdict = "leaves too little room"
         outcome = (
-            f", within {MARGIN_BYTES / GIB:.1f} GiB of the card, too close to rely on (on a GPU run this estimate came "
-            "out 0.13 GiB below the measured peak), and likely run out of memory a whole step from now"
+            f", within {MARGIN_BYTES / GIB:.1f} GiB of the card, too close to rely on (on GPU runs this estimate came "
+            "out up to 0.75 GiB below the measured peak), and likely run out of memory a whole step from now"
         )
     error = (
         f"vLLM's share of each GPU {verdict} beside training after the first optimizer step. {moment.capitalize()} "

@@ -400,6 +400,13 @@ def test_floor_bounds_generation_within_the_kv_cache_the_run_logged(tmp_path, mo
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300, check=True,
     )  # fmt: skip
     assert "read from recipes/egpo_qwen15b.yaml as it is now (128 completions per GPU)" in done.stderr, done.stderr
+    # a run made with another batch: --completions-per-gpu sets the floors and the run's own completion counts
+    other = tmp_path / "other.json"
+    run("benchmarks/floor.py", str(folder), "--shape", "qwen15b", "--completions-per-gpu", "64",
+        "--summary", str(other))  # fmt: skip
+    (row64,) = json.loads(other.read_text())
+    assert row64["completions_per_gpu"] == 64 and row64["completions"] == 64
+    assert row64["tokens_per_s"] == pytest.approx(64 * 3000.0 / 40.0)
     (row,) = json.loads(summary.read_text())
     assert row["kv_cache_tokens"] == 100_000
     assert row["floor_generation_kv_s"] == pytest.approx(bound(100_000))

@@ -101,16 +101,18 @@ def test_a_share_that_will_not_fit_after_the_first_step_is_stopped_with_the_shar
 
 
 def test_later_generations_must_leave_a_margin_of_the_card_free():
-    # Measured on one H100 (Qwen2.5-Math-1.5B shape, one process, ZeRO-2): the estimate came out 0.13 GiB below the
-    # second generation's peak (46.07 against 46.20 GiB), so a sum just under the card is not taken as fitting.
+    # Measured at the Qwen2.5-Math-1.5B shape (one process, ZeRO-2): the estimate came out 0.13 GiB below the second
+    # generation's peak with 4-row micro-batches and 0.75 GiB below with 16-row ones, so a sum within 1 GiB of the
+    # card is not taken as fitting.
     card = 79.2 * GIB
     just_under = (card - 13.2 * GIB - 0.3 * GIB, card, 13.2 * GIB, 1.78e9)
     line, error = generation_memory_verdict([just_under], 0.6, True, generated=False)
     assert error is not None and "Lower vllm_gpu_memory_utilization from 0.6 to at most 0.59" in error, error
     assert (
-        error.startswith("vLLM's share of each GPU leaves too little room") and "within 0.5 GiB of the card" in error
+        error.startswith("vLLM's share of each GPU leaves too little room") and "within 1.0 GiB of the card" in error
     )
-    clear = (card - 13.2 * GIB - 0.6 * GIB, card, 13.2 * GIB, 1.78e9)
+    assert generation_memory_verdict([(card - 13.2 * GIB - 0.8 * GIB, card, 13.2 * GIB, 1.78e9)], 0.6, True, False)[1]
+    clear = (card - 13.2 * GIB - 1.1 * GIB, card, 13.2 * GIB, 1.78e9)
     assert generation_memory_verdict([clear], 0.6, True, generated=False)[1] is None
 
 
