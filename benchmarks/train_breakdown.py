@@ -157,6 +157,7 @@ class Timings:
         self._step_start = None
         self._last_micro_end = None
         self.profile_at, self.profile = None, None
+        self.python_calls = False  # --bench-profile-calls: record Python calls too
 
     def _timed(self, function, record):
         def timed(*args, **kwargs):
@@ -191,7 +192,7 @@ class Timings:
                 from torch.profiler import ProfilerActivity, profile
 
                 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-                with profile(activities=activities) as prof:
+                with profile(activities=activities, with_stack=self.python_calls) as prof:
                     out = training_step(*args, **kwargs)
                     _sync(self.device)
                 self.profile = prof
@@ -358,6 +359,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--bench-median", type=float, default=700, help="--bench-lengths lognormal: median tokens")
     parser.add_argument("--bench-p99", type=float, default=2500, help="--bench-lengths lognormal: 99th percentile")
     parser.add_argument("--bench-profile", type=int, default=None, metavar="K")
+    parser.add_argument(
+        "--bench-profile-calls",
+        default=None,
+        metavar="FILE",
+        help="with --bench-profile: also record Python calls and write the profiled micro-batch's host time per "
+        "call and operator (inclusive, then self) to FILE; the recording slows the host, so the timings of that "
+        "run are not comparable",
+    )
     parser.add_argument("--bench-card", choices=sorted(CARDS), default="h100")
     parser.add_argument("--bench-mfu", type=float, default=0.5)
     parser.add_argument("--bench-json", default=None)
@@ -368,6 +377,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         help="time whole steps only, with no synchronisation between micro-batches (as in a real run)",
     )
     args = parser.parse_args(own)
+    if args.bench_profile_calls and args.bench_profile is None:
+        parser.error("--bench-profile-calls needs --bench-profile K (the micro-batch to profile)")
     if args.bench_steps_only and args.bench_profile is not None:
         parser.error("--bench-profile times a micro-batch: it does not go with --bench-steps-only")
 
@@ -450,6 +461,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     device = trainer.accelerator.device
     timings = Timings(device)
     if not args.bench_steps_only:
+        timings.python_calls = bool(args.bench_profile_calls)
         timings.instrument(trainer, args.bench_profile)
 
     class StepTimer(TrainerCallback):
@@ -539,6 +551,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         # whether the trainer sorted (it declines, with a warning, where sorting cannot change a micro-batch's rows)
         "length_sorted": getattr(trainer, "_egpo_sort_window", None) is not None,
         "length_sorting_asked": bool(getattr(training_args, "egpo_length_sorted_micro_batches", False)),
+        "micro_batch_pieces": int(getattr(trainer, "_egpo_pieces", 1)),
         "prompt_length": prompt_length,
         "gradient_checkpointing": bool(training_args.gradient_checkpointing),
         "steps": steps,
@@ -570,6 +583,15 @@ def main(argv: list[str] | None = None) -> dict | None:
         split = kernel_split(timings.profile, micro[args.bench_profile - 1])
         result["profile_micro_batch"] = args.bench_profile
         result.update(split)
+        if args.bench_profile_calls and trainer.accelerator.is_main_process:
+            averages = timings.profile.key_averages()
+            Path(args.bench_profile_calls).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.bench_profile_calls).write_text(
+                f"micro-batch {args.bench_profile}, host time per Python call and operator, inclusive:\n"
+                + averages.table(sort_by="cpu_time_total", row_limit=120, max_name_column_width=110)
+                + "\nself:\n"
+                + averages.table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=110)
+            )
     if trainer.accelerator.is_main_process:
         print_table(result)
         if args.bench_json:
@@ -586,7 +608,8 @@ def print_table(r: dict) -> None:
         f"\n{r['device']}: {r['processes']} process(es), {r['sharding']}, {r['rows_per_micro_batch']} rows x "
         f"{r['micro_batches_per_step']} micro-batches per step and GPU, completions {r['completion_length']} "
         f"({r['lengths']}), prompts <= {r['prompt_length']}, checkpointing {r['gradient_checkpointing']}, "
-        f"rows sorted by length {r['length_sorted']}; rows hold {r['held_tokens_per_row_mean']:.0f} tokens on average"
+        f"rows sorted by length {r['length_sorted']}, forwards per micro-batch {r['micro_batch_pieces']}; rows hold "
+        f"{r['held_tokens_per_row_mean']:.0f} tokens on average"
     )
     print("| what | s | floor s | x floor |\n| --- | ---: | ---: | ---: |")
     if not r["micro_batches_timed"]:  # --bench-steps-only

@@ -294,6 +294,7 @@ class EGPOTrainer(
             self._check_guided_error_correction()
         self._check_loss_forward_entropy()
         self._check_length_sorting()
+        self._check_micro_batch_pieces()
         self._egpo_rewards_per_func: torch.Tensor | None = None
         self._egpo_capture_entropy = False  # capture the entropies of TRL's next old-log-prob pass
         self._egpo_captured_entropies: torch.Tensor | None = None
@@ -450,7 +451,8 @@ class EGPOTrainer(
                     batch_size=batch_size,
                     compute_entropy=compute_entropy,
                     autocast=self.accelerator.autocast,
-                    full_width=self._trl_computes_old_logps() or self.beta != 0.0,
+                    full_width=bool(self._egpo_compared_passes()),
+                    pieces=getattr(self, "_egpo_pieces", 1) if torch.is_grad_enabled() else 1,
                 )
                 return logps, entropies, None
         return super()._get_per_token_logps_and_entropies(
@@ -893,6 +895,53 @@ class EGPOTrainer(
             )
         return super()._prepare_inputs(generation_batch)
 
+    def _egpo_compared_passes(self) -> list[str]:
+        """Why TRL compares two passes over the same rows (old-policy log-probs in the policy ratio, a reference
+        model's in the KL term): then every shifted forward keeps TRL's full width (see :meth:`_egpo_trl_pass`)."""
+        reasons = []
+        if self._trl_computes_old_logps():
+            reasons.append("TRL computes old-policy log-probs (num_iterations > 1 or vLLM's importance sampling)")
+        if self.beta != 0.0:
+            reasons.append("beta != 0 (a reference model's log-probs)")
+        return reasons
+
+    def _egpo_full_width_reasons(self) -> list[str]:
+        """Why the loss's forwards keep TRL's full width in this run (empty: each is cut to its longest row), which
+        leaves length sorting and pieces of micro-batches nothing to save: the conditions of :meth:`_egpo_trl_pass`
+        that do not depend on a batch's rows."""
+        from egpo_trl.old_logps import can_realign
+
+        reasons = []
+        if not self.args.egpo_shift_prompt_padding:
+            reasons.append("egpo_shift_prompt_padding is off")
+        elif getattr(self, "_is_vlm", False):
+            reasons.append("the model takes image inputs")
+        elif getattr(self, "aux_loss_enabled", False):
+            reasons.append("the MoE router's auxiliary loss keeps TRL's layout")
+        else:
+            empty = torch.zeros(0, 0, dtype=torch.long)  # no rows: the model's own conditions only
+            if not can_realign(self.accelerator.unwrap_model(self.model), empty, empty):
+                reasons.append(
+                    "this model's rows cannot be shifted past their prompt padding (its type, attention "
+                    "implementation, sliding window, rotary scaling or adapter: see egpo_shift_prompt_padding)"
+                )
+        return reasons + self._egpo_compared_passes()
+
+    def _check_micro_batch_pieces(self) -> None:
+        """``egpo_micro_batch_pieces``: set ``_egpo_pieces``, the forwards each loss's micro-batch runs as (1 where
+        the forwards keep TRL's full width, with a warning)."""
+        pieces = self.args.egpo_micro_batch_pieces
+        self.args._validate_micro_batch_pieces()
+        full_width = self._egpo_full_width_reasons() if pieces > 1 else []
+        if full_width:
+            logger.warning(
+                "egpo_micro_batch_pieces has nothing to save here: the loss's forward keeps TRL's full width (%s). "
+                "Each micro-batch runs as one forward.",
+                "; ".join(full_width),
+            )
+            pieces = 1
+        self._egpo_pieces = pieces
+
     def _check_length_sorting(self) -> None:
         """``egpo_length_sorted_micro_batches``: refuse (again, with what the trainer knows) what it cannot serve, and
         set ``_egpo_sort_window``, the rows sorted together (``None``: no sorting). Rows stay within their optimizer
@@ -906,24 +955,7 @@ class EGPOTrainer(
             return
         router = ["the MoE router's auxiliary loss is averaged over each micro-batch"]
         args._validate_length_sorting(router if getattr(self, "aux_loss_enabled", False) else None)
-        from egpo_trl.old_logps import can_realign
-
-        full_width = []
-        if not args.egpo_shift_prompt_padding:
-            full_width.append("egpo_shift_prompt_padding is off")
-        elif getattr(self, "_is_vlm", False):
-            full_width.append("the model takes image inputs")
-        else:
-            empty = torch.zeros(0, 0, dtype=torch.long)  # no rows: the model's own conditions only
-            if not can_realign(self.accelerator.unwrap_model(self.model), empty, empty):
-                full_width.append(
-                    "this model's rows cannot be shifted past their prompt padding (its type, attention "
-                    "implementation, sliding window, rotary scaling or adapter: see egpo_shift_prompt_padding)"
-                )
-        if self._trl_computes_old_logps():
-            full_width.append("TRL computes old-policy log-probs (num_iterations > 1 or vLLM's importance sampling)")
-        if self.beta != 0.0:
-            full_width.append("beta != 0 (a reference model's log-probs)")
+        full_width = self._egpo_full_width_reasons()
         per_device = args.per_device_train_batch_size
         if getattr(self, "_fused", False):
             window = self.num_generations
@@ -948,11 +980,26 @@ class EGPOTrainer(
             self._egpo_sort_window = window
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if getattr(self, "_fused", False):  # called in training only (the model may not be in train mode yet)
-            return self._fused_training_step(
-                model, inputs, lambda: super(EGPOTrainer, self).training_step(model, inputs, num_items_in_batch)
-            )
-        return super().training_step(model, inputs, num_items_in_batch)
+        with self._egpo_attention_kernels():
+            if getattr(self, "_fused", False):  # called in training only (the model may not be in train mode yet)
+                return self._fused_training_step(
+                    model, inputs, lambda: super(EGPOTrainer, self).training_step(model, inputs, num_items_in_batch)
+                )
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    @contextmanager
+    def _egpo_attention_kernels(self):
+        """A training step (generation, scoring, forwards, backwards and their recomputed forwards) with PyTorch's
+        cuDNN kernel for SDPA off unless ``egpo_cudnn_attention``; the setting before the step comes back after it."""
+        if getattr(self.args, "egpo_cudnn_attention", True):
+            yield
+            return
+        before = torch.backends.cuda.cudnn_sdp_enabled()
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        try:
+            yield
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(before)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if (

@@ -1,0 +1,55 @@
+"""egpo_cudnn_attention: PyTorch's cuDNN kernel for SDPA is off during training steps (and only then) unless asked
+for, with TRL's real GRPOTrainer machinery on the tiny Qwen2 model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_prompt_dataset, parity_reward
+from conftest import trainer_config as config
+
+from egpo_trl import EGPOTrainer
+
+
+@pytest.mark.parametrize("cudnn, logps", [(False, "policy"), (False, "loss_forward"), (True, "policy")])
+def test_cudnn_attention_is_off_in_training_steps_unless_asked(tmp_path, tiny_model_dir, cudnn, logps):
+    """The flag SDPA reads, seen by every training forward, by the backward (where gradient checkpointing recomputes
+    its forwards) and by the scoring pass: off in each unless egpo_cudnn_attention; as it was outside the steps."""
+    args = config(
+        tmp_path,
+        max_steps=2,
+        egpo_cudnn_attention=cudnn,
+        egpo_entropy_logps=logps,
+        gradient_checkpointing=True,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+    )
+    trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    seen = {"forward": [], "backward": []}
+    model = trainer.model
+    model.register_forward_pre_hook(lambda *_: seen["forward"].append(torch.backends.cuda.cudnn_sdp_enabled()))
+    weight = model.get_input_embeddings().weight
+    weight.register_hook(lambda grad: seen["backward"].append(torch.backends.cuda.cudnn_sdp_enabled()))
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        trainer.train()
+        assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the last step
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        with trainer._egpo_attention_kernels():
+            pass
+        assert not torch.backends.cuda.cudnn_sdp_enabled()  # a setting of False stays False
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    assert seen["forward"] and seen["backward"]
+    assert set(seen["forward"]) == {cudnn} and set(seen["backward"]) == {cudnn}, seen
+
+
+def test_cudnn_attention_setting_comes_back_after_an_error(tmp_path, tiny_model_dir):
+    args = config(tmp_path, max_steps=1)
+    trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with pytest.raises(RuntimeError, match="boom"):
+        with trainer._egpo_attention_kernels():
+            assert not torch.backends.cuda.cudnn_sdp_enabled()
+            raise RuntimeError("boom")
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
