@@ -4,8 +4,6 @@ Runs ``tests/scripts/ddp_fused.py`` (a tiny random Qwen2, float32, two optimizer
 accumulation steps: blocks of 2 micro-batches; ``--per-device-batch 1 --accumulation 8``: blocks of 4) under
 ``accelerate launch`` with each engine's configuration from ``recipes/accelerate/``, once per setting, and prints, per engine, the largest differences between the two runs'
 logged metrics and final weights. A second ``policy`` run gives the engine's own run-to-run spread, the yardstick.
-``--pieces N`` adds a ``loss_forward`` run whose micro-batches run as N forwards under one backward
-(``egpo_micro_batch_pieces``), against the same ``policy`` run.
 The last column counts process 0's backward calls: one per micro-batch (8 in the 2 steps by default), or under DDP
 one per block (4), where the block's micro-batches share one backward.
 
@@ -42,14 +40,13 @@ def run(
     port: int,
     processes: int,
     shape: tuple[int, int] = (2, 4),
-    pieces: int = 1,
 ) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
     command += [str(ROOT / "recipes" / "accelerate" / f"{engine}.yaml"), "--num_processes", str(processes)]
     command += ["--mixed_precision", "no", "--main_process_port", str(port)]
     script = ROOT / "tests" / "scripts" / "ddp_fused.py"
-    command += [str(script), model, str(out), logps, "1" if checkpointing else "0", *map(str, shape), str(pieces)]
+    command += [str(script), model, str(out), logps, "1" if checkpointing else "0", *map(str, shape)]
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     with open(out / "run.log", "w") as log:
         done = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900)
@@ -82,12 +79,6 @@ def main() -> int:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--per-device-batch", type=int, default=2, help="rows per micro-batch (1 makes blocks of 4)")
     parser.add_argument("--accumulation", type=int, default=4, help="micro-batches per optimizer step")
-    parser.add_argument(
-        "--pieces",
-        type=int,
-        default=1,
-        help="also run loss_forward with egpo_micro_batch_pieces set to this (several forwards, one backward)",
-    )
     parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--rtol", type=float, default=1e-4, help="largest relative metric difference accepted")
     parser.add_argument("--atol", type=float, default=1e-5, help="largest weight difference accepted")
@@ -108,16 +99,11 @@ def main() -> int:
     for engine in args.engines:
         for checkpointing in args.checkpointing:
             runs = {}
-            variants = [("policy", "policy", 1), ("policy_again", "policy", 1), ("loss_forward", "loss_forward", 1)]
-            if args.pieces > 1:
-                variants.append((f"loss_forward_pieces{args.pieces}", "loss_forward", args.pieces))
-            for name, logps, pieces in variants:
+            for name, logps in (("policy", "policy"), ("policy_again", "policy"), ("loss_forward", "loss_forward")):
                 folder = out / f"{engine}-ckpt{checkpointing}" / name
-                runs[name] = run(
-                    engine, logps, bool(checkpointing), model, folder, args.port, args.processes, shape, pieces
-                )
+                runs[name] = run(engine, logps, bool(checkpointing), model, folder, args.port, args.processes, shape)
                 args.port += 1
-            for other, _, _ in variants[1:]:
+            for other in ("policy_again", "loss_forward"):
                 row = {"engine": engine, "checkpointing": bool(checkpointing), "compared": f"{other} vs policy"}
                 errors = [runs[n]["error"] for n in ("policy", other) if "error" in runs[n]]
                 if errors:

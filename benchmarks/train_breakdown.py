@@ -551,7 +551,6 @@ def main(argv: list[str] | None = None) -> dict | None:
         # whether the trainer sorted (it declines, with a warning, where sorting cannot change a micro-batch's rows)
         "length_sorted": getattr(trainer, "_egpo_sort_window", None) is not None,
         "length_sorting_asked": bool(getattr(training_args, "egpo_length_sorted_micro_batches", False)),
-        "micro_batch_pieces": int(getattr(trainer, "_egpo_pieces", 1)),
         "prompt_length": prompt_length,
         "gradient_checkpointing": bool(training_args.gradient_checkpointing),
         "steps": steps,
@@ -608,8 +607,7 @@ def print_table(r: dict) -> None:
         f"\n{r['device']}: {r['processes']} process(es), {r['sharding']}, {r['rows_per_micro_batch']} rows x "
         f"{r['micro_batches_per_step']} micro-batches per step and GPU, completions {r['completion_length']} "
         f"({r['lengths']}), prompts <= {r['prompt_length']}, checkpointing {r['gradient_checkpointing']}, "
-        f"rows sorted by length {r['length_sorted']}, forwards per micro-batch {r['micro_batch_pieces']}; rows hold "
-        f"{r['held_tokens_per_row_mean']:.0f} tokens on average"
+        f"rows sorted by length {r['length_sorted']}; rows hold {r['held_tokens_per_row_mean']:.0f} tokens on average"
     )
     print("| what | s | floor s | x floor |\n| --- | ---: | ---: | ---: |")
     if not r["micro_batches_timed"]:  # --bench-steps-only

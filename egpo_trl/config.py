@@ -240,22 +240,15 @@ class EGPOConfig(GRPOConfig):
             `vespo/phi_seq_mean`) weigh short completions more when they share micro-batches, so their curves differ
             from an unsorted run's.
         egpo_cudnn_attention (`bool`, *optional*, defaults to `False`):
-            Whether PyTorch's scaled-dot-product attention (SDPA) may use its cuDNN kernel during a training step
-            (generation, scoring, the loss's forwards and backwards). PyTorch prefers that kernel on recent GPUs, and
-            it prepares itself anew for each sequence length it has not seen, which costs milliseconds of host time
-            per call while the GPU waits; the loss's forwards, each cut to its micro-batch's longest row, change
-            length with every micro-batch. Off by default: SDPA then picks its flash kernel, as it does where cuDNN
-            is not available. The setting before each step is restored after it.
-        egpo_micro_batch_pieces (`int`, *optional*, defaults to `1`):
-            Run the loss's forward of each micro-batch as this many forwards (at most one per row) of rows of similar
-            length, each cut to its own longest row (`egpo_shift_prompt_padding`), under one backward. The loss is
-            computed over the whole micro-batch as before, so every loss normalisation is unchanged; only the
-            padding computed shrinks, at the cost of more, smaller forwards. It serves micro-batches whose rows
-            cannot be sorted into other micro-batches: under `loss_forward` with one group per micro-batch, a
-            micro-batch is one group, padded to its longest completion. Where the forwards keep TRL's full width (see
-            `egpo_length_sorted_micro_batches`) it has nothing to save: one forward runs and a warning says so.
-            Under DDP or DeepSpeed the gradient checkpointing must be non-reentrant (the default), as the forwards
-            share one backward; not with FSDP, where it has not been checked.
+            Whether PyTorch's scaled-dot-product attention (SDPA) may use its cuDNN kernel during training and
+            evaluation steps (generation, scoring, the loss's forwards and backwards). PyTorch prefers that kernel on
+            recent GPUs, and each of its calls costs the host milliseconds: at the Qwen2.5-Math-1.5B shape on an
+            H200 a profile put about 2 ms of host time on each forward call, against 0.1-1 ms of GPU time. Where a
+            micro-batch's rows are short, the GPU waits for it. Off by default: SDPA then picks its flash kernel, as
+            it does where cuDNN is not available. The setting before each step is restored after it. At that shape
+            (one H200, completion lengths spread around a median of 700 tokens) GRPO's scoring and training took
+            4.80-5.08 s a step with it off against 5.65-6.02 s on, EGPO's 8.17-8.41 s against 8.84-9.17 s; with
+            completions all 3,072 tokens long, EGPO's took 13.9-14.1 s either way (BENCHMARKS.md).
 
         > Parameters of the baselines (see `docs/baselines.md`)
 
@@ -424,17 +417,9 @@ class EGPOConfig(GRPOConfig):
     egpo_cudnn_attention: bool = field(
         default=False,
         metadata={
-            "help": "Let SDPA use PyTorch's cuDNN attention kernel during training steps. Off by default: each new "
-            "sequence length costs it milliseconds of host time per call, and the loss's forwards change length "
-            "with every micro-batch; SDPA then runs its flash kernel."
-        },
-    )
-    egpo_micro_batch_pieces: int = field(
-        default=1,
-        metadata={
-            "help": "Run each micro-batch's loss forward as this many forwards of rows of similar length, each cut "
-            "to its longest row, under one backward: less padding for the same loss (e.g. under loss_forward, whose "
-            "micro-batch is a group). 1: one forward."
+            "help": "Let SDPA use PyTorch's cuDNN attention kernel in training and evaluation steps. Off by default: "
+            "each of its calls costs the host milliseconds, which micro-batches of short rows cannot hide; SDPA then "
+            "runs its flash kernel."
         },
     )
     egpo_shift_prompt_padding: bool = field(
@@ -640,35 +625,6 @@ class EGPOConfig(GRPOConfig):
                 + ". Set egpo_length_sorted_micro_batches=False, or change those settings."
             )
 
-    def _validate_micro_batch_pieces(self) -> None:
-        """``egpo_micro_batch_pieces``: a positive integer; several forwards under one backward need non-reentrant
-        gradient checkpointing under DDP or DeepSpeed, and were not checked under FSDP."""
-        value = self.egpo_micro_batch_pieces
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(
-                f"egpo_micro_batch_pieces must be a positive integer (1: one forward per micro-batch), got {value!r}."
-            )
-        if value == 1:
-            return
-        from egpo_trl.fused import reentrant_checkpointing
-
-        world_size, engine = self._loss_forward_launch()
-        if engine == "FSDP":
-            raise ValueError(
-                "egpo_micro_batch_pieces > 1 has not been checked under FSDP (several forwards before one backward); "
-                "set egpo_micro_batch_pieces=1."
-            )
-        if (
-            self.gradient_checkpointing
-            and reentrant_checkpointing(self.gradient_checkpointing_kwargs)
-            and (world_size > 1 or engine is not None)
-        ):
-            raise ValueError(
-                "egpo_micro_batch_pieces > 1 runs several forwards for one backward, which reentrant gradient "
-                "checkpointing cannot serve under data parallelism or DeepSpeed (a weight is reported ready once per "
-                "forward); set gradient_checkpointing_kwargs: {use_reentrant: false}, or egpo_micro_batch_pieces=1."
-            )
-
     def _loss_forward_launch(self) -> tuple[int, str | None]:
         """The run's process count and distributed engine (``"DeepSpeed"``, ``"FSDP"`` or ``None``), as
         ``loss_forward``'s checks see them; ``egpo-trl train --dry-run`` substitutes the launch's own."""
@@ -694,7 +650,6 @@ class EGPOConfig(GRPOConfig):
             self._validate_loss_forward()
         if self.egpo_length_sorted_micro_batches:
             self._validate_length_sorting()
-        self._validate_micro_batch_pieces()
         if self.egpo_entropy_logps == "sampler" and self.advantage_estimator == "egpo":
             self._note_sampler_fallback()
         for name in ("egpo_lambda_min", "egpo_lambda_max", "egpo_entropy_eps"):

@@ -41,14 +41,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-__all__ = [
-    "can_realign",
-    "completion_widths",
-    "plan_micro_batches",
-    "plan_pieces",
-    "no_grad_completion_logps",
-    "shifted_logps",
-]
+__all__ = ["can_realign", "completion_widths", "plan_micro_batches", "no_grad_completion_logps", "shifted_logps"]
 
 #: Default token budget of one micro-batch of the no-grad pass (rows x padded width).
 DEFAULT_TOKENS_PER_BATCH = 65536
@@ -341,42 +334,6 @@ def _realigned_forward(
     return logps, entropies
 
 
-def plan_pieces(lengths: torch.Tensor, pieces: int) -> list[torch.Tensor]:
-    """Split rows into ``min(pieces, rows)`` non-empty pieces of similar length, each to run as its own forward cut
-    to its longest row: the rows sorted longest first (ties in their order), cut where the padded tokens (each
-    piece's rows x its longest row, summed) are fewest.
-
-    The number of pieces depends on the row count only, never on the lengths, so processes whose forwards
-    communicate (ZeRO-3) run the same number of forwards.
-
-    Returns the row indices of each piece, longest rows first.
-    """
-    num_rows = lengths.numel()
-    count = min(int(pieces), num_rows)
-    order = torch.sort(lengths.cpu(), descending=True, stable=True).indices
-    if count <= 1:
-        return [order] if num_rows else []
-    ordered = lengths.cpu()[order].to(torch.float64)
-    # cost[i, j]: rows i..j-1 (sorted) as one piece, padded to row i's length (j > i)
-    starts = torch.arange(num_rows + 1, dtype=torch.float64)
-    sizes = starts[None, :] - starts[:num_rows, None]
-    cost = torch.where(sizes > 0, sizes * ordered[:, None], torch.full_like(sizes, float("inf")))
-    best = torch.full((num_rows + 1,), float("inf"), dtype=torch.float64)
-    best[0] = 0.0
-    cuts = []
-    for _ in range(count):  # best[j]: the first j rows in the pieces so far
-        total = best[:num_rows, None] + cost
-        best_next, cut = total.min(dim=0)
-        best_next[0] = float("inf")
-        best = torch.cat([torch.tensor([float("inf")], dtype=torch.float64), best_next[1:]])
-        cuts.append(cut)
-    bounds = [num_rows]
-    for cut in reversed(cuts):
-        bounds.append(int(cut[bounds[-1]]))
-    bounds.reverse()
-    return [order[start:end] for start, end in zip(bounds[:-1], bounds[1:])]
-
-
 def shifted_logps(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -386,7 +343,6 @@ def shifted_logps(
     compute_entropy: bool = False,
     autocast: Callable[[], AbstractContextManager] = nullcontext,
     full_width: bool = False,
-    pieces: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """TRL's ``_get_per_token_logps_and_entropies`` for a text-only batch, with every row shifted past its prompt
     padding (see :func:`can_realign`, which the caller checks): ``batch_size`` rows per forward (all by default), the
@@ -394,37 +350,12 @@ def shifted_logps(
     batch's width, so that passes over the same rows in other groupings run the backbone at the same shapes. Works
     with and without gradients.
 
-    ``pieces`` > 1 (not with ``full_width`` or ``batch_size``): the rows run as that many forwards of similar length
-    (:func:`plan_pieces`), each cut to its own longest row, and come back in their order. With gradients, the
-    forwards' graphs join in the returned tensors, so one backward covers them all.
-
     Returns ``(logps, entropies)``, each ``[B, logits_to_keep]``, 0 where the completion mask is 0 after a row's last
     scored token (TRL's fused head gives 0 there too); ``entropies`` is ``None`` unless ``compute_entropy``.
     """
     prompt_ids, completion_ids = input_ids[:, :-logits_to_keep], input_ids[:, -logits_to_keep:]
     prompt_mask, completion_mask = attention_mask[:, :-logits_to_keep], attention_mask[:, -logits_to_keep:]
     widths = completion_widths(completion_mask)
-    if pieces > 1 and not full_width and (batch_size is None or batch_size >= input_ids.size(0)):
-        plan = plan_pieces(prompt_mask.sum(dim=1) + widths, pieces)
-        if len(plan) > 1:
-            all_logps, all_entropies = [], []
-            for rows in plan:
-                rows = rows.to(input_ids.device)
-                logps, entropies = _realigned_forward(
-                    model,
-                    prompt_ids[rows],
-                    prompt_mask[rows],
-                    completion_ids[rows],
-                    widths[rows],
-                    compute_entropy,
-                    autocast,
-                )
-                all_logps.append(logps)
-                all_entropies.append(entropies)
-            back = torch.argsort(torch.cat(plan)).to(input_ids.device)  # each row's place among the pieces' rows
-            logps = torch.cat(all_logps, dim=0).index_select(0, back)
-            entropies = torch.cat(all_entropies, dim=0).index_select(0, back) if compute_entropy else None
-            return logps, entropies
     batch_size = batch_size or input_ids.size(0)
     all_logps, all_entropies = [], []
     for start in range(0, input_ids.size(0), batch_size):

@@ -294,7 +294,6 @@ class EGPOTrainer(
             self._check_guided_error_correction()
         self._check_loss_forward_entropy()
         self._check_length_sorting()
-        self._check_micro_batch_pieces()
         self._egpo_rewards_per_func: torch.Tensor | None = None
         self._egpo_capture_entropy = False  # capture the entropies of TRL's next old-log-prob pass
         self._egpo_captured_entropies: torch.Tensor | None = None
@@ -452,7 +451,6 @@ class EGPOTrainer(
                     compute_entropy=compute_entropy,
                     autocast=self.accelerator.autocast,
                     full_width=bool(self._egpo_compared_passes()),
-                    pieces=getattr(self, "_egpo_pieces", 1) if torch.is_grad_enabled() else 1,
                 )
                 return logps, entropies, None
         return super()._get_per_token_logps_and_entropies(
@@ -907,8 +905,8 @@ class EGPOTrainer(
 
     def _egpo_full_width_reasons(self) -> list[str]:
         """Why the loss's forwards keep TRL's full width in this run (empty: each is cut to its longest row), which
-        leaves length sorting and pieces of micro-batches nothing to save: the conditions of :meth:`_egpo_trl_pass`
-        that do not depend on a batch's rows."""
+        leaves length sorting nothing to save: the conditions of :meth:`_egpo_trl_pass` that do not depend on a
+        batch's rows."""
         from egpo_trl.old_logps import can_realign
 
         reasons = []
@@ -926,21 +924,6 @@ class EGPOTrainer(
                     "implementation, sliding window, rotary scaling or adapter: see egpo_shift_prompt_padding)"
                 )
         return reasons + self._egpo_compared_passes()
-
-    def _check_micro_batch_pieces(self) -> None:
-        """``egpo_micro_batch_pieces``: set ``_egpo_pieces``, the forwards each loss's micro-batch runs as (1 where
-        the forwards keep TRL's full width, with a warning)."""
-        pieces = self.args.egpo_micro_batch_pieces
-        self.args._validate_micro_batch_pieces()
-        full_width = self._egpo_full_width_reasons() if pieces > 1 else []
-        if full_width:
-            logger.warning(
-                "egpo_micro_batch_pieces has nothing to save here: the loss's forward keeps TRL's full width (%s). "
-                "Each micro-batch runs as one forward.",
-                "; ".join(full_width),
-            )
-            pieces = 1
-        self._egpo_pieces = pieces
 
     def _check_length_sorting(self) -> None:
         """``egpo_length_sorted_micro_batches``: refuse (again, with what the trainer knows) what it cannot serve, and
@@ -987,10 +970,15 @@ class EGPOTrainer(
                 )
             return super().training_step(model, inputs, num_items_in_batch)
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys: list[str] | None = None):
+        with self._egpo_attention_kernels():
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
     @contextmanager
     def _egpo_attention_kernels(self):
-        """A training step (generation, scoring, forwards, backwards and their recomputed forwards) with PyTorch's
-        cuDNN kernel for SDPA off unless ``egpo_cudnn_attention``; the setting before the step comes back after it."""
+        """A training or evaluation step (generation, scoring, forwards, backwards and their recomputed forwards) with
+        PyTorch's cuDNN kernel for SDPA off unless ``egpo_cudnn_attention``; the setting before the step comes back
+        after it."""
         if getattr(self.args, "egpo_cudnn_attention", True):
             yield
             return

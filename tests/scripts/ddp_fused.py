@@ -1,8 +1,8 @@
 """Train EGPO for two optimizer steps in every process of a distributed launch and save the final weights and
 logged metrics (rank 0). Used by tests/test_fused.py: ``torchrun --nproc_per_node 2 tests/scripts/ddp_fused.py MODEL
-OUT ENTROPY_LOGPS [GRADIENT_CHECKPOINTING [ROWS ACCUMULATION [PIECES]]]`` with 2 rows per device and 4 accumulation
-steps by default (one generation batch of two groups of 4 per process: blocks of 2 micro-batches under
-egpo_entropy_logps='loss_forward'; 1 row and 8 steps make blocks of 4; PIECES sets egpo_micro_batch_pieces), and by
+OUT ENTROPY_LOGPS [GRADIENT_CHECKPOINTING [ROWS ACCUMULATION]]`` with 2 rows per device and 4 accumulation steps by
+default (one generation batch of two groups of 4 per process: blocks of 2 micro-batches under
+egpo_entropy_logps='loss_forward'; 1 row and 8 steps make blocks of 4), and by
 benchmarks/loss_forward_check.py under ``accelerate launch`` with DeepSpeed (float32 throughout). Also writes how many
 backward calls process 0 made (``backwards.json``)."""
 
@@ -20,17 +20,8 @@ from conftest import TRAINER_TEST_SETTINGS, make_prompt_dataset, parity_reward  
 from egpo_trl import EGPOConfig, EGPOTrainer  # noqa: E402
 
 
-def main(
-    model_dir: str,
-    out_dir: str,
-    logps: str,
-    checkpointing: bool,
-    per_device: int = 2,
-    accumulation: int = 4,
-    pieces: int = 1,
-):
+def main(model_dir: str, out_dir: str, logps: str, checkpointing: bool, per_device: int = 2, accumulation: int = 4):
     settings = {
-        "egpo_micro_batch_pieces": pieces,
         "per_device_train_batch_size": per_device,
         "gradient_accumulation_steps": accumulation,
         "max_steps": 2,
@@ -58,7 +49,5 @@ def main(
 
 
 if __name__ == "__main__":
-    shape = [
-        int(value) for value in sys.argv[5:8]
-    ]  # rows per device, accumulation steps, pieces: (2, 4, 1) by default
+    shape = [int(value) for value in sys.argv[5:7]]  # rows per device and accumulation steps, (2, 4) by default
     main(sys.argv[1], sys.argv[2], sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "1", *shape)
