@@ -55,7 +55,9 @@ after emptying the cache) are printed too: a working set near the card's memory 
 GPU was doing: compute kernels running (any kernel that is not a collective), only collectives running (NCCL kernels,
 including those waiting for other processes to arrive), or no kernel at all (the host, launches, and the profiler's
 own work: a profiled micro-batch runs longer than the others), with the kernel time of each kind. The split shows
-where a micro-batch waits; the unprofiled medians say how long micro-batches take.
+where a micro-batch waits; the unprofiled medians say how long micro-batches take. ``--bench-profile-ops FILE``
+also writes that micro-batch's host and GPU time per operator (``aten::mm``, the attention kernels, ``AccumulateGrad``
+and its hooks...), to see what keeps the host busy while the GPU waits.
 """
 
 from __future__ import annotations
@@ -157,7 +159,6 @@ class Timings:
         self._step_start = None
         self._last_micro_end = None
         self.profile_at, self.profile = None, None
-        self.python_calls = False  # --bench-profile-calls: record Python calls too
 
     def _timed(self, function, record):
         def timed(*args, **kwargs):
@@ -192,7 +193,7 @@ class Timings:
                 from torch.profiler import ProfilerActivity, profile
 
                 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-                with profile(activities=activities, with_stack=self.python_calls) as prof:
+                with profile(activities=activities) as prof:
                     out = training_step(*args, **kwargs)
                     _sync(self.device)
                 self.profile = prof
@@ -360,12 +361,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--bench-p99", type=float, default=2500, help="--bench-lengths lognormal: 99th percentile")
     parser.add_argument("--bench-profile", type=int, default=None, metavar="K")
     parser.add_argument(
-        "--bench-profile-calls",
+        "--bench-profile-ops",
         default=None,
         metavar="FILE",
-        help="with --bench-profile: also record Python calls and write the profiled micro-batch's host time per "
-        "call and operator (inclusive, then self) to FILE; the recording slows the host, so the timings of that "
-        "run are not comparable",
+        help="with --bench-profile: write the profiled micro-batch's host (CPU) and GPU time per operator, by "
+        "total host time and by its own, to FILE",
     )
     parser.add_argument("--bench-card", choices=sorted(CARDS), default="h100")
     parser.add_argument("--bench-mfu", type=float, default=0.5)
@@ -377,8 +377,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         help="time whole steps only, with no synchronisation between micro-batches (as in a real run)",
     )
     args = parser.parse_args(own)
-    if args.bench_profile_calls and args.bench_profile is None:
-        parser.error("--bench-profile-calls needs --bench-profile K (the micro-batch to profile)")
+    if args.bench_profile_ops and args.bench_profile is None:
+        parser.error("--bench-profile-ops needs --bench-profile K (the micro-batch to profile)")
     if args.bench_steps_only and args.bench_profile is not None:
         parser.error("--bench-profile times a micro-batch: it does not go with --bench-steps-only")
 
@@ -461,7 +461,6 @@ def main(argv: list[str] | None = None) -> dict | None:
     device = trainer.accelerator.device
     timings = Timings(device)
     if not args.bench_steps_only:
-        timings.python_calls = bool(args.bench_profile_calls)
         timings.instrument(trainer, args.bench_profile)
 
     class StepTimer(TrainerCallback):
@@ -582,13 +581,13 @@ def main(argv: list[str] | None = None) -> dict | None:
         split = kernel_split(timings.profile, micro[args.bench_profile - 1])
         result["profile_micro_batch"] = args.bench_profile
         result.update(split)
-        if args.bench_profile_calls and trainer.accelerator.is_main_process:
+        if args.bench_profile_ops and trainer.accelerator.is_main_process:
             averages = timings.profile.key_averages()
-            Path(args.bench_profile_calls).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.bench_profile_calls).write_text(
-                f"micro-batch {args.bench_profile}, host time per Python call and operator, inclusive:\n"
+            Path(args.bench_profile_ops).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.bench_profile_ops).write_text(
+                f"micro-batch {args.bench_profile}, time per operator, by total host time:\n"
                 + averages.table(sort_by="cpu_time_total", row_limit=120, max_name_column_width=110)
-                + "\nself:\n"
+                + "\nby its own host time:\n"
                 + averages.table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=110)
             )
     if trainer.accelerator.is_main_process:

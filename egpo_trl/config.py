@@ -243,12 +243,15 @@ class EGPOConfig(GRPOConfig):
             Whether PyTorch's scaled-dot-product attention (SDPA) may use its cuDNN kernel during training and
             evaluation steps (generation, scoring, the loss's forwards and backwards). PyTorch prefers that kernel on
             recent GPUs, and each of its calls costs the host milliseconds: at the Qwen2.5-Math-1.5B shape on an
-            H200 a profile put about 2 ms of host time on each forward call, against 0.1-1 ms of GPU time. Where a
-            micro-batch's rows are short, the GPU waits for it. Off by default: SDPA then picks its flash kernel, as
-            it does where cuDNN is not available. The setting before each step is restored after it. At that shape
+            H200 a profile put 2.4 ms of host time on each forward call (0.1 ms of GPU time at spread lengths). Where
+            a micro-batch's rows are short, the GPU waits for it. Off by default: SDPA's unmasked calls (the shifted
+            rows of `egpo_shift_prompt_padding`) then run its flash kernel, as where cuDNN is not available, whose
+            rounding differs. The setting before each step is restored after it; where cuDNN is the only SDPA kernel
+            left on (`torch.nn.attention.sdpa_kernel`), it stays on. Not measured at the R1-Distill recipes'
+            15,360-token completions, where attention's own speed weighs more. At that shape
             (one H200, completion lengths spread around a median of 700 tokens) GRPO's scoring and training took
-            4.80-5.08 s a step with it off against 5.65-6.02 s on, EGPO's 8.17-8.41 s against 8.84-9.17 s; with
-            completions all 3,072 tokens long, EGPO's took 13.9-14.1 s either way (BENCHMARKS.md).
+            4.80-5.08 s a step with it off against 5.65-6.02 s on, EGPO's 8.17-8.41 s against 8.84-9.17 s (one run
+            each); with completions all 3,072 tokens long, EGPO's took 13.9-14.1 s either way (BENCHMARKS.md).
 
         > Parameters of the baselines (see `docs/baselines.md`)
 

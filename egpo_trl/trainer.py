@@ -978,8 +978,14 @@ class EGPOTrainer(
     def _egpo_attention_kernels(self):
         """A training or evaluation step (generation, scoring, forwards, backwards and their recomputed forwards) with
         PyTorch's cuDNN kernel for SDPA off unless ``egpo_cudnn_attention``; the setting before the step comes back
-        after it."""
-        if getattr(self.args, "egpo_cudnn_attention", True):
+        after it. Where cuDNN is the only SDPA kernel left on (``torch.nn.attention.sdpa_kernel`` around the run),
+        the user's choice stands: turning it off would leave SDPA no kernel."""
+        others = (
+            torch.backends.cuda.flash_sdp_enabled(),
+            torch.backends.cuda.mem_efficient_sdp_enabled(),
+            torch.backends.cuda.math_sdp_enabled(),
+        )
+        if getattr(self.args, "egpo_cudnn_attention", False) or not any(others):
             yield
             return
         before = torch.backends.cuda.cudnn_sdp_enabled()

@@ -53,3 +53,28 @@ def test_cudnn_attention_setting_comes_back_after_an_error(tmp_path, tiny_model_
             assert not torch.backends.cuda.cudnn_sdp_enabled()
             raise RuntimeError("boom")
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+def test_cudnn_attention_is_off_in_evaluation_steps_too(tmp_path, tiny_model_dir):
+    args = config(tmp_path, max_steps=1, per_device_eval_batch_size=8)
+    trainer = EGPOTrainer(
+        tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset(), eval_dataset=make_prompt_dataset(2)
+    )
+    seen = []
+    trainer.model.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    metrics = trainer.evaluate()
+    assert "eval_loss" in metrics and seen and set(seen) == {False}, seen
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_cudnn_as_the_only_kernel_left_on_stays_on(tmp_path, tiny_model_dir):
+    """A run under sdpa_kernel([CUDNN_ATTENTION]): turning cuDNN off would leave SDPA no kernel, so the choice stands."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    args = config(tmp_path, max_steps=1)
+    trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        with trainer._egpo_attention_kernels():
+            assert torch.backends.cuda.cudnn_sdp_enabled()
+    with trainer._egpo_attention_kernels():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()

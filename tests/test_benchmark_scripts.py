@@ -586,8 +586,11 @@ def test_train_breakdown_times_the_recipes_micro_batches_without_generation(tmp_
     out_json = tmp_path / "breakdown.json"
     out = run("benchmarks/train_breakdown.py", "recipes/demo_tiny_cpu.yaml", "--bench-tiny", "--bench-lengths",
               "spread", "--gradient_accumulation_steps", "4", "--output_dir", str(tmp_path / "run"),
-              "--bench-json", str(out_json))  # fmt: skip
+              "--bench-json", str(out_json), "--bench-profile", "2", "--bench-profile-ops",
+              str(tmp_path / "ops.txt"))  # fmt: skip
     assert "| micro-batch (median) |" in out and "| step 1 |" in out, out
+    ops = (tmp_path / "ops.txt").read_text()  # the profiled micro-batch's operators: its matrix products among them
+    assert ops.startswith("micro-batch 2, time per operator") and "by its own host time" in ops and "aten::mm" in ops
     report = json.loads(out_json.read_text())
     assert report["sharding"] == "none" and report["processes"] == 1 and report["steps"] == 1
     assert report["micro_batches_per_step"] == 4 and report["completion_length"] == 64
