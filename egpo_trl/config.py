@@ -239,19 +239,26 @@ class EGPOConfig(GRPOConfig):
             that are averages of per-micro-batch means (`entropy`, `clip_ratio/*`, `kl`, `cispo_clip_ratio`,
             `vespo/phi_seq_mean`) weigh short completions more when they share micro-batches, so their curves differ
             from an unsorted run's.
-        egpo_cudnn_attention (`bool`, *optional*, defaults to `False`):
+        egpo_cudnn_attention (`bool` or `None`, *optional*, defaults to `None`):
             Whether PyTorch's scaled-dot-product attention (SDPA) may use its cuDNN kernel during training and
             evaluation steps (generation, scoring, the loss's forwards and backwards). PyTorch prefers that kernel on
-            recent GPUs, and each of its calls costs the host milliseconds: at the Qwen2.5-Math-1.5B shape on an
-            H200 a profile put 2.4 ms of host time on each forward call (0.1 ms of GPU time at spread lengths). Where
-            a micro-batch's rows are short, the GPU waits for it. Off by default: SDPA's unmasked calls (the shifted
-            rows of `egpo_shift_prompt_padding`) then run its flash kernel, as where cuDNN is not available, whose
-            rounding differs. The setting before each step is restored after it; where cuDNN is the only SDPA kernel
-            left on (`torch.nn.attention.sdpa_kernel`), it stays on. Not measured at the R1-Distill recipes'
-            15,360-token completions, where attention's own speed weighs more. At that shape
-            (one H200, completion lengths spread around a median of 700 tokens) GRPO's scoring and training took
-            4.80-5.08 s a step with it off against 5.65-6.02 s on, EGPO's 8.17-8.41 s against 8.84-9.17 s (one run
-            each); with completions all 3,072 tokens long, EGPO's took 13.9-14.1 s either way (BENCHMARKS.md).
+            recent GPUs. Its calls cost the host milliseconds: at the Qwen2.5-Math-1.5B shape on an H200 a profile
+            put 2.4 ms of host time on each forward call, against 0.1 ms of GPU time at spread lengths, and where a
+            micro-batch's rows are short the GPU waits for it. Its kernels are faster, which long rows need.
+
+            `None` (default) decides by `max_completion_length`:
+            - up to 4,096 tokens (the Qwen2.5-Math recipes' 3,072): off. At the 1.5B shape on one H200, with
+              completion lengths spread around a median of 700 tokens, GRPO's scoring and training took 4.80-5.08 s a
+              step with it off against 5.65-6.02 s on, EGPO's 8.17-8.41 s against 8.84-9.17 s (one run each); with
+              completions all 3,072 tokens long, EGPO's took 13.9-14.1 s either way.
+            - beyond (the R1-Distill recipes' 15,360-token completions): on. At the R1-Distill-1.5B shape on H200s,
+              one row of 15,528 tokens per micro-batch, 16 micro-batches, GRPO's took 10.72-10.76 s a step with it on
+              against 12.29-12.41 s off.
+
+            `True` or `False` decides for every run. Off, SDPA's unmasked calls (the shifted rows of
+            `egpo_shift_prompt_padding`) run its flash kernel, whose rounding differs. The setting before each step
+            is restored after it; where cuDNN is the only SDPA kernel left on (`torch.nn.attention.sdpa_kernel`), it
+            stays on. BENCHMARKS.md, "Host time at spread lengths".
 
         > Parameters of the baselines (see `docs/baselines.md`)
 
@@ -417,12 +424,12 @@ class EGPOConfig(GRPOConfig):
             "with bnpo, top_entropy_quantile < 1, an entropy bonus or a MoE router loss."
         },
     )
-    egpo_cudnn_attention: bool = field(
-        default=False,
+    egpo_cudnn_attention: bool | None = field(
+        default=None,
         metadata={
-            "help": "Let SDPA use PyTorch's cuDNN attention kernel in training and evaluation steps. Off by default: "
-            "each of its calls costs the host milliseconds, which micro-batches of short rows cannot hide; SDPA then "
-            "runs its flash kernel."
+            "help": "Let SDPA use PyTorch's cuDNN attention kernel in training and evaluation steps: its calls cost "
+            "the host milliseconds, which micro-batches of short rows cannot hide, and its kernels are faster, which "
+            "long rows need. Unset: off where max_completion_length is at most 4,096 tokens, on beyond."
         },
     )
     egpo_shift_prompt_padding: bool = field(

@@ -11,7 +11,9 @@ from conftest import trainer_config as config
 from egpo_trl import EGPOTrainer
 
 
-@pytest.mark.parametrize("cudnn, logps", [(False, "policy"), (False, "loss_forward"), (True, "policy")])
+@pytest.mark.parametrize(
+    "cudnn, logps", [(False, "policy"), (False, "loss_forward"), (True, "policy"), (None, "policy")]
+)
 def test_cudnn_attention_is_off_in_training_steps_unless_asked(tmp_path, tiny_model_dir, cudnn, logps):
     """The flag SDPA reads, seen by every training forward, by the backward (where gradient checkpointing recomputes
     its forwards) and by the scoring pass: off in each unless egpo_cudnn_attention; as it was outside the steps."""
@@ -41,7 +43,8 @@ def test_cudnn_attention_is_off_in_training_steps_unless_asked(tmp_path, tiny_mo
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)
     assert seen["forward"] and seen["backward"]
-    assert set(seen["forward"]) == {cudnn} and set(seen["backward"]) == {cudnn}, seen
+    expected = bool(cudnn)  # unset: off, as completions of 12 tokens are far below 4,096
+    assert set(seen["forward"]) == {expected} and set(seen["backward"]) == {expected}, seen
 
 
 def test_cudnn_attention_setting_comes_back_after_an_error(tmp_path, tiny_model_dir):
@@ -78,3 +81,34 @@ def test_cudnn_as_the_only_kernel_left_on_stays_on(tmp_path, tiny_model_dir):
             assert torch.backends.cuda.cudnn_sdp_enabled()
     with trainer._egpo_attention_kernels():
         assert not torch.backends.cuda.cudnn_sdp_enabled()
+
+
+@pytest.mark.parametrize(
+    "setting, completion_length, allowed",
+    [(None, 3072, False), (None, 4096, False), (None, 15360, True), (False, 15360, False), (True, 3072, True)],
+)
+def test_unset_cudnn_attention_follows_the_completion_length(
+    tmp_path, tiny_model_dir, setting, completion_length, allowed
+):
+    """Unset, cuDNN is off up to 4,096 completion tokens (where its host time showed, BENCHMARKS.md) and on beyond
+    (where its faster kernels did); set, the setting decides."""
+    args = config(tmp_path, max_steps=1, egpo_cudnn_attention=setting, max_completion_length=completion_length)
+    trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    assert trainer._egpo_cudnn_attention() is allowed
+    with trainer._egpo_attention_kernels():
+        assert torch.backends.cuda.cudnn_sdp_enabled() is allowed
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [(["--egpo_cudnn_attention", "false"], False), (["--egpo_cudnn_attention", "true"], True), ([], None)],
+)
+def test_cudnn_attention_from_the_command_line(tmp_path, flag, value):
+    from trl import TrlParser
+
+    from egpo_trl import EGPOConfig
+
+    (args,) = TrlParser((EGPOConfig,)).parse_args_and_config(
+        ["--output_dir", str(tmp_path), "--use_cpu", "true", *flag]
+    )
+    assert args.egpo_cudnn_attention is value
