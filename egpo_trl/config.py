@@ -255,7 +255,10 @@ class EGPOConfig(GRPOConfig):
               one row of 15,528 tokens per micro-batch, 16 micro-batches, GRPO's took 10.72-10.76 s a step with it on
               against 12.29-12.41 s off.
 
-            `True` or `False` decides for every run. Off, SDPA's unmasked calls (the shifted rows of
+            The cut at 4,096 is a judgement between the lengths measured: one pair of GRPO runs at the R1-Distill
+            length, none of spread R1-Distill lengths or between 3,072 and 15,360. `True` or `False` decides for
+            every run (on the command line `--egpo_cudnn_attention true` or `false`; leave it out, or write `null`
+            in a recipe, for the default). Off, SDPA's unmasked calls (the shifted rows of
             `egpo_shift_prompt_padding`) run its flash kernel, whose rounding differs. The setting before each step
             is restored after it; where cuDNN is the only SDPA kernel left on (`torch.nn.attention.sdpa_kernel`), it
             stays on. BENCHMARKS.md, "Host time at spread lengths".

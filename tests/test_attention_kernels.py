@@ -1,5 +1,6 @@
-"""egpo_cudnn_attention: PyTorch's cuDNN kernel for SDPA is off during training steps (and only then) unless asked
-for, with TRL's real GRPOTrainer machinery on the tiny Qwen2 model."""
+"""egpo_cudnn_attention: PyTorch's cuDNN kernel for SDPA is off during training and evaluation steps (and only then)
+where it is false, or unset with completions of at most 4,096 tokens; with TRL's real GRPOTrainer machinery on the tiny
+Qwen2 model."""
 
 from __future__ import annotations
 
@@ -100,15 +101,23 @@ def test_unset_cudnn_attention_follows_the_completion_length(
 
 
 @pytest.mark.parametrize(
-    "flag, value",
-    [(["--egpo_cudnn_attention", "false"], False), (["--egpo_cudnn_attention", "true"], True), ([], None)],
+    "in_recipe, flags, value",
+    [
+        ({}, [], None),  # unset: decided by max_completion_length
+        ({"egpo_cudnn_attention": None}, [], None),
+        ({"egpo_cudnn_attention": False}, [], False),
+        ({"egpo_cudnn_attention": True}, ["--egpo_cudnn_attention", "false"], False),
+        ({}, ["--egpo_cudnn_attention", "true"], True),
+    ],
 )
-def test_cudnn_attention_from_the_command_line(tmp_path, flag, value):
-    from trl import TrlParser
+def test_cudnn_attention_from_a_recipe_and_the_command_line(tmp_path, in_recipe, flags, value):
+    """``egpo-trl train``'s own parser: a recipe's value (YAML null, false, true) and a flag over it."""
+    import yaml
 
-    from egpo_trl import EGPOConfig
+    from egpo_trl.script.args import parse_args
 
-    (args,) = TrlParser((EGPOConfig,)).parse_args_and_config(
-        ["--output_dir", str(tmp_path), "--use_cpu", "true", *flag]
-    )
-    assert args.egpo_cudnn_attention is value
+    recipe = tmp_path / "recipe.yaml"
+    fields = {"model_name_or_path": "m", "use_cpu": True, "bf16": False, "output_dir": str(tmp_path / "out")}
+    recipe.write_text(yaml.safe_dump({**fields, **in_recipe}))
+    _, training_args, _ = parse_args(["--config", str(recipe), *flags])
+    assert training_args.egpo_cudnn_attention is value
