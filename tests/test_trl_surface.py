@@ -82,7 +82,12 @@ METHODS = [
     (
         "training_step",
         ["model", "inputs", "num_items_in_batch"],
-        "trainer.py (override: fused.py keeps a block's micro-batches until the last one's step)",
+        "trainer.py (override: fused.py keeps a block's micro-batches until the last one's step; SDPA's kernels)",
+    ),
+    (
+        "prediction_step",
+        ["model", "inputs", "prediction_loss_only", "ignore_keys"],
+        "trainer.py (override: SDPA's kernels in evaluation steps, egpo_cudnn_attention)",
     ),
     # transformers.Trainer's, overridden by ExactResumeMixin (egpo_trl/resume_state.py) for exact resume.
     (
@@ -130,6 +135,7 @@ OVERRIDES = {
     "compute_loss",
     "_prepare_inputs",
     "training_step",
+    "prediction_step",
     # ExactResumeMixin (egpo_trl/resume_state.py): transformers.Trainer's, for exact resume.
     "_save_checkpoint",
     "_load_rng_state",
