@@ -40,6 +40,7 @@ def run(
     port: int,
     processes: int,
     shape: tuple[int, int] = (2, 4),
+    settings: str | None = None,
 ) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
@@ -47,6 +48,8 @@ def run(
     command += ["--mixed_precision", "no", "--main_process_port", str(port)]
     script = ROOT / "tests" / "scripts" / "ddp_fused.py"
     command += [str(script), model, str(out), logps, "1" if checkpointing else "0", *map(str, shape)]
+    if settings:
+        command.append(settings)
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     with open(out / "run.log", "w") as log:
         done = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900)
@@ -54,7 +57,8 @@ def run(
         return {"error": f"exit {done.returncode}, see {out / 'run.log'}"}
     rows = json.loads((out / "log.json").read_text())
     backwards = json.loads((out / "backwards.json").read_text())
-    return {"rows": rows, "weights": torch.load(out / "weights.pt"), "backwards": backwards}
+    blocks = [json.loads(path.read_text()) for path in sorted(out.glob("blocks_rank*.json"))]
+    return {"rows": rows, "weights": torch.load(out / "weights.pt"), "backwards": backwards, "blocks": blocks}
 
 
 def differences(a: dict, b: dict) -> dict:
@@ -79,6 +83,12 @@ def main() -> int:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--per-device-batch", type=int, default=2, help="rows per micro-batch (1 makes blocks of 4)")
     parser.add_argument("--accumulation", type=int, default=4, help="micro-batches per optimizer step")
+    parser.add_argument(
+        "--settings",
+        help="more EGPOConfig settings for every run, as JSON, e.g. merged blocks: "
+        '\'{"egpo_length_sorted_micro_batches": true, "egpo_loss_forward_block_tokens": 1000000, '
+        '"generation_kwargs": {"sequence_bias": [[[2], 3.0]]}}\'',
+    )
     parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--rtol", type=float, default=1e-4, help="largest relative metric difference accepted")
     parser.add_argument("--atol", type=float, default=1e-5, help="largest weight difference accepted")
@@ -101,7 +111,9 @@ def main() -> int:
             runs = {}
             for name, logps in (("policy", "policy"), ("policy_again", "policy"), ("loss_forward", "loss_forward")):
                 folder = out / f"{engine}-ckpt{checkpointing}" / name
-                runs[name] = run(engine, logps, bool(checkpointing), model, folder, args.port, args.processes, shape)
+                runs[name] = run(
+                    engine, logps, bool(checkpointing), model, folder, args.port, args.processes, shape, args.settings
+                )
                 args.port += 1
             for other in ("policy_again", "loss_forward"):
                 row = {"engine": engine, "checkpointing": bool(checkpointing), "compared": f"{other} vs policy"}
@@ -114,6 +126,8 @@ def main() -> int:
                     row.update(differences(runs[other], runs["policy"]))
                     row["within"] = row["metric_rel"] <= args.rtol and row["weight_abs"] <= args.atol
                     row["backwards"] = {"policy": runs["policy"]["backwards"], other: runs[other]["backwards"]}
+                    if runs[other]["blocks"]:  # merged blocks: each process's block ends, per generation batch
+                        row["blocks"] = runs[other]["blocks"]
                     failed |= not row["within"]
                     print(
                         f"| {engine} | {bool(checkpointing)} | {row['compared']} | {row['metric_abs']:.2e} | "

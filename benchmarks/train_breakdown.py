@@ -505,7 +505,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     middle = [t for i, t in enumerate(micro) if in_middle(i)]
     forward_middle = [t for i, t in enumerate(timings.forward) if in_middle(i)]
     blocks = {}
-    if getattr(trainer, "_fused", False) and not args.bench_steps_only:
+    if getattr(trainer, "_fused_block_tokens", None) and not args.bench_steps_only:
+        # blocks that merge groups vary from one generation batch to the next: no median block to report
+        print("loss_forward's blocks merge groups here (egpo_loss_forward_block_tokens): no per-block breakdown")
+        middle, forward_middle = [], []
+    elif getattr(trainer, "_fused", False) and not args.bench_steps_only:
         blocks = block_breakdown(timings, accumulation, trainer._fused_block, profiled)
         # per micro-batch as under policy: a block's time, its forwards and losses, its backwards, over its micro-batches
         middle = [blocks["block_median_s"] / blocks["block_micro_batches"]] if blocks else []

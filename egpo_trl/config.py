@@ -235,10 +235,23 @@ class EGPOConfig(GRPOConfig):
             cannot save anything (the forwards keep TRL's full width: `egpo_shift_prompt_padding` off, a model whose
             rows cannot be shifted, image inputs, TRL computing old-policy log-probs, `beta` != 0; or sorting cannot
             change which rows share a micro-batch: one micro-batch per generation batch, one row per micro-batch, whole
-            groups per micro-batch under `loss_forward`) the rows are not sorted and a warning says so. TRL's metrics
+            groups per micro-batch under `loss_forward` unless `egpo_loss_forward_block_tokens` lets blocks hold
+            several groups) the rows are not sorted and a warning says so. TRL's metrics
             that are averages of per-micro-batch means (`entropy`, `clip_ratio/*`, `kl`, `cispo_clip_ratio`,
             `vespo/phi_seq_mean`) weigh short completions more when they share micro-batches, so their curves differ
             from an unsorted run's.
+        egpo_loss_forward_block_tokens (`int` or `None`, *optional*, defaults to `None`):
+            Under `egpo_entropy_logps="loss_forward"` with `egpo_length_sorted_micro_batches`, let a block of
+            micro-batches hold several groups, so that rows of similar length from different groups share a
+            micro-batch: after TRL shuffles a generation batch, consecutive blocks are filled with whole groups, a
+            group joining the block before it only where that cuts the padded tokens the block's forwards compute
+            and the block then holds at most this many of them (rows times their micro-batch's longest row, prompt
+            plus completion), on every process (the blocks are the same on all processes, as their forwards and
+            backwards must line up); a block's rows are then sorted by length, longest first. The block holds all
+            its forwards until its last one has run (with gradient checkpointing, each layer's input of each row:
+            about 89 KB per token at the Qwen2.5-Math-1.5B shape in bf16), so this bounds that memory; where every
+            completion has the same length nothing is merged and the blocks are those of `None`. `None` (default):
+            each block holds the fewest micro-batches that hold whole groups, and sorting stays within each group.
         egpo_cudnn_attention (`bool` or `None`, *optional*, defaults to `None`):
             Whether PyTorch's scaled-dot-product attention (SDPA) may use its cuDNN kernel during training and
             evaluation steps (generation, scoring, the loss's forwards and backwards). PyTorch prefers that kernel on
@@ -425,6 +438,14 @@ class EGPOConfig(GRPOConfig):
             "help": "Sort each generation batch's rows (each group's under loss_forward) by length, longest first, so "
             "that a micro-batch's forward, cut to its longest row, computes less padding; the same gradient. Not "
             "with bnpo, top_entropy_quantile < 1, an entropy bonus or a MoE router loss."
+        },
+    )
+    egpo_loss_forward_block_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Under egpo_entropy_logps=loss_forward with egpo_length_sorted_micro_batches: let a block hold "
+            "several whole groups, sorted by length together, where that cuts padding, up to this many padded tokens "
+            "held (rows x their micro-batch's longest row). Unset: one group's micro-batches per block."
         },
     )
     egpo_cudnn_attention: bool | None = field(
@@ -614,7 +635,10 @@ class EGPOConfig(GRPOConfig):
             self.gradient_checkpointing
             and reentrant_checkpointing(self.gradient_checkpointing_kwargs)
             and (world_size > 1 or engine is not None)
-            and block_size(self.per_device_train_batch_size, self.num_generations) > 1
+            and (
+                block_size(self.per_device_train_batch_size, self.num_generations) > 1
+                or (self.egpo_loss_forward_block_tokens is not None and self.egpo_length_sorted_micro_batches)
+            )
         ):
             # Reentrant checkpointing hands each checkpointed forward's weight gradients over separately, so a
             # weight used by several forwards is reported ready several times in one backward: DDP's and ZeRO's
@@ -693,6 +717,12 @@ class EGPOConfig(GRPOConfig):
                     f"{name} must be a positive integer, got {value!r}"
                     + (" (or leave it unset for the token budget)." if name == "egpo_entropy_batch_size" else ".")
                 )
+        tokens = self.egpo_loss_forward_block_tokens
+        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
+            raise ValueError(
+                f"egpo_loss_forward_block_tokens must be a positive integer (padded tokens a block of the loss's "
+                f"forwards may hold), got {tokens!r}; or leave it unset for one group's micro-batches per block."
+            )
         if self.egpo_entropy_eps <= 0:
             raise ValueError(f"egpo_entropy_eps must be > 0 (default 1e-6), got {self.egpo_entropy_eps}.")
         choose("edge_grpo_entropy_normalization", self.edge_grpo_entropy_normalization, ENTROPY_NORMALIZATIONS)

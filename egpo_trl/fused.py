@@ -25,7 +25,12 @@ every row, about a quarter of the training's FLOPs with gradient checkpointing.
   starts again);
 * a block holds the forwards of all its micro-batches at once: with gradient checkpointing, each layer's input of
   each row (``rows x tokens x hidden_size x 2`` bytes per layer in bf16, about 1.1 GiB for 4 rows of 3,300 tokens
-  at the Qwen2.5-Math-1.5B shape).
+  at the Qwen2.5-Math-1.5B shape);
+* with ``egpo_length_sorted_micro_batches`` and ``egpo_loss_forward_block_tokens``, a block may hold several of those
+  smallest blocks (:func:`merged_blocks`: one joins the block before it where that cuts the padding the block's
+  forwards compute, within the token budget, decided from every process's lengths so that all processes run the
+  same blocks), and its rows are sorted by length across its groups; the estimator then takes each group's rows
+  together and its weights go back to the block's order.
 
 Mixed-group base advantages (which ``scale_rewards="batch"`` computes from the whole batch) are computed when the
 batch is scored; only the weights, which depend on a group's own rows, wait for the loss's forwards.
@@ -49,7 +54,11 @@ __all__ = [
     "block_size",
     "group_first_order",
     "length_sorted_order",
+    "merged_block_memory_note",
+    "merged_blocks",
+    "padded_tokens",
     "reorder_rows",
+    "row_lengths",
     "shuffle_then",
 ]
 
@@ -123,6 +132,15 @@ def block_memory_note(per_device_batch: int, blocks: int) -> str:
     )
 
 
+def merged_block_memory_note(tokens: int) -> str:
+    """The warning for ``egpo_loss_forward_block_tokens`` with gradient checkpointing off."""
+    return (
+        f"egpo_loss_forward_block_tokens={tokens} with gradient_checkpointing off: a block of merged groups holds all "
+        "the activations of its forwards (up to that many padded tokens) until their backwards, which runs out of GPU "
+        "memory at long completions. Turn gradient_checkpointing on, or unset egpo_loss_forward_block_tokens."
+    )
+
+
 def group_first_order(groups: torch.Tensor) -> torch.Tensor:
     """A permutation that puts the rows of each group together: groups in the order of their first row, the rows of
     a group in their order."""
@@ -135,26 +153,86 @@ def group_first_order(groups: torch.Tensor) -> torch.Tensor:
     return torch.sort(rank, stable=True).indices
 
 
-def length_sorted_order(batch: dict[str, Any], window: int) -> torch.Tensor:
-    """A permutation that sorts the rows of each ``window`` consecutive rows by their length, longest first (ties
-    keep their order): a row's prompt tokens plus its completion up to its last scored token, the width the loss's
-    forward is cut to under ``egpo_shift_prompt_padding``. Rows never leave their window, so a window that is a
-    generation batch (or, under ``loss_forward``, a group) keeps exactly its rows."""
+def row_lengths(batch: dict[str, Any]) -> torch.Tensor:
+    """Each row's length on the CPU: its prompt tokens plus its completion up to its last scored token, the width the
+    loss's forward is cut to under ``egpo_shift_prompt_padding``."""
     from egpo_trl.old_logps import completion_widths
 
-    if window < 1:
-        raise ValueError(f"window must be at least one row, got {window}")
-    completion_mask = batch["completion_mask"]
-    lengths = completion_widths(completion_mask).cpu()
+    lengths = completion_widths(batch["completion_mask"]).cpu()
     prompt_mask = batch.get("prompt_mask")
     if prompt_mask is not None:
         lengths = lengths + prompt_mask.sum(dim=1).cpu()
-    rows = lengths.numel()
-    order = []
-    for start in range(0, rows, window):
-        segment = lengths[start : start + window]
+    return lengths
+
+
+def _sorted_segments(lengths: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """A permutation that sorts each segment of ``sizes`` consecutive rows by length, longest first (ties keep their
+    order)."""
+    order, start = [], 0
+    for size in sizes:
+        segment = lengths[start : start + size]
         order.append(start + torch.sort(segment, descending=True, stable=True).indices)
+        start += size
     return torch.cat(order) if order else torch.arange(0)
+
+
+def length_sorted_order(batch: dict[str, Any], window: int) -> torch.Tensor:
+    """A permutation that sorts the rows of each ``window`` consecutive rows by their length (:func:`row_lengths`),
+    longest first (ties keep their order). Rows never leave their window, so a window that is a generation batch (or,
+    under ``loss_forward``, a group) keeps exactly its rows."""
+    if window < 1:
+        raise ValueError(f"window must be at least one row, got {window}")
+    lengths = row_lengths(batch)
+    rows = lengths.numel()
+    return _sorted_segments(lengths, [min(window, rows - start) for start in range(0, rows, window)])
+
+
+def padded_tokens(lengths: torch.Tensor, per_device: int) -> int:
+    """The tokens the forwards of these rows compute once sorted by length, longest first, and cut into
+    micro-batches of ``per_device`` rows, each as wide as its longest row."""
+    ordered = torch.sort(lengths, descending=True).values
+    return int(
+        sum(
+            int(ordered[start]) * int(ordered[start : start + per_device].numel())
+            for start in range(0, ordered.numel(), per_device)
+        )
+    )
+
+
+def merged_blocks(lengths: torch.Tensor, unit_rows: int, per_device: int, budget: int) -> list[int]:
+    """The rows of each block of ``loss_forward``'s generation batch when blocks may hold several units of
+    ``unit_rows`` rows (the fewest micro-batches that hold whole groups; the rows in group order).
+
+    ``lengths`` is ``[processes, rows]`` (:func:`row_lengths` of every process's batch), so that every process gets
+    the same blocks. Blocks are filled in order: the next unit joins the block before it where that lowers the
+    padded tokens (:func:`padded_tokens`, summed over the processes) and no process's block then computes more than
+    ``budget`` of them; otherwise it starts a block of its own. Where every row has the same length, merging saves
+    nothing and each unit is a block."""
+    if lengths.ndim == 1:
+        lengths = lengths.unsqueeze(0)
+    rows = lengths.size(1)
+    if unit_rows < 1 or rows % unit_rows:
+        raise ValueError(f"a generation batch of {rows} rows is not made of units of {unit_rows} rows")
+
+    def cost(start: int, stop: int) -> list[int]:
+        return [padded_tokens(process[start:stop], per_device) for process in lengths]
+
+    sizes: list[int] = []
+    start = 0
+    for unit in range(unit_rows, rows + 1, unit_rows):
+        if not sizes:
+            sizes.append(unit_rows)
+            continue
+        stop = unit
+        end = start + sizes[-1]
+        apart = sum(cost(start, end)) + sum(cost(end, stop))
+        together = cost(start, stop)
+        if sum(together) < apart and max(together) <= budget:
+            sizes[-1] += unit_rows
+        else:
+            start = end
+            sizes.append(unit_rows)
+    return sizes
 
 
 def shuffle_then(prepare, generation_batch, reorders):
@@ -258,6 +336,11 @@ class LossForwardEntropyMixin:
         self._fused_pending: list[dict[str, Any]] = []
         self._fused_cache: list[tuple] = []
         self._fused_batch: dict[str, Any] | None = None
+        #: Micro-batches (1-based, within the generation batch) that end a block, where blocks may merge groups
+        #: (``egpo_loss_forward_block_tokens``); ``None``: every ``_fused_block`` micro-batches.
+        self._fused_block_ends: set[int] | None = None
+        #: The padded tokens a merged block may hold; set by _check_length_sorting where sorting can use it.
+        self._fused_block_tokens: int | None = None
 
     def _fused_active(self, mode: str) -> bool:
         return getattr(self, "_fused", False) and mode == "train"
@@ -308,32 +391,75 @@ class LossForwardEntropyMixin:
         """TRL's ``_prepare_inputs`` (``prepare``) with the shuffled rows of a new generation batch grouped so that each
         block of micro-batches holds whole groups; with ``egpo_length_sorted_micro_batches``, each group's rows then
         sorted by length (a group stays in place, so each block keeps its whole groups, each group's rows together,
-        as the block's loss needs them)."""
+        as the block's loss needs them), or, with ``egpo_loss_forward_block_tokens``, the groups merged into blocks
+        (:func:`merged_blocks`) and each block's rows sorted by length together."""
 
         def group(batch):
             return group_first_order(batch[GROUP_KEY]) if GROUP_KEY in batch else None
 
         reorders = [group]
-        window = getattr(self, "_egpo_sort_window", None)
-        if window:
-            reorders.append(lambda batch: length_sorted_order(batch, window) if GROUP_KEY in batch else None)
+        if getattr(self, "_fused_block_tokens", None):
+            reorders.append(self._fused_merge_blocks)
+        else:
+            window = getattr(self, "_egpo_sort_window", None)
+            if window:
+                reorders.append(lambda batch: length_sorted_order(batch, window) if GROUP_KEY in batch else None)
         return shuffle_then(prepare, generation_batch, reorders)
+
+    def _fused_merge_blocks(self, batch):
+        """The blocks of a new generation batch (rows in group order) under ``egpo_loss_forward_block_tokens``: sets
+        :attr:`_fused_block_ends` and returns the permutation that sorts each block's rows by length."""
+        if GROUP_KEY not in batch:
+            return None
+        lengths = row_lengths(batch)
+        every = lengths
+        if self.accelerator.num_processes > 1:  # the same blocks on every process
+            every = self.accelerator.gather(lengths.to(self.accelerator.device)).cpu()
+        every = every.view(self.accelerator.num_processes, -1)
+        per_device = self.args.per_device_train_batch_size
+        sizes = merged_blocks(every, self._fused_block * per_device, per_device, self._fused_block_tokens)
+        ends, total = set(), 0
+        for size in sizes:
+            total += size
+            ends.add(total // per_device)
+        self._fused_block_ends = ends
+        # how many blocks the generation batch was cut into (each block holds its forwards until its last one)
+        self._metrics["train"]["egpo/loss_forward_blocks"].append(float(len(sizes)))
+        return _sorted_segments(lengths, sizes)
+
+    def _fused_ends_block(self, position: int) -> bool:
+        """Whether the micro-batch at ``position`` (0-based, within its generation batch) ends its block."""
+        ends = getattr(self, "_fused_block_ends", None)
+        if ends is None:
+            return (position + 1) % self._fused_block == 0
+        return position + 1 in ends
 
     def _fused_training_step(self, model, inputs, step):
         """A micro-batch that does not end its block: prepared and kept, with GRPOTrainer's step bookkeeping, and
         no forward or backward; the block's last micro-batch runs them all (``step``: ``training_step`` of the
-        parent classes)."""
+        parent classes). Where blocks merge groups (``egpo_loss_forward_block_tokens``), a generation batch's first
+        micro-batch is prepared first, as preparing it generates the batch and decides its blocks; should it end a
+        block, ``step`` then takes it as prepared."""
         position = self._step % self.args.steps_per_generation
-        if (position + 1) % self._fused_block == 0:
+        decided = position > 0 or not getattr(self, "_fused_block_tokens", None)
+        if decided and self._fused_ends_block(position):
             return step()
         start = time.perf_counter()
         model.train()
         if callable(getattr(self.optimizer, "train", None)):  # as Trainer.training_step: a schedule-free optimizer
             self.optimizer.train()  # back to its training weights (evaluation leaves it in eval mode) before sampling
         prepared = self._prepare_inputs(inputs)  # a new generation batch resets the kept micro-batches: first
+        self._current_train_step_time += time.perf_counter() - start
+        if not decided and self._fused_ends_block(position):
+            # Trainer.training_step prepares its inputs again: this once, they are the prepared ones (an attribute
+            # of the instance, so that a subclass's _prepare_inputs does not run twice on one micro-batch)
+            self.__dict__["_prepare_inputs"] = lambda _inputs: prepared
+            try:
+                return step()
+            finally:
+                self.__dict__.pop("_prepare_inputs", None)
         self._fused_pending.append(prepared)
         self._step += 1
-        self._current_train_step_time += time.perf_counter() - start
         return torch.zeros((), device=self.accelerator.device)
 
     def _fused_cached_forward(self):
@@ -370,7 +496,13 @@ class LossForwardEntropyMixin:
             )
         groups = torch.cat([batch[GROUP_KEY] for batch in block])
         n = self._fused_batch["num_generations"]
-        if groups.numel() % n or not bool((groups.view(-1, n) == groups.view(-1, n)[:, :1]).all()):
+        # A merged block's rows are sorted by length across its groups: the estimator takes each group's rows
+        # together, and its weights go back to the block's order.
+        order = group_first_order(groups).to(groups.device)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        grouped = groups[order]
+        if grouped.numel() % n or not bool((grouped.view(-1, n) == grouped.view(-1, n)[:, :1]).all()):
             raise RuntimeError(  # pragma: no cover - _fused_prepare_inputs groups the rows
                 "egpo_entropy_logps='loss_forward': a block of micro-batches does not hold whole groups; is the TRL "
                 "version 1.16.0?"
@@ -393,7 +525,10 @@ class LossForwardEntropyMixin:
         correct = torch.cat([batch[CORRECT_KEY] for batch in block])
         # The weights of a group depend on its own rows only: the estimator over the block's groups gives them.
         entropy_input = shannon if shannon is not None else nll
-        weights = self._egpo_estimator(rewards, entropy_input, n, correct=correct, **self._estimator_kwargs())
+        weights = self._egpo_estimator(
+            rewards[order], entropy_input[order], n, correct=correct[order], **self._estimator_kwargs()
+        )
+        weights = weights._replace(weights=weights.weights[inverse], raw_weights=weights.raw_weights[inverse])
         self._fused_record(block, weights, nll, shannon)
         self._fused_cache = list(forwards)
         del forwards  # each kept forward is freed with its micro-batch's backward

@@ -583,12 +583,15 @@ def _check_loss_forward(args, model_args, report: DryRunReport) -> None:
     if getattr(args, "egpo_entropy_logps", None) != "loss_forward":
         return
     from egpo_trl.config import loss_forward_error
-    from egpo_trl.fused import block_memory_note, block_size
+    from egpo_trl.fused import block_memory_note, block_size, merged_block_memory_note
     from egpo_trl.input_checks import loss_forward_input_problems
 
     blocks = block_size(args.per_device_train_batch_size, args.num_generations)
     if blocks > 1 and not args.gradient_checkpointing:
         report.notes.append(block_memory_note(args.per_device_train_batch_size, blocks))
+    tokens = getattr(args, "egpo_loss_forward_block_tokens", None)
+    if tokens is not None and args.egpo_length_sorted_micro_batches and not args.gradient_checkpointing:
+        report.notes.append(merged_block_memory_note(tokens))
     peft = {"lora_dropout": model_args.lora_dropout} if model_args.use_peft else None
     problems = loss_forward_input_problems(model_args.model_name_or_path, peft, args.model_init_kwargs)
     if problems:

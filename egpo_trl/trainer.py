@@ -930,10 +930,19 @@ class EGPOTrainer(
         set ``_egpo_sort_window``, the rows sorted together (``None``: no sorting). Rows stay within their optimizer
         step and their generation batch's split: windows of gcd(gradient_accumulation_steps, steps_per_generation)
         micro-batches; under ``loss_forward`` each group on its own, as its block's loss needs a group's rows
-        together. Where sorting cannot cut any forward (TRL's full width, or a window inside one micro-batch) the
-        rows are not sorted."""
+        together, or with ``egpo_loss_forward_block_tokens`` each block of merged groups (``_fused_block_tokens``).
+        Where sorting cannot cut any forward (TRL's full width, or a window inside one micro-batch) the rows are not
+        sorted."""
         args = self.args
         self._egpo_sort_window = None
+        if args.egpo_loss_forward_block_tokens is not None and not (
+            getattr(self, "_fused", False) and args.egpo_length_sorted_micro_batches
+        ):
+            logger.warning(
+                "egpo_loss_forward_block_tokens=%s does nothing here: it merges the blocks of "
+                "egpo_entropy_logps='loss_forward' with egpo_length_sorted_micro_batches=True.",
+                args.egpo_loss_forward_block_tokens,
+            )
         if not args.egpo_length_sorted_micro_batches:
             return
         router = ["the MoE router's auxiliary loss is averaged over each micro-batch"]
@@ -943,6 +952,16 @@ class EGPOTrainer(
         if getattr(self, "_fused", False):
             window = self.num_generations
             inside = per_device % window == 0 or per_device == 1  # whole groups per micro-batch, or single rows
+            tokens = args.egpo_loss_forward_block_tokens
+            unit = self._fused_block * per_device  # the fewest rows of whole groups in whole micro-batches
+            if tokens is not None and per_device > 1 and unit < per_device * args.steps_per_generation:
+                inside = False  # blocks of several groups, sorted together
+                if not full_width:
+                    self._fused_block_tokens = tokens
+                    if not args.gradient_checkpointing:
+                        from egpo_trl.fused import merged_block_memory_note
+
+                        logger.warning(merged_block_memory_note(tokens))
         else:
             window = math.gcd(args.gradient_accumulation_steps, args.steps_per_generation) * per_device
             inside = window == per_device or per_device == 1

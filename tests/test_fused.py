@@ -51,6 +51,14 @@ def _assert_same_rows(policy: list[dict], fused: list[dict], keys: tuple[str, ..
 SHORT_GEC = {"edge_gec_reflection_cue": " Wait.", "edge_gec_answer_template": " \\boxed{{answer}}"}
 
 
+#: Merged blocks (egpo_loss_forward_block_tokens) over completions of varied lengths (a bias on the end token).
+MERGED = {
+    "egpo_length_sorted_micro_batches": True,
+    "egpo_loss_forward_block_tokens": 10**6,
+    "generation_kwargs": {"sequence_bias": [[[2], 3.0]]},
+}
+
+
 @pytest.mark.parametrize(
     "per_device, accumulation, extra",
     [
@@ -60,6 +68,9 @@ SHORT_GEC = {"edge_gec_reflection_cue": " Wait.", "edge_gec_answer_template": " 
         (2, 4, {"dynamic_sampling": True, "scale_rewards": "batch"}),  # reassembled batches, batch-std advantages
         (2, 4, {"egpo_entropy_scope": "answer", "egpo_renorm": "after_clamp"}),  # a scope mask, C5
         (2, 4, {"advantage_estimator": "edge_grpo"}),  # EDGE-GRPO: weights from the forwards' Shannon entropies
+        # blocks merging groups of varied lengths, rows sorted across them (the estimator sees each group together)
+        (4, 4, MERGED),
+        (4, 4, {**MERGED, "advantage_estimator": "edge_grpo"}),
         (2, 4, {"advantage_estimator": "edge_grpo", "edge_gec": True, "edge_gec_max_new_tokens": 4, **SHORT_GEC}),
         # A low temperature spreads EDGE-GRPO's weights (about 1 at temperature 1 on random weights), so that
         # entropies on the wrong rows would show; the proxy's metrics off, as the pass leaves them.
@@ -120,6 +131,9 @@ def test_loss_forward_trains_as_the_no_grad_pass(tmp_path, tiny_model_dir, per_d
         assert torch.isfinite(trainer.egpo_last_batch["entropies"]).all()
     if extra.get("temperature"):
         assert float(result.weights.max() - result.weights.min()) > 0.02, result.weights  # the check can tell
+    if extra.get("egpo_loss_forward_block_tokens"):
+        assert trainer._fused_block_tokens == extra["egpo_loss_forward_block_tokens"]
+        assert len(trainer._fused_block_ends) < accumulation  # the last batch's blocks: some merged
     torch.testing.assert_close(result.advantages, result.weights * result.base_advantages)
     assert trainer._fused_batch is None and trainer._fused_pending == []
 
@@ -370,6 +384,17 @@ def test_loss_forward_trains_as_the_no_grad_pass_under_deepspeed_zero(tmp_path):
     # blocks of 4 micro-batches (1 row each, 8 a step): 3 backwards of a block before its last one's, under ZeRO-2
     again, fused = check("blocks4", 29900, "--engines", "zero2", "--per-device-batch", "1", "--accumulation", "8")
     assert again["within"] and fused["within"] and fused["backwards"] == {"policy": 16, "loss_forward": 16}, fused
+    # merged blocks under ZeRO-3, whose forwards gather the weights: every process cuts its batch into the same
+    # blocks (otherwise their collectives would not line up); one group per micro-batch, some blocks merged
+    merged = json.dumps({**MERGED, "egpo_loss_forward_block_tokens": 800})
+    again, fused = check(
+        "merged", 30000, "--engines", "zero3", "--per-device-batch", "4",
+        "--accumulation", "4", "--settings", merged,
+    )  # fmt: skip
+    assert again["within"] and fused["within"] and fused["backwards"] == {"policy": 8, "loss_forward": 8}, fused
+    ranks = fused["blocks"]
+    assert len(ranks) == 2 and ranks[0] == ranks[1] and len(ranks[0]) == 2, ranks  # 2 generation batches
+    assert all(ends[-1] == 4 for ends in ranks[0]) and any(len(ends) < 4 for ends in ranks[0]), ranks
 
 
 def test_loss_forward_refuses_a_deepspeed_older_than_the_one_it_was_checked_with(monkeypatch):

@@ -61,6 +61,8 @@ class RecordingTrainer(EGPOTrainer):
             ]
             groups = prepared[GROUP_KEY].tolist() if GROUP_KEY in prepared else None
             self.seen.append((lengths.tolist(), rows, groups))
+            ends = getattr(self, "_fused_block_ends", None)
+            self.block_ends.append(sorted(ends) if ends is not None else None)
         return prepared
 
 
@@ -77,7 +79,7 @@ def _train(tmp_path, model_dir, **overrides):
     )
     args = config(tmp_path, **{**settings, **overrides})
     trainer = RecordingTrainer(model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
-    trainer.seen = []
+    trainer.seen, trainer.block_ends = [], []
     trainer.train()
     rows = [row for row in trainer.state.log_history if "loss" in row]
     return trainer, rows, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
@@ -94,6 +96,8 @@ def _descending(values):
         (2, 4, {"steps_per_generation": 2}, 2),  # two generation batches per optimizer step: each on its own
         (2, 4, {"egpo_entropy_logps": "loss_forward"}, "group"),  # blocks of 2 micro-batches, one group each
         (6, 2, {"egpo_entropy_logps": "loss_forward"}, "group"),  # a block of 2 micro-batches holds 3 groups
+        # one group per micro-batch, groups merged into blocks where that cuts padding, each block sorted together
+        (4, 4, {"egpo_entropy_logps": "loss_forward", "egpo_loss_forward_block_tokens": 10**6}, "merged"),
         # DAPO's dynamic sampling: a generation batch assembled from rounds, then sorted
         (2, 4, {"advantage_estimator": "grpo", "dynamic_sampling": True, "egpo_entropy_metrics": False}, 4),
     ],
@@ -109,18 +113,23 @@ def test_length_sorted_micro_batches_train_as_unsorted(
     sorted_, sorted_rows, sorted_weights = _train(
         tmp_path / "sorted", tiny_model_dir, egpo_length_sorted_micro_batches=True, **overrides
     )
-    assert sorted_._egpo_sort_window == (4 if window == "group" else window * per_device)
+    assert sorted_._egpo_sort_window == (4 if window in ("group", "merged") else window * per_device)
     assert len(plain.seen) == len(sorted_.seen) == 2 * accumulation
     completion_lengths = {len(row[1]) for seen in sorted_.seen for row in seen[1]}
     assert len(completion_lengths) > 2, f"completion lengths {completion_lengths}: the test cannot tell"
-    unsorted = 0
+    unsorted = mixed = 0
     for step in range(2):
         plain_step = plain.seen[step * accumulation : (step + 1) * accumulation]
         sorted_step = sorted_.seen[step * accumulation : (step + 1) * accumulation]
         assert sorted(r for _, rows, _ in sorted_step for r in rows) == sorted(
             r for _, rows, _ in plain_step for r in rows
         )
-        if window == "group":
+        if window == "merged":
+            mixed += _check_merged_blocks(sorted_step, sorted_.block_ends[step * accumulation], per_device)
+            for _, _, groups in plain_step:  # without sorting: one group per micro-batch
+                assert len(set(groups)) == 1
+            unsorted += any(not _descending(lengths) for lengths, _, _ in plain_step)
+        elif window == "group":
             # each group's rows together, longest first; the blocks hold the same groups as without sorting
             for seen_step, check in ((sorted_step, True), (plain_step, False)):
                 flat = [(g, n) for lengths, _, groups in seen_step for g, n in zip(groups, lengths)]
@@ -146,6 +155,9 @@ def test_length_sorted_micro_batches_train_as_unsorted(
                 plain_rows_in = sorted(r for _, rows, _ in plain_step[start : start + window] for r in rows)
                 assert sorted_rows_in == plain_rows_in  # a window keeps its rows
     assert unsorted > 0, "without sorting every window was sorted already: the test cannot tell"
+    if window == "merged":
+        assert mixed > 0, "no micro-batch held rows of two groups: the test cannot tell"
+        assert len(sorted_.block_ends[0]) < accumulation or len(sorted_.block_ends[accumulation]) < accumulation
     if extra.get("dynamic_sampling"):
         rounds = [row.get("dynamic_sampling/rounds") for row in sorted_rows]
         assert rounds == [row.get("dynamic_sampling/rounds") for row in plain_rows]
@@ -165,6 +177,46 @@ def test_length_sorted_micro_batches_train_as_unsorted(
         torch.testing.assert_close(
             sorted_weights[name], weight, rtol=1e-4, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+def _check_merged_blocks(step, ends, per_device) -> int:
+    """One generation batch's micro-batches under merged blocks: each block (up to each of ``ends``) holds whole
+    groups of 4, its rows sorted longest first across its micro-batches. Returns how many micro-batches hold rows of
+    more than one group."""
+    assert ends is not None and ends[-1] == len(step), ends
+    start = 0
+    for end in ends:
+        block = step[start:end]
+        lengths = [n for lengths, _, _ in block for n in lengths]
+        assert _descending(lengths), (ends, lengths)
+        groups = [g for _, _, groups in block for g in groups]
+        assert all(groups.count(g) == 4 for g in set(groups)), groups
+        start = end
+    return sum(len(set(groups)) > 1 for _, _, groups in step)
+
+
+def test_merged_blocks_cut_padding_within_their_budget():
+    """Groups join the block before them only where that cuts the padded tokens (summed over the processes), and no
+    process's block then computes more than the budget."""
+    from egpo_trl.fused import merged_blocks, padded_tokens
+
+    assert padded_tokens(torch.tensor([1, 5, 2, 4]), 2) == 5 * 2 + 2 * 2
+    same = torch.full((1, 8), 7)
+    assert merged_blocks(same, 2, 2, 10**6) == [2, 2, 2, 2]  # nothing to save: units as they are
+    # units (9, 1) (8, 2) (7, 3) (6, 4), 18, 16, 14 and 12 tokens: the first two together 9 * 2 + 2 * 2 = 22 tokens;
+    # the third saves nothing on them (36 tokens either way), so it starts a block, which the fourth joins (22)
+    spread = torch.tensor([[9, 1, 8, 2, 7, 3, 6, 4]])
+    assert merged_blocks(spread, 2, 2, 10**6) == [4, 4]
+    assert merged_blocks(spread, 2, 2, 22) == [4, 4]
+    assert merged_blocks(spread, 2, 2, 21) == [2, 2, 2, 2]  # within the budget only apart
+    # two processes, one whose rows are all alike (no saving), the other's as above: the sum decides (50 < 62 tokens
+    # for the first two units), the largest block the budget (4 rows of 7: 28 tokens), the same blocks on both
+    both = torch.stack([same[0], spread[0]])
+    assert merged_blocks(both, 2, 2, 10**6) == [4, 4]
+    assert merged_blocks(both, 2, 2, 27) == [2, 2, 2, 2]
+    assert merged_blocks(spread[0], 2, 2, 10**6) == [4, 4]  # one process's lengths as a vector
+    with pytest.raises(ValueError, match="not made of units of 3 rows"):
+        merged_blocks(spread, 3, 1, 10)
 
 
 @pytest.mark.parametrize(
