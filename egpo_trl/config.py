@@ -249,9 +249,12 @@ class EGPOConfig(GRPOConfig):
             plus completion), on every process (the blocks are the same on all processes, as their forwards and
             backwards must line up); a block's rows are then sorted by length, longest first. The block holds all
             its forwards until its last one has run (with gradient checkpointing, each layer's input of each row:
-            about 89 KB per token at the Qwen2.5-Math-1.5B shape in bf16), so this bounds that memory; where every
-            completion has the same length nothing is merged and the blocks are those of `None`. `None` (default):
-            each block holds the fewest micro-batches that hold whole groups, and sorting stays within each group.
+            about 86 KB per token at the Qwen2.5-Math-1.5B shape in bf16, 28 layers x 1,536 x 2 bytes, so up to
+            ~21.5 GiB at 262,144 tokens), so this bounds that memory; where every completion has the same length
+            nothing is merged and the blocks are those of `None`. A single group's
+            block is never split, whatever the budget. `egpo/loss_forward_blocks` logs the blocks per generation
+            batch. `None` (default): each block holds the fewest micro-batches that hold whole groups, and sorting
+            stays within each group.
         egpo_cudnn_attention (`bool` or `None`, *optional*, defaults to `None`):
             Whether PyTorch's scaled-dot-product attention (SDPA) may use its cuDNN kernel during training and
             evaluation steps (generation, scoring, the loss's forwards and backwards). PyTorch prefers that kernel on
@@ -637,7 +640,7 @@ class EGPOConfig(GRPOConfig):
             and (world_size > 1 or engine is not None)
             and (
                 block_size(self.per_device_train_batch_size, self.num_generations) > 1
-                or (self.egpo_loss_forward_block_tokens is not None and self.egpo_length_sorted_micro_batches)
+                or self._loss_forward_blocks_may_merge()
             )
         ):
             # Reentrant checkpointing hands each checkpointed forward's weight gradients over separately, so a
@@ -650,6 +653,18 @@ class EGPOConfig(GRPOConfig):
         problems += found
         if problems:
             raise ValueError(loss_forward_error(problems))
+
+    def _loss_forward_blocks_may_merge(self) -> bool:
+        """Whether ``egpo_loss_forward_block_tokens`` can merge groups into blocks with these arguments (the trainer
+        also needs forwards cut to their rows, which only it can tell): sorting on, several rows per micro-batch, and
+        more than one smallest block in a process's generation batch."""
+        from egpo_trl.fused import block_size
+
+        if self.egpo_loss_forward_block_tokens is None or not self.egpo_length_sorted_micro_batches:
+            return False
+        per_device = self.per_device_train_batch_size
+        steps = self.steps_per_generation or self.gradient_accumulation_steps
+        return per_device > 1 and block_size(per_device, self.num_generations) < steps
 
     def _validate_length_sorting(self, problems: list[str] | None = None) -> None:
         """Refuse ``egpo_length_sorted_micro_batches`` where the loss depends on which rows share a micro-batch (with

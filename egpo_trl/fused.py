@@ -409,6 +409,7 @@ class LossForwardEntropyMixin:
     def _fused_merge_blocks(self, batch):
         """The blocks of a new generation batch (rows in group order) under ``egpo_loss_forward_block_tokens``: sets
         :attr:`_fused_block_ends` and returns the permutation that sorts each block's rows by length."""
+        self._fused_block_ends = None  # nothing of an earlier generation batch's blocks carries over
         if GROUP_KEY not in batch:
             return None
         lengths = row_lengths(batch)
@@ -453,11 +454,16 @@ class LossForwardEntropyMixin:
         if not decided and self._fused_ends_block(position):
             # Trainer.training_step prepares its inputs again: this once, they are the prepared ones (an attribute
             # of the instance, so that a subclass's _prepare_inputs does not run twice on one micro-batch)
+            missing = object()
+            before = self.__dict__.get("_prepare_inputs", missing)  # a wrapper set on the instance, if any
             self.__dict__["_prepare_inputs"] = lambda _inputs: prepared
             try:
                 return step()
             finally:
-                self.__dict__.pop("_prepare_inputs", None)
+                if before is missing:
+                    self.__dict__.pop("_prepare_inputs", None)
+                else:
+                    self.__dict__["_prepare_inputs"] = before
         self._fused_pending.append(prepared)
         self._step += 1
         return torch.zeros((), device=self.accelerator.device)
@@ -528,7 +534,7 @@ class LossForwardEntropyMixin:
         weights = self._egpo_estimator(
             rewards[order], entropy_input[order], n, correct=correct[order], **self._estimator_kwargs()
         )
-        weights = weights._replace(weights=weights.weights[inverse], raw_weights=weights.raw_weights[inverse])
+        weights = type(weights)(*[field[inverse] for field in weights])  # every per-row field in the block's order
         self._fused_record(block, weights, nll, shannon)
         self._fused_cache = list(forwards)
         del forwards  # each kept forward is freed with its micro-batch's backward

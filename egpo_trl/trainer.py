@@ -953,8 +953,7 @@ class EGPOTrainer(
             window = self.num_generations
             inside = per_device % window == 0 or per_device == 1  # whole groups per micro-batch, or single rows
             tokens = args.egpo_loss_forward_block_tokens
-            unit = self._fused_block * per_device  # the fewest rows of whole groups in whole micro-batches
-            if tokens is not None and per_device > 1 and unit < per_device * args.steps_per_generation:
+            if args._loss_forward_blocks_may_merge():
                 inside = False  # blocks of several groups, sorted together
                 if not full_width:
                     self._fused_block_tokens = tokens
@@ -980,6 +979,20 @@ class EGPOTrainer(
             )
         else:
             self._egpo_sort_window = window
+        if (
+            getattr(self, "_fused", False)
+            and args.egpo_loss_forward_block_tokens is not None
+            and not getattr(self, "_fused_block_tokens", None)
+        ):
+            if full_width:
+                why = "the loss's forwards keep TRL's full width"
+            else:
+                why = "one row per micro-batch, or one block per generation batch already"
+            logger.warning(
+                "egpo_loss_forward_block_tokens=%s is ignored here: blocks cannot merge groups (%s).",
+                args.egpo_loss_forward_block_tokens,
+                why,
+            )
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         with self._egpo_attention_kernels():

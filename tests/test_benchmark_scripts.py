@@ -849,6 +849,13 @@ def test_padding_counts_tokens_of_shuffled_and_sorted_micro_batches():
         assert 1.0 <= row["sorted_step"] <= row["sorted_group"] <= row["shuffled"]
     one_group = padding_rows("uniform", rows=32, group=16, micro_batches=(16,), repeats=5)[0]
     assert one_group["sorted_group"] == pytest.approx(one_group["shuffled"], rel=0.1)  # a group per micro-batch
+    # loss_forward's blocks of merged groups: a budget holding the whole batch sorts as the whole step does; one below
+    # two groups merges nothing; the largest block stays within the budget once it holds more than one group
+    rows = padding_rows("lognormal", rows=64, group=16, micro_batches=(16,), repeats=5, block_tokens=(10**7, 1))[0]
+    assert rows["merged_10000000"] == pytest.approx(rows["sorted_step"])
+    assert rows["merged_1"] == pytest.approx(rows["sorted_group"])
+    budget = padding_rows("uniform", rows=64, group=16, micro_batches=(16,), repeats=5, block_tokens=(100_000,))[0]
+    assert budget["largest_block_100000"] <= 100_000 and budget["merged_100000"] < budget["sorted_group"]
 
 
 def torch_tensor(values):
