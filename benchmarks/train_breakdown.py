@@ -156,6 +156,7 @@ class Timings:
         self.after_micro: list[float] = []  # last training_step's end to the step's end (optimizer, outside DeepSpeed)
         self.forwards: list[tuple[int, float]] = []
         self.early_backwards: list[tuple[int, float]] = []
+        self.block_ends: list[list[int]] = []  # loss_forward's merged blocks: the micro-batches ending one, per batch
         self._step_start = None
         self._last_micro_end = None
         self.profile_at, self.profile = None, None
@@ -170,6 +171,20 @@ class Timings:
             return out
 
         return timed
+
+    def record_blocks(self, trainer) -> None:
+        """Under ``egpo_loss_forward_block_tokens``: keep the micro-batches ending a block, per generation batch
+        (nothing timed, so with ``--bench-steps-only`` too)."""
+        if not getattr(trainer, "_fused_block_tokens", None):
+            return
+        merge = trainer._fused_merge_blocks
+
+        def merge_and_record(batch):
+            order = merge(batch)
+            self.block_ends.append(sorted(trainer._fused_block_ends))
+            return order
+
+        trainer._fused_merge_blocks = merge_and_record
 
     def instrument(self, trainer, profile_at: int | None) -> None:
         compute_loss, training_step = trainer.compute_loss, trainer.training_step
@@ -460,6 +475,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     )
     device = trainer.accelerator.device
     timings = Timings(device)
+    timings.record_blocks(trainer)
     if not args.bench_steps_only:
         timings.instrument(trainer, args.bench_profile)
 
@@ -537,6 +553,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     floor_micro = row_flops * rows / flops_per_s
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     sharding = f"ZeRO-{plugin.zero_stage}" if plugin is not None else ("FSDP" if trainer.is_fsdp_enabled else "none")
+    same_blocks = None
+    if timings.block_ends:  # every process's block ends, as 0/1 per micro-batch of each generation batch
+        marks = torch.zeros(len(timings.block_ends), training_args.steps_per_generation, device=device)
+        for batch, ends in enumerate(timings.block_ends):
+            marks[batch, [end - 1 for end in ends]] = 1
+        every = trainer.accelerator.gather(marks.unsqueeze(0))
+        same_blocks = bool((every == every[:1]).all())
     median = statistics.median
     result = {
         "error": error,
@@ -579,6 +602,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             for row in allocator
         ],
         "loss_forward": blocks or None,
+        "loss_forward_block_ends": timings.block_ends or None,
+        "loss_forward_blocks_same_on_every_process": same_blocks,
         "deepspeed_config": plugin.deepspeed_config if plugin is not None else None,
     }
     if timings.profile is not None:

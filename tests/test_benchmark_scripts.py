@@ -688,6 +688,28 @@ def test_train_breakdown_splits_a_loss_forward_block(tmp_path):
     assert len(report["allocator_per_process"]) == 1
 
 
+def test_train_breakdown_records_merged_blocks(tmp_path):
+    """egpo_loss_forward_block_tokens: the blocks of each generation batch (the same on every process), and no
+    per-block medians, which blocks of varying size do not have."""
+    out_json = tmp_path / "merged.json"
+    out = run("benchmarks/train_breakdown.py", "recipes/demo_tiny_cpu.yaml", "--bench-tiny",
+              "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "4", "--egpo_entropy_logps",
+              "loss_forward", "--egpo_length_sorted_micro_batches", "true", "--egpo_loss_forward_block_tokens",
+              "1000000", "--bench-lengths", "spread", "--max_steps", "2", "--output_dir", str(tmp_path / "run"),
+              "--bench-json", str(out_json))  # fmt: skip
+    assert "no per-block breakdown" in out
+    report = json.loads(out_json.read_text())
+    assert report["loss_forward_block_ends"] == [[4], [4]]  # spread lengths: each batch's 4 groups one block
+    assert report["loss_forward_blocks_same_on_every_process"] is True and report["loss_forward"] is None
+    steps_json = tmp_path / "steps.json"  # recorded when only whole steps are timed too
+    run("benchmarks/train_breakdown.py", "recipes/demo_tiny_cpu.yaml", "--bench-tiny", "--bench-steps-only",
+        "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "4", "--egpo_entropy_logps",
+        "loss_forward", "--egpo_length_sorted_micro_batches", "true", "--egpo_loss_forward_block_tokens", "1000000",
+        "--bench-lengths", "spread", "--max_steps", "1", "--output_dir", str(tmp_path / "steps"), "--bench-json",
+        str(steps_json))  # fmt: skip
+    assert json.loads(steps_json.read_text())["loss_forward_block_ends"] == [[4]]
+
+
 def test_block_breakdown_attributes_each_part_to_its_block():
     """The split on made-up times: 2 steps of 6 micro-batches in blocks of 3; each part's time is unique, so a
     forward or backward put in the wrong block, or a block that runs the optimizer counted, moves a median."""
