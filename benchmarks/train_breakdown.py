@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     sharding = f"ZeRO-{plugin.zero_stage}" if plugin is not None else ("FSDP" if trainer.is_fsdp_enabled else "none")
     same_blocks = None
-    if timings.block_ends:  # every process's block ends, as 0/1 per micro-batch of each generation batch
+    if getattr(trainer, "_fused_block_tokens", None):  # every process's block ends, 0/1 per micro-batch of each batch
         marks = torch.zeros(len(timings.block_ends), training_args.steps_per_generation, device=device)
         for batch, ends in enumerate(timings.block_ends):
             marks[batch, [end - 1 for end in ends]] = 1

@@ -250,7 +250,7 @@ class EGPOConfig(GRPOConfig):
             backwards must line up); a block's rows are then sorted by length, longest first. The block holds all
             its forwards until its last one has run (with gradient checkpointing, each layer's input of each row:
             about 86 KB per token at the Qwen2.5-Math-1.5B shape in bf16, 28 layers x 1,536 x 2 bytes, so up to
-            ~21.5 GiB at 262,144 tokens), so this bounds that memory; where every completion has the same length
+            ~21 GiB at 262,144 tokens), so this bounds that memory; where every completion has the same length
             nothing is merged and the blocks are those of `None`. A single group's
             block is never split, whatever the budget. `egpo/loss_forward_blocks` logs the blocks per generation
             batch. `None` (default): each block holds the fewest micro-batches that hold whole groups, and sorting
@@ -646,9 +646,15 @@ class EGPOConfig(GRPOConfig):
             # Reentrant checkpointing hands each checkpointed forward's weight gradients over separately, so a
             # weight used by several forwards is reported ready several times in one backward: DDP's and ZeRO's
             # gradient hooks take one report per backward.
+            merging_only = block_size(self.per_device_train_batch_size, self.num_generations) == 1
             problems.append(
                 "reentrant gradient checkpointing cannot hold several forwards for one backward under data "
                 "parallelism or DeepSpeed; set gradient_checkpointing_kwargs: {use_reentrant: false}"
+                + (
+                    " (or unset egpo_loss_forward_block_tokens, whose blocks of merged groups hold them)"
+                    if merging_only
+                    else ""
+                )
             )
         problems += found
         if problems:

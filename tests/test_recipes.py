@@ -354,7 +354,8 @@ def test_dry_run_checks_loss_forward_for_the_launch_it_prints(tiny_model_dir, lo
     # one group per micro-batch, one block each: one forward per backward
     single = ["--egpo_loss_forward_block_tokens", "None"]
     assert problem not in check(*reentrant, *single, rows=())
-    assert problem in check(*reentrant, rows=())  # the recipe's blocks of several groups hold several forwards
+    out = check(*reentrant, rows=())  # the recipe's blocks of several groups hold several forwards
+    assert problem in out and "or unset egpo_loss_forward_block_tokens" in out
     out = check("--gradient_checkpointing", "false", *single, rows=())
     assert "micro-batches (16 rows) of forwards" not in out and "egpo_loss_forward_block_tokens=" not in out
     out = check("--gradient_checkpointing", "false", rows=())
