@@ -634,19 +634,17 @@ class EGPOConfig(GRPOConfig):
             old_deepspeed = deepspeed_problem()
             if old_deepspeed:
                 problems.append(old_deepspeed)
+        blocks = block_size(self.per_device_train_batch_size, self.num_generations)
         if (
             self.gradient_checkpointing
             and reentrant_checkpointing(self.gradient_checkpointing_kwargs)
             and (world_size > 1 or engine is not None)
-            and (
-                block_size(self.per_device_train_batch_size, self.num_generations) > 1
-                or self._loss_forward_blocks_may_merge()
-            )
+            and (blocks > 1 or self._loss_forward_blocks_may_merge())
         ):
             # Reentrant checkpointing hands each checkpointed forward's weight gradients over separately, so a
             # weight used by several forwards is reported ready several times in one backward: DDP's and ZeRO's
             # gradient hooks take one report per backward.
-            merging_only = block_size(self.per_device_train_batch_size, self.num_generations) == 1
+            merging_only = blocks == 1
             problems.append(
                 "reentrant gradient checkpointing cannot hold several forwards for one backward under data "
                 "parallelism or DeepSpeed; set gradient_checkpointing_kwargs: {use_reentrant: false}"

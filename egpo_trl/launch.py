@@ -589,9 +589,8 @@ def _check_loss_forward(args, model_args, report: DryRunReport) -> None:
     blocks = block_size(args.per_device_train_batch_size, args.num_generations)
     if blocks > 1 and not args.gradient_checkpointing:
         report.notes.append(block_memory_note(args.per_device_train_batch_size, blocks))
-    tokens = getattr(args, "egpo_loss_forward_block_tokens", None)
-    if tokens is not None and args.egpo_length_sorted_micro_batches and not args.gradient_checkpointing:
-        report.notes.append(merged_block_memory_note(tokens))
+    if args._loss_forward_blocks_may_merge() and not args.gradient_checkpointing:  # the trainer's own condition
+        report.notes.append(merged_block_memory_note(args.egpo_loss_forward_block_tokens))
     peft = {"lora_dropout": model_args.lora_dropout} if model_args.use_peft else None
     problems = loss_forward_input_problems(model_args.model_name_or_path, peft, args.model_init_kwargs)
     if problems:
