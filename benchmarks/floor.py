@@ -36,6 +36,9 @@ left out (of the bytes a decode step reads too). The matrix floors above leave a
 layer and row, ``2 * heads * head_dim * T^2`` for the causal score and value products of ``T = P + L`` tokens (x3 for
 forward and backward, x4/3 with checkpointing). Prints one table and writes ``--summary`` rows: those of
 ``benchmarks/summarize_recipe_runs.py`` (which carry ``old_logps_s`` and ``mean_length``) plus the floors and ratios.
+The "step" and "scoring + training" rows take TRL's ``step_time``; the rows marked "(clock)" (``ratio_*_clock*``)
+take the step's time by the clock (``clock_s``), which also counts the GPU work a step left queued when
+``training_step`` returned (``benchmarks/summarize_recipe_runs.py`` says why): compare steps by those.
 """
 
 from __future__ import annotations
@@ -281,6 +284,14 @@ def floors(args, run: Path) -> list[dict]:
                 + floor["floor_training_attn_s"]
             )
             floor["ratio_step_rounds_attn"] = row["step_s"] / floor["reading_step_rounds_attn_s"]
+        # The same by the clock (summarize_recipe_runs.py: TRL's step_time leaves out what the GPU still had to do
+        # when training_step returned), where the run logged time_s.
+        clock, rest_clock = row.get("clock_s"), row.get("rest_clock_s")
+        floor["ratio_step_clock"] = clock / floor["floor_step_s"] if clock else None
+        floor["ratio_step_clock_attn"] = clock / floor["floor_step_attn_s"] if clock else None
+        floor["ratio_training_clock_attn"] = rest_clock / floor["floor_training_attn_s"] if rest_clock else None
+        reading = floor["reading_step_rounds_attn_s"]
+        floor["ratio_step_clock_rounds_attn"] = clock / reading if clock and reading else None
         out.append({**row, **floor})
     return out
 
@@ -363,6 +374,17 @@ def table(rows: list[dict]) -> str:
                     + " (a reading, not a bound)",
                 )
             )
+        if row.get("clock_s"):  # the step and its training by the clock: what the step took (see summarize)
+            phases.append(
+                ("scoring + training (clock)", row.get("rest_clock_s"), row["floor_training_attn_s"],
+                 "6N FLOPs/token + attention")
+            )  # fmt: skip
+            phases.append(("step (clock)", row["clock_s"], row["floor_step_attn_s"], "sum, with attention"))
+            if row.get("reading_step_rounds_attn_s"):
+                phases.append(
+                    ("step (clock)", row["clock_s"], row["reading_step_rounds_attn_s"],
+                     "sum, with attention; generation at its rounds reading (a reading, not a bound)")
+                )  # fmt: skip
         for name, measured, bound, what in phases:
             ratio = measured / bound if measured is not None and bound else None
             lines.append(

@@ -5,16 +5,26 @@
 Reads, per recipe, ``OUT_DIR/RECIPE/{command.txt,exit_status,gpu_memory.csv,run/metrics.jsonl}`` and the recipe
 itself. Columns: the card and the number of GPUs, the DeepSpeed stage, completions per optimizer step, the peak GPU
 memory of any GPU of the run as the driver reports it (vLLM's memory pool included; less what
-``benchmarks/memory_ballast.py`` held there, where ``ballast.txt`` says so), then per step: its seconds
-(TRL's ``step_time``), of which generation (``timing/generation_s``: vLLM's wake-up, weight sync and sampling),
-the old-policy log-prob pass (``timing/old_logps_s``), Guided Error Correction (``timing/gec_s``: its scoring,
-rewrites and continuations; EDGE-GRPO only; of which the continuations' generation alone,
-``timing/gec_continuation_s``) and the rest (scoring, advantages and the forward/backward/optimizer
-step); completion tokens per second over the step; TRL's importance-sampling ratio
+``benchmarks/memory_ballast.py`` held there, where ``ballast.txt`` says so), then per step: its seconds by the
+clock (``clock_s``: from the previous step's ``time_s`` in ``metrics.jsonl`` to this one's, the first step's from the
+training's start) and as TRL's ``step_time`` counts them (``step_s``), of which generation
+(``timing/generation_s``: vLLM's wake-up, weight sync and sampling), the old-policy log-prob pass
+(``timing/old_logps_s``), Guided Error Correction (``timing/gec_s``: its scoring, rewrites and continuations;
+EDGE-GRPO only; of which the continuations' generation alone, ``timing/gec_continuation_s``) and the rest (scoring,
+advantages and the forward/backward/optimizer step: ``rest_clock_s`` by the clock, ``rest_s`` by ``step_time``);
+completion tokens per second over the step (by the clock where the run logged it); TRL's importance-sampling ratio
 (mean and min, when the correction is on), loss and gradient norm; with the first step where vLLM is colocated on
 GPUs, the trainer's estimate of what later generations hold on the fullest GPU
 (``egpo/gpu_memory_later_generations_gib``: against a two-step run's peak, a check of it). Standard library plus
 PyYAML.
+
+Compare steps by the clock. TRL's ``step_time`` adds up the host's time inside ``training_step``, and the GPU runs
+behind the host: what a step queued but did not wait for (its last micro-batches' backwards, DeepSpeed's optimizer
+step) is waited for after ``training_step`` returns, when the trainer reads the step's loss to log it, and
+``step_time`` leaves it out. A method that waits for the GPU inside ``training_step`` (EGPO's ``loss_forward`` blocks
+need their forwards' log-probs before their losses) has that time counted; one that does not, has it left out. At
+the 7B recipes' 2 x 64 micro-batches under ZeRO-2 the difference was 7.6-8.3 s a step for GRPO and 1.1-1.5 s for
+EGPO with ``loss_forward`` (BENCHMARKS.md, "How a step is timed").
 """
 
 from __future__ import annotations
@@ -122,8 +132,15 @@ def summarize(folder: Path) -> list[dict]:
     )
     steps = [r for r in records if isinstance(r.get("step_time"), (int, float))]
     rows = []
+    previous = 0.0  # time_s counts from the training's start (a resumed run's: the step it resumed from)
     for record in steps:
         step_time = record["step_time"]
+        clock = None
+        if isinstance(record.get("time_s"), (int, float)):
+            # the first record of a file counts from the training's start only if it is step 1 (not a resume's)
+            if previous or record.get("step") == 1:
+                clock = record["time_s"] - previous
+            previous = record["time_s"]
         generation = record.get("timing/generation_s")
         old_logps = record.get("timing/old_logps_s", 0.0)
         scored = record.get("timing/generate_and_score_s")
@@ -133,14 +150,16 @@ def summarize(folder: Path) -> list[dict]:
                 base,
                 step=record.get("step"),
                 step_s=step_time,
+                clock_s=clock,
                 generation_s=generation,
                 old_logps_s=old_logps,
                 gec_s=record.get("timing/gec_s"),
                 gec_continuation_s=record.get("timing/gec_continuation_s"),
                 gec_frac_reflect=record.get("gec/frac_reflect"),
                 rest_s=step_time - scored if scored is not None else None,
+                rest_clock_s=clock - scored if scored is not None and clock is not None else None,
                 mean_length=mean_length,
-                tokens_per_s=completions * mean_length / step_time if mean_length else None,
+                tokens_per_s=completions * mean_length / (clock or step_time) if mean_length else None,
                 is_mean=record.get("sampling/importance_sampling_ratio/mean"),
                 is_min=record.get("sampling/importance_sampling_ratio/min"),
                 loss=record.get("loss"),
@@ -160,12 +179,14 @@ COLUMNS = [
     ("length", "max completion", "{}"),
     ("peak_gib", "peak GiB/GPU", "{:.1f}"),
     ("step", "step", "{}"),
-    ("step_s", "step s", "{:.1f}"),
+    ("clock_s", "step s (clock)", "{:.1f}"),
+    ("step_s", "step s (TRL's step_time)", "{:.1f}"),
     ("generation_s", "generation s", "{:.1f}"),
     ("old_logps_s", "old log-probs s", "{:.2f}"),
     ("gec_s", "GEC s", "{:.1f}"),
     ("gec_continuation_s", "GEC continuations s", "{:.1f}"),
-    ("rest_s", "scoring + training s", "{:.1f}"),
+    ("rest_clock_s", "scoring + training s (clock)", "{:.1f}"),
+    ("rest_s", "scoring + training s (step_time)", "{:.1f}"),
     ("mean_length", "mean length", "{:.0f}"),
     ("tokens_per_s", "completion tok/s", "{:.0f}"),
     ("is_mean", "IS ratio mean", "{:.3g}"),

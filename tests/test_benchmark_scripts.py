@@ -884,3 +884,56 @@ def torch_tensor(values):
     import torch
 
     return torch.tensor(values)
+
+
+def test_steps_by_the_clock_count_what_step_time_leaves_out(tmp_path):
+    """TRL's step_time is the host's time inside training_step; the clock (time_s from one step's record to the next)
+    also counts the GPU work waited for afterwards. Both summaries and step_clock.py put steps side by side by it."""
+    from benchmarks.step_clock import main as step_clock
+    from benchmarks.step_clock import steps
+    from benchmarks.summarize_recipe_runs import summarize
+
+    def write(folder, records):
+        (folder / "run").mkdir(parents=True)
+        (folder / "command.txt").write_text(
+            "egpo-trl train recipes/grpo_qwen7b.yaml --num_processes 4 --gradient_accumulation_steps 64\n"
+        )
+        (folder / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    base = {"timing/generation_s": 40.0, "timing/generate_and_score_s": 41.0, "completions/mean_length": 3000.0}
+    grpo = tmp_path / "grpo_qwen7b"
+    write(grpo, [{**base, "step": 1, "step_time": 87.6, "time_s": 95.2}, {"step": 1, "loss": 0.1, "time_s": 95.3},
+                 {**base, "step": 2, "step_time": 85.1, "time_s": 188.1}])  # fmt: skip
+    rows = summarize(grpo)
+    assert [r["clock_s"] for r in rows] == [pytest.approx(95.2), pytest.approx(92.9)]
+    assert rows[1]["rest_clock_s"] == pytest.approx(92.9 - 41.0) and rows[1]["rest_s"] == pytest.approx(85.1 - 41.0)
+    assert rows[1]["tokens_per_s"] == pytest.approx(512 * 3000.0 / 92.9)  # over the clock's step
+    # a resumed run's first record (step 5) has no start in its file: no clock for it, the next step's from it
+    assert steps([{"step": 5, "step_time": 9.0, "time_s": 400.0}, {"step": 6, "step_time": 8.0, "time_s": 410.5}]) == {
+        5: {"step_time": 9.0, "clock": None},
+        6: {"step_time": 8.0, "clock": pytest.approx(10.5)},
+    }
+    # without time_s (older TRL logs): step_time alone, no clock
+    assert steps([{"step": 1, "step_time": 3.0}]) == {1: {"step_time": 3.0, "clock": None}}
+
+    egpo = tmp_path / "egpo"
+    write(egpo, [{**base, "step": 1, "step_time": 94.0, "time_s": 95.1}, {**base, "step": 2, "step_time": 91.6,
+                                                                            "time_s": 187.9}])  # fmt: skip
+    out = run("benchmarks/step_clock.py", f"grpo={grpo}", f"egpo={egpo / 'run'}")
+    assert "| egpo | 2 | 91.6 | 92.8 | 1.2 | 1.076 | 0.999 |" in out, out
+    # floor.py puts the clock's step and training against the same floors
+    summary = tmp_path / "summary.json"
+    table = run("benchmarks/floor.py", str(grpo), "--shape", "qwen7b", "--card", "h200", "--summary", str(summary))
+    assert "| grpo_qwen7b | 2 | step (clock) | 92.90 |" in table, table
+    second = json.loads(summary.read_text())[1]
+    assert second["ratio_step_clock_attn"] == pytest.approx(92.9 / second["floor_step_attn_s"])
+    assert second["ratio_training_clock_attn"] == pytest.approx((92.9 - 41.0) / second["floor_training_attn_s"])
+    # an archive's members, as the results' runs.tgz files keep them
+    import tarfile
+
+    with tarfile.open(tmp_path / "runs.tgz", "w:gz") as archive:
+        archive.add(grpo, arcname="runs/grpo_qwen7b")
+    out = run("benchmarks/step_clock.py", "--tgz", str(tmp_path / "runs.tgz"), "grpo=runs/grpo_qwen7b")
+    assert "| grpo | 2 | 85.1 | 92.9 | 7.8 | 1.000 | 1.000 |" in out, out
+    with pytest.raises(SystemExit):
+        step_clock(["grpo"])  # no path
