@@ -5,7 +5,7 @@
 ``PATH`` is a run's ``metrics.jsonl`` (or the folder holding it, or its ``run/`` folder), or with ``--tgz`` a member
 of that archive (the ``runs.tgz`` files kept under ``benchmarks/results/``). Per run and step it prints TRL's
 ``step_time`` (the host's time inside ``training_step``), the clock (``time_s`` from the previous step's record,
-the first step's from the training's start), the time outside ``training_step`` (clock less ``step_time``: the GPU
+the first step's from the training's start; per step where a record covers several), the time outside ``training_step`` (clock less ``step_time``: the GPU
 work the step left queued, waited for when the trainer logs it, and the trainer's own bookkeeping), and both over
 the base run's same step. ``benchmarks/summarize_recipe_runs.py`` says why the clock is the one to compare. Standard
 library only.
@@ -41,17 +41,18 @@ def read_records(path: str, archive: tarfile.TarFile | None = None) -> list[dict
 
 
 def steps(records: list[dict]) -> dict[int, dict]:
-    """Per optimizer step: ``step_time`` and, where ``time_s`` was logged, the clock (``None`` for a first record
-    that is not step 1: a resumed run's, whose start this file does not hold)."""
-    out, previous = {}, 0.0
+    """Per logged optimizer step: ``step_time`` and, where ``time_s`` was logged, the clock. ``time_s`` counts from
+    the training's start (a resumed run's goes on from the step it resumed from, its file keeping the earlier
+    records); a record that covers several steps (``logging_steps`` > 1) gives their mean, as ``step_time`` does."""
+    out, previous_time, previous_step = {}, 0.0, 0
     for record in records:
-        if not isinstance(record.get("step_time"), (int, float)):
+        if not isinstance(record.get("step_time"), (int, float)) or not isinstance(record.get("step"), int):
             continue
         clock = None
         if isinstance(record.get("time_s"), (int, float)):
-            if previous or record.get("step") == 1:
-                clock = record["time_s"] - previous
-            previous = record["time_s"]
+            if record["step"] > previous_step:
+                clock = (record["time_s"] - previous_time) / (record["step"] - previous_step)
+            previous_time, previous_step = record["time_s"], record["step"]
         out[record["step"]] = {"step_time": record["step_time"], "clock": clock}
     return out
 

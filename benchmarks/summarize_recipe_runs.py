@@ -7,7 +7,7 @@ itself. Columns: the card and the number of GPUs, the DeepSpeed stage, completio
 memory of any GPU of the run as the driver reports it (vLLM's memory pool included; less what
 ``benchmarks/memory_ballast.py`` held there, where ``ballast.txt`` says so), then per step: its seconds by the
 clock (``clock_s``: from the previous step's ``time_s`` in ``metrics.jsonl`` to this one's, the first step's from the
-training's start) and as TRL's ``step_time`` counts them (``step_s``), of which generation
+training's start; per step where a record covers several, as with ``logging_steps`` > 1) and as TRL's ``step_time`` counts them (``step_s``), of which generation
 (``timing/generation_s``: vLLM's wake-up, weight sync and sampling), the old-policy log-prob pass
 (``timing/old_logps_s``), Guided Error Correction (``timing/gec_s``: its scoring, rewrites and continuations;
 EDGE-GRPO only; of which the continuations' generation alone, ``timing/gec_continuation_s``) and the rest (scoring,
@@ -132,15 +132,16 @@ def summarize(folder: Path) -> list[dict]:
     )
     steps = [r for r in records if isinstance(r.get("step_time"), (int, float))]
     rows = []
-    previous = 0.0  # time_s counts from the training's start (a resumed run's: the step it resumed from)
+    # time_s counts from the training's start (a resumed run's goes on from the step it resumed from, the file keeping
+    # the earlier records); with logging_steps > 1 a record covers several steps and step_time is their mean
+    previous_time, previous_step = 0.0, 0
     for record in steps:
         step_time = record["step_time"]
         clock = None
-        if isinstance(record.get("time_s"), (int, float)):
-            # the first record of a file counts from the training's start only if it is step 1 (not a resume's)
-            if previous or record.get("step") == 1:
-                clock = record["time_s"] - previous
-            previous = record["time_s"]
+        if isinstance(record.get("time_s"), (int, float)) and isinstance(record.get("step"), int):
+            if record["step"] > previous_step:
+                clock = (record["time_s"] - previous_time) / (record["step"] - previous_step)
+            previous_time, previous_step = record["time_s"], record["step"]
         generation = record.get("timing/generation_s")
         old_logps = record.get("timing/old_logps_s", 0.0)
         scored = record.get("timing/generate_and_score_s")

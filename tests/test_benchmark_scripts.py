@@ -908,10 +908,10 @@ def test_steps_by_the_clock_count_what_step_time_leaves_out(tmp_path):
     assert [r["clock_s"] for r in rows] == [pytest.approx(95.2), pytest.approx(92.9)]
     assert rows[1]["rest_clock_s"] == pytest.approx(92.9 - 41.0) and rows[1]["rest_s"] == pytest.approx(85.1 - 41.0)
     assert rows[1]["tokens_per_s"] == pytest.approx(512 * 3000.0 / 92.9)  # over the clock's step
-    # a resumed run's first record (step 5) has no start in its file: no clock for it, the next step's from it
-    assert steps([{"step": 5, "step_time": 9.0, "time_s": 400.0}, {"step": 6, "step_time": 8.0, "time_s": 410.5}]) == {
-        5: {"step_time": 9.0, "clock": None},
-        6: {"step_time": 8.0, "clock": pytest.approx(10.5)},
+    # logging_steps 5: a record covers five steps, step_time is their mean, and so is the clock
+    assert steps([{"step": 5, "step_time": 9.0, "time_s": 50.0}, {"step": 10, "step_time": 8.0, "time_s": 92.5}]) == {
+        5: {"step_time": 9.0, "clock": pytest.approx(10.0)},
+        10: {"step_time": 8.0, "clock": pytest.approx(8.5)},
     }
     # without time_s (older TRL logs): step_time alone, no clock
     assert steps([{"step": 1, "step_time": 3.0}]) == {1: {"step_time": 3.0, "clock": None}}
