@@ -106,16 +106,19 @@ for side in range(int(sys.argv[2])):
     steps = {}
     for path in glob.glob(f"{sys.argv[1]}/{side}/*/runs/summary.json"):
         for row in json.load(open(path)):
-            # by the clock where the run logged it (TRL's step_time leaves out the GPU work queued at its end)
-            value = row.get("clock_s") if isinstance(row.get("clock_s"), (int, float)) else row.get("step_s")
-            if isinstance(value, (int, float)):
-                steps[row["step"]] = (row["recipe"], value)
+            if isinstance(row.get("step_s"), (int, float)):
+                steps[row["step"]] = (row["recipe"], row["step_s"], row.get("clock_s"))
     rows.append(steps)
+# By the clock where every step of every run has it (TRL's step_time leaves out the GPU work queued at each
+# training_step's return, more for a method that waits less: benchmarks/summarize_recipe_runs.py), else step_time.
+clock = all(isinstance(v[2], (int, float)) for steps in rows for v in steps.values())
+index = 2 if clock else 1
+print("step times by the clock" if clock else "step times by TRL's step_time (no clock_s in some run)")
 base = rows[0]
 for side, other in enumerate(rows[1:], start=1):
     for step in sorted(set(base) & set(other)):
-        print(f"step {step}: job {side} {other[step][0]} {other[step][1]:.1f} s / job 0 {base[step][0]}"
-              f" {base[step][1]:.1f} s = {other[step][1] / base[step][1]:.3f}")
+        print(f"step {step}: job {side} {other[step][0]} {other[step][index]:.1f} s / job 0 {base[step][0]}"
+              f" {base[step][index]:.1f} s = {other[step][index] / base[step][index]:.3f}")
 PY
         ;;
     fullbatch)

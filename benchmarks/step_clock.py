@@ -4,11 +4,11 @@
 
 ``PATH`` is a run's ``metrics.jsonl`` (or the folder holding it, or its ``run/`` folder), or with ``--tgz`` a member
 of that archive (the ``runs.tgz`` files kept under ``benchmarks/results/``). Per run and step it prints TRL's
-``step_time`` (the host's time inside ``training_step``), the clock (``time_s`` from the previous step's record,
-the first step's from the training's start; per step where a record covers several), the time outside ``training_step`` (clock less ``step_time``: the GPU
-work the step left queued, waited for when the trainer logs it, and the trainer's own bookkeeping), and both over
-the base run's same step. ``benchmarks/summarize_recipe_runs.py`` says why the clock is the one to compare. Standard
-library only.
+``step_time`` (the host's time inside the step's ``training_step`` calls), the clock (the record's ``clock_s``, or
+for older files ``time_s`` from the previous step's record: see ``steps``), the time outside those calls (clock less
+``step_time``: the GPU work still queued when each call returned, which the Trainer waits for outside it, and the
+Trainer's own work between calls and at the log), and both over the base run's same step.
+``benchmarks/summarize_recipe_runs.py`` says why the clock is the one to compare. Standard library only.
 """
 
 from __future__ import annotations
@@ -41,18 +41,24 @@ def read_records(path: str, archive: tarfile.TarFile | None = None) -> list[dict
 
 
 def steps(records: list[dict]) -> dict[int, dict]:
-    """Per logged optimizer step: ``step_time`` and, where ``time_s`` was logged, the clock. ``time_s`` counts from
-    the training's start (a resumed run's goes on from the step it resumed from, its file keeping the earlier
-    records); a record that covers several steps (``logging_steps`` > 1) gives their mean, as ``step_time`` does."""
-    out, previous_time, previous_step = {}, 0.0, 0
+    """Per logged optimizer step: ``step_time`` and the clock. The clock is the record's own ``clock_s`` (seconds per
+    step since the run's previous log, or since it started or resumed: ``egpo_trl``'s metrics callback writes it);
+    for files written before it did, the difference of ``time_s`` from the previous step record, over the steps in
+    between (a ``logging_steps`` > 1 record covers several, and ``step_time`` is their mean). That difference knows
+    nothing of resumes, so there the first record gets a clock only if it is step 1."""
+    out, previous_time, previous_step = {}, None, None
     for record in records:
         if not isinstance(record.get("step_time"), (int, float)) or not isinstance(record.get("step"), int):
             continue
-        clock = None
-        if isinstance(record.get("time_s"), (int, float)):
-            if record["step"] > previous_step:
-                clock = (record["time_s"] - previous_time) / (record["step"] - previous_step)
-            previous_time, previous_step = record["time_s"], record["step"]
+        clock = record.get("clock_s") if isinstance(record.get("clock_s"), (int, float)) else None
+        time_s = record.get("time_s")
+        if clock is None and isinstance(time_s, (int, float)):
+            if previous_step is None and record["step"] == 1:
+                clock = time_s
+            elif previous_step is not None and record["step"] > previous_step:
+                clock = (time_s - previous_time) / (record["step"] - previous_step)
+        if isinstance(time_s, (int, float)):
+            previous_time, previous_step = time_s, record["step"]
         out[record["step"]] = {"step_time": record["step_time"], "clock": clock}
     return out
 

@@ -6,9 +6,10 @@ Reads, per recipe, ``OUT_DIR/RECIPE/{command.txt,exit_status,gpu_memory.csv,run/
 itself. Columns: the card and the number of GPUs, the DeepSpeed stage, completions per optimizer step, the peak GPU
 memory of any GPU of the run as the driver reports it (vLLM's memory pool included; less what
 ``benchmarks/memory_ballast.py`` held there, where ``ballast.txt`` says so), then per step: its seconds by the
-clock (``clock_s``: from the previous step's ``time_s`` in ``metrics.jsonl`` to this one's, the first step's from the
-training's start; per step where a record covers several, as with ``logging_steps`` > 1) and as TRL's ``step_time`` counts them (``step_s``), of which generation
-(``timing/generation_s``: vLLM's wake-up, weight sync and sampling), the old-policy log-prob pass
+clock (``clock_s``: the seconds per step since the run's previous log, which the metrics callback writes; for
+older files from the previous step's ``time_s``, ``benchmarks/step_clock.py``'s ``steps``) and as TRL's
+``step_time`` counts them (``step_s``), of which generation (``timing/generation_s``: vLLM's wake-up, weight sync
+and sampling), the old-policy log-prob pass
 (``timing/old_logps_s``), Guided Error Correction (``timing/gec_s``: its scoring, rewrites and continuations;
 EDGE-GRPO only; of which the continuations' generation alone, ``timing/gec_continuation_s``) and the rest (scoring,
 advantages and the forward/backward/optimizer step: ``rest_clock_s`` by the clock, ``rest_s`` by ``step_time``);
@@ -18,13 +19,12 @@ GPUs, the trainer's estimate of what later generations hold on the fullest GPU
 (``egpo/gpu_memory_later_generations_gib``: against a two-step run's peak, a check of it). Standard library plus
 PyYAML.
 
-Compare steps by the clock. TRL's ``step_time`` adds up the host's time inside ``training_step``, and the GPU runs
-behind the host: what a step queued but did not wait for (its last micro-batches' backwards, DeepSpeed's optimizer
-step) is waited for after ``training_step`` returns, when the trainer reads the step's loss to log it, and
-``step_time`` leaves it out. A method that waits for the GPU inside ``training_step`` (EGPO's ``loss_forward`` blocks
-need their forwards' log-probs before their losses) has that time counted; one that does not, has it left out. At
-the 7B recipes' 2 x 64 micro-batches under ZeRO-2 the difference was 7.6-8.3 s a step for GRPO and 1.1-1.5 s for
-EGPO with ``loss_forward`` (BENCHMARKS.md, "How a step is timed").
+Compare steps by the clock. TRL's ``step_time`` adds up the host's time inside a step's ``training_step`` calls,
+one per micro-batch. A call returns once its work is queued on the GPU, and the Trainer waits for that work outside
+the call (it checks each micro-batch's loss for NaN, which reads the value), so the GPU time still queued at each
+return is left out. GRPO's calls each leave some: 7.6-8.3 s a step at the 7B recipes' 2 x 64 micro-batches under
+ZeRO-2. Under EGPO's ``loss_forward`` the calls that only keep a micro-batch for its block queue nothing and a block's
+last call waits for its forwards' log-probs: 1.1-1.5 s a step left out (BENCHMARKS.md, "How a step is timed").
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ import sys
 from pathlib import Path
 
 import yaml
+
+try:  # as a module of the repository (tests) or as a script beside it
+    from benchmarks.step_clock import steps as step_clocks
+except ImportError:  # pragma: no cover - run as `python benchmarks/summarize_recipe_runs.py`
+    from step_clock import steps as step_clocks
 
 
 def _card() -> str:
@@ -132,16 +137,10 @@ def summarize(folder: Path) -> list[dict]:
     )
     steps = [r for r in records if isinstance(r.get("step_time"), (int, float))]
     rows = []
-    # time_s counts from the training's start (a resumed run's goes on from the step it resumed from, the file keeping
-    # the earlier records); with logging_steps > 1 a record covers several steps and step_time is their mean
-    previous_time, previous_step = 0.0, 0
+    clocks = step_clocks(records)
     for record in steps:
         step_time = record["step_time"]
-        clock = None
-        if isinstance(record.get("time_s"), (int, float)) and isinstance(record.get("step"), int):
-            if record["step"] > previous_step:
-                clock = (record["time_s"] - previous_time) / (record["step"] - previous_step)
-            previous_time, previous_step = record["time_s"], record["step"]
+        clock = clocks.get(record.get("step"), {}).get("clock")
         generation = record.get("timing/generation_s")
         old_logps = record.get("timing/old_logps_s", 0.0)
         scored = record.get("timing/generate_and_score_s")

@@ -616,8 +616,9 @@ class EGPOConfig(GRPOConfig):
         steps = self.steps_per_generation or self.gradient_accumulation_steps
         if self.gradient_accumulation_steps % (steps * self.num_iterations):
             problems.append(
-                f"steps_per_generation ({steps}) does not divide gradient_accumulation_steps "
-                f"({self.gradient_accumulation_steps}), so TRL computes the old policy's log-probs itself"
+                f"steps_per_generation ({steps}) x num_iterations ({self.num_iterations}) does not divide "
+                f"gradient_accumulation_steps ({self.gradient_accumulation_steps}), so TRL computes the old policy's "
+                "log-probs itself"
             )
         if (self.per_device_train_batch_size * steps) % self.num_generations:
             problems.append(

@@ -784,6 +784,16 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
             )
         _check_context(script_args, args, model_args, report)
         _check_loss_forward(args, model_args, report)
+        if plan is not None and plan.zero_stage == 3 and getattr(args, "egpo_entropy_logps", None) == "loss_forward":
+            from egpo_trl.fused import block_size
+
+            blocks = block_size(args.per_device_train_batch_size, args.num_generations)
+            if blocks > 1:
+                report.notes.append(
+                    f"egpo_entropy_logps=loss_forward under ZeRO-3 holds each block's {blocks} forwards until their "
+                    "backwards; at the 7B recipes' shape it was no faster than the no-grad pass there (BENCHMARKS.md). "
+                    "For ZeRO-3's lower memory, --egpo_entropy_logps policy."
+                )
         _check_dataset(script_args, report)
         _check_output_dir(script_args, args, report)
         _check_wandb(args, report)

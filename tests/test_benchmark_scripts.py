@@ -908,11 +908,16 @@ def test_steps_by_the_clock_count_what_step_time_leaves_out(tmp_path):
     assert [r["clock_s"] for r in rows] == [pytest.approx(95.2), pytest.approx(92.9)]
     assert rows[1]["rest_clock_s"] == pytest.approx(92.9 - 41.0) and rows[1]["rest_s"] == pytest.approx(85.1 - 41.0)
     assert rows[1]["tokens_per_s"] == pytest.approx(512 * 3000.0 / 92.9)  # over the clock's step
-    # logging_steps 5: a record covers five steps, step_time is their mean, and so is the clock
+    # a file written before the callback logged clock_s, logging_steps 5: a record covers five steps, step_time is
+    # their mean, and so is the clock; the first record, not step 1, may follow a resume: no clock for it
     assert steps([{"step": 5, "step_time": 9.0, "time_s": 50.0}, {"step": 10, "step_time": 8.0, "time_s": 92.5}]) == {
-        5: {"step_time": 9.0, "clock": pytest.approx(10.0)},
+        5: {"step_time": 9.0, "clock": None},
         10: {"step_time": 8.0, "clock": pytest.approx(8.5)},
     }
+    # the callback's own clock_s wins: a run started from another folder's checkpoint-100 counts time_s from 0
+    resumed = [{"step": 101, "step_time": 80.0, "time_s": 95.0, "clock_s": 95.0},
+               {"step": 102, "step_time": 80.0, "time_s": 185.0, "clock_s": 90.0}]  # fmt: skip
+    assert {k: v["clock"] for k, v in steps(resumed).items()} == {101: 95.0, 102: 90.0}
     # without time_s (older TRL logs): step_time alone, no clock
     assert steps([{"step": 1, "step_time": 3.0}]) == {1: {"step_time": 3.0, "clock": None}}
 
@@ -937,3 +942,26 @@ def test_steps_by_the_clock_count_what_step_time_leaves_out(tmp_path):
     assert "| grpo | 2 | 85.1 | 92.9 | 7.8 | 1.000 | 1.000 |" in out, out
     with pytest.raises(SystemExit):
         step_clock(["grpo"])  # no path
+
+
+def test_pair_ratios_take_the_clock_only_where_every_run_has_it(tmp_path):
+    """gpu_checks.sh's pair stage puts each job's steps over the base job's: by the clock when every step of every
+    run has clock_s, else by TRL's step_time for all, and it says which."""
+    script = (ROOT / "benchmarks" / "gpu_checks.sh").read_text()
+    start = script.index("<<'PY' | tee \"$RUNS/$name/ratio.txt\"\n") + len("<<'PY' | tee \"$RUNS/$name/ratio.txt\"\n")
+    code = script[start : script.index("\nPY\n", start)]
+
+    def ratios(clocks):
+        for side, (step_s, clock) in enumerate(clocks):
+            folder = tmp_path / str(side) / f"job{side}" / "runs"
+            folder.mkdir(parents=True, exist_ok=True)
+            rows = [{"recipe": f"r{side}", "step": 1, "step_s": step_s, "clock_s": clock}]
+            (folder / "summary.json").write_text(json.dumps(rows))
+        done = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(len(clocks))], capture_output=True,
+                              text=True, check=True)  # fmt: skip
+        return done.stdout
+
+    out = ratios([(85.0, 93.0), (91.6, 92.9)])
+    assert "by the clock" in out and "92.9 s / job 0 r0 93.0 s = 0.999" in out, out
+    out = ratios([(85.0, 93.0), (91.6, None)])  # one run without the clock: step_time for both
+    assert "TRL's step_time" in out and "91.6 s / job 0 r0 85.0 s = 1.078" in out, out

@@ -143,14 +143,14 @@ def test_loss_forward_trains_as_the_no_grad_pass(tmp_path, tiny_model_dir, per_d
     [
         (dict(advantage_estimator="grpo"), "serves EGPO's and EDGE-GRPO's estimators only"),
         (dict(advantage_estimator="edge_grpo", edge_grpo_entropy_normalization="batch"), "whole batch's mean"),
-        (dict(num_iterations=2), "TRL computes the old policy's log-probs itself"),
+        (dict(num_iterations=2), r"x num_iterations \(2\) does not divide gradient_accumulation_steps"),
         (dict(loss_type="bnpo"), "'bnpo' averages over each micro-batch's tokens"),
         (dict(top_entropy_quantile=0.5), "threshold within each micro-batch"),
         (dict(entropy_coef=0.01), "entropy bonus"),
         (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha adds noise"),  # switched on by Trainer.train only
         (  # generation and optimisation misaligned: TRL computes the old log-probs
             dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, steps_per_generation=4),
-            r"steps_per_generation \(4\) does not divide gradient_accumulation_steps \(2\)",
+            r"steps_per_generation \(4\) x num_iterations \(1\) does not divide gradient_accumulation_steps \(2\)",
         ),
     ],
 )

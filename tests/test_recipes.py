@@ -368,3 +368,9 @@ def test_dry_run_checks_loss_forward_for_the_launch_it_prints(tiny_model_dir, lo
     assert "PEFT adapter" not in check("--use_peft", "true", "--lora_dropout", "0")
     out = check("--gradient_checkpointing", "false")
     assert "holds 4 micro-batches (16 rows) of forwards" in out and "Turn gradient_checkpointing on" in out
+    # under ZeRO-3, where the blocks were no faster than the pass at 7B: a note naming the way back
+    zero3 = ["--accelerate_config", "recipes/accelerate/zero3.yaml", "--eval_size", "0"]
+    out = check(*zero3)
+    assert "under ZeRO-3 holds each block's 4 forwards" in out and "--egpo_entropy_logps policy" in out
+    assert "under ZeRO-3 holds" not in check(*zero3, "--egpo_entropy_logps", "policy")
+    assert "under ZeRO-3 holds" not in check(*zero3, rows=())  # 16 rows: a micro-batch is a group, no block

@@ -27,7 +27,7 @@ RUN = [
     "--model_init_kwargs", '{"attention_dropout": 0.1}',
 ]  # fmt: skip
 # Logged numbers that measure time, and the end-of-training summary (it covers the steps of one call only).
-UNTIMED = ("time_s", "step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+UNTIMED = ("time_s", "clock_s", "step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
 
 
 def _rows(out: Path) -> list[dict]:
@@ -67,8 +67,12 @@ def test_resume_from_a_checkpoint_inside_a_generation_batch_is_exact(reference, 
     assert "cannot be resumed exactly" not in caplog.text and "has no egpo_resume_state" not in caplog.text
     assert _rows(out) == ref_rows
     assert _digest(out / "model.safetensors") == ref_weights
-    times = [r["time_s"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    records = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    times = [r["time_s"] for r in records]
     assert times == sorted(times)  # the clock continues, it does not restart at 0
+    # each step's clock: step 4's from the resumed run's start, not from step 3's record of the first run
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and all(0 < r["clock_s"] for r in records)
+    assert records[3]["clock_s"] == pytest.approx(records[3]["time_s"] - records[2]["time_s"], abs=0.02)
     # The copied file's records after step 3 (those steps, trained again, and the evaluation after training) were
     # set aside, not lost.
     copied = read_metrics(ref_out / "metrics.jsonl")
