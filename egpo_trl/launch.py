@@ -791,8 +791,9 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
             if blocks > 1:
                 report.notes.append(
                     f"egpo_entropy_logps=loss_forward under ZeRO-3 holds each block's {blocks} forwards until their "
-                    "backwards; at the 7B recipes' shape it was no faster than the no-grad pass there (BENCHMARKS.md). "
-                    "For ZeRO-3's lower memory, --egpo_entropy_logps policy."
+                    "backwards (about 10 GiB more than the pass at the 7B recipes' shape under ZeRO-2), and under ZeRO-3 "
+                    "it was timed only in an earlier form, no faster than the pass (BENCHMARKS.md). For ZeRO-3's lower "
+                    "memory, --egpo_entropy_logps policy."
                 )
         _check_dataset(script_args, report)
         _check_output_dir(script_args, args, report)

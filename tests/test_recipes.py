@@ -368,7 +368,7 @@ def test_dry_run_checks_loss_forward_for_the_launch_it_prints(tiny_model_dir, lo
     assert "PEFT adapter" not in check("--use_peft", "true", "--lora_dropout", "0")
     out = check("--gradient_checkpointing", "false")
     assert "holds 4 micro-batches (16 rows) of forwards" in out and "Turn gradient_checkpointing on" in out
-    # under ZeRO-3, where the blocks were no faster than the pass at 7B: a note naming the way back
+    # under ZeRO-3, chosen for its lower memory: a note on what blocks hold, naming the way back
     zero3 = ["--accelerate_config", "recipes/accelerate/zero3.yaml", "--eval_size", "0"]
     out = check(*zero3)
     assert "under ZeRO-3 holds each block's 4 forwards" in out and "--egpo_entropy_logps policy" in out

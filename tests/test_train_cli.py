@@ -808,3 +808,40 @@ def test_kv_cache_line_says_when_a_generation_batch_is_decoded_in_rounds(tmp_pat
     )
     assert trainer.vllm_kv_cache_tokens() is None
     assert kv_cache_line(trainer, args, 64) is None
+
+
+def test_metrics_callback_writes_each_training_logs_clock(tmp_path, monkeypatch):
+    """clock_s: seconds per optimizer step since the previous training log or the training's (re)start, with whatever
+    ran in between (an evaluation or a save after a log counts in the next one); none on evaluations or the summary."""
+    from types import SimpleNamespace
+
+    import egpo_trl.script.callbacks as callbacks
+
+    now = [1000.0]
+    monkeypatch.setattr(callbacks.time, "time", lambda: now[0])
+    path = tmp_path / "metrics.jsonl"
+    # a run started from another folder's checkpoint-100: its time_s starts at 0, its steps at 100
+    callback = callbacks.MetricsCallback(path, time_offset=0.0)
+    state = SimpleNamespace(global_step=100, epoch=1.0, is_world_process_zero=True)
+    callback.on_train_begin(None, state, None)
+
+    def log(step, seconds, **logs):
+        now[0] += seconds
+        state.global_step = step
+        callback.on_log(None, state, None, logs=logs)
+
+    log(101, 95.0, loss=0.1, step_time=87.0)
+    log(102, 90.0, loss=0.2, step_time=85.0)
+    log(102, 30.0, eval_loss=0.3)  # an evaluation after step 102's log
+    log(104, 20.0, loss=0.2, step_time=9.0)  # logging_steps 2: the mean of two steps, the evaluation's 30 s included
+    log(104, 1.0, train_runtime=236.0, train_loss=0.2)  # the end-of-training summary
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r.get("clock_s") for r in records] == [95.0, 90.0, None, 25.0, None]
+    assert [r["time_s"] for r in records] == [95.0, 185.0, 215.0, 235.0, 236.0]
+    # a process other than the main one writes nothing
+    other = callbacks.MetricsCallback(tmp_path / "other.jsonl")
+    other.on_train_begin(None, state, None)
+    other.on_log(
+        None, SimpleNamespace(global_step=105, epoch=1.0, is_world_process_zero=False), None, logs={"loss": 1}
+    )
+    assert not (tmp_path / "other.jsonl").exists()

@@ -28,11 +28,12 @@ class MetricsCallback(TrainerCallback):
     """Appends every log (TRL's metrics and the ``egpo/*`` ones) as one JSON line to ``path``.
 
     Only the main process writes. Each line holds ``step``, ``epoch``, ``time_s`` (seconds of training since
-    the run started, a resumed run continuing from ``time_offset``) and the logged numbers. A log that comes after
-    optimizer steps also holds ``clock_s``: the seconds per step by the clock since this process's previous log (or
-    since training started, or resumed), over the steps in between. TRL's ``step_time`` counts only the host's time
-    inside ``training_step``, so it leaves out the GPU work each call still had queued when it returned; ``clock_s``
-    does not. With a ``+1/-1`` correctness reward (the paper's Eq. 1), ``accuracy`` = ``(mean reward + 1) / 2`` is
+    the run started, a resumed run continuing from ``time_offset``) and the logged numbers. A training log (one with
+    ``loss``) also holds ``clock_s``: the seconds per optimizer step by the clock since the previous training log (or
+    since training started or resumed), over the steps in between. Whatever ran in between counts, as it does in
+    ``time_s``: an evaluation or a checkpoint save at a logged step (they follow its log) in the next training log's
+    ``clock_s``. TRL's ``step_time`` counts only the host's time inside ``training_step``, so it leaves out the GPU
+    work each call still had queued when it returned; ``clock_s`` does not. With a ``+1/-1`` correctness reward (the paper's Eq. 1), ``accuracy`` = ``(mean reward + 1) / 2`` is
     added: the fraction of correct completions.
 
     Args:
@@ -55,7 +56,7 @@ class MetricsCallback(TrainerCallback):
         self.accuracy_from_reward = accuracy_from_reward
         self.time_offset = time_offset
         self.start = time.time() - time_offset
-        self._last_log = None  # (time, global step) of the previous log, or of the training's start
+        self._last_log = None  # (time, global step) of the previous training log, or of the training's start
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record."""
@@ -74,9 +75,10 @@ class MetricsCallback(TrainerCallback):
         now = time.time()
         record = {"step": state.global_step, "epoch": state.epoch, "time_s": round(now - self.start, 2)}
         record.update({k: v for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
-        if self._last_log is not None and state.global_step > self._last_log[1]:
-            record["clock_s"] = round((now - self._last_log[0]) / (state.global_step - self._last_log[1]), 3)
-        self._last_log = (now, state.global_step)
+        if "loss" in logs and "train_runtime" not in logs:  # a training log: not an evaluation, not the summary
+            if self._last_log is not None and state.global_step > self._last_log[1]:
+                record["clock_s"] = round((now - self._last_log[0]) / (state.global_step - self._last_log[1]), 3)
+            self._last_log = (now, state.global_step)
         if self.accuracy_from_reward:
             accuracy = _train_accuracy(logs, self.correctness_name)
             if accuracy is not None:
