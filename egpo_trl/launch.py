@@ -578,8 +578,9 @@ def _check_wandb(training_args, report: DryRunReport) -> None:
         )
 
 
-def _check_loss_forward(args, model_args, report: DryRunReport) -> None:
-    """``loss_forward``'s checks of the adapter's and the model's configs, as the trainer makes them before loading."""
+def _check_loss_forward(args, model_args, report: DryRunReport, plan: LaunchPlan | None = None) -> None:
+    """``loss_forward``'s checks of the adapter's and the model's configs, as the trainer makes them before loading,
+    and its memory notes for the launch (``plan``)."""
     if getattr(args, "egpo_entropy_logps", None) != "loss_forward":
         return
     from egpo_trl.config import loss_forward_error
@@ -589,6 +590,13 @@ def _check_loss_forward(args, model_args, report: DryRunReport) -> None:
     blocks = block_size(args.per_device_train_batch_size, args.num_generations)
     if blocks > 1 and not args.gradient_checkpointing:
         report.notes.append(block_memory_note(args.per_device_train_batch_size, blocks))
+    if blocks > 1 and plan is not None and plan.zero_stage == 3:
+        report.notes.append(
+            f"egpo_entropy_logps=loss_forward under ZeRO-3 holds each block's {blocks} forwards until their backwards "
+            "(about 10 GiB more than the pass at the 7B recipes' shape under ZeRO-2), and under ZeRO-3 it was timed "
+            "only in an earlier form, no faster than the pass (BENCHMARKS.md). For ZeRO-3's lower memory, "
+            "--egpo_entropy_logps policy."
+        )
     if args._loss_forward_blocks_may_merge() and not args.gradient_checkpointing:  # the trainer's own condition
         report.notes.append(merged_block_memory_note(args.egpo_loss_forward_block_tokens))
     peft = {"lora_dropout": model_args.lora_dropout} if model_args.use_peft else None
@@ -783,18 +791,7 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
                 "weights do not allow; set eval_size: 0 and evaluate the saved model with `egpo-trl eval`."
             )
         _check_context(script_args, args, model_args, report)
-        _check_loss_forward(args, model_args, report)
-        if plan is not None and plan.zero_stage == 3 and getattr(args, "egpo_entropy_logps", None) == "loss_forward":
-            from egpo_trl.fused import block_size
-
-            blocks = block_size(args.per_device_train_batch_size, args.num_generations)
-            if blocks > 1:
-                report.notes.append(
-                    f"egpo_entropy_logps=loss_forward under ZeRO-3 holds each block's {blocks} forwards until their "
-                    "backwards (about 10 GiB more than the pass at the 7B recipes' shape under ZeRO-2), and under ZeRO-3 "
-                    "it was timed only in an earlier form, no faster than the pass (BENCHMARKS.md). For ZeRO-3's lower "
-                    "memory, --egpo_entropy_logps policy."
-                )
+        _check_loss_forward(args, model_args, report, plan)
         _check_dataset(script_args, report)
         _check_output_dir(script_args, args, report)
         _check_wandb(args, report)

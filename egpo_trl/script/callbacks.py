@@ -33,8 +33,8 @@ class MetricsCallback(TrainerCallback):
     since training started or resumed), over the steps in between. Whatever ran in between counts, as it does in
     ``time_s``: an evaluation or a checkpoint save at a logged step (they follow its log) in the next training log's
     ``clock_s``. TRL's ``step_time`` counts only the host's time inside ``training_step``, so it leaves out the GPU
-    work each call still had queued when it returned; ``clock_s`` does not. With a ``+1/-1`` correctness reward (the paper's Eq. 1), ``accuracy`` = ``(mean reward + 1) / 2`` is
-    added: the fraction of correct completions.
+    work each call still had queued when it returned; ``clock_s`` does not. With a ``+1/-1`` correctness reward (the
+    paper's Eq. 1), ``accuracy`` = ``(mean reward + 1) / 2`` is added: the fraction of correct completions.
 
     Args:
         path: the JSON lines file (appended to, so a resumed run continues it).
