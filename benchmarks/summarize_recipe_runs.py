@@ -16,8 +16,10 @@ advantages and the forward/backward/optimizer step: ``rest_clock_s`` by the cloc
 completion tokens per second over the step (by the clock where the run logged it); TRL's importance-sampling ratio
 (mean and min, when the correction is on), loss and gradient norm; with the first step where vLLM is colocated on
 GPUs, the trainer's estimate of what later generations hold on the fullest GPU
-(``egpo/gpu_memory_later_generations_gib``: against a two-step run's peak, a check of it). Standard library plus
-PyYAML.
+(``egpo/gpu_memory_later_generations_gib``: against a two-step run's peak, a check of it); with DAPO's dynamic
+sampling, the generation rounds of the step and the groups generated per group trained on
+(``dynamic_sampling/rounds``, ``dynamic_sampling/generated_per_kept``: 1 and 1 when no group was replaced; the
+generation seconds are those of all rounds). Standard library plus PyYAML.
 
 Compare steps by the clock. TRL's ``step_time`` adds up the host's time inside a step's ``training_step`` calls,
 one per micro-batch. A call returns once its work is queued on the GPU, and the Trainer waits for that work outside
@@ -166,6 +168,8 @@ def summarize(folder: Path) -> list[dict]:
                 grad_norm=record.get("grad_norm"),
                 all_incorrect=record.get("egpo/frac_all_incorrect"),
                 later_gib=record.get("egpo/gpu_memory_later_generations_gib"),
+                rounds=record.get("dynamic_sampling/rounds"),
+                generated_per_kept=record.get("dynamic_sampling/generated_per_kept"),
             )
         )
     return rows or [dict(base, step="-")]
@@ -194,6 +198,8 @@ COLUMNS = [
     ("loss", "loss", "{:.4g}"),
     ("grad_norm", "grad norm", "{:.3g}"),
     ("later_gib", "later generations GiB (trainer's estimate)", "{:.1f}"),
+    ("rounds", "generation rounds", "{:.0f}"),
+    ("generated_per_kept", "groups generated / kept", "{:.3g}"),
     ("exit", "exit", "{}"),
 ]
 

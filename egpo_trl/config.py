@@ -296,6 +296,14 @@ class EGPOConfig(GRPOConfig):
             Most generation rounds for one generation batch, the first included (DAPO's `max_num_gen_batches`).
             When they do not yield enough informative groups, a warning is logged and the batch is completed with
             uninformative groups.
+        dynamic_sampling_oversample (`float`, *optional*, defaults to `1.0`):
+            With dynamic sampling, the first round generates `ceil((f - 1) * G)` more groups than the generation
+            batch's `G` (rounded up to a multiple of the process count), for prompts drawn from `train_dataset`, so
+            that one round usually yields enough informative groups. At long completion lengths vLLM's decode reads
+            the weights once per step for all sequences, so more sequences in one round cost much less than an
+            extra round of the same length. The generation batch's own groups are kept first when informative.
+            `1.0` generates the generation batch only. Needs each process's share of a generation batch to be whole
+            groups; with vLLM colocate, vLLM's `max_num_seqs` is raised so that the round runs at once.
         dynamic_sampling_metric (`str`, *optional*, defaults to `"correctness"`):
             What makes a group uninformative: `"correctness"`, every scored completion correct or every one incorrect
             according to the correctness reward function (DAPO's `acc` filter, unaffected by shaping rewards such as
@@ -494,6 +502,14 @@ class EGPOConfig(GRPOConfig):
         metadata={
             "help": "Most generation rounds for one generation batch, the first included. When they do not yield "
             "enough informative groups, a warning is logged and uninformative groups complete the batch. Must be >= 1."
+        },
+    )
+    dynamic_sampling_oversample: float = field(
+        default=1.0,
+        metadata={
+            "help": "dynamic_sampling: the first round generates this many times the generation batch's groups (the "
+            "batch's prompts first, then prompts drawn from train_dataset), so that one round usually yields enough "
+            "informative groups. 1.0: the generation batch only. Must be >= 1."
         },
     )
     dynamic_sampling_metric: str = field(
@@ -812,6 +828,13 @@ class EGPOConfig(GRPOConfig):
 
         number("nsr_positive_weight", 0.0)
         integer("dynamic_sampling_max_rounds", 1)
+        number("dynamic_sampling_oversample", 1.0)
+        if self.dynamic_sampling_oversample != 1.0 and not self.dynamic_sampling:
+            raise ValueError(
+                f"dynamic_sampling_oversample={self.dynamic_sampling_oversample:g} sizes dynamic sampling's first "
+                "round, but dynamic_sampling is off; set dynamic_sampling: true or leave dynamic_sampling_oversample "
+                "at 1.0."
+            )
         number("overlong_penalty_factor", 0.0)
         if self.overlong_buffer_length is not None:
             integer("overlong_buffer_length", 1)

@@ -105,7 +105,7 @@ from egpo_trl.input_checks import check_trainer_inputs, config_makes_forward_ran
 from egpo_trl.old_logps import FORWARD_KEYS as _FORWARD_KEYS
 from egpo_trl.resume_state import ExactResumeMixin
 from egpo_trl.rewards import make_overlong_penalty_reward
-from egpo_trl.sampling.dynamic import DynamicSamplingMixin
+from egpo_trl.sampling.dynamic import DynamicSamplingMixin, vllm_sequences_for_oversampling
 from egpo_trl.sampling.gec import SOLUTION_ANSWER_SUFFIX, GuidedErrorCorrectionMixin, boxed_safe_prefix  # noqa: F401
 
 # SOLUTION_ANSWER_SUFFIX and boxed_safe_prefix live with Guided Error Correction and stay importable from here.
@@ -274,7 +274,8 @@ class EGPOTrainer(
         # vLLM colocate mode on a CPU build of vLLM needs its own weight sync (a no-op otherwise): see vllm_cpu.py.
         from egpo_trl.vllm_cpu import colocate_on_cpu
 
-        with colocate_on_cpu(self, model, args):
+        # An oversampled first round of dynamic sampling runs at once in the colocated engine (sampling/dynamic.py).
+        with colocate_on_cpu(self, model, args), vllm_sequences_for_oversampling(args):
             super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
 
         self._egpo_vllm_token_ids_only()

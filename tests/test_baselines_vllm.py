@@ -72,3 +72,19 @@ def test_dynamic_sampling_regroups_vllm_batches(tmp_path, vllm_model_dir):
         rows, width = record["shapes"]["completion_ids"]
         assert record["shapes"]["old_per_token_logps"] == [rows, width] == record["shapes"]["sampling_per_token_logps"]
         assert record["ratio_shape"][0] == rows
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@requires_vllm_cpu
+def test_an_oversampled_first_round_runs_at_once_in_the_colocated_engine(tmp_path, vllm_model_dir):
+    """dynamic_sampling_oversample 1.5: the first round generates 2 + 1 groups of 4 in one call, and the engine was
+    started with room for all 12 sequences (TRL gives it a generation batch's 8)."""
+    report = run_script(vllm_model_dir, tmp_path / "result.json", "--dapo", "--oversample", "1.5")
+    assert report["max_num_seqs"] == 12
+    assert report["engine_max_num_seqs"] in (None, 12)
+    for record in report["records"]:
+        assert record["round_rows"][0] == 12 and record["rows"] == 8
+        assert all(record["kept_mixed"])
+        rows, width = record["shapes"]["completion_ids"]
+        assert record["shapes"]["old_per_token_logps"] == [rows, width] == record["shapes"]["sampling_per_token_logps"]

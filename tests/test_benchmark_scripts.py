@@ -191,6 +191,58 @@ def test_gpu_recipes_script_runs_a_recipe_and_summarizes_it(tmp_path, tiny_model
         assert "| egpo_qwen15b |" in refused.stdout  # the summary still runs, with the job's status
 
 
+def test_timing_rewards_are_pure_and_the_hard_prompts_ones_are_entirely_incorrect():
+    """The timing rewards depend on the text only (the same on every process and in every run); the hard-prompts one
+    is the coin flip but for one prompt in four, every completion of which is -1."""
+    from benchmarks.timing_rewards import coin_flip_reward, hard_prompts_coin_flip_reward
+
+    completions = [f"completion {i}" for i in range(64)]
+    flips = coin_flip_reward(completions)
+    assert set(flips) == {1.0, -1.0} and flips == coin_flip_reward(list(completions))
+    assert 20 < flips.count(1.0) < 44
+    prompts = [f"problem {p}" for p in range(200)]
+    hard = [p for p in prompts if hard_prompts_coin_flip_reward([p] * 64, completions) == [-1.0] * 64]
+    assert 30 < len(hard) < 70  # about a quarter
+    easy = next(p for p in prompts if p not in hard)
+    assert hard_prompts_coin_flip_reward([easy] * 64, completions) == flips
+    messages = [[{"role": "user", "content": hard[0]}]] * 2  # conversational prompts: their text decides
+    assert hard_prompts_coin_flip_reward(messages, completions[:2]) == [-1.0, -1.0]
+
+
+@pytest.mark.parametrize("oversample", [None, "1.5"])
+def test_gpu_recipes_reports_dynamic_samplings_rounds_when_groups_are_replaced(tmp_path, tiny_model_dir, oversample):
+    """DAPO's recipe through benchmarks/gpu_recipes.sh with the hard-prompts reward: entirely incorrect groups are
+    dropped and only the shortfall is generated again, and the summary carries the rounds and groups per group kept;
+    with the first round oversampled, it holds 1.5 generation batches (the recipe logs its completions table)."""
+    shapes = tmp_path / "shapes"
+    shapes.mkdir()
+    (shapes / "qwen15b").symlink_to(tiny_model_dir)
+    extra = ("--use_vllm false --use_cpu true --bf16 false --accelerate_config none --max_completion_length 8 "
+             "--overlong_buffer_length 2 --per_device_train_batch_size 16 --gradient_checkpointing false "
+             "--save_final_model false --save_strategy no --torch_num_threads 1 "
+             "--reward_funcs benchmarks.timing_rewards:hard_prompts_coin_flip_reward")  # fmt: skip
+    if oversample:
+        extra += f" --dynamic_sampling_oversample {oversample}"
+    env = {**ENV, "STEPS": "4", "PYTHON": sys.executable, "EXTRA": extra, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        ["bash", "benchmarks/gpu_recipes.sh", str(tmp_path / "out"), str(shapes), "dapo_qwen15b:4"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["completions"] == 64 for r in rows)
+    if oversample:  # four groups and two more in the first round, whose extra groups make up for hard prompts
+        assert all(r["generated_per_kept"] >= 1.5 for r in rows) and any(r["rounds"] == 1 for r in rows)
+        return
+    # four groups a step: with a quarter of the prompts entirely incorrect, some step replaces groups, and an extra
+    # round is the shortfall over the informative fraction, not a whole generation batch (which would be 2.0)
+    replaced = [r for r in rows if r["rounds"] > 1]
+    assert replaced, rows
+    assert all(1.0 < r["generated_per_kept"] < r["rounds"] for r in replaced)
+    assert all(r["generated_per_kept"] == 1.0 for r in rows if r["rounds"] == 1)
+    assert "| generation rounds | groups generated / kept |" in done.stdout
+
+
 FAKE_ACCELERATE = """#!/usr/bin/env bash
 # stands in for `accelerate launch`: records the launch, then runs the script in this one process
 echo "$@" >> "$FAKE_ACCELERATE_LOG"

@@ -106,7 +106,8 @@ def test_dynamic_sampling_cap_stops_a_run_without_informative_groups(tmp_path, t
 
 
 @pytest.mark.slow
-def test_dynamic_sampling_with_two_processes_keeps_the_same_groups_everywhere(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("oversample", [1.0, 1.5])
+def test_dynamic_sampling_with_two_processes_keeps_the_same_groups_everywhere(tmp_path, tiny_model_dir, oversample):
     import os
     import subprocess
     import sys
@@ -117,7 +118,8 @@ def test_dynamic_sampling_with_two_processes_keeps_the_same_groups_everywhere(tm
     script = Path(__file__).parent / "scripts" / "ddp_dynamic_sampling.py"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--master_port", str(30500 + os.getpid() % 1000), str(script), tiny_model_dir, str(tmp_path)]
+    port = 30500 + os.getpid() % 1000 + (7 if oversample > 1 else 0)
+    command += ["--master_port", str(port), str(script), tiny_model_dir, str(tmp_path), str(oversample)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     ranks = [torch.load(tmp_path / f"records_rank{r}.pt") for r in range(2)]
@@ -130,7 +132,8 @@ def test_dynamic_sampling_with_two_processes_keeps_the_same_groups_everywhere(tm
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         lookup[tokenizer.decode(ids, skip_special_tokens=True)] = row["answer"]
 
-    smaller = 0
+    smaller = added_kept = 0
+    extra = 2 if oversample > 1 else 0  # ceil(0.5 x 4) groups, one per process
     for first, second in zip(ranks[0]["records"], ranks[1]["records"]):
         # Both processes took the same decisions from the same gathered rewards ...
         assert first["selected"] == second["selected"] and first["rounds"] == second["rounds"]
@@ -138,9 +141,20 @@ def test_dynamic_sampling_with_two_processes_keeps_the_same_groups_everywhere(tm
         assert all(torch.equal(a, b) for a, b in zip(first["informative"], second["informative"]))
         # ... ran the same generation rounds with the same number of rows, an extra round generating only the
         # shortfall (its groups split over both processes) ...
-        assert first["round_groups"] == second["round_groups"] and first["round_groups"][0] == 4
+        assert first["round_groups"] == second["round_groups"] and first["round_groups"][0] == 4 + extra
+        assert first["first_round_extra_groups"] == second["first_round_extra_groups"] == extra
         assert first["round_rows"] == second["round_rows"] == [groups * 2 for groups in first["round_groups"]]
         smaller += sum(groups < 4 for groups in first["round_groups"][1:])
+        # In an oversampled first round each process's rows are its 2 groups of the batch, then its added group:
+        # gathered, groups 2 and 5 are the added ones, and they are kept only after the batch's own.
+        if extra:
+            kept_first_round = [g for r, g in first["selected"] if r == 0]
+            own = [g for g in kept_first_round if g not in (2, 5)]
+            assert kept_first_round[: len(own)] == own
+            added_kept += len(kept_first_round) - len(own)
+        # The completions table holds the kept batch's rows on every process (TRL's deques survive the longer round).
+        assert first["table_rows"] == second["table_rows"] == 16
+        assert first["table_rewards"] == second["table_rewards"] == first["rewards_per_func"][:, 0].tolist()
         # ... kept 4 informative groups of 4, 8 rows on each process ...
         assert not first["cap_hit"] and first["completion_ids"].size(0) == second["completion_ids"].size(0) == 8
         correct = first["rewards_per_func"][:, 0].view(-1, 4) > 0
@@ -155,7 +169,10 @@ def test_dynamic_sampling_with_two_processes_keeps_the_same_groups_everywhere(tm
             completions = tokenizer.batch_decode(ids, skip_special_tokens=True)
             expected = mostly_informative_reward(completions, [lookup[p] for p in prompts])
             torch.testing.assert_close(record["rewards_per_func"][8 * rank : 8 * rank + 8, 0], torch.tensor(expected))
-    assert smaller > 0, "some step needs an extra round, smaller than a generation batch"
+    if extra:
+        assert added_kept > 0, "some added group replaces an uninformative one"
+    else:
+        assert smaller > 0, "some step needs an extra round, smaller than a generation batch"
 
 
 @pytest.mark.slow
@@ -237,3 +254,103 @@ def test_an_extra_round_generates_only_the_shortfall(tmp_path, tiny_model_dir):
     for first, second in zip(trainer.generated, again.generated, strict=True):
         assert first["batch"]["dynamic_sampling"]["selected"] == second["batch"]["dynamic_sampling"]["selected"]
         assert torch.equal(first["completion_ids"], second["completion_ids"])
+
+
+def test_first_round_extra_groups_are_whole_groups_on_every_process():
+    from egpo_trl.sampling.dynamic import first_round_extra_groups
+
+    assert first_round_extra_groups(1.0, 64, 8) == 0
+    assert first_round_extra_groups(1.5, 8, 1) == 4
+    assert first_round_extra_groups(1.1, 10, 1) == 1  # read as written: 11/10, not the float just above it
+    assert first_round_extra_groups(1.25, 64, 8) == 16
+    assert first_round_extra_groups(1.1, 64, 8) == 8  # 6.4 -> 7 -> a multiple of the 8 processes
+    assert first_round_extra_groups(1.01, 4, 2) == 2
+
+
+def test_oversampling_settings_are_checked(tmp_path, tiny_model_dir):
+    from egpo_trl import EGPOTrainer
+
+    with pytest.raises(ValueError, match="dynamic_sampling is off"):
+        config(tmp_path, dynamic_sampling_oversample=1.5)
+    with pytest.raises(ValueError, match="dynamic_sampling_oversample must be a number >= 1"):
+        config(tmp_path, dynamic_sampling=True, dynamic_sampling_oversample=0.5)
+    # Each process's share of a generation batch must be whole groups: 2 processes x 6 rows of groups of 4 split a
+    # group between them (TRL accepts that: 12 rows make 3 groups), so no whole groups can be added to each share.
+    from types import SimpleNamespace
+
+    from egpo_trl.sampling.dynamic import oversampling_layout_error
+
+    args = SimpleNamespace(per_device_train_batch_size=6, num_generations=4, steps_per_generation=1,
+                           dynamic_sampling=True, dynamic_sampling_oversample=1.5)  # fmt: skip
+    error = oversampling_layout_error(args)
+    assert "(6 x 1 = 6) must be a multiple of num_generations (4)" in error
+    assert "dynamic_sampling_oversample: 1.0" in error
+    args.per_device_train_batch_size = 8
+    assert oversampling_layout_error(args) is None
+    args.per_device_train_batch_size, args.dynamic_sampling_oversample = 6, 1.0
+    assert oversampling_layout_error(args) is None
+    # A trainer with whole groups per process starts.
+    args = config(tmp_path, dynamic_sampling=True, dynamic_sampling_oversample=1.5)
+    assert EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset()).args is args
+
+
+@pytest.mark.slow
+def test_an_oversampled_first_round_keeps_the_batchs_own_groups_first(tmp_path, tiny_model_dir):
+    from fractions import Fraction
+    from math import ceil
+
+    from egpo_trl.sampling.dynamic import MIN_INFORMATIVE_FRACTION
+
+    # Generation batches of 4 groups of 4; the first round adds 2 groups (1.5x) drawn from the training set.
+    # The completions table on (TRL keeps it in deques of a generation batch's length; the first round is longer).
+    settings = dict(max_steps=4, per_device_train_batch_size=16, dynamic_sampling=True, dynamic_sampling_max_rounds=8,
+                    dynamic_sampling_oversample=1.5, log_completions=True)  # fmt: skip
+    trainer = RoundRecording(
+        tiny_model_dir, mostly_informative_reward, config(tmp_path, **settings), train_dataset=make_prompt_dataset()
+    )
+    trainer.train()
+
+    calls = iter(trainer.round_inputs)
+    one_round = 0
+    for generated, per_kept in zip(trainer.generated, history(trainer, "dynamic_sampling/generated_per_kept")):
+        sampling = generated["batch"]["dynamic_sampling"]
+        assert sampling["target_groups"] == 4 and sampling["first_round_extra_groups"] == 2
+        assert not sampling["cap_hit"] and len(sampling["selected"]) == 4
+        first = next(calls)
+        assert len(first) == 24 == sampling["round_groups"][0] * 4
+        assert all(len(set(first[g * 4 : g * 4 + 4])) == 1 for g in range(6)), "4 rows per prompt"
+        informative = sampling["informative"][0]
+        # The generation batch's own informative groups are kept first, in order, then the added ones.
+        own = [g for g in range(4) if informative[g]]
+        added = [g for g in range(4, 6) if informative[g]]
+        assert sampling["selected"][: len(own)] == [(0, g) for g in own]
+        assert sampling["selected"][len(own) : len(own) + len(added)] == [(0, g) for g in added][: 4 - len(own)]
+        found, generated_groups = int(informative.sum()), 6
+        for groups, flags in zip(sampling["round_groups"][1:], sampling["informative"][1:]):
+            assert len(next(calls)) == groups * 4
+            fraction = max(Fraction(found, generated_groups), MIN_INFORMATIVE_FRACTION)
+            assert groups == min(ceil((4 - found) / fraction), 4)
+            found += int(flags.sum())
+            generated_groups += groups
+        one_round += sampling["rounds"] == 1
+        assert per_kept == pytest.approx(generated_groups / 4)
+        # The batch trained on: 16 rows of informative groups, each row with its own reward.
+        assert generated["completion_ids"].size(0) == 16
+        correctness = generated["batch"]["rewards_per_func"][:, 0].view(-1, 4) > 0
+        assert (correctness.any(dim=1) & ~correctness.all(dim=1)).all()
+        prompts, completions = texts(trainer, generated)
+        recomputed = mostly_informative_reward(completions, answers_of(trainer, prompts))
+        torch.testing.assert_close(generated["batch"]["rewards_per_func"][:, 0], torch.tensor(recomputed))
+    assert next(calls, None) is None
+    assert one_round > 0, "the added groups make up for uninformative ones in one round"
+    # The completions table holds the last batch's 16 kept rows, with their rewards and the advantages the loss used.
+    last = trainer.generated[-1]
+    assert len(trainer._logs["prompt"]) == len(trainer._logs["completion"]) == 16
+    assert trainer._logs["prompt"].maxlen == 16, "TRL's own deques are back"
+    assert (
+        list(trainer._logs["rewards"]["mostly_informative_reward"]) == last["batch"]["rewards_per_func"][:, 0].tolist()
+    )
+    assert list(trainer._logs["advantages"]) == last["batch"]["result"].advantages.tolist()
+    prompts, completions = texts(trainer, last)
+    logged = [c[0]["content"] if isinstance(c, list) else c for c in trainer._logs["completion"]]
+    assert logged == completions

@@ -302,6 +302,18 @@ SOURCE = [
         "the length limit is read at each call (GEC sets it for a continuation)",
         "sampling/gec.py",
     ),
+    (
+        "GRPOTrainer.__init__",
+        "max_num_seqs=args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation,",
+        "the colocated engine holds a generation batch's share (raised for an oversampled first round)",
+        "sampling/dynamic.py",
+    ),
+    (
+        "VLLMGeneration._init_vllm",
+        "max_num_seqs=self.max_num_seqs,",
+        "the engine is started with the max_num_seqs the trainer gives",
+        "sampling/dynamic.py",
+    ),
     ("VLLMGeneration.__init__", "self.mode = mode", "colocate or server", "vllm_cpu.py"),
     ("VLLMGeneration._init_vllm", "self.llm = LLM(", "the colocated engine", "vllm_cpu.py"),
     ("VLLMGeneration.sync_weights", "", "replaced on CPU builds by cpu_sync_weights", "vllm_cpu.py"),

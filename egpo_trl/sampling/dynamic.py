@@ -4,7 +4,10 @@ With ``dynamic_sampling=True`` the trainer generates extra rounds for prompts dr
 the generation batch is made of informative groups (``dynamic_sampling_metric``: groups whose completions are
 not all correct nor all incorrect, or whose rewards are not all equal), up to ``dynamic_sampling_max_rounds``
 rounds. An extra round generates only the shortfall: the missing groups divided by the fraction of informative
-groups seen so far in this generation batch (never more than a generation batch). The decision is taken on
+groups seen so far in this generation batch (never more than a generation batch). With
+``dynamic_sampling_oversample`` > 1 the first round also generates extra groups for prompts drawn from the training
+set, so that one round usually suffices: at long lengths a round costs about the decode steps of its longest
+completion whatever its number of sequences, so a larger first round is cheaper than a second one. The decision is taken on
 gathered tensors, so every process keeps the same groups and runs the same rounds with the same number of rows,
 and the batch keeps its shape: TRL's dataloader, epochs, buffering, shuffling and ``num_iterations`` see a normal
 generation batch.
@@ -22,6 +25,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import defaultdict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from fractions import Fraction
 from typing import Any
 
@@ -32,13 +38,84 @@ from egpo_trl.sampling.common import refuse_unsupported_generation
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DynamicSamplingMixin"]
+__all__ = [
+    "DynamicSamplingMixin",
+    "first_round_extra_groups",
+    "oversampling_layout_error",
+    "vllm_sequences_for_oversampling",
+]
 
 # Batch tensors that are left-padded (the prompt side); every other per-token tensor is right-padded.
 _LEFT_PADDED_KEYS = ("prompt_ids", "prompt_mask")
 # The informative fraction an extra round is sized with when fewer groups than this were informative so far: a
 # batch without (or with almost no) informative groups asks for a whole generation batch, not a division by zero.
 MIN_INFORMATIVE_FRACTION = Fraction(1, 10)
+
+
+def first_round_extra_groups(oversample: float, target: int, processes: int) -> int:
+    """The groups dynamic sampling's first round adds to a generation batch of ``target`` groups
+    (``dynamic_sampling_oversample``): ``ceil((oversample - 1) * target)``, rounded up to a multiple of ``processes``
+    so that each process adds whole groups; 0 without oversampling. ``oversample`` is read as written (1.1 is 11/10)."""
+    extra = math.ceil((Fraction(repr(float(oversample))) - 1) * target)
+    return math.ceil(extra / processes) * processes if extra > 0 else 0
+
+
+def oversampling_layout_error(args: Any) -> str | None:
+    """Why ``args`` cannot oversample dynamic sampling's first round, or ``None``.
+
+    The added groups go to every process as whole groups after its share of the generation batch, so that share must
+    be whole groups too (with several processes TRL may split a group between them)."""
+    if not args.dynamic_sampling or args.dynamic_sampling_oversample <= 1.0:
+        return None
+    local_rows = args.per_device_train_batch_size * args.steps_per_generation
+    if local_rows % args.num_generations == 0:
+        return None
+    return (
+        f"dynamic_sampling_oversample={args.dynamic_sampling_oversample:g} adds whole groups to each process's share "
+        f"of the first round, so that share must be whole groups: per_device_train_batch_size x steps_per_generation "
+        f"({args.per_device_train_batch_size} x {args.steps_per_generation} = {local_rows}) must be a multiple of "
+        f"num_generations ({args.num_generations}). Change one of them, or set dynamic_sampling_oversample: 1.0."
+    )
+
+
+@contextmanager
+def vllm_sequences_for_oversampling(args: Any) -> Iterator[None]:
+    """Wrap ``GRPOTrainer.__init__`` so that a colocated vLLM engine takes a whole oversampled first round at once.
+
+    TRL 1.16 starts the colocated engine with ``max_num_seqs`` = ``per_device_train_batch_size x
+    vllm_tensor_parallel_size x steps_per_generation``, a generation batch's share. With
+    ``dynamic_sampling_oversample`` > 1 the first round holds more sequences, which would then decode in two waves,
+    each as long as the longest completion: the round would cost about what an extra round costs. Inside this
+    context the engine is built with the first round's share instead. A no-op otherwise (and in server mode, where
+    the server's own ``--max_num_seqs`` applies).
+    """
+    if not (
+        args.dynamic_sampling
+        and args.dynamic_sampling_oversample > 1.0
+        and args.use_vllm
+        and args.vllm_mode == "colocate"
+    ):
+        yield
+        return
+    from trl.trainer import grpo_trainer
+
+    local_rows = args.per_device_train_batch_size * args.steps_per_generation
+    processes = args.world_size
+    target = local_rows * processes // args.num_generations
+    extra = first_round_extra_groups(args.dynamic_sampling_oversample, target, processes)
+    sequences = (local_rows + extra // processes * args.num_generations) * args.vllm_tensor_parallel_size
+    original = grpo_trainer.VLLMGeneration
+
+    def build(*pos_args: Any, **kwargs: Any):
+        if kwargs.get("max_num_seqs") is not None:
+            kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], sequences)
+        return original(*pos_args, **kwargs)
+
+    grpo_trainer.VLLMGeneration = build
+    try:
+        yield
+    finally:
+        grpo_trainer.VLLMGeneration = original
 
 
 class DynamicSamplingMixin:
@@ -61,6 +138,9 @@ class DynamicSamplingMixin:
                 "dynamic_sampling draws extra prompts from train_dataset by index, so it needs a map-style "
                 "datasets.Dataset (not an IterableDataset); load the data without streaming, or turn it off."
             )
+        error = oversampling_layout_error(self.args)
+        if error:
+            raise ValueError(error)
 
     def _informative_groups(self, rewards_per_func: torch.Tensor, num_generations: int) -> torch.Tensor:
         """``bool Tensor[G]``: which groups carry a learning signal under GRPO (``dynamic_sampling_metric``).
@@ -85,11 +165,13 @@ class DynamicSamplingMixin:
     ) -> tuple[dict[str, Any], torch.Tensor, dict[str, Any]]:
         """DAPO's dynamic sampling: the generation batch ``inputs``, then extra rounds for the missing groups.
 
-        Generates ``inputs`` as TRL would, then, while fewer than ``G`` groups (the generation batch's number of
-        groups) are informative, another round for prompts drawn from ``train_dataset``, up to
+        Generates ``inputs`` as TRL would (with :meth:`_first_round_extra_groups` more groups for prompts drawn from
+        ``train_dataset`` when ``dynamic_sampling_oversample`` > 1), then, while fewer than ``G`` groups (the
+        generation batch's number of groups) are informative, another round for prompts drawn from ``train_dataset``, up to
         ``dynamic_sampling_max_rounds`` rounds in all. An extra round is sized by :meth:`_extra_round_groups`
         (the shortfall over the informative fraction seen so far, at most ``G`` groups). The first ``G``
-        informative groups, in generation order, make the batch; when the cap stops the search, uninformative
+        informative groups, in generation order (in the first round the generation batch's own groups first:
+        :meth:`_round_group_order`), make the batch; when the cap stops the search, uninformative
         groups (first round first) fill it and a warning is logged. Decisions use the gathered rewards, so every
         process keeps the same groups and generates the same rounds with the same number of rows; rows move
         between processes as needed, and each keeps its usual number of rows.
@@ -102,11 +184,15 @@ class DynamicSamplingMixin:
         rounds: list[dict[str, Any]] = []
         found = generated = 0
         round_inputs = inputs
+        first_extra = self._first_round_extra_groups(target)
+        if first_extra:  # the generation batch's groups, then this process's share of the extra ones
+            round_inputs = list(inputs) + self._refill_inputs(first_extra, num_generations, 0)
         marks = []  # the length of each of TRL's metric lists before each round
         for round_index in range(max_rounds):
             marks.append({name: len(values) for name, values in self._metrics["train"].items()})
             groups = len(round_inputs) * processes // num_generations
-            output, rewards_per_func = self._generate_round(round_inputs)
+            with self._logs_for_round(groups * num_generations):
+                output, rewards_per_func = self._generate_round(round_inputs)
             informative = self._informative_groups(rewards_per_func, num_generations)
             rounds.append(
                 {
@@ -114,6 +200,7 @@ class DynamicSamplingMixin:
                     "rewards_per_func": rewards_per_func,
                     "informative": informative,
                     "groups": groups,
+                    "order": self._round_group_order(groups, first_extra if round_index == 0 else 0),
                     "logs": self._snapshot_logs(groups * num_generations),
                 }
             )
@@ -124,16 +211,13 @@ class DynamicSamplingMixin:
             extra = self._extra_round_groups(target - found, Fraction(found, generated), target, num_generations)
             round_inputs = self._refill_inputs(extra, num_generations, round_index + 1)
 
-        selected = [
-            (r, int(g)) for r, record in enumerate(rounds) for g in torch.nonzero(record["informative"]).flatten()
-        ][:target]
+        selected = [(r, g) for r, record in enumerate(rounds) for g in record["order"] if record["informative"][g]][
+            :target
+        ]
         cap_hit = len(selected) < target
         if cap_hit:
             fillers = [
-                (r, g)
-                for r, record in enumerate(rounds)
-                for g in range(record["groups"])
-                if not record["informative"][g]
+                (r, g) for r, record in enumerate(rounds) for g in record["order"] if not record["informative"][g]
             ]
             fillers = fillers[: target - len(selected)]
             if self.accelerator.is_main_process:
@@ -151,7 +235,7 @@ class DynamicSamplingMixin:
                 )
             selected = selected + fillers
 
-        if selected == [(0, g) for g in range(target)]:  # the first round was informative throughout
+        if rounds[0]["groups"] == target and selected == [(0, g) for g in range(target)]:  # informative throughout
             output, rewards_per_func = rounds[0]["output"], rounds[0]["rewards_per_func"]
         else:
             output, rewards_per_func = self._assemble_groups(rounds, selected, num_generations, local_rows)
@@ -167,6 +251,7 @@ class DynamicSamplingMixin:
             "rounds": len(rounds),
             "target_groups": target,
             "round_groups": [record["groups"] for record in rounds],
+            "first_round_extra_groups": first_extra,
             "informative": [record["informative"] for record in rounds],
             "selected": selected,
             "cap_hit": cap_hit,
@@ -210,6 +295,24 @@ class DynamicSamplingMixin:
             else:
                 kept = [v for r in used for v in values[starts[r] : starts[r + 1]]]
             values[:] = before + kept
+
+    def _first_round_extra_groups(self, target: int) -> int:
+        """:func:`first_round_extra_groups` for this run: the groups its first round adds to the generation batch's
+        ``target``."""
+        return first_round_extra_groups(self.args.dynamic_sampling_oversample, target, self.accelerator.num_processes)
+
+    def _round_group_order(self, groups: int, extra: int) -> list[int]:
+        """The round's gathered group indices in the order groups are kept: in generation order, but in a first round
+        with ``extra`` added groups, the generation batch's own groups first (in TRL's order), then the added ones.
+        Each process's rows are its share of the batch's groups followed by its share of the added ones."""
+        if not extra:
+            return list(range(groups))
+        processes = self.accelerator.num_processes
+        own, added = (groups - extra) // processes, extra // processes
+        block = own + added
+        return [p * block + k for p in range(processes) for k in range(own)] + [
+            p * block + own + k for p in range(processes) for k in range(added)
+        ]
 
     def _extra_round_groups(self, missing: int, fraction: Fraction, target: int, num_generations: int) -> int:
         """The number of groups (prompts) the next round generates, the same on every process.
@@ -265,8 +368,9 @@ class DynamicSamplingMixin:
     ) -> tuple[dict[str, Any], torch.Tensor]:
         """The batch made of the ``selected`` (round, group) pairs: this process's rows and the gathered rewards."""
         first = rounds[0]["output"]
+        first_rows = rounds[0]["groups"] * num_generations // self.accelerator.num_processes  # an oversampled round's
         keys = [
-            k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.size(0) == local_rows
+            k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.size(0) == first_rows
         ]
         others = [k for k, v in first.items() if k not in keys and k != "num_items_in_batch"]
         if others:
@@ -304,13 +408,45 @@ class DynamicSamplingMixin:
         rewards = torch.cat([rounds[r]["rewards_per_func"] for r in used], dim=0)
         return output, rewards[rows.to(rewards.device)]
 
+    @contextmanager
+    def _logs_for_round(self, global_rows: int) -> Iterator[None]:
+        """Let TRL's completions-table logs hold a round of ``global_rows`` rows.
+
+        TRL keeps them in deques of a generation batch's length, so an oversampled first round would lose its first
+        rows before :meth:`_snapshot_logs` reads them. For such a round the logs are swapped for longer deques with
+        the same entries; afterwards the original deques come back (without the round's rows: the batch's rows are
+        written into them by :meth:`_restore_logs`) and hold every reward and column name the round logged."""
+        logs = self._logs
+        if global_rows <= (logs["prompt"].maxlen or global_rows):
+            yield
+            return
+
+        def longer(values) -> deque:
+            return deque(values, maxlen=global_rows)
+
+        def longer_by_name(by_name) -> defaultdict:
+            return defaultdict(lambda: deque(maxlen=global_rows), {k: longer(v) for k, v in by_name.items()})
+
+        self._logs = {
+            name: longer_by_name(values) if isinstance(values, dict) else longer(values)
+            for name, values in logs.items()
+        }
+        try:
+            yield
+            for part in ("rewards", "extra"):
+                for name in self._logs[part]:
+                    logs[part][name]  # noqa: B018 (a defaultdict: creates the name's deque)
+        finally:
+            self._snapshot_source, self._logs = self._logs, logs
+
     def _snapshot_logs(self, global_rows: int) -> dict[str, Any]:
         """The completions-table entries TRL logged for the last generation round (its ``global_rows`` rows)."""
 
         def tail(values) -> list | None:
             return list(values)[-global_rows:] if len(values) >= global_rows else None
 
-        logs = self._logs
+        logs = getattr(self, "_snapshot_source", None) or self._logs  # an oversampled round's longer logs
+        self._snapshot_source = None
         return {
             "prompt": tail(logs["prompt"]),
             "completion": tail(logs["completion"]),

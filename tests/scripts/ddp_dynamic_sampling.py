@@ -1,7 +1,8 @@
 """Train with dynamic sampling in every process of a distributed launch and save what each generation batch kept.
 
 Used by tests/test_dynamic_sampling.py:
-``python -m torch.distributed.run --nproc_per_node 2 tests/scripts/ddp_dynamic_sampling.py MODEL OUT``.
+``python -m torch.distributed.run --nproc_per_node 2 tests/scripts/ddp_dynamic_sampling.py MODEL OUT [OVERSAMPLE]``
+(``dynamic_sampling_oversample``, 1.0 by default).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class Recorder(EGPOTrainer):
                 "round_groups": sampling["round_groups"],
                 "round_rows": list(self.round_rows),
                 "selected": sampling["selected"],
+                "first_round_extra_groups": sampling["first_round_extra_groups"],
+                "table_rows": len(self._logs["prompt"]),
+                "table_rewards": list(self._logs["rewards"]["mostly_informative_reward"]),
                 "cap_hit": sampling["cap_hit"],
                 "informative": [flags.cpu() for flags in sampling["informative"]],
                 "rewards_per_func": batch["rewards_per_func"].cpu(),
@@ -57,7 +61,7 @@ class Recorder(EGPOTrainer):
         return output
 
 
-def main(model_dir: str, out_dir: str) -> None:
+def main(model_dir: str, out_dir: str, oversample: float = 1.0) -> None:
     args = EGPOConfig(
         output_dir=out_dir,
         **{
@@ -67,6 +71,8 @@ def main(model_dir: str, out_dir: str) -> None:
             "advantage_estimator": "grpo",
             "dynamic_sampling": True,
             "dynamic_sampling_max_rounds": 8,
+            "dynamic_sampling_oversample": oversample,
+            "log_completions": True,
         },
     )
     trainer = Recorder(model_dir, mostly_informative_reward, args, train_dataset=make_prompt_dataset())
@@ -75,4 +81,4 @@ def main(model_dir: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else 1.0)

@@ -9,6 +9,8 @@ the loss contains.
 
 ``--dapo``: DAPO's dynamic sampling for two steps, with a reward that makes half the prompts uninformative; the JSON
 holds, per generation batch, the rounds it needed, the kept groups' correctness and the vLLM tensors' shapes.
+``--dapo --oversample F`` sets ``dynamic_sampling_oversample``; the JSON also holds the rows of each generation call
+and the engine's ``max_num_seqs``.
 """
 
 from __future__ import annotations
@@ -58,14 +60,22 @@ class DynamicSamplingRecorder(EGPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.records = []
+        self.round_rows = []
+
+    def _generate_round(self, inputs):
+        self.round_rows.append(len(inputs))
+        return super()._generate_round(inputs)
 
     def _generate_and_score_completions(self, inputs):
+        self.round_rows = []
         output = super()._generate_and_score_completions(inputs)
         batch = self.egpo_last_batch
         correct = (batch["rewards_per_func"][:, 0] > 0).view(-1, 4)
         self.records.append(
             {
                 "rounds": batch["dynamic_sampling"]["rounds"],
+                "round_rows": list(self.round_rows),
+                "rows": output["completion_ids"].size(0),
                 "kept_mixed": (correct.any(dim=1) & ~correct.all(dim=1)).tolist(),
                 "shapes": {
                     key: list(output[key].shape)
@@ -95,7 +105,7 @@ def colocate_config(out: str, **overrides) -> EGPOConfig:
     )
 
 
-def dapo(model_dir: str, out: str) -> None:
+def dapo(model_dir: str, out: str, oversample: float = 1.0) -> None:
     args = colocate_config(
         out,
         max_completion_length=12,
@@ -104,10 +114,18 @@ def dapo(model_dir: str, out: str) -> None:
         epsilon_high=0.28,
         dynamic_sampling=True,
         dynamic_sampling_max_rounds=8,
+        dynamic_sampling_oversample=oversample,
     )
     trainer = DynamicSamplingRecorder(model_dir, half_informative_reward, args, train_dataset=make_prompt_dataset())
+    engine = trainer.vllm_generation.llm.llm_engine
+    config = getattr(engine, "vllm_config", None)
     trainer.train()
-    Path(out).write_text(json.dumps({"records": trainer.records}, indent=2))
+    report = {
+        "records": trainer.records,
+        "max_num_seqs": trainer.vllm_generation.max_num_seqs,  # what the trainer gave the engine
+        "engine_max_num_seqs": config.scheduler_config.max_num_seqs if config is not None else None,
+    }
+    Path(out).write_text(json.dumps(report, indent=2))
 
 
 def main(model_dir: str, out: str) -> None:
@@ -136,4 +154,9 @@ def main(model_dir: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    (dapo if "--dapo" in sys.argv[3:] else main)(sys.argv[1], sys.argv[2])
+    flags = sys.argv[3:]
+    if "--dapo" in flags:
+        oversample = float(flags[flags.index("--oversample") + 1]) if "--oversample" in flags else 1.0
+        dapo(sys.argv[1], sys.argv[2], oversample)
+    else:
+        main(sys.argv[1], sys.argv[2])
