@@ -30,6 +30,11 @@ checkpointing; the architecture comes from ``--model-config`` (a folder with ``c
   the recipe's ``edge_gec_max_new_tokens`` (random weights never stop earlier; a continuation that stops early does
   less work than this bound) after ``P`` prompt tokens and the kept part of its completion.
 
+With DAPO's dynamic sampling the generation floors count the work the step did: its ``R`` generation rounds
+(``dynamic_sampling/rounds``), each decoding ``L`` steps that read the weights, and ``g`` times the batch's sequences
+(``dynamic_sampling/generated_per_kept``) reading their KV cache; a step of one round at ``g = 1`` is a plain step.
+A larger first round (``dynamic_sampling_oversample``) is one round of ``g`` times the sequences.
+
 FLOPs at ``--mfu`` (50%) of the card's dense bf16 peak (989 TFLOP/s for H100 and H200 SXM). ``L`` is the step's mean
 completion length. ``N`` counts the weights a token is multiplied by: an untied input embedding is a lookup and is
 left out (of the bytes a decode step reads too). The matrix floors above leave attention's own FLOPs out; the ``*_attn`` floors add them: per
@@ -210,7 +215,10 @@ def floors(args, run: Path) -> list[dict]:
         tokens = per_gpu * (prompt + length)
         # Context tokens read over the L decode steps, all completions of the GPU together.
         context_steps = per_gpu * (length * prompt + length * (length + 1) / 2)
-        decode_bytes = length * BYTES_BF16 * params + kv * context_steps
+        # DAPO's dynamic sampling: each round decodes L steps; all generated sequences read their KV cache.
+        rounds_run = max(1, int(row.get("rounds") or 1))
+        context_steps *= float(row.get("generated_per_kept") or 1.0)
+        decode_bytes = rounds_run * length * BYTES_BF16 * params + kv * context_steps
         attention = per_gpu * arch["attention_flops_per_t2"] * (prompt + length) ** 2
         floor = {
             "card": args.card,
@@ -234,10 +242,11 @@ def floors(args, run: Path) -> list[dict]:
             "ratio_step_rounds_attn": None,
         }
         if kv_tokens:  # no decode step holds more context than the cache: at least context_steps / K steps
-            steps = max(length, context_steps / kv_tokens)
+            steps = max(rounds_run * length, context_steps / kv_tokens)
             floor["floor_generation_kv_s"] = (steps * BYTES_BF16 * params + kv * context_steps) / (bandwidth * 1e12)
             if at_once is not None:  # the reading: rounds of the sequences the cache holds at their length limit
-                rounds = -(-per_gpu // max(1, at_once))
+                generated = round(per_gpu * float(row.get("generated_per_kept") or 1.0))
+                rounds = max(rounds_run, -(-generated // max(1, at_once)))
                 floor["generation_rounds"] = rounds
                 floor["reading_generation_rounds_s"] = (rounds * length * BYTES_BF16 * params + kv * context_steps) / (
                     bandwidth * 1e12

@@ -83,6 +83,7 @@ def test_an_oversampled_first_round_runs_at_once_in_the_colocated_engine(tmp_pat
     report = run_script(vllm_model_dir, tmp_path / "result.json", "--dapo", "--oversample", "1.5")
     assert report["max_num_seqs"] == 12
     assert report["engine_max_num_seqs"] in (None, 12)
+    assert "for 12 per oversampled first round" in report["kv_cache_line"]
     for record in report["records"]:
         assert record["round_rows"][0] == 12 and record["rows"] == 8
         assert all(record["kept_mixed"])

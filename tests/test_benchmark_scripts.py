@@ -415,6 +415,36 @@ def test_floor_adds_attention_and_the_gec_continuations_bound(tmp_path, monkeypa
     assert row["ratio_step_attn"] == pytest.approx(48.0 / row["floor_step_attn_s"]) and row["ratio_step_attn"] > 1
 
 
+def test_floor_counts_dynamic_samplings_rounds_and_generated_sequences(tmp_path, monkeypatch):
+    """A DAPO step of two rounds that generated 1.25 batches reads the weights twice as often and the KV cache 1.25
+    times as much as a plain step; a larger first round (one round, 1.5 batches) only the KV cache."""
+    folder = tmp_path / "dapo_qwen15b"
+    (folder / "run").mkdir(parents=True)
+    (folder / "command.txt").write_text(
+        "egpo-trl train recipes/dapo_qwen15b.yaml --num_processes 1 --gradient_accumulation_steps 8\n"
+    )
+    base = {"step_time": 40.0, "timing/generation_s": 25.0, "timing/generate_and_score_s": 26.0,
+            "completions/mean_length": 3072.0}  # fmt: skip
+    records = [{**base, "step": 1}, {**base, "step": 2, "dynamic_sampling/rounds": 2.0,
+               "dynamic_sampling/generated_per_kept": 1.25},
+               {**base, "step": 3, "dynamic_sampling/rounds": 1.0, "dynamic_sampling/generated_per_kept": 1.5}]  # fmt: skip
+    (folder / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = tmp_path / "summary.json"
+    run("benchmarks/floor.py", str(folder), "--shape", "qwen15b", "--summary", str(summary))
+    plain, two_rounds, larger = json.loads(summary.read_text())
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from floor import architecture
+    from real_shapes import SHAPES
+
+    arch = architecture(dict(SHAPES["qwen15b"]["config"]))
+    weights = 3072 * 2 * arch["matmul_parameters"] / 3.35e12  # one round's weight reads, at an H100's bandwidth
+    cache = plain["floor_generation_s"] - weights
+    assert two_rounds["floor_generation_s"] == pytest.approx(2 * weights + 1.25 * cache)
+    assert larger["floor_generation_s"] == pytest.approx(weights + 1.5 * cache)
+    assert two_rounds["rounds"] == 2 and larger["generated_per_kept"] == 1.5
+
+
 def test_floor_bounds_generation_within_the_kv_cache_the_run_logged(tmp_path, monkeypatch):
     """A run whose start-up line gives its vLLM KV cache: generation is also put against the decode bound within that
     cache (at least B * context-token-steps / K decode steps, each reading the weights); `--kv-cache-tokens` wins."""

@@ -124,13 +124,23 @@ def kv_cache_line(trainer, training_args, max_prompt_length: int | None = None) 
     tokens = trainer.vllm_kv_cache_tokens()
     if not tokens:
         return None
-    rows = training_args.generation_batch_size // max(trainer.accelerator.num_processes, 1)
+    processes = max(trainer.accelerator.num_processes, 1)
+    rows = training_args.generation_batch_size // processes
+    batch = "generation batch"
+    if getattr(training_args, "dynamic_sampling", False) and training_args.dynamic_sampling_oversample > 1.0:
+        from egpo_trl.sampling.dynamic import first_round_extra_groups
+
+        groups = training_args.generation_batch_size // training_args.num_generations
+        extra = first_round_extra_groups(training_args.dynamic_sampling_oversample, groups, processes)
+        rows += extra // processes * training_args.num_generations
+        batch = "oversampled first round"
     rows *= max(int(getattr(training_args, "vllm_tensor_parallel_size", 1) or 1), 1)
-    return kv_cache_message(tokens, (max_prompt_length or 0) + training_args.max_completion_length, rows)
+    return kv_cache_message(tokens, (max_prompt_length or 0) + training_args.max_completion_length, rows, batch)
 
 
-def kv_cache_message(tokens: int, sequence: int, rows: int) -> str:
-    """The line for a KV cache of ``tokens``, sequences of ``sequence`` tokens and ``rows`` of them per batch.
+def kv_cache_message(tokens: int, sequence: int, rows: int, batch: str = "generation batch") -> str:
+    """The line for a KV cache of ``tokens``, sequences of ``sequence`` tokens and ``rows`` of them per ``batch``
+    (a generation batch, or dynamic sampling's oversampled first round).
 
     When fewer than ``rows`` fit, the engine decodes the batch in rounds (if every completion runs to its limit),
     and each round reads the weights once per token: a larger ``vllm_gpu_memory_utilization``, where memory
@@ -139,7 +149,7 @@ def kv_cache_message(tokens: int, sequence: int, rows: int) -> str:
     at_once = tokens // sequence
     line = (
         f"vLLM's KV cache holds {tokens:,} tokens: {at_once} sequences of {sequence:,} tokens at once (prompt and "
-        f"completion at their limits), for {rows} per generation batch"
+        f"completion at their limits), for {rows} per {batch}"
     )
     if 0 < at_once < rows:
         line += (

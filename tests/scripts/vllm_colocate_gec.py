@@ -120,8 +120,11 @@ def dapo(model_dir: str, out: str, oversample: float = 1.0) -> None:
     engine = trainer.vllm_generation.llm.llm_engine
     config = getattr(engine, "vllm_config", None)
     trainer.train()
+    from egpo_trl.script.run import kv_cache_line
+
     report = {
         "records": trainer.records,
+        "kv_cache_line": kv_cache_line(trainer, args),
         "max_num_seqs": trainer.vllm_generation.max_num_seqs,  # what the trainer gave the engine
         "engine_max_num_seqs": config.scheduler_config.max_num_seqs if config is not None else None,
     }
