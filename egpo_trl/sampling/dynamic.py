@@ -191,8 +191,9 @@ class DynamicSamplingMixin:
         for round_index in range(max_rounds):
             marks.append({name: len(values) for name, values in self._metrics["train"].items()})
             groups = len(round_inputs) * processes // num_generations
-            with self._logs_for_round(groups * num_generations):
+            with self._logs_for_round(groups * num_generations):  # the round's own completions-table rows
                 output, rewards_per_func = self._generate_round(round_inputs)
+                logs = self._snapshot_logs(groups * num_generations)
             informative = self._informative_groups(rewards_per_func, num_generations)
             rounds.append(
                 {
@@ -201,7 +202,7 @@ class DynamicSamplingMixin:
                     "informative": informative,
                     "groups": groups,
                     "order": self._round_group_order(groups, first_extra if round_index == 0 else 0),
-                    "logs": self._snapshot_logs(groups * num_generations),
+                    "logs": logs,
                 }
             )
             found += int(informative.sum().item())
@@ -413,9 +414,10 @@ class DynamicSamplingMixin:
         """Let TRL's completions-table logs hold a round of ``global_rows`` rows.
 
         TRL keeps them in deques of a generation batch's length, so an oversampled first round would lose its first
-        rows before :meth:`_snapshot_logs` reads them. For such a round the logs are swapped for longer deques with
-        the same entries; afterwards the original deques come back (without the round's rows: the batch's rows are
-        written into them by :meth:`_restore_logs`) and hold every reward and column name the round logged."""
+        rows before :meth:`_snapshot_logs` reads them. For such a round the logs are swapped, inside the block, for
+        longer deques with the same entries (take the snapshot inside the block); afterwards the original deques
+        come back (without the round's rows: the batch's rows are written into them by :meth:`_restore_logs`) and
+        hold every reward and column name the round logged."""
         logs = self._logs
         if global_rows <= (logs["prompt"].maxlen or global_rows):
             yield
@@ -437,7 +439,7 @@ class DynamicSamplingMixin:
                 for name in self._logs[part]:
                     logs[part][name]  # noqa: B018 (a defaultdict: creates the name's deque)
         finally:
-            self._snapshot_source, self._logs = self._logs, logs
+            self._logs = logs
 
     def _snapshot_logs(self, global_rows: int) -> dict[str, Any]:
         """The completions-table entries TRL logged for the last generation round (its ``global_rows`` rows)."""
@@ -445,8 +447,7 @@ class DynamicSamplingMixin:
         def tail(values) -> list | None:
             return list(values)[-global_rows:] if len(values) >= global_rows else None
 
-        logs = getattr(self, "_snapshot_source", None) or self._logs  # an oversampled round's longer logs
-        self._snapshot_source = None
+        logs = self._logs
         return {
             "prompt": tail(logs["prompt"]),
             "completion": tail(logs["completion"]),
