@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import shlex
 import sys
@@ -216,7 +217,7 @@ def floors(args, run: Path) -> list[dict]:
         # Context tokens read over the L decode steps, all completions of the GPU together.
         context_steps = per_gpu * (length * prompt + length * (length + 1) / 2)
         # DAPO's dynamic sampling: each round decodes L steps; all generated sequences read their KV cache.
-        rounds_run = max(1, int(row.get("rounds") or 1))
+        rounds_run = max(1.0, float(row.get("rounds") or 1.0))  # a mean over the record's steps when logged so
         context_steps *= float(row.get("generated_per_kept") or 1.0)
         decode_bytes = rounds_run * length * BYTES_BF16 * params + kv * context_steps
         attention = per_gpu * arch["attention_flops_per_t2"] * (prompt + length) ** 2
@@ -246,7 +247,7 @@ def floors(args, run: Path) -> list[dict]:
             floor["floor_generation_kv_s"] = (steps * BYTES_BF16 * params + kv * context_steps) / (bandwidth * 1e12)
             if at_once is not None:  # the reading: rounds of the sequences the cache holds at their length limit
                 generated = round(per_gpu * float(row.get("generated_per_kept") or 1.0))
-                rounds = max(rounds_run, -(-generated // max(1, at_once)))
+                rounds = max(math.ceil(rounds_run), -(-generated // max(1, at_once)))
                 floor["generation_rounds"] = rounds
                 floor["reading_generation_rounds_s"] = (rounds * length * BYTES_BF16 * params + kv * context_steps) / (
                     bandwidth * 1e12

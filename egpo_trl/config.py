@@ -7,6 +7,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from trl import GRPOConfig
 
@@ -138,6 +139,25 @@ def per_micro_batch_terms(args) -> list[str]:
     if args.entropy_coef != 0.0 or getattr(args, "use_adaptive_entropy", False):
         terms.append("an entropy bonus (entropy_coef, use_adaptive_entropy) is averaged and updated per micro-batch")
     return terms
+
+
+def oversampling_layout_error(args: Any) -> str | None:
+    """Why ``args`` cannot oversample dynamic sampling's first round (``dynamic_sampling_oversample``), or ``None``.
+
+    The added groups go to every process as whole groups after its share of the generation batch, so that share must
+    be whole groups too (with several processes TRL may split a group between them). Checked when the config is
+    built, so also by ``--dry-run``, whatever the process count."""
+    if not args.dynamic_sampling or args.dynamic_sampling_oversample <= 1.0:
+        return None
+    local_rows = args.per_device_train_batch_size * args.steps_per_generation
+    if local_rows % args.num_generations == 0:
+        return None
+    return (
+        f"dynamic_sampling_oversample={args.dynamic_sampling_oversample:g} adds whole groups to each process's share "
+        f"of the first round, so that share must be whole groups: per_device_train_batch_size x steps_per_generation "
+        f"({args.per_device_train_batch_size} x {args.steps_per_generation} = {local_rows}) must be a multiple of "
+        f"num_generations ({args.num_generations}). Change one of them, or set dynamic_sampling_oversample: 1.0."
+    )
 
 
 @dataclass
@@ -507,9 +527,10 @@ class EGPOConfig(GRPOConfig):
     dynamic_sampling_oversample: float = field(
         default=1.0,
         metadata={
-            "help": "dynamic_sampling: the first round generates this many times the generation batch's groups (the "
-            "batch's prompts first, then prompts drawn from train_dataset), so that one round usually yields enough "
-            "informative groups. 1.0: the generation batch only. Must be >= 1."
+            "help": "dynamic_sampling: the first round adds ceil((f - 1) x G) groups to the generation batch's G "
+            "(rounded up to a multiple of the process count), for prompts drawn from train_dataset, so that one round "
+            "usually yields enough informative groups; the batch's own groups are kept first. 1.0: the generation "
+            "batch only. Must be >= 1."
         },
     )
     dynamic_sampling_metric: str = field(
@@ -835,6 +856,9 @@ class EGPOConfig(GRPOConfig):
                 "round, but dynamic_sampling is off; set dynamic_sampling: true or leave dynamic_sampling_oversample "
                 "at 1.0."
             )
+        layout = oversampling_layout_error(self)
+        if layout:
+            raise ValueError(layout)
         number("overlong_penalty_factor", 0.0)
         if self.overlong_buffer_length is not None:
             integer("overlong_buffer_length", 1)

@@ -267,28 +267,31 @@ def test_first_round_extra_groups_are_whole_groups_on_every_process():
     assert first_round_extra_groups(1.01, 4, 2) == 2
 
 
-def test_oversampling_settings_are_checked(tmp_path, tiny_model_dir):
+def test_oversampling_settings_are_checked(tmp_path, tiny_model_dir, monkeypatch):
+    from pathlib import Path
+
     from egpo_trl import EGPOTrainer
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
 
     with pytest.raises(ValueError, match="dynamic_sampling is off"):
         config(tmp_path, dynamic_sampling_oversample=1.5)
     with pytest.raises(ValueError, match="dynamic_sampling_oversample must be a number >= 1"):
         config(tmp_path, dynamic_sampling=True, dynamic_sampling_oversample=0.5)
-    # Each process's share of a generation batch must be whole groups: 2 processes x 6 rows of groups of 4 split a
-    # group between them (TRL accepts that: 12 rows make 3 groups), so no whole groups can be added to each share.
-    from types import SimpleNamespace
+    # Each process's share of a generation batch must be whole groups. With 8 processes, 2 rows x 4 accumulation
+    # steps each and groups of 16, TRL accepts the batch (64 rows, 4 groups, each split over two processes), but no
+    # whole group can be added to a share: refused when the config is parsed, so --dry-run lists it on any machine.
+    from egpo_trl.launch import check_recipe
 
-    from egpo_trl.sampling.dynamic import oversampling_layout_error
-
-    args = SimpleNamespace(per_device_train_batch_size=6, num_generations=4, steps_per_generation=1,
-                           dynamic_sampling=True, dynamic_sampling_oversample=1.5)  # fmt: skip
-    error = oversampling_layout_error(args)
-    assert "(6 x 1 = 6) must be a multiple of num_generations (4)" in error
-    assert "dynamic_sampling_oversample: 1.0" in error
-    args.per_device_train_batch_size = 8
-    assert oversampling_layout_error(args) is None
-    args.per_device_train_batch_size, args.dynamic_sampling_oversample = 6, 1.0
-    assert oversampling_layout_error(args) is None
+    report = check_recipe(["--config", "recipes/dapo_qwen15b.yaml", "--num_processes", "8",
+                           "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4",
+                           "--dynamic_sampling_oversample", "1.5"])  # fmt: skip
+    (problem,) = [p for p in report.problems if "dynamic_sampling_oversample" in p]
+    assert "(2 x 4 = 8) must be a multiple of num_generations (16)" in problem
+    assert "dynamic_sampling_oversample: 1.0" in problem
+    report = check_recipe(["--config", "recipes/dapo_qwen15b.yaml", "--num_processes", "8",
+                           "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"])  # fmt: skip
+    assert not [p for p in report.problems if "dynamic_sampling_oversample" in p]
     # A trainer with whole groups per process starts.
     args = config(tmp_path, dynamic_sampling=True, dynamic_sampling_oversample=1.5)
     assert EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset()).args is args
@@ -354,3 +357,75 @@ def test_an_oversampled_first_round_keeps_the_batchs_own_groups_first(tmp_path, 
     prompts, completions = texts(trainer, last)
     logged = [c[0]["content"] if isinstance(c, list) else c for c in trainer._logs["completion"]]
     assert logged == completions
+
+
+def test_an_oversampled_engine_is_started_for_the_first_rounds_sequences():
+    """The max_num_seqs the colocated engine gets with an oversampled first round: this process's rows of the batch
+    and of the added groups, times the tensor-parallel group (TRL's formula for a generation batch, with the groups)."""
+    from types import SimpleNamespace
+
+    from egpo_trl.sampling.dynamic import oversampled_max_num_seqs
+
+    # The DAPO 1.5B recipe on 8 GPUs: 128 rows each (8 groups), 64 groups; 1.5x adds 32 groups, 4 per process.
+    args = SimpleNamespace(per_device_train_batch_size=16, steps_per_generation=8, num_generations=16, world_size=8,
+                           vllm_tensor_parallel_size=1, dynamic_sampling_oversample=1.5)  # fmt: skip
+    assert oversampled_max_num_seqs(args) == 128 + 4 * 16
+    # Tensor parallelism over pairs of processes: each engine decodes both processes' prompts.
+    args.vllm_tensor_parallel_size = 2
+    assert oversampled_max_num_seqs(args) == 2 * (128 + 4 * 16)
+    # 1.1 of 64 groups: 6.4 -> 7 -> 8 added groups, one per process.
+    args.vllm_tensor_parallel_size, args.dynamic_sampling_oversample = 1, 1.1
+    assert oversampled_max_num_seqs(args) == 128 + 16
+
+
+def sometimes_noted_reward(completions, answer, log_extra=None, **kwargs):
+    """mostly_informative_reward that adds a completions-table column on its first call only, as a reward may."""
+    sometimes_noted_reward.calls = getattr(sometimes_noted_reward, "calls", 0) + 1
+    if log_extra is not None and sometimes_noted_reward.calls == 1:
+        log_extra("note", ["first call"] * len(completions))
+    return mostly_informative_reward(completions, answer)
+
+
+@pytest.mark.slow
+def test_an_oversampled_round_keeps_every_completions_table_column_at_the_tables_length(tmp_path, tiny_model_dir):
+    """A column that an oversampled round did not log (here: logged in the first step only) gets None on its rows;
+    every column keeps the kept batch's length, and TRL's table prints at every log."""
+    sometimes_noted_reward.calls = 0
+    settings = dict(max_steps=3, per_device_train_batch_size=16, dynamic_sampling=True, dynamic_sampling_max_rounds=8,
+                    dynamic_sampling_oversample=1.5, log_completions=True)  # fmt: skip
+    trainer = RoundRecording(
+        tiny_model_dir, sometimes_noted_reward, config(tmp_path, **settings), train_dataset=make_prompt_dataset()
+    )
+    trainer.train()
+    assert trainer.state.global_step == 3
+    note = list(trainer._logs["extra"]["note"])
+    assert len(note) == len(trainer._logs["prompt"]) == 16 and note == [None] * 16
+    assert trainer._logs["extra"]["note"].maxlen == 16
+
+
+def failing_on_second_step_reward(completions, answer, **kwargs):
+    failing_on_second_step_reward.calls = getattr(failing_on_second_step_reward, "calls", 0) + 1
+    if failing_on_second_step_reward.calls > 1:
+        raise RuntimeError("reward service unavailable")
+    return mostly_informative_reward(completions, answer)
+
+
+@pytest.mark.slow
+def test_an_oversampled_round_that_fails_leaves_trls_own_logs(tmp_path, tiny_model_dir):
+    """An error inside an oversampled round (a reward function that raises) propagates, and the trainer is left with
+    TRL's own completions-table deques (a generation batch long, as the last finished batch left them)."""
+    failing_on_second_step_reward.calls = 0
+    settings = dict(max_steps=3, per_device_train_batch_size=16, dynamic_sampling=True, dynamic_sampling_max_rounds=1,
+                    dynamic_sampling_oversample=1.5, log_completions=True)  # fmt: skip
+    trainer = RoundRecording(
+        tiny_model_dir,
+        failing_on_second_step_reward,
+        config(tmp_path, **settings),
+        train_dataset=make_prompt_dataset(),
+    )
+    logs = trainer._logs
+    with pytest.raises(RuntimeError, match="reward service unavailable"):
+        trainer.train()
+    assert trainer._logs is logs and trainer._logs["prompt"].maxlen == 16
+    assert len(trainer._logs["prompt"]) == len(trainer._logs["advantages"]) == 16  # the first step's kept batch
+    assert list(trainer._logs["advantages"]) == trainer.generated[0]["batch"]["result"].advantages.tolist()

@@ -6,9 +6,10 @@ not all correct nor all incorrect, or whose rewards are not all equal), up to ``
 rounds. An extra round generates only the shortfall: the missing groups divided by the fraction of informative
 groups seen so far in this generation batch (never more than a generation batch). With
 ``dynamic_sampling_oversample`` > 1 the first round also generates extra groups for prompts drawn from the training
-set, so that one round usually suffices: at long lengths a round costs about the decode steps of its longest
-completion whatever its number of sequences, so a larger first round is cheaper than a second one. The decision is taken on
-gathered tensors, so every process keeps the same groups and runs the same rounds with the same number of rows,
+set, so that one round usually suffices: at long lengths a round lasts until its longest completion ends, reading
+the weights at each decode step however few its sequences, so a larger first round can cost less than a second
+one. The decision is taken on gathered tensors, so every process keeps the same groups and runs the same rounds
+with the same number of rows,
 and the batch keeps its shape: TRL's dataloader, epochs, buffering, shuffling and ``num_iterations`` see a normal
 generation batch.
 
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from egpo_trl.advantages import weighted_reward_sum
+from egpo_trl.config import oversampling_layout_error
 from egpo_trl.sampling.common import refuse_unsupported_generation
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DynamicSamplingMixin",
     "first_round_extra_groups",
+    "oversampled_max_num_seqs",
     "oversampling_layout_error",
     "vllm_sequences_for_oversampling",
 ]
@@ -55,27 +58,22 @@ MIN_INFORMATIVE_FRACTION = Fraction(1, 10)
 def first_round_extra_groups(oversample: float, target: int, processes: int) -> int:
     """The groups dynamic sampling's first round adds to a generation batch of ``target`` groups
     (``dynamic_sampling_oversample``): ``ceil((oversample - 1) * target)``, rounded up to a multiple of ``processes``
-    so that each process adds whole groups; 0 without oversampling. ``oversample`` is read as written (1.1 is 11/10)."""
+    so that each process adds whole groups; 0 without oversampling. ``oversample`` is read as written (1.1 is
+    11/10)."""
     extra = math.ceil((Fraction(repr(float(oversample))) - 1) * target)
     return math.ceil(extra / processes) * processes if extra > 0 else 0
 
 
-def oversampling_layout_error(args: Any) -> str | None:
-    """Why ``args`` cannot oversample dynamic sampling's first round, or ``None``.
-
-    The added groups go to every process as whole groups after its share of the generation batch, so that share must
-    be whole groups too (with several processes TRL may split a group between them)."""
-    if not args.dynamic_sampling or args.dynamic_sampling_oversample <= 1.0:
-        return None
+def oversampled_max_num_seqs(args: Any) -> int:
+    """The sequences one colocated vLLM engine receives in an oversampled first round: this process's share of the
+    generation batch plus its share of the added groups, times the tensor-parallel group that gathers its prompts
+    (TRL 1.16 starts the engine with ``per_device_train_batch_size x vllm_tensor_parallel_size x
+    steps_per_generation``, the same without the added groups)."""
     local_rows = args.per_device_train_batch_size * args.steps_per_generation
-    if local_rows % args.num_generations == 0:
-        return None
-    return (
-        f"dynamic_sampling_oversample={args.dynamic_sampling_oversample:g} adds whole groups to each process's share "
-        f"of the first round, so that share must be whole groups: per_device_train_batch_size x steps_per_generation "
-        f"({args.per_device_train_batch_size} x {args.steps_per_generation} = {local_rows}) must be a multiple of "
-        f"num_generations ({args.num_generations}). Change one of them, or set dynamic_sampling_oversample: 1.0."
-    )
+    processes = args.world_size
+    target = local_rows * processes // args.num_generations
+    extra = first_round_extra_groups(args.dynamic_sampling_oversample, target, processes)
+    return (local_rows + extra // processes * args.num_generations) * args.vllm_tensor_parallel_size
 
 
 @contextmanager
@@ -86,8 +84,8 @@ def vllm_sequences_for_oversampling(args: Any) -> Iterator[None]:
     vllm_tensor_parallel_size x steps_per_generation``, a generation batch's share. With
     ``dynamic_sampling_oversample`` > 1 the first round holds more sequences, which would then decode in two waves,
     each as long as the longest completion: the round would cost about what an extra round costs. Inside this
-    context the engine is built with the first round's share instead. A no-op otherwise (and in server mode, where
-    the server's own ``--max_num_seqs`` applies).
+    context the engine is built with the first round's share instead (:func:`oversampled_max_num_seqs`). A no-op
+    otherwise, and in server mode, where the server's engine takes whatever it is sent.
     """
     if not (
         args.dynamic_sampling
@@ -99,11 +97,7 @@ def vllm_sequences_for_oversampling(args: Any) -> Iterator[None]:
         return
     from trl.trainer import grpo_trainer
 
-    local_rows = args.per_device_train_batch_size * args.steps_per_generation
-    processes = args.world_size
-    target = local_rows * processes // args.num_generations
-    extra = first_round_extra_groups(args.dynamic_sampling_oversample, target, processes)
-    sequences = (local_rows + extra // processes * args.num_generations) * args.vllm_tensor_parallel_size
+    sequences = oversampled_max_num_seqs(args)
     original = grpo_trainer.VLLMGeneration
 
     def build(*pos_args: Any, **kwargs: Any):
@@ -167,14 +161,14 @@ class DynamicSamplingMixin:
 
         Generates ``inputs`` as TRL would (with :meth:`_first_round_extra_groups` more groups for prompts drawn from
         ``train_dataset`` when ``dynamic_sampling_oversample`` > 1), then, while fewer than ``G`` groups (the
-        generation batch's number of groups) are informative, another round for prompts drawn from ``train_dataset``, up to
-        ``dynamic_sampling_max_rounds`` rounds in all. An extra round is sized by :meth:`_extra_round_groups`
-        (the shortfall over the informative fraction seen so far, at most ``G`` groups). The first ``G``
-        informative groups, in generation order (in the first round the generation batch's own groups first:
-        :meth:`_round_group_order`), make the batch; when the cap stops the search, uninformative
-        groups (first round first) fill it and a warning is logged. Decisions use the gathered rewards, so every
-        process keeps the same groups and generates the same rounds with the same number of rows; rows move
-        between processes as needed, and each keeps its usual number of rows.
+        generation batch's number of groups) are informative, another round for prompts drawn from
+        ``train_dataset``, up to ``dynamic_sampling_max_rounds`` rounds in all. An extra round is sized by
+        :meth:`_extra_round_groups` (the shortfall over the informative fraction seen so far, at most ``G``
+        groups). The first ``G`` informative groups, in generation order (in the first round the generation
+        batch's own groups first: :meth:`_round_group_order`), make the batch; when the cap stops the search,
+        uninformative groups (first round first) fill it and a warning is logged. Decisions use the gathered
+        rewards, so every process keeps the same groups and generates the same rounds with the same number of rows;
+        rows move between processes as needed, and each keeps its usual number of rows.
         """
         local_rows = len(inputs)
         processes = self.accelerator.num_processes
@@ -474,8 +468,9 @@ class DynamicSamplingMixin:
                 snapshots.append(snapshot)
             for _ in range(min(len(target), global_rows)):
                 target.pop()
-            if all(snapshot is not None for snapshot in snapshots):
-                target.extend(snapshots[r][i] for r, i in rows)
+            # A column some round did not log (a reward's log_extra in some calls only) gets None on that round's
+            # rows: every column keeps the table's length.
+            target.extend(snapshots[r][i] if snapshots[r] is not None else None for r, i in rows)
 
         replace(self._logs["prompt"], ("prompt",))
         replace(self._logs["completion"], ("completion",))
