@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import shlex
 import sys
@@ -247,7 +246,8 @@ def floors(args, run: Path) -> list[dict]:
             floor["floor_generation_kv_s"] = (steps * BYTES_BF16 * params + kv * context_steps) / (bandwidth * 1e12)
             if at_once is not None:  # the reading: rounds of the sequences the cache holds at their length limit
                 generated = round(per_gpu * float(row.get("generated_per_kept") or 1.0))
-                rounds = max(math.ceil(rounds_run), -(-generated // max(1, at_once)))
+                rounds = max(rounds_run, -(-generated // max(1, at_once)))  # a mean of rounds stays one
+                rounds = int(rounds) if float(rounds).is_integer() else rounds
                 floor["generation_rounds"] = rounds
                 floor["reading_generation_rounds_s"] = (rounds * length * BYTES_BF16 * params + kv * context_steps) / (
                     bandwidth * 1e12
@@ -367,7 +367,7 @@ def table(rows: list[dict]) -> str:
                     "generation",
                     row["generation_s"],
                     row["reading_generation_rounds_s"],
-                    f"decode bandwidth in {rounds} round{'s' * (rounds > 1)} of the sequences that cache holds "
+                    f"decode bandwidth in {rounds:g} round{'s' * (rounds > 1)} of the sequences that cache holds "
                     "(a reading, not a bound)",
                 ),
             )

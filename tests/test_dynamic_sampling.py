@@ -429,3 +429,56 @@ def test_an_oversampled_round_that_fails_leaves_trls_own_logs(tmp_path, tiny_mod
     assert trainer._logs is logs and trainer._logs["prompt"].maxlen == 16
     assert len(trainer._logs["prompt"]) == len(trainer._logs["advantages"]) == 16  # the first step's kept batch
     assert list(trainer._logs["advantages"]) == trainer.generated[0]["batch"]["result"].advantages.tolist()
+
+
+def odd_calls_noted_reward(completions, answer, log_extra=None, **kwargs):
+    """mostly_informative_reward that adds a completions-table column on its odd-numbered calls (one call per
+    generation round), each row's value naming the call and the row."""
+    odd_calls_noted_reward.calls += 1
+    call = odd_calls_noted_reward.calls
+    if log_extra is not None and call % 2:
+        log_extra("note", [f"call {call} row {i}" for i in range(len(completions))])
+    return mostly_informative_reward(completions, answer)
+
+
+class TableRecording(RoundRecording):
+    """Also keeps the completions table's note column after each generation batch."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.notes = []
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        self.notes.append(list(self._logs["extra"].get("note", [])))
+        return output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("oversample", [1.0, 1.5])
+def test_the_completions_table_shows_each_kept_rows_own_logged_values(tmp_path, tiny_model_dir, oversample):
+    """Rounds that log different columns: each kept row shows the value its own round logged for it, or None where
+    its round logged nothing (never a value of another round, row or step)."""
+    odd_calls_noted_reward.calls = 0
+    settings = dict(max_steps=6, per_device_train_batch_size=16, dynamic_sampling=True, dynamic_sampling_max_rounds=8,
+                    dynamic_sampling_oversample=oversample, log_completions=True)  # fmt: skip
+    trainer = TableRecording(
+        tiny_model_dir, odd_calls_noted_reward, config(tmp_path, **settings), train_dataset=make_prompt_dataset()
+    )
+    trainer.train()
+    call = 0
+    mixed = 0
+    for generated, notes in zip(trainer.generated, trainer.notes, strict=True):
+        sampling = generated["batch"]["dynamic_sampling"]
+        calls = list(range(call + 1, call + 1 + sampling["rounds"]))  # one reward call per round
+        call = calls[-1]
+        mixed += len({c % 2 for c in calls}) > 1
+        if not any(c % 2 for c in calls):
+            assert notes == [] or notes == [None] * 16
+            continue
+        expected = []
+        for r, g in sampling["selected"]:
+            for j in range(4):
+                expected.append(f"call {calls[r]} row {g * 4 + j}" if calls[r] % 2 else None)
+        assert notes == expected
+    assert mixed > 0, "some generation batch kept rows of rounds that logged the column and of rounds that did not"

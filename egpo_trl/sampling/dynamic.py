@@ -234,7 +234,9 @@ class DynamicSamplingMixin:
             output, rewards_per_func = rounds[0]["output"], rounds[0]["rewards_per_func"]
         else:
             output, rewards_per_func = self._assemble_groups(rounds, selected, num_generations, local_rows)
-            self._restore_logs(rounds, selected, num_generations, global_rows)
+        self._restore_logs(
+            rounds, selected, num_generations, global_rows
+        )  # the rounds logged into deques of their own
 
         self._keep_batch_metrics(marks, sorted({r for r, _ in selected}), output, rewards_per_func, num_generations)
         metrics = self._metrics["train"]
@@ -405,28 +407,24 @@ class DynamicSamplingMixin:
 
     @contextmanager
     def _logs_for_round(self, global_rows: int) -> Iterator[None]:
-        """Let TRL's completions-table logs hold a round of ``global_rows`` rows.
+        """Give TRL's completions-table logs empty deques of the round's ``global_rows`` rows while it generates.
 
-        TRL keeps them in deques of a generation batch's length, so an oversampled first round would lose its first
-        rows before :meth:`_snapshot_logs` reads them. For such a round the logs are swapped, inside the block, for
-        longer deques with the same entries (take the snapshot inside the block); afterwards the original deques
-        come back (without the round's rows: the batch's rows are written into them by :meth:`_restore_logs`) and
-        hold every reward and column name the round logged."""
+        Inside the block TRL's scoring writes exactly what this round logged, so :meth:`_snapshot_logs` (taken inside
+        the block) holds the round's rows in full (an oversampled first round is longer than TRL's deques, a
+        generation batch) and knows which columns the round did not log (a reward's ``log_extra`` in some calls
+        only), rather than reading an earlier step's or round's entries. Afterwards, whether or not the round raised,
+        TRL's own deques come back, unchanged; after a successful round they also hold every reward and column name
+        the round logged, and :meth:`_restore_logs` writes the kept batch's rows into them."""
         logs = self._logs
-        if global_rows <= (logs["prompt"].maxlen or global_rows):
-            yield
-            return
 
-        def longer(values) -> deque:
-            return deque(values, maxlen=global_rows)
+        def fresh(values):
+            return (
+                defaultdict(lambda: deque(maxlen=global_rows))
+                if isinstance(values, dict)
+                else deque(maxlen=global_rows)
+            )
 
-        def longer_by_name(by_name) -> defaultdict:
-            return defaultdict(lambda: deque(maxlen=global_rows), {k: longer(v) for k, v in by_name.items()})
-
-        self._logs = {
-            name: longer_by_name(values) if isinstance(values, dict) else longer(values)
-            for name, values in logs.items()
-        }
+        self._logs = {name: fresh(values) for name, values in logs.items()}
         try:
             yield
             for part in ("rewards", "extra"):
@@ -438,7 +436,7 @@ class DynamicSamplingMixin:
     def _snapshot_logs(self, global_rows: int) -> dict[str, Any]:
         """The completions-table entries TRL logged for the last generation round (its ``global_rows`` rows)."""
 
-        def tail(values) -> list | None:
+        def tail(values) -> list | None:  # None: the round did not log this column
             return list(values)[-global_rows:] if len(values) >= global_rows else None
 
         logs = self._logs
