@@ -146,9 +146,8 @@ def oversampling_layout_error(args: Any) -> str | None:
 
     The added groups go to every process as whole groups after its share of the generation batch, so that share must
     be whole groups too (with several processes TRL may split a group between them). Checked when the config is
-    built, so also by ``--dry-run`` for the launch's process count, where ``steps_per_generation`` or
-    ``gradient_accumulation_steps`` sets the generation batch (with ``generation_batch_size`` set, the dry run cannot
-    know ``steps_per_generation`` for another process count; the trainer checks it again at start)."""
+    built, so also by ``--dry-run`` (for the launch's process count where ``generation_batch_size`` sets
+    ``steps_per_generation``)."""
     if not args.dynamic_sampling or args.dynamic_sampling_oversample <= 1.0:
         return None
     local_rows = args.per_device_train_batch_size * args.steps_per_generation

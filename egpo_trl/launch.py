@@ -619,7 +619,8 @@ def _parse_for_dry_run(argv: list[str], report: DryRunReport, plan: LaunchPlan |
 
     ``GRPOConfig`` checks the generation batch against the process count of the process that parses it (one
     here); the dry run checks it for the launch's count instead, so the parse sees a process count that any
-    group size divides. ``loss_forward``'s checks see the launch's own process count and engine (``plan``).
+    group size divides. A ``generation_batch_size``, which sets ``steps_per_generation`` from the process count, is
+    parsed for the launch's own count. ``loss_forward``'s checks see the launch's own process count and engine (``plan``).
     """
     from unittest import mock
 
@@ -629,12 +630,18 @@ def _parse_for_dry_run(argv: list[str], report: DryRunReport, plan: LaunchPlan |
 
     launch = (plan.world_size if plan is not None else 1, _launch_engine(plan))
 
-    def parse(args):
-        with (
-            mock.patch.object(EGPOConfig, "world_size", property(lambda self: any_group)),
-            mock.patch.object(EGPOConfig, "_loss_forward_launch", lambda self: launch),
-        ):
-            return parse_args(args)
+    def parse(args, world: int = any_group):
+        try:
+            with (
+                mock.patch.object(EGPOConfig, "world_size", property(lambda self: world)),
+                mock.patch.object(EGPOConfig, "_loss_forward_launch", lambda self: launch),
+            ):
+                return parse_args(args)
+        except SystemExit as error:
+            # A generation_batch_size sets steps_per_generation from the process count: parse for the launch's own.
+            if world == launch[0] or "must be divisible by the global batch size" not in str(error):
+                raise
+            return parse(args, launch[0])
 
     try:
         return parse(argv)

@@ -374,3 +374,27 @@ def test_dry_run_checks_loss_forward_for_the_launch_it_prints(tiny_model_dir, lo
     assert "under ZeRO-3 holds each block's 4 forwards" in out and "--egpo_entropy_logps policy" in out
     assert "under ZeRO-3 holds" not in check(*zero3, "--egpo_entropy_logps", "policy")
     assert "under ZeRO-3 holds" not in check(*zero3, rows=())  # 16 rows: a micro-batch is a group, no block
+
+
+def test_dry_run_parses_a_generation_batch_size_for_the_launchs_process_count():
+    """generation_batch_size sets steps_per_generation from the process count: the dry run parses it for the launch's
+    count (it reported a divisibility problem against a stand-in count before) and still names a real problem."""
+    from egpo_trl.launch import check_recipe
+
+    def batch_problems(*extra):
+        report = check_recipe(["--config", "recipes/dapo_qwen15b.yaml", *extra])
+        problems = [p for p in report.problems if "generation_batch_size" in p or "dynamic_sampling" in p]
+        return problems, dict(report.settings).get("generation batch")
+
+    assert batch_problems("--generation_batch_size", "256", "--num_processes", "2") == (
+        [],
+        "256 completions every 8 step(s)",
+    )
+    problems, _ = batch_problems("--generation_batch_size", "256", "--num_processes", "3")
+    assert problems == ["invalid configuration: generation_batch_size (256) must be divisible by the global batch "
+                        "size (48)."]  # fmt: skip
+    # 8 processes x 2 rows x 4 steps per generation: each process's 8 rows cannot hold whole groups of 16
+    problems, _ = batch_problems("--generation_batch_size", "64", "--num_processes", "8",
+                                 "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4",
+                                 "--dynamic_sampling_oversample", "1.5")  # fmt: skip
+    assert len(problems) == 1 and "(2 x 4 = 8) must be a multiple of num_generations (16)" in problems[0]
