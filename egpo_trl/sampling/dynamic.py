@@ -234,9 +234,8 @@ class DynamicSamplingMixin:
             output, rewards_per_func = rounds[0]["output"], rounds[0]["rewards_per_func"]
         else:
             output, rewards_per_func = self._assemble_groups(rounds, selected, num_generations, local_rows)
-        self._restore_logs(
-            rounds, selected, num_generations, global_rows
-        )  # the rounds logged into deques of their own
+        # The rounds logged into deques of their own (_logs_for_round): the kept rows go into TRL's.
+        self._restore_logs(rounds, selected, num_generations, global_rows)
 
         self._keep_batch_metrics(marks, sorted({r for r, _ in selected}), output, rewards_per_func, num_generations)
         metrics = self._metrics["train"]
@@ -365,7 +364,8 @@ class DynamicSamplingMixin:
     ) -> tuple[dict[str, Any], torch.Tensor]:
         """The batch made of the ``selected`` (round, group) pairs: this process's rows and the gathered rewards."""
         first = rounds[0]["output"]
-        first_rows = rounds[0]["groups"] * num_generations // self.accelerator.num_processes  # an oversampled round's
+        # The first round's rows on this process (more than local_rows when it was oversampled).
+        first_rows = rounds[0]["groups"] * num_generations // self.accelerator.num_processes
         keys = [
             k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.size(0) == first_rows
         ]
