@@ -217,7 +217,8 @@ def floors(args, run: Path) -> list[dict]:
         context_steps = per_gpu * (length * prompt + length * (length + 1) / 2)
         # DAPO's dynamic sampling: each round decodes L steps; all generated sequences read their KV cache.
         rounds_run = max(1.0, float(row.get("rounds") or 1.0))  # a mean over the record's steps when logged so
-        context_steps *= float(row.get("generated_per_kept") or 1.0)
+        per_kept = float(row.get("generated_per_kept") or 1.0)
+        context_steps *= per_kept
         decode_bytes = rounds_run * length * BYTES_BF16 * params + kv * context_steps
         attention = per_gpu * arch["attention_flops_per_t2"] * (prompt + length) ** 2
         floor = {
@@ -245,7 +246,7 @@ def floors(args, run: Path) -> list[dict]:
             steps = max(rounds_run * length, context_steps / kv_tokens)
             floor["floor_generation_kv_s"] = (steps * BYTES_BF16 * params + kv * context_steps) / (bandwidth * 1e12)
             if at_once is not None:  # the reading: rounds of the sequences the cache holds at their length limit
-                generated = round(per_gpu * float(row.get("generated_per_kept") or 1.0))
+                generated = round(per_gpu * per_kept)
                 rounds = max(rounds_run, -(-generated // max(1, at_once)))  # a mean of rounds stays one
                 rounds = int(rounds) if float(rounds).is_integer() else rounds
                 floor["generation_rounds"] = rounds

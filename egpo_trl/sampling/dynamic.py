@@ -44,7 +44,6 @@ __all__ = [
     "DynamicSamplingMixin",
     "first_round_extra_groups",
     "oversampled_max_num_seqs",
-    "oversampling_layout_error",
     "vllm_sequences_for_oversampling",
 ]
 
