@@ -19,8 +19,9 @@ another number of processes, ignores it on every process (with a warning: that r
 A Ctrl-C arrives in the middle of a step, after that step's generation has consumed random numbers. The mixin keeps
 a snapshot of the state at the end of the last finished step (RNG states included), and
 :meth:`ExactResumeMixin.save_interrupt_checkpoint` writes the checkpoint from it, so that it is the checkpoint a
-regular save at that step would have written. A Ctrl-C during the logging, evaluation or saving at the end of a
-step is held back until that work is done.
+regular save at that step would have written. A Ctrl-C from the start of a step's optimizer update to the end of
+its logging, evaluation and saving is held back until that work is done, so the interruption never lands in a
+half-applied update (whose checkpoint could not be saved) and the step it completes is the one saved.
 
 With vLLM colocate, each prompt's sampling gets its own seed, :func:`generation_seed` of (``seed``, global step,
 generation call in the step, vLLM instance, prompt), so that the completions after a resume are those of the
@@ -36,7 +37,6 @@ import os
 import random
 import signal
 import threading
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -94,6 +94,50 @@ class _StopWhenFinished(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if self.always or (state.max_steps > 0 and state.global_step >= state.max_steps):
             raise _FinishedRun
+
+
+class _SigintHold:
+    """Holds a Ctrl-C back from :meth:`start` to :meth:`stop` (a second one interrupts at once). Main thread only."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self._previous: Any = None
+        self._received = False
+
+    def start(self) -> None:
+        if self.active or threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum, frame):
+            if self._received:
+                raise KeyboardInterrupt
+            self._received = True
+
+        try:
+            previous = signal.signal(signal.SIGINT, handler)
+        except (ValueError, OSError):  # not settable here: leave Ctrl-C as it is
+            return
+        self._previous, self._received, self.active = previous, False, True
+
+    def stop(self, raise_held: bool = True) -> None:
+        """Puts the previous handler back; raises the held ``KeyboardInterrupt`` unless ``raise_held`` is false."""
+        if not self.active:
+            return
+        signal.signal(signal.SIGINT, self._previous)
+        received, self._received, self.active = self._received, False, False
+        if received and raise_held:
+            raise KeyboardInterrupt
+
+
+class _HoldSigintOverOptimizerStep(TrainerCallback):
+    """Starts holding Ctrl-C back just before the optimizer update; the step's end
+    (:meth:`ExactResumeMixin._maybe_log_save_evaluate`) lets it through."""
+
+    def __init__(self, hold: _SigintHold):
+        self.hold = hold
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.hold.start()
 
 
 def generation_seed(seed: int, global_step: int, call: int, instance: int, index: int) -> int:
@@ -180,6 +224,8 @@ class ExactResumeMixin:
         self._egpo_boundary: dict[str, Any] | None = None
         self._egpo_train_sampler = None
         self._egpo_generation_calls: tuple[tuple[int, bool], int] = ((-1, True), 0)
+        self._egpo_sigint = _SigintHold()
+        self.add_callback(_HoldSigintOverOptimizerStep(self._egpo_sigint))
         self._egpo_seed_vllm_sampling()
 
     # ------------------------------------------------------------------ a finished run
@@ -194,6 +240,12 @@ class ExactResumeMixin:
         happened. With ``egpo_load_only`` set (the command writing a finished run's missing outputs) it returns so
         after loading the checkpoint, whatever its step.
         """
+        try:
+            return self._egpo_train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self._egpo_sigint.stop(raise_held=False)  # an error inside a held span: the handler must not outlive it
+
+    def _egpo_train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         self.egpo_trained_nothing = False
         if not resume_from_checkpoint:
             return super().train(resume_from_checkpoint, *args, **kwargs)
@@ -357,7 +409,10 @@ class ExactResumeMixin:
 
     # ------------------------------------------------------------------ step boundaries and Ctrl-C
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any):
-        with _sigint_held_back():
+        # Ctrl-C is held back from the optimizer update (see _HoldSigintOverOptimizerStep) to here; at an epoch's
+        # end, where no update precedes, only over this block.
+        self._egpo_sigint.start()
+        try:
             super()._maybe_log_save_evaluate(*args, **kwargs)
             tr_loss = getattr(self, "_tr_loss", None)
             self._egpo_boundary = {
@@ -373,6 +428,10 @@ class ExactResumeMixin:
                     "tr_loss": tr_loss.detach().clone() if isinstance(tr_loss, torch.Tensor) else None,
                 },
             }
+        except BaseException:
+            self._egpo_sigint.stop(raise_held=False)
+            raise
+        self._egpo_sigint.stop()
 
     def save_interrupt_checkpoint(self) -> str | None:
         """Save the checkpoint of the last finished step after an interruption in the middle of the next one.
@@ -439,30 +498,3 @@ class ExactResumeMixin:
         count = count + 1 if key == last_key else 0
         self._egpo_generation_calls = (key, count)
         return count if key[1] else -1 - count
-
-
-@contextmanager
-def _sigint_held_back():
-    """Hold a Ctrl-C back until the block ends (a second one interrupts at once). Main thread only."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-    previous = signal.getsignal(signal.SIGINT)
-
-    def handler(signum, frame):
-        if received:
-            raise KeyboardInterrupt
-        received.append(signum)
-
-    try:
-        signal.signal(signal.SIGINT, handler)
-    except (ValueError, OSError):  # not settable here: leave Ctrl-C as it is
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if received:
-        raise KeyboardInterrupt

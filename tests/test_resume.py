@@ -114,6 +114,44 @@ def test_ctrl_c_inside_a_step_then_resume_is_exact(reference, tmp_path, monkeypa
 
 
 @pytest.mark.slow
+def test_ctrl_c_during_the_optimizer_update_saves_that_step_and_resumes_exactly(reference, tmp_path, monkeypatch):
+    """A Ctrl-C that arrives between step 2's optimizer update and the end of that step is held back to the step's
+    end: the checkpoint is step 2's (not lost to a half-finished update), and the resumed run is exact."""
+    from transformers import TrainerCallback
+
+    from egpo_trl.trainer import EGPOTrainer
+
+    _, ref_rows, ref_weights = reference
+    out = tmp_path / "run"
+    sent = []
+
+    class CtrlC(TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            if state.global_step == 1:  # step 2's update is applied; the step is not counted yet
+                sent.append(state.global_step)
+                os.kill(os.getpid(), signal.SIGINT)
+
+    init = EGPOTrainer.__init__
+
+    def with_ctrl_c(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.add_callback(CtrlC())
+
+    monkeypatch.setattr(EGPOTrainer, "__init__", with_ctrl_c)
+    try:
+        assert main([*RUN, "--output_dir", str(out)]) == 130
+    finally:
+        monkeypatch.undo()
+    assert sent == [1]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert [r["step"] for r in _rows(out) if "loss" in r] == [1, 2]  # step 2 finished and logged before stopping
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # no handler of the run left behind
+    assert main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
+    assert _rows(out) == ref_rows
+    assert _digest(out / "model.safetensors") == ref_weights
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("change", ["steps_per_generation", "process_count", "older_state"])
 def test_a_state_saved_with_another_layout_is_ignored_with_a_warning(reference, tmp_path, caplog, change):
     """The generation buffer of checkpoint-3 belongs to its process count and batch shape: a resume with other ones
