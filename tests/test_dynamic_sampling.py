@@ -294,7 +294,13 @@ def test_oversampling_settings_are_checked(tmp_path, tiny_model_dir, monkeypatch
     assert not [p for p in report.problems if "dynamic_sampling_oversample" in p]
     # A trainer with whole groups per process starts.
     args = config(tmp_path, dynamic_sampling=True, dynamic_sampling_oversample=1.5)
-    assert EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset()).args is args
+    trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    assert trainer.args is args
+    # A first round with more groups than the training set has prompts would repeat prompts: refused.
+    target = args.per_device_train_batch_size * args.steps_per_generation // args.num_generations
+    args = config(tmp_path, dynamic_sampling=True, dynamic_sampling_oversample=8 / target + 0.5)
+    with pytest.raises(ValueError, match=f"first round {target} \\+ [0-9]+ groups.*train_dataset has 8 prompts"):
+        EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
 
 
 @pytest.mark.slow
@@ -357,6 +363,35 @@ def test_an_oversampled_first_round_keeps_the_batchs_own_groups_first(tmp_path, 
     prompts, completions = texts(trainer, last)
     logged = [c[0]["content"] if isinstance(c, list) else c for c in trainer._logs["completion"]]
     assert logged == completions
+
+
+@pytest.mark.slow
+def test_extra_prompts_are_not_the_batchs_own_nor_repeated_across_its_rounds(tmp_path, tiny_model_dir):
+    # 24 distinct prompts, 6 of them uninformative; batches of 4 groups, 2 added to the first round, at most 3 rounds:
+    # a step draws at most 2 + 4 + 4 extra prompts, so the training set never runs out of fresh ones.
+    settings = dict(max_steps=3, per_device_train_batch_size=16, dynamic_sampling=True, dynamic_sampling_max_rounds=3,
+                    dynamic_sampling_oversample=1.5)  # fmt: skip
+    trainer = RoundRecording(
+        tiny_model_dir, mostly_informative_reward, config(tmp_path, **settings), train_dataset=make_prompt_dataset(24)
+    )
+    trainer.train()
+
+    calls = iter(trainer.round_inputs)
+    extra_rounds = 0
+    for generated in trainer.generated:
+        sampling = generated["batch"]["dynamic_sampling"]
+        first = next(calls)
+        own, extra = first[:16:4], first[16::4]  # one prompt per group
+        for groups in sampling["round_groups"][1:]:
+            prompts = next(calls)
+            assert len(prompts) == groups * 4
+            extra += prompts[::4]
+            extra_rounds += 1
+        assert len(set(own)) == 4 and len(extra) >= 2
+        assert not set(extra) & set(own), "an extra group repeats a prompt of the generation batch"
+        assert len(set(extra)) == len(extra), "a prompt drawn twice for one generation batch"
+    assert next(calls, None) is None
+    assert extra_rounds > 0, "some step needed a round after the first"
 
 
 def test_an_oversampled_engine_is_started_for_the_first_rounds_sequences():

@@ -75,6 +75,11 @@ def oversampled_max_num_seqs(args: Any) -> int:
     return (local_rows + extra // processes * args.num_generations) * args.vllm_tensor_parallel_size
 
 
+def _prompt_key(prompt: Any) -> str:
+    """A prompt (text or conversation) as a comparable string."""
+    return prompt if isinstance(prompt, str) else repr(prompt)
+
+
 @contextmanager
 def vllm_sequences_for_oversampling(args: Any) -> Iterator[None]:
     """Wrap ``GRPOTrainer.__init__`` so that a colocated vLLM engine takes a whole oversampled first round at once.
@@ -134,6 +139,17 @@ class DynamicSamplingMixin:
         error = oversampling_layout_error(self.args)
         if error:
             raise ValueError(error)
+        args = self.args
+        local_rows = args.per_device_train_batch_size * args.steps_per_generation
+        target = local_rows * self.accelerator.num_processes // args.num_generations
+        extra = first_round_extra_groups(args.dynamic_sampling_oversample, target, self.accelerator.num_processes)
+        if extra and target + extra > len(self.train_dataset):
+            raise ValueError(
+                f"dynamic_sampling_oversample={args.dynamic_sampling_oversample:g} makes the first round "
+                f"{target} + {extra} groups, one prompt each, but train_dataset has {len(self.train_dataset)} prompts: "
+                f"the round would repeat prompts. Lower dynamic_sampling_oversample (at most "
+                f"{len(self.train_dataset) / target:g} here), or train on more prompts."
+            )
 
     def _informative_groups(self, rewards_per_func: torch.Tensor, num_generations: int) -> torch.Tensor:
         """``bool Tensor[G]``: which groups carry a learning signal under GRPO (``dynamic_sampling_metric``).
@@ -178,8 +194,9 @@ class DynamicSamplingMixin:
         found = generated = 0
         round_inputs = inputs
         first_extra = self._first_round_extra_groups(target)
+        draw = self._extra_prompts(inputs)
         if first_extra:  # the generation batch's groups, then this process's share of the extra ones
-            round_inputs = list(inputs) + self._refill_inputs(first_extra, num_generations, 0)
+            round_inputs = list(inputs) + self._refill_inputs(first_extra, num_generations, draw)
         marks = []  # the length of each of TRL's metric lists before each round
         for round_index in range(max_rounds):
             marks.append({name: len(values) for name, values in self._metrics["train"].items()})
@@ -203,7 +220,7 @@ class DynamicSamplingMixin:
             if found >= target or round_index + 1 == max_rounds:
                 break
             extra = self._extra_round_groups(target - found, Fraction(found, generated), target, num_generations)
-            round_inputs = self._refill_inputs(extra, num_generations, round_index + 1)
+            round_inputs = self._refill_inputs(extra, num_generations, draw)
 
         selected = [(r, g) for r, record in enumerate(rounds) for g in record["order"] if record["informative"][g]][
             :target
@@ -324,21 +341,44 @@ class DynamicSamplingMixin:
         groups = min(math.ceil(groups / unit) * unit, target)
         return self._egpo_same_count_across_processes(groups)
 
-    def _refill_inputs(self, num_groups: int, num_generations: int, round_index: int) -> list[dict[str, Any]]:
-        """This process's rows of an extra round of ``num_groups`` fresh prompts from ``train_dataset``.
+    def _extra_prompts(self, inputs: list[dict[str, Any]]) -> Iterator[int]:
+        """The ``train_dataset`` indices of the prompts of one generation batch's extra groups, in the order they are
+        drawn, the same on every process and again after resuming.
 
-        The prompts are a seeded random draw (from ``seed``, the global step and the round), the same on every
-        process and again after resuming; each prompt is repeated ``num_generations`` times and the round's rows
-        are split across processes exactly as TRL's sampler splits a generation batch (``num_groups *
-        num_generations`` must be a multiple of the number of processes). TRL's own dataloader is not advanced.
+        A seeded random order of the training set (from ``seed`` and the global step) that skips the prompts of the
+        generation batch itself (on every process) and never repeats a prompt within the batch's rounds, as long as
+        the training set has prompts left; after a whole pass it starts another order, with repeats. TRL's own
+        dataloader is not advanced.
+        """
+        from accelerate.utils import gather_object
+
+        # A generator: the gather below runs at the first draw, which every process reaches at the same point (the
+        # rounds are decided on gathered rewards), and not at all in a batch that needs no extra prompt.
+        dataset = self.train_dataset
+        taken = set(gather_object([_prompt_key(row.get("prompt")) for row in inputs]))
+        generator = torch.Generator().manual_seed((self.args.seed + 1) * 1_000_003 + self.state.global_step * 1_009)
+        while True:
+            drawn = False
+            for index in torch.randperm(len(dataset), generator=generator).tolist():
+                if taken and _prompt_key(dataset[index].get("prompt")) in taken:
+                    continue
+                drawn = True
+                yield index
+            if not drawn and not taken:
+                raise ValueError("dynamic_sampling cannot draw extra prompts: train_dataset is empty.")
+            taken = set()  # every prompt has been used once: draw again from all of them
+
+    def _refill_inputs(self, num_groups: int, num_generations: int, draw: Iterator[int]) -> list[dict[str, Any]]:
+        """This process's rows of an extra round of ``num_groups`` prompts taken from ``draw``
+        (:meth:`_extra_prompts`).
+
+        Each prompt is repeated ``num_generations`` times and the round's rows are split across processes exactly
+        as TRL's sampler splits a generation batch (``num_groups * num_generations`` must be a multiple of the
+        number of processes).
         """
         dataset = self.train_dataset
         local_rows = num_groups * num_generations // self.accelerator.num_processes
-        generator = torch.Generator().manual_seed(
-            (self.args.seed + 1) * 1_000_003 + self.state.global_step * 1_009 + round_index
-        )
-        order = torch.randperm(len(dataset), generator=generator).tolist()
-        prompts = [order[i % len(order)] for i in range(num_groups)]
+        prompts = [next(draw) for _ in range(num_groups)]
         start = self.accelerator.process_index * local_rows
         return [dict(dataset[prompts[row // num_generations]]) for row in range(start, start + local_rows)]
 
