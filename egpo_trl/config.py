@@ -320,12 +320,13 @@ class EGPOConfig(GRPOConfig):
         dynamic_sampling_oversample (`float`, *optional*, defaults to `1.0`):
             With dynamic sampling, the first round generates `ceil((f - 1) * G)` more groups than the generation
             batch's `G` (rounded up to a multiple of the process count), for prompts drawn from `train_dataset`
-            (not the batch's own, and no prompt twice), so that one round usually yields enough informative groups. At long completion lengths vLLM's decode reads
-            the weights once per step for all sequences, so more sequences in one round cost much less than an
-            extra round of the same length. The generation batch's own groups are kept first when informative.
-            `1.0` generates the generation batch only. Needs each process's share of a generation batch to be whole
-            groups, and `train_dataset` to hold at least the first round's `G` + `ceil((f - 1) * G)` prompts; with
-            vLLM colocate, vLLM's `max_num_seqs` is raised so that the round runs at once.
+            (compared by text: not the batch's own, and no prompt twice), so that one round usually yields enough
+            informative groups. At long completion lengths vLLM's decode reads the weights once per step for all
+            sequences, so more sequences in one round cost much less than an extra round of the same length. The
+            generation batch's own groups are kept first when informative. `1.0` generates the generation batch only.
+            Needs each process's share of a generation batch to be whole groups, and `train_dataset` to hold at least
+            as many distinct prompts as the first round has groups; with vLLM colocate, vLLM's `max_num_seqs` is
+            raised so that the round runs at once.
         dynamic_sampling_metric (`str`, *optional*, defaults to `"correctness"`):
             What makes a group uninformative: `"correctness"`, every scored completion correct or every one incorrect
             according to the correctness reward function (DAPO's `acc` filter, unaffected by shaping rewards such as

@@ -19,9 +19,11 @@ another number of processes, ignores it on every process (with a warning: that r
 A Ctrl-C arrives in the middle of a step, after that step's generation has consumed random numbers. The mixin keeps
 a snapshot of the state at the end of the last finished step (RNG states included), and
 :meth:`ExactResumeMixin.save_interrupt_checkpoint` writes the checkpoint from it, so that it is the checkpoint a
-regular save at that step would have written. A Ctrl-C from the start of a step's optimizer update to the end of
-its logging, evaluation and saving is held back until that work is done, so the interruption never lands in a
-half-applied update (whose checkpoint could not be saved) and the step it completes is the one saved.
+regular save at that step would have written. A Ctrl-C from the last micro-batch of a step (once its generation is
+done; DeepSpeed applies the update inside that micro-batch's backward) to the end of the step's logging, evaluation
+and saving is held back until that work is done, so the interruption never lands in a half-applied update (whose
+checkpoint could not be saved) and the step it completes is the one saved. With several processes, where an
+interruption saves nothing, Ctrl-C is not held back.
 
 With vLLM colocate, each prompt's sampling gets its own seed, :func:`generation_seed` of (``seed``, global step,
 generation call in the step, vLLM instance, prompt), so that the completions after a resume are those of the
@@ -97,27 +99,36 @@ class _StopWhenFinished(TrainerCallback):
 
 
 class _SigintHold:
-    """Holds a Ctrl-C back from :meth:`start` to :meth:`stop` (a second one interrupts at once). Main thread only."""
+    """Holds a Ctrl-C back from :meth:`start` to :meth:`stop` (a second one interrupts at once).
 
-    def __init__(self) -> None:
+    Main thread only, and only where a handler of Python's own is in place (one set from C could not be put back).
+    ``enabled=False`` (several processes, where an interruption saves no checkpoint) makes it do nothing.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.active = False
         self._previous: Any = None
         self._received = False
 
     def start(self) -> None:
-        if self.active or threading.current_thread() is not threading.main_thread():
+        if not self.enabled or self.active or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGINT) is None:
             return
 
         def handler(signum, frame):
             if self._received:
                 raise KeyboardInterrupt
             self._received = True
+            os.write(2, b"\nCtrl-C: finishing this step first (Ctrl-C again stops at once, without a checkpoint)\n")
 
+        self._received = False
         try:
             previous = signal.signal(signal.SIGINT, handler)
         except (ValueError, OSError):  # not settable here: leave Ctrl-C as it is
             return
-        self._previous, self._received, self.active = previous, False, True
+        self._previous, self.active = previous, True
 
     def stop(self, raise_held: bool = True) -> None:
         """Puts the previous handler back; raises the held ``KeyboardInterrupt`` unless ``raise_held`` is false."""
@@ -130,8 +141,9 @@ class _SigintHold:
 
 
 class _HoldSigintOverOptimizerStep(TrainerCallback):
-    """Starts holding Ctrl-C back just before the optimizer update; the step's end
-    (:meth:`ExactResumeMixin._maybe_log_save_evaluate`) lets it through."""
+    """Starts holding Ctrl-C back just before the optimizer update (where :meth:`ExactResumeMixin._prepare_inputs`
+    has not already, at the last micro-batch); the step's end (:meth:`ExactResumeMixin._maybe_log_save_evaluate`)
+    lets it through."""
 
     def __init__(self, hold: _SigintHold):
         self.hold = hold
@@ -224,7 +236,7 @@ class ExactResumeMixin:
         self._egpo_boundary: dict[str, Any] | None = None
         self._egpo_train_sampler = None
         self._egpo_generation_calls: tuple[tuple[int, bool], int] = ((-1, True), 0)
-        self._egpo_sigint = _SigintHold()
+        self._egpo_sigint = _SigintHold(enabled=self.args.world_size == 1)
         self.add_callback(_HoldSigintOverOptimizerStep(self._egpo_sigint))
         self._egpo_seed_vllm_sampling()
 
@@ -408,6 +420,20 @@ class ExactResumeMixin:
         return epochs_trained, steps_in_epoch
 
     # ------------------------------------------------------------------ step boundaries and Ctrl-C
+    def _prepare_inputs(self, *args: Any, **kwargs: Any):
+        inputs = super()._prepare_inputs(*args, **kwargs)
+        # The last micro-batch of an optimizer step, its generation done: hold Ctrl-C back from here to the step's
+        # end. Under DeepSpeed the update runs inside this micro-batch's backward, before the optimizer hooks.
+        if self.model.training and self.accelerator.sync_gradients:
+            self._egpo_sigint.start()
+        return inputs
+
+    def _inner_training_loop(self, *args: Any, **kwargs: Any):
+        # auto_find_batch_size runs this again after an out-of-memory error, which may come inside a held span: a
+        # Ctrl-C held there stops the run now, and none is held into the new attempt.
+        self._egpo_sigint.stop()
+        return super()._inner_training_loop(*args, **kwargs)
+
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any):
         # Ctrl-C is held back from the optimizer update (see _HoldSigintOverOptimizerStep) to here; at an epoch's
         # end, where no update precedes, only over this block.
@@ -417,7 +443,7 @@ class ExactResumeMixin:
             tr_loss = getattr(self, "_tr_loss", None)
             self._egpo_boundary = {
                 "global_step": self.state.global_step,
-                "optimizer_steps": _optimizer_steps(self.optimizer),
+                "updates": self._egpo_updates(),
                 "rng": _rng_states(),
                 # GRPO counts a generation's tokens when it generates, in the middle of a step.
                 "num_input_tokens_seen": self.state.num_input_tokens_seen,
@@ -433,6 +459,12 @@ class ExactResumeMixin:
             raise
         self._egpo_sigint.stop()
 
+    def _egpo_updates(self) -> tuple[int | None, int | None]:
+        """The updates applied so far: the optimizer's step count and the DeepSpeed engine's (``None`` if unknown)."""
+        engine = self.model_wrapped if getattr(self, "is_deepspeed_enabled", False) else None
+        engine_steps = getattr(engine, "global_steps", None)
+        return _optimizer_steps(self.optimizer), int(engine_steps) if engine_steps is not None else None
+
     def save_interrupt_checkpoint(self) -> str | None:
         """Save the checkpoint of the last finished step after an interruption in the middle of the next one.
 
@@ -445,7 +477,7 @@ class ExactResumeMixin:
         step = self.state.global_step
         if boundary is None or boundary["global_step"] != step:
             return f"the state at the end of step {step} was not recorded"
-        if boundary["optimizer_steps"] != _optimizer_steps(self.optimizer):
+        if boundary["updates"] != self._egpo_updates():
             return "the interruption came during an optimizer update"
         _set_rng_states(boundary["rng"])
         self.state.num_input_tokens_seen = boundary["num_input_tokens_seen"]

@@ -80,21 +80,22 @@ def test_resume_from_a_checkpoint_inside_a_generation_batch_is_exact(reference, 
     assert later and read_metrics(aside / "metrics.jsonl") == later
 
 
-def _interrupted_run(monkeypatch, argv: list[str], after_micro_batches: int) -> int:
-    """``main(argv)`` with a Ctrl-C (SIGINT) right after the given number of micro-batches (training steps)."""
+def _interrupted_run(monkeypatch, argv: list[str], after_calls: int, method: str = "training_step") -> int:
+    """``main(argv)`` with a Ctrl-C (SIGINT) right after the given number of calls of ``EGPOTrainer.<method>``
+    (``training_step``: micro-batches; ``_generate_and_score_completions``: generations)."""
     from egpo_trl.trainer import EGPOTrainer
 
     calls = []
-    training_step = EGPOTrainer.training_step
+    original = getattr(EGPOTrainer, method)
 
     def interrupted(self, *args, **kwargs):
-        loss = training_step(self, *args, **kwargs)
+        result = original(self, *args, **kwargs)
         calls.append(self.state.global_step)
-        if len(calls) == after_micro_batches:
+        if len(calls) == after_calls:
             os.kill(os.getpid(), signal.SIGINT)
-        return loss
+        return result
 
-    monkeypatch.setattr(EGPOTrainer, "training_step", interrupted)
+    monkeypatch.setattr(EGPOTrainer, method, interrupted)
     try:
         return main(argv)
     finally:
@@ -105,9 +106,11 @@ def _interrupted_run(monkeypatch, argv: list[str], after_micro_batches: int) -> 
 def test_ctrl_c_inside_a_step_then_resume_is_exact(reference, tmp_path, monkeypatch):
     _, ref_rows, ref_weights = reference
     out = tmp_path / "run"
-    # After the 2nd micro-batch: step 2's forward and backward drew random numbers; its optimizer step has not run.
-    assert _interrupted_run(monkeypatch, [*RUN, "--output_dir", str(out)], after_micro_batches=2) == 130
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
+    # After the 2nd generation, in step 3: it drew random numbers (sampling, dropout in the old-policy pass), and the
+    # step's training has not begun.
+    run = [*RUN, "--output_dir", str(out)]
+    assert _interrupted_run(monkeypatch, run, after_calls=2, method="_generate_and_score_completions") == 130
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
     assert main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
     assert _rows(out) == ref_rows
     assert _digest(out / "model.safetensors") == ref_weights
@@ -149,6 +152,31 @@ def test_ctrl_c_during_the_optimizer_update_saves_that_step_and_resumes_exactly(
     assert main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
     assert _rows(out) == ref_rows
     assert _digest(out / "model.safetensors") == ref_weights
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_deepspeed_after_the_update_saves_that_step(tmp_path, tiny_model_dir):
+    """DeepSpeed applies the update inside the last micro-batch's backward, before the optimizer hooks: a Ctrl-C
+    right after it is held back to the step's end, and the checkpoint saved is that step's, with its weights (it was
+    refused as "during an optimizer update" before)."""
+    pytest.importorskip("deepspeed")
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    env.update(WANDB_MODE="disabled", PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}")
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(REPO / "recipes" / "accelerate" / "zero2.yaml"), "--num_processes", "1", "--mixed_precision", "no",
+               "--main_process_port", str(29700 + os.getpid() % 100),
+               str(REPO / "tests" / "scripts" / "deepspeed_ctrl_c.py"), tiny_model_dir, str(out)]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["stopped"] and result["engine_steps_at_ctrl_c"] == [2], result
+    assert result["checkpoints"] == ["checkpoint-2"] and result["saved_step"] == 2, result
+    assert result["weights_are_the_models"], result
 
 
 @pytest.mark.slow
@@ -818,7 +846,7 @@ def test_ctrl_c_then_resume_is_exact_with_entropy_metrics_from_the_loss_forward(
     assert all(r["egpo/entropy_source"] == 4 and "egpo/entropy_mean" in r for r in ref_rows if "loss" in r)
     out = tmp_path / "run"
     # After the 3rd micro-batch: step 2's first micro-batch ran, its second has not.
-    assert _interrupted_run(monkeypatch, [*run, "--output_dir", str(out)], after_micro_batches=3) == 130
+    assert _interrupted_run(monkeypatch, [*run, "--output_dir", str(out)], after_calls=3) == 130
     assert main([*run, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
     assert _rows(out) == ref_rows  # num_tokens too: the interrupted step's generation is not counted twice
     assert _digest(out / "model.safetensors") == _digest(reference / "model.safetensors")

@@ -80,6 +80,16 @@ def _prompt_key(prompt: Any) -> str:
     return prompt if isinstance(prompt, str) else repr(prompt)
 
 
+def _distinct_prompts(dataset: Any, enough: int | None = None) -> int:
+    """The number of distinct prompts of ``dataset`` (its ``prompt`` column), counting stops at ``enough``."""
+    seen: set[str] = set()
+    for prompt in dataset.select_columns(["prompt"])["prompt"]:
+        seen.add(_prompt_key(prompt))
+        if enough is not None and len(seen) >= enough:
+            break
+    return len(seen)
+
+
 @contextmanager
 def vllm_sequences_for_oversampling(args: Any) -> Iterator[None]:
     """Wrap ``GRPOTrainer.__init__`` so that a colocated vLLM engine takes a whole oversampled first round at once.
@@ -140,15 +150,23 @@ class DynamicSamplingMixin:
         if error:
             raise ValueError(error)
         args = self.args
-        local_rows = args.per_device_train_batch_size * args.steps_per_generation
-        target = local_rows * self.accelerator.num_processes // args.num_generations
-        extra = first_round_extra_groups(args.dynamic_sampling_oversample, target, self.accelerator.num_processes)
-        if extra and target + extra > len(self.train_dataset):
+        processes = self.accelerator.num_processes
+        target = args.per_device_train_batch_size * args.steps_per_generation * processes // args.num_generations
+        extra = first_round_extra_groups(args.dynamic_sampling_oversample, target, processes)
+        needed = target + extra
+        if extra and _distinct_prompts(self.train_dataset, needed) < needed:
+            distinct = _distinct_prompts(self.train_dataset)
+            room = (distinct - target) // processes * processes  # the most groups a first round can add
+            fix = (
+                f"Lower dynamic_sampling_oversample (at most {math.floor((1 + room / target) * 1000) / 1000:g} "
+                "here), or train on more prompts."
+                if room > 0
+                else "Set dynamic_sampling_oversample: 1.0, or train on more prompts."
+            )
             raise ValueError(
-                f"dynamic_sampling_oversample={args.dynamic_sampling_oversample:g} makes the first round "
-                f"{target} + {extra} groups, one prompt each, but train_dataset has {len(self.train_dataset)} prompts: "
-                f"the round would repeat prompts. Lower dynamic_sampling_oversample (at most "
-                f"{len(self.train_dataset) / target:g} here), or train on more prompts."
+                f"dynamic_sampling_oversample={args.dynamic_sampling_oversample:g} makes the first round {target} + "
+                f"{extra} groups, one prompt each, but train_dataset has {distinct} distinct prompts: the round would "
+                f"repeat prompts. {fix}"
             )
 
     def _informative_groups(self, rewards_per_func: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -346,27 +364,30 @@ class DynamicSamplingMixin:
         drawn, the same on every process and again after resuming.
 
         A seeded random order of the training set (from ``seed`` and the global step) that skips the prompts of the
-        generation batch itself (on every process) and never repeats a prompt within the batch's rounds, as long as
-        the training set has prompts left; after a whole pass it starts another order, with repeats. TRL's own
-        dataloader is not advanced.
+        generation batch itself (on every process) and any prompt already drawn for the batch, compared by their
+        text (a prompt stored in several rows is one prompt). Once every distinct prompt has been used it starts
+        again, with repeats. TRL's own dataloader is not advanced.
         """
         from accelerate.utils import gather_object
 
         # A generator: the gather below runs at the first draw, which every process reaches at the same point (the
         # rounds are decided on gathered rewards), and not at all in a batch that needs no extra prompt.
-        dataset = self.train_dataset
+        prompts = self.train_dataset.select_columns(["prompt"])  # other columns (images) are not read
         taken = set(gather_object([_prompt_key(row.get("prompt")) for row in inputs]))
         generator = torch.Generator().manual_seed((self.args.seed + 1) * 1_000_003 + self.state.global_step * 1_009)
         while True:
             drawn = False
-            for index in torch.randperm(len(dataset), generator=generator).tolist():
-                if taken and _prompt_key(dataset[index].get("prompt")) in taken:
+            for index in torch.randperm(len(prompts), generator=generator).tolist():
+                key = _prompt_key(prompts[index]["prompt"])
+                if key in taken:
                     continue
+                taken.add(key)
                 drawn = True
                 yield index
-            if not drawn and not taken:
-                raise ValueError("dynamic_sampling cannot draw extra prompts: train_dataset is empty.")
-            taken = set()  # every prompt has been used once: draw again from all of them
+            if not drawn:
+                if not taken:
+                    raise ValueError("dynamic_sampling cannot draw extra prompts: train_dataset is empty.")
+                taken = set()  # every distinct prompt has been used: draw again from all of them
 
     def _refill_inputs(self, num_groups: int, num_generations: int, draw: Iterator[int]) -> list[dict[str, Any]]:
         """This process's rows of an extra round of ``num_groups`` prompts taken from ``draw``
