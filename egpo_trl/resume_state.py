@@ -101,24 +101,29 @@ class _StopWhenFinished(TrainerCallback):
 class _SigintHold:
     """Holds a Ctrl-C back from :meth:`start` to :meth:`stop` (a second one interrupts at once).
 
-    Main thread only, and only where a handler of Python's own is in place (one set from C could not be put back).
-    ``enabled=False`` (several processes, where an interruption saves no checkpoint) makes it do nothing.
+    Main thread only, and only where Python's own Ctrl-C handler is in place: a process that ignores SIGINT (a
+    background job), or has a handler of its own, is left as it is. ``enabled=False`` (several processes, where an
+    interruption saves no checkpoint) makes it do nothing. ``forced`` tells that a second Ctrl-C stopped a held span
+    (its step may be half applied); ``pending``, that one held when an error ended a span is still to be acted on.
     """
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self.active = False
+        self.forced = False
+        self.pending = False
         self._previous: Any = None
         self._received = False
 
     def start(self) -> None:
         if not self.enabled or self.active or threading.current_thread() is not threading.main_thread():
             return
-        if signal.getsignal(signal.SIGINT) is None:
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
             return
 
         def handler(signum, frame):
             if self._received:
+                self.forced = True
                 raise KeyboardInterrupt
             self._received = True
             os.write(2, b"\nCtrl-C: finishing this step first (Ctrl-C again stops at once, without a checkpoint)\n")
@@ -131,13 +136,15 @@ class _SigintHold:
         self._previous, self.active = previous, True
 
     def stop(self, raise_held: bool = True) -> None:
-        """Puts the previous handler back; raises the held ``KeyboardInterrupt`` unless ``raise_held`` is false."""
+        """Puts the previous handler back; raises the held ``KeyboardInterrupt``, or with ``raise_held`` false (an
+        error is on its way) keeps it ``pending``."""
         if not self.active:
             return
         signal.signal(signal.SIGINT, self._previous)
         received, self._received, self.active = self._received, False, False
         if received and raise_held:
             raise KeyboardInterrupt
+        self.pending = self.pending or received
 
 
 class _HoldSigintOverOptimizerStep(TrainerCallback):
@@ -256,6 +263,7 @@ class ExactResumeMixin:
             return self._egpo_train(resume_from_checkpoint, *args, **kwargs)
         finally:
             self._egpo_sigint.stop(raise_held=False)  # an error inside a held span: the handler must not outlive it
+            self._egpo_sigint.pending = False  # the error, or the interruption, ends the run
 
     def _egpo_train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         self.egpo_trained_nothing = False
@@ -431,7 +439,12 @@ class ExactResumeMixin:
     def _inner_training_loop(self, *args: Any, **kwargs: Any):
         # auto_find_batch_size runs this again after an out-of-memory error, which may come inside a held span: a
         # Ctrl-C held there stops the run now, and none is held into the new attempt.
-        self._egpo_sigint.stop()
+        hold = self._egpo_sigint
+        hold.stop()
+        if hold.pending:
+            hold.pending = False
+            raise KeyboardInterrupt
+        hold.forced = False
         return super()._inner_training_loop(*args, **kwargs)
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any):
@@ -477,6 +490,8 @@ class ExactResumeMixin:
         step = self.state.global_step
         if boundary is None or boundary["global_step"] != step:
             return f"the state at the end of step {step} was not recorded"
+        if self._egpo_sigint.forced:
+            return f"a second Ctrl-C stopped step {step + 1} before it had finished"
         if boundary["updates"] != self._egpo_updates():
             return "the interruption came during an optimizer update"
         _set_rng_states(boundary["rng"])

@@ -267,6 +267,27 @@ def test_first_round_extra_groups_are_whole_groups_on_every_process():
     assert first_round_extra_groups(1.01, 4, 2) == 2
 
 
+def test_the_suggested_oversample_is_the_largest_that_fits():
+    from fractions import Fraction
+
+    from egpo_trl.sampling.dynamic import first_round_extra_groups, largest_oversample
+
+    def first_round(f: Fraction, target: int, processes: int) -> int:
+        return target + first_round_extra_groups(float(f), target, processes)
+
+    step = Fraction(1, 1000)
+    for processes in (1, 2, 3, 8):
+        for target in range(1, 40):
+            for distinct in range(target, 3 * target + 20):
+                largest = largest_oversample(distinct, target, processes)
+                if largest is None:  # not even the smallest oversampling fits
+                    assert first_round(1 + step, target, processes) > distinct, (processes, target, distinct)
+                    continue
+                # It fits, adds a group, and one thousandth more does not fit (the groups grow with the value).
+                assert target < first_round(largest, target, processes) <= distinct, (processes, target, distinct)
+                assert first_round(largest + step, target, processes) > distinct, (processes, target, distinct)
+
+
 def test_oversampling_settings_are_checked(tmp_path, tiny_model_dir, monkeypatch):
     from pathlib import Path
 

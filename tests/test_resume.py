@@ -155,6 +155,75 @@ def test_ctrl_c_during_the_optimizer_update_saves_that_step_and_resumes_exactly(
 
 
 @pytest.mark.slow
+def test_a_second_ctrl_c_inside_the_update_saves_no_checkpoint(tmp_path, monkeypatch, capsys):
+    """Two Ctrl-C after step 2's update, before the step is counted: the second stops at once and nothing is saved,
+    even where the optimizer keeps no step count to tell a half-finished step by (SGD)."""
+    from transformers import TrainerCallback
+
+    from egpo_trl.trainer import EGPOTrainer
+
+    out = tmp_path / "run"
+
+    class TwoCtrlC(TrainerCallback):
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
+
+    init = EGPOTrainer.__init__
+
+    def with_ctrl_c(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.add_callback(TwoCtrlC())
+
+    monkeypatch.setattr(EGPOTrainer, "__init__", with_ctrl_c)
+    try:
+        assert main([*RUN, "--output_dir", str(out), "--optim", "sgd", "--eval_size", "0"]) == 130
+    finally:
+        monkeypatch.undo()
+    assert not list(out.glob("checkpoint-*"))
+    assert "Checkpoint not saved: a second Ctrl-C stopped step 2 before it had finished." in capsys.readouterr().err
+
+
+def test_ctrl_c_is_held_back_only_where_pythons_own_handler_is_in_place():
+    from egpo_trl.resume_state import _SigintHold
+
+    default = signal.getsignal(signal.SIGINT)
+    assert default is signal.default_int_handler
+    try:
+        for handler in (signal.SIG_IGN, lambda signum, frame: None):  # a background job; a handler of the program
+            signal.signal(signal.SIGINT, handler)
+            hold = _SigintHold()
+            hold.start()
+            assert not hold.active and signal.getsignal(signal.SIGINT) is handler
+            os.kill(os.getpid(), signal.SIGINT)  # ignored or handled as the program wants, not raised later
+            hold.stop()
+        signal.signal(signal.SIGINT, default)
+        off = _SigintHold(enabled=False)  # several processes
+        off.start()
+        assert not off.active and signal.getsignal(signal.SIGINT) is default
+        hold = _SigintHold()
+        hold.start()
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            hold.stop()
+        assert signal.getsignal(signal.SIGINT) is default and not hold.forced and not hold.pending
+        hold.start()  # an error ends the span: the Ctrl-C it held is kept pending, not lost
+        os.kill(os.getpid(), signal.SIGINT)
+        hold.stop(raise_held=False)
+        assert hold.pending and signal.getsignal(signal.SIGINT) is default
+        hold.pending = False
+        hold.start()
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert hold.forced
+        hold.stop(raise_held=False)
+    finally:
+        signal.signal(signal.SIGINT, default)
+
+
+@pytest.mark.slow
 def test_ctrl_c_under_deepspeed_after_the_update_saves_that_step(tmp_path, tiny_model_dir):
     """DeepSpeed applies the update inside the last micro-batch's backward, before the optimizer hooks: a Ctrl-C
     right after it is held back to the step's end, and the checkpoint saved is that step's, with its weights (it was

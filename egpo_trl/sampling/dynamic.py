@@ -63,6 +63,15 @@ def first_round_extra_groups(oversample: float, target: int, processes: int) -> 
     return math.ceil(extra / processes) * processes if extra > 0 else 0
 
 
+def largest_oversample(distinct: int, target: int, processes: int) -> Fraction | None:
+    """The largest ``dynamic_sampling_oversample`` of three decimals whose first round adds at least one group and
+    needs at most ``distinct`` prompts (``target`` groups plus :func:`first_round_extra_groups`), or ``None``."""
+    room = (distinct - target) // processes * processes  # the most groups a first round can add
+    if room <= 0:
+        return None
+    return Fraction(math.floor((1 + Fraction(room, target)) * 1000), 1000)
+
+
 def oversampled_max_num_seqs(args: Any) -> int:
     """The sequences one colocated vLLM engine receives in an oversampled first round: this process's share of the
     generation batch plus its share of the added groups, times the tensor-parallel group that gathers its prompts
@@ -83,7 +92,8 @@ def _prompt_key(prompt: Any) -> str:
 def _distinct_prompts(dataset: Any, enough: int | None = None) -> int:
     """The number of distinct prompts of ``dataset`` (its ``prompt`` column), counting stops at ``enough``."""
     seen: set[str] = set()
-    for prompt in dataset.select_columns(["prompt"])["prompt"]:
+    prompts = dataset.select_columns(["prompt"])["prompt"]  # (TRL takes a datasets.Dataset only)
+    for prompt in prompts:
         seen.add(_prompt_key(prompt))
         if enough is not None and len(seen) >= enough:
             break
@@ -156,11 +166,10 @@ class DynamicSamplingMixin:
         needed = target + extra
         if extra and _distinct_prompts(self.train_dataset, needed) < needed:
             distinct = _distinct_prompts(self.train_dataset)
-            room = (distinct - target) // processes * processes  # the most groups a first round can add
+            largest = largest_oversample(distinct, target, processes)
             fix = (
-                f"Lower dynamic_sampling_oversample (at most {math.floor((1 + room / target) * 1000) / 1000:g} "
-                "here), or train on more prompts."
-                if room > 0
+                f"Lower dynamic_sampling_oversample (at most {float(largest):g} here), or train on more prompts."
+                if largest is not None
                 else "Set dynamic_sampling_oversample: 1.0, or train on more prompts."
             )
             raise ValueError(
