@@ -429,6 +429,44 @@ def test_extra_prompts_are_not_the_batchs_own_nor_repeated_across_its_rounds(tmp
     assert extra_rounds > 0, "some step needed a round after the first"
 
 
+def test_two_generation_batches_of_one_step_draw_different_extra_prompts(tmp_path, tiny_model_dir):
+    """steps_per_generation < gradient_accumulation_steps: one optimizer step generates several batches (at
+    micro-steps 0 and 2 here), whose extra prompts come from draws of their own (one draw would put the same prompts
+    twice into one update); the same micro-step draws the same prompts again (a resumed run)."""
+    from itertools import islice
+
+    from egpo_trl import EGPOTrainer
+
+    settings = dict(per_device_train_batch_size=8, steps_per_generation=2, gradient_accumulation_steps=4,
+                    dynamic_sampling=True, dynamic_sampling_oversample=1.5)  # fmt: skip
+    dataset = make_prompt_dataset(64)
+    trainer = EGPOTrainer(tiny_model_dir, parity_reward, config(tmp_path, **settings), train_dataset=dataset)
+    batch = [dataset[i] for i in range(4) for _ in range(4)]
+
+    def draw(micro_step: int) -> list[int]:
+        trainer._step = micro_step
+        return list(islice(trainer._extra_prompts(batch), 8))
+
+    assert draw(0) != draw(2) and draw(2) == draw(2)
+    assert not {0, 1, 2, 3} & set(draw(0) + draw(2)), "the batch's own prompts are skipped"
+
+
+def test_dynamic_sampling_with_egpo_says_which_groups_it_drops(tmp_path, tiny_model_dir, caplog):
+    from egpo_trl import EGPOTrainer
+
+    for estimator, metric, expected in [
+        ("egpo", "reward", "gives no advantage"),
+        ("nsr", "correctness", "entirely incorrect groups"),
+        ("grpo", "correctness", None),
+    ]:
+        caplog.clear()
+        args = config(tmp_path, dynamic_sampling=True, dynamic_sampling_metric=metric, advantage_estimator=estimator)
+        with caplog.at_level(logging.WARNING, logger="egpo_trl.sampling.dynamic"):
+            EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+        said = [r.getMessage() for r in caplog.records if "informative under GRPO" in r.getMessage()]
+        assert (expected in said[0]) if expected else not said, (estimator, metric, said)
+
+
 def test_an_oversampled_engine_is_started_for_the_first_rounds_sequences():
     """The max_num_seqs the colocated engine gets with an oversampled first round: this process's rows of the batch
     and of the added groups, times the tensor-parallel group (TRL's formula for a generation batch, with the groups)."""

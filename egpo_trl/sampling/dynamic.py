@@ -159,6 +159,17 @@ class DynamicSamplingMixin:
         error = oversampling_layout_error(self.args)
         if error:
             raise ValueError(error)
+        if self.args.advantage_estimator in ("egpo", "nsr"):
+            logger.warning(
+                "dynamic_sampling keeps the groups that are informative under GRPO (dynamic_sampling_metric=%r), "
+                "whatever the estimator: with advantage_estimator=%r it drops the entirely incorrect groups that "
+                "this estimator learns from%s.",
+                self.args.dynamic_sampling_metric,
+                self.args.advantage_estimator,
+                ", and keeps entirely correct groups whose other rewards differ, which it gives no advantage"
+                if self.args.dynamic_sampling_metric == "reward" and self.args.advantage_estimator == "egpo"
+                else "",
+            )
         args = self.args
         processes = self.accelerator.num_processes
         target = args.per_device_train_batch_size * args.steps_per_generation * processes // args.num_generations
@@ -372,7 +383,7 @@ class DynamicSamplingMixin:
         """The ``train_dataset`` indices of the prompts of one generation batch's extra groups, in the order they are
         drawn, the same on every process and again after resuming.
 
-        A seeded random order of the training set (from ``seed`` and the global step) that skips the prompts of the
+        A seeded random order of the training set (from ``seed``, the global step and the micro-step) that skips the prompts of the
         generation batch itself (on every process) and any prompt already drawn for the batch, compared by their
         text (a prompt stored in several rows is one prompt). Once every distinct prompt has been used it starts
         again, with repeats. TRL's own dataloader is not advanced.
@@ -383,7 +394,12 @@ class DynamicSamplingMixin:
         # rounds are decided on gathered rewards), and not at all in a batch that needs no extra prompt.
         prompts = self.train_dataset.select_columns(["prompt"])  # other columns (images) are not read
         taken = set(gather_object([_prompt_key(row.get("prompt")) for row in inputs]))
-        generator = torch.Generator().manual_seed((self.args.seed + 1) * 1_000_003 + self.state.global_step * 1_009)
+        # Seeded by the micro-step too: with steps_per_generation < gradient_accumulation_steps one optimizer step
+        # generates several batches, which must not draw the same extra prompts.
+        micro_step = getattr(self, "_step", 0)
+        generator = torch.Generator().manual_seed(
+            (self.args.seed + 1) * 1_000_003 + self.state.global_step * 1_009 + micro_step * 7_919
+        )
         while True:
             drawn = False
             for index in torch.randperm(len(prompts), generator=generator).tolist():
