@@ -467,6 +467,39 @@ def test_dynamic_sampling_with_egpo_says_which_groups_it_drops(tmp_path, tiny_mo
         assert (expected in said[0]) if expected else not said, (estimator, metric, said)
 
 
+def shaping_reward(completions, **kwargs):
+    """A small reward that varies within almost every group (the completion's length, in thousandths)."""
+    from egpo_trl.rewards import completion_text
+
+    return [len(completion_text(c)) / 1000 for c in completions]
+
+
+@pytest.mark.slow
+def test_the_correctness_reward_decides_wherever_it_stands_among_several(tmp_path, tiny_model_dir):
+    """Two reward functions, the correctness one second: dynamic sampling judges groups by that column (the shaping
+    reward makes almost every group's total vary), and each kept row keeps both of its rewards."""
+    settings = dict(max_steps=3, dynamic_sampling=True, dynamic_sampling_max_rounds=8, advantage_estimator="grpo",
+                    egpo_correctness_reward="half_informative_reward", reward_weights=[1.0, 1.0])  # fmt: skip
+    trainer = RoundRecording(
+        tiny_model_dir,
+        [shaping_reward, half_informative_reward],
+        config(tmp_path, **settings),
+        train_dataset=make_prompt_dataset(),
+    )
+    assert trainer._egpo_correctness_index == 1
+    trainer.train()
+    assert sum(history(trainer, "dynamic_sampling/rounds")) > 3, "uniform groups were dropped, by correctness"
+    for generated in trainer.generated:
+        rewards = generated["batch"]["rewards_per_func"]
+        correct = rewards[:, 1].view(-1, 4) > 0
+        assert (correct.any(dim=1) & ~correct.all(dim=1)).all(), "every kept group is mixed in correctness"
+        prompts, completions = texts(trainer, generated)
+        torch.testing.assert_close(rewards[:, 0], torch.tensor(shaping_reward(completions)))
+        torch.testing.assert_close(
+            rewards[:, 1], torch.tensor(half_informative_reward(completions, answers_of(trainer, prompts)))
+        )
+
+
 def test_an_oversampled_engine_is_started_for_the_first_rounds_sequences():
     """The max_num_seqs the colocated engine gets with an oversampled first round: this process's rows of the batch
     and of the added groups, times the tensor-parallel group (TRL's formula for a generation batch, with the groups)."""

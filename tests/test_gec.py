@@ -422,7 +422,8 @@ def test_replaced_solution_ends_with_the_reference_answer(tmp_path, tiny_model_d
 
 
 @pytest.mark.slow
-def test_each_reward_function_scores_each_completion_once(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("correctness_first", [True, False])
+def test_each_reward_function_scores_each_completion_once(tmp_path, tiny_model_dir, correctness_first):
     from collections import Counter
 
     seen = []
@@ -441,9 +442,10 @@ def test_each_reward_function_scores_each_completion_once(tmp_path, tiny_model_d
         edge_gec_solution_prob=0.0,
         egpo_correctness_reward="boxed_accuracy_reward",
     )
-    trainer = Recording(
-        tiny_model_dir, [boxed_accuracy_reward, length_reward], args, train_dataset=make_prompt_dataset()
-    )
+    rewards = [boxed_accuracy_reward, length_reward] if correctness_first else [length_reward, boxed_accuracy_reward]
+    trainer = Recording(tiny_model_dir, rewards, args, train_dataset=make_prompt_dataset())
+    index = 0 if correctness_first else 1
+    assert trainer._egpo_correctness_index == index
     trainer.train()
     metrics = trainer.state.log_history[0]
     batch_size = args.per_device_train_batch_size
@@ -461,7 +463,7 @@ def test_each_reward_function_scores_each_completion_once(tmp_path, tiny_model_d
     assert metrics["length_rows"] == float(batch_size)
     # The kept rows' rewards are those of the first call, the rewritten rows' those of the second.
     torch.testing.assert_close(
-        trainer.generated[0]["batch"]["rewards_per_func"][:, 0],
+        trainer.generated[0]["batch"]["rewards_per_func"][:, index],
         torch.tensor(boxed_accuracy_reward(final, answers_of(trainer, texts(trainer, trainer.generated[0])[0]))),
     )
 
