@@ -78,7 +78,12 @@ METHODS = [
         "trainer.py (override: marks the rows of the loss's forward for the deferred entropy metrics)",
     ),
     ("__init__", ["model", "reward_funcs", "args"], "trainer.py (passes them positionally)"),
-    ("_prepare_inputs", ["generation_batch"], "trainer.py (override: fused.py groups the shuffled rows in blocks)"),
+    (
+        "_prepare_inputs",
+        ["generation_batch"],
+        "trainer.py (override: fused.py groups the shuffled rows in blocks), resume_state.py (override: Ctrl-C held "
+        "from a step's last micro-batch)",
+    ),
     (
         "training_step",
         ["model", "inputs", "num_items_in_batch"],
@@ -106,6 +111,11 @@ METHODS = [
         "_maybe_log_save_evaluate",
         ["tr_loss", "grad_norm", "model", "trial", "epoch", "ignore_keys_for_eval", "start_time", "learning_rate"],
         "resume_state.py (override: the step-boundary snapshot for the Ctrl-C checkpoint)",
+    ),
+    (
+        "_inner_training_loop",
+        ["batch_size", "args", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"],
+        "resume_state.py (override: a Ctrl-C held when an error ended a held span stops an auto_find_batch_size retry)",
     ),
     ("_get_output_dir", ["trial"], "resume_state.py (the checkpoint folder)"),
     (
@@ -142,6 +152,7 @@ OVERRIDES = {
     "_get_train_sampler",
     "_init_training_state",
     "_maybe_log_save_evaluate",
+    "_inner_training_loop",
     "train",
 }
 
@@ -210,7 +221,12 @@ INSTANCE_ATTRIBUTES = [
         "defaultdict(list)",
         "sampling/gec.py",
     ),
-    ("_step", lambda v: v == 0, "0 (the micro-step counter)", "resume_state.py (saved and restored), fused.py"),
+    (
+        "_step",
+        lambda v: v == 0,
+        "0 (the micro-step counter)",
+        "resume_state.py (saved and restored), fused.py, dynamic.py",
+    ),
     (
         "_current_train_step_time",
         lambda v: v == 0.0,
