@@ -451,20 +451,35 @@ def test_two_generation_batches_of_one_step_draw_different_extra_prompts(tmp_pat
     assert not {0, 1, 2, 3} & set(draw(0) + draw(2)), "the batch's own prompts are skipped"
 
 
-def test_dynamic_sampling_with_egpo_says_which_groups_it_drops(tmp_path, tiny_model_dir, caplog):
+@pytest.mark.parametrize(
+    "settings, dropped, kept",
+    [
+        (dict(advantage_estimator="egpo"), "entirely incorrect groups,", None),
+        (dict(advantage_estimator="egpo", egpo_nsr=False), None, None),  # learns from mixed groups only, as GRPO
+        (dict(advantage_estimator="egpo", dynamic_sampling_metric="reward"), "entirely incorrect groups whose total",
+         "keeps the entirely correct groups"),
+        (dict(advantage_estimator="egpo", egpo_nsr=False, dynamic_sampling_metric="reward"), None,
+         "keeps the entirely correct and entirely incorrect groups"),
+        (dict(advantage_estimator="nsr"), "entirely incorrect groups,", None),
+        (dict(advantage_estimator="nsr", nsr_positive_weight=0.5), "entirely incorrect and entirely correct", None),
+        (dict(advantage_estimator="nsr", dynamic_sampling_metric="reward"), "entirely incorrect groups whose total",
+         "keeps the entirely correct groups"),
+        (dict(advantage_estimator="grpo", dynamic_sampling_metric="reward"), None, None),
+    ],
+)  # fmt: skip
+def test_dynamic_sampling_says_which_groups_it_drops_that_the_estimator_learns_from(
+    tmp_path, tiny_model_dir, caplog, settings, dropped, kept
+):
     from egpo_trl import EGPOTrainer
 
-    for estimator, metric, expected in [
-        ("egpo", "reward", "gives no advantage"),
-        ("nsr", "correctness", "entirely incorrect groups"),
-        ("grpo", "correctness", None),
-    ]:
-        caplog.clear()
-        args = config(tmp_path, dynamic_sampling=True, dynamic_sampling_metric=metric, advantage_estimator=estimator)
-        with caplog.at_level(logging.WARNING, logger="egpo_trl.sampling.dynamic"):
-            EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
-        said = [r.getMessage() for r in caplog.records if "informative under GRPO" in r.getMessage()]
-        assert (expected in said[0]) if expected else not said, (estimator, metric, said)
+    args = config(tmp_path, dynamic_sampling=True, **settings)
+    with caplog.at_level(logging.WARNING, logger="egpo_trl.sampling.dynamic"):
+        EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
+    said = [r.getMessage() for r in caplog.records if "informative under GRPO" in r.getMessage()]
+    assert len(said) == (1 if dropped or kept else 0), said
+    if said:
+        assert (f"drops the {dropped}" in said[0]) if dropped else "it drops" not in said[0]
+        assert (kept in said[0]) if kept else "it keeps the" not in said[0]
 
 
 def shaping_reward(completions, **kwargs):

@@ -433,7 +433,7 @@ def test_each_reward_function_scores_each_completion_once(tmp_path, tiny_model_d
         seen.extend(texts_)
         log_extra("length", [len(text) for text in texts_])
         log_metric("length_rows", float(len(texts_)))
-        return [0.0] * len(texts_)
+        return [1.0] * len(texts_)  # "correct" throughout: a GEC that read this column would rewrite nothing
 
     args = gec_config(
         tmp_path,

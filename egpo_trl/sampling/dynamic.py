@@ -42,7 +42,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DynamicSamplingMixin",
+    "filter_mismatch",
     "first_round_extra_groups",
+    "largest_oversample",
     "oversampled_max_num_seqs",
     "vllm_sequences_for_oversampling",
 ]
@@ -70,6 +72,39 @@ def largest_oversample(distinct: int, target: int, processes: int) -> Fraction |
     if room <= 0:
         return None
     return Fraction(math.floor((1 + Fraction(room, target)) * 1000), 1000)
+
+
+def filter_mismatch(args: Any) -> str | None:
+    """What DAPO's filter, which judges groups as GRPO does, drops that the run's estimator learns from, or keeps that
+    it gives no advantage; ``None`` when they agree.
+
+    ``egpo`` gives an entirely correct group no advantage, and an entirely incorrect one an advantage when
+    ``egpo_nsr`` is on; ``nsr`` gives an entirely incorrect group an advantage, and an entirely correct one when
+    ``nsr_positive_weight`` is not 0. ``dynamic_sampling_metric="correctness"`` drops both kinds;
+    ``"reward"`` drops those whose total rewards are all equal and keeps the others.
+    """
+    estimator, metric = args.advantage_estimator, args.dynamic_sampling_metric
+    if estimator == "egpo":
+        learns = {"entirely incorrect": bool(args.egpo_nsr), "entirely correct": False}
+    elif estimator == "nsr":
+        learns = {"entirely incorrect": True, "entirely correct": args.nsr_positive_weight != 0}
+    else:
+        return None
+    dropped = [kind for kind, learned in learns.items() if learned]
+    kept = [kind for kind, learned in sorted(learns.items()) if not learned] if metric == "reward" else []
+    parts = []
+    if dropped:
+        which = " whose total rewards are all equal" if metric == "reward" else ""
+        parts.append(f"it drops the {' and '.join(dropped)} groups{which}, which {estimator} learns from")
+    if kept:
+        parts.append(f"it keeps the {' and '.join(kept)} groups whose other rewards differ, which {estimator} gives no "
+                     "advantage")  # fmt: skip
+    if not parts:
+        return None
+    return (
+        f"dynamic_sampling keeps the groups that are informative under GRPO (dynamic_sampling_metric={metric!r}), "
+        f"whatever the estimator: with advantage_estimator={estimator!r} {'; '.join(parts)}."
+    )
 
 
 def oversampled_max_num_seqs(args: Any) -> int:
@@ -159,17 +194,9 @@ class DynamicSamplingMixin:
         error = oversampling_layout_error(self.args)
         if error:
             raise ValueError(error)
-        if self.args.advantage_estimator in ("egpo", "nsr"):
-            logger.warning(
-                "dynamic_sampling keeps the groups that are informative under GRPO (dynamic_sampling_metric=%r), "
-                "whatever the estimator: with advantage_estimator=%r it drops the entirely incorrect groups that "
-                "this estimator learns from%s.",
-                self.args.dynamic_sampling_metric,
-                self.args.advantage_estimator,
-                ", and keeps entirely correct groups whose other rewards differ, which it gives no advantage"
-                if self.args.dynamic_sampling_metric == "reward" and self.args.advantage_estimator == "egpo"
-                else "",
-            )
+        mismatch = filter_mismatch(self.args)
+        if mismatch and self.accelerator.is_main_process:
+            logger.warning(mismatch)
         args = self.args
         processes = self.accelerator.num_processes
         target = args.per_device_train_batch_size * args.steps_per_generation * processes // args.num_generations
