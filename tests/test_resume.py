@@ -116,23 +116,21 @@ def test_ctrl_c_inside_a_step_then_resume_is_exact(reference, tmp_path, monkeypa
     assert _digest(out / "model.safetensors") == ref_weights
 
 
-@pytest.mark.slow
-def test_ctrl_c_during_the_optimizer_update_saves_that_step_and_resumes_exactly(reference, tmp_path, monkeypatch):
-    """A Ctrl-C that arrives between step 2's optimizer update and the end of that step is held back to the step's
-    end: the checkpoint is step 2's (not lost to a half-finished update), and the resumed run is exact."""
+def _ctrl_c_after_the_update(monkeypatch, argv: list[str], times: int) -> tuple[int, list[int]]:
+    """``main(argv)`` with ``times`` Ctrl-C (SIGINT) right after step 2's optimizer update, before the step is
+    counted: the exit code, and the global steps at which they were sent."""
     from transformers import TrainerCallback
 
     from egpo_trl.trainer import EGPOTrainer
 
-    _, ref_rows, ref_weights = reference
-    out = tmp_path / "run"
     sent = []
 
     class CtrlC(TrainerCallback):
         def on_optimizer_step(self, args, state, control, **kwargs):
             if state.global_step == 1:  # step 2's update is applied; the step is not counted yet
                 sent.append(state.global_step)
-                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(times):
+                    os.kill(os.getpid(), signal.SIGINT)
 
     init = EGPOTrainer.__init__
 
@@ -142,10 +140,18 @@ def test_ctrl_c_during_the_optimizer_update_saves_that_step_and_resumes_exactly(
 
     monkeypatch.setattr(EGPOTrainer, "__init__", with_ctrl_c)
     try:
-        assert main([*RUN, "--output_dir", str(out)]) == 130
+        return main(argv), sent
     finally:
         monkeypatch.undo()
-    assert sent == [1]
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_optimizer_update_saves_that_step_and_resumes_exactly(reference, tmp_path, monkeypatch):
+    """A Ctrl-C that arrives between step 2's optimizer update and the end of that step is held back to the step's
+    end: the checkpoint is step 2's (not lost to a half-finished update), and the resumed run is exact."""
+    _, ref_rows, ref_weights = reference
+    out = tmp_path / "run"
+    assert _ctrl_c_after_the_update(monkeypatch, [*RUN, "--output_dir", str(out)], times=1) == (130, [1])
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
     assert [r["step"] for r in _rows(out) if "loss" in r] == [1, 2]  # step 2 finished and logged before stopping
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # no handler of the run left behind
@@ -158,29 +164,9 @@ def test_ctrl_c_during_the_optimizer_update_saves_that_step_and_resumes_exactly(
 def test_a_second_ctrl_c_inside_the_update_saves_no_checkpoint(tmp_path, monkeypatch, capsys):
     """Two Ctrl-C after step 2's update, before the step is counted: the second stops at once and nothing is saved,
     even where the optimizer keeps no step count to tell a half-finished step by (SGD)."""
-    from transformers import TrainerCallback
-
-    from egpo_trl.trainer import EGPOTrainer
-
     out = tmp_path / "run"
-
-    class TwoCtrlC(TrainerCallback):
-        def on_optimizer_step(self, args, state, control, **kwargs):
-            if state.global_step == 1:
-                os.kill(os.getpid(), signal.SIGINT)
-                os.kill(os.getpid(), signal.SIGINT)
-
-    init = EGPOTrainer.__init__
-
-    def with_ctrl_c(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.add_callback(TwoCtrlC())
-
-    monkeypatch.setattr(EGPOTrainer, "__init__", with_ctrl_c)
-    try:
-        assert main([*RUN, "--output_dir", str(out), "--optim", "sgd", "--eval_size", "0"]) == 130
-    finally:
-        monkeypatch.undo()
+    run = [*RUN, "--output_dir", str(out), "--optim", "sgd", "--eval_size", "0"]
+    assert _ctrl_c_after_the_update(monkeypatch, run, times=2) == (130, [1])
     assert not list(out.glob("checkpoint-*"))
     assert "Checkpoint not saved: a second Ctrl-C stopped step 2 before it had finished." in capsys.readouterr().err
 
