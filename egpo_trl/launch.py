@@ -620,7 +620,8 @@ def _parse_for_dry_run(argv: list[str], report: DryRunReport, plan: LaunchPlan |
     ``GRPOConfig`` checks the generation batch against the process count of the process that parses it (one
     here); the dry run checks it for the launch's count instead, so the parse sees a process count that any
     group size divides. A ``generation_batch_size``, which sets ``steps_per_generation`` from the process count, is
-    parsed for the launch's own count. ``loss_forward``'s checks see the launch's own process count and engine (``plan``).
+    parsed for the launch's own count. ``loss_forward``'s checks see the launch's own process count and engine
+    (``plan``).
     """
     from unittest import mock
 

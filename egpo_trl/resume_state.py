@@ -147,18 +147,6 @@ class _SigintHold:
         self.pending = self.pending or received
 
 
-class _HoldSigintOverOptimizerStep(TrainerCallback):
-    """Starts holding Ctrl-C back just before the optimizer update (where :meth:`ExactResumeMixin._prepare_inputs`
-    has not already, at the last micro-batch); the step's end (:meth:`ExactResumeMixin._maybe_log_save_evaluate`)
-    lets it through."""
-
-    def __init__(self, hold: _SigintHold):
-        self.hold = hold
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.hold.start()
-
-
 def generation_seed(seed: int, global_step: int, call: int, instance: int, index: int) -> int:
     """The sampling seed of one prompt of one vLLM generation call, a function of where it falls in the run only.
 
@@ -244,7 +232,6 @@ class ExactResumeMixin:
         self._egpo_train_sampler = None
         self._egpo_generation_calls: tuple[tuple[int, bool], int] = ((-1, True), 0)
         self._egpo_sigint = _SigintHold(enabled=self.args.world_size == 1)
-        self.add_callback(_HoldSigintOverOptimizerStep(self._egpo_sigint))
         self._egpo_seed_vllm_sampling()
 
     # ------------------------------------------------------------------ a finished run
@@ -448,8 +435,8 @@ class ExactResumeMixin:
         return super()._inner_training_loop(*args, **kwargs)
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any):
-        # Ctrl-C is held back from the optimizer update (see _HoldSigintOverOptimizerStep) to here; at an epoch's
-        # end, where no update precedes, only over this block.
+        # Ctrl-C is held back from the step's last micro-batch (see _prepare_inputs) to here; at an epoch's end,
+        # where no update precedes, only over this block.
         self._egpo_sigint.start()
         try:
             super()._maybe_log_save_evaluate(*args, **kwargs)

@@ -44,6 +44,7 @@ __all__ = [
     "DynamicSamplingMixin",
     "filter_mismatch",
     "first_round_extra_groups",
+    "first_round_groups",
     "largest_oversample",
     "oversampled_max_num_seqs",
     "vllm_sequences_for_oversampling",
@@ -107,15 +108,21 @@ def filter_mismatch(args: Any) -> str | None:
     )
 
 
+def first_round_groups(args: Any, processes: int) -> tuple[int, int]:
+    """``(G, extra)``: the groups of a generation batch over ``processes`` processes, and those an oversampled first
+    round adds to them (:func:`first_round_extra_groups`)."""
+    target = args.per_device_train_batch_size * args.steps_per_generation * processes // args.num_generations
+    return target, first_round_extra_groups(args.dynamic_sampling_oversample, target, processes)
+
+
 def oversampled_max_num_seqs(args: Any) -> int:
     """The sequences one colocated vLLM engine receives in an oversampled first round: this process's share of the
     generation batch plus its share of the added groups, times the tensor-parallel group that gathers its prompts
     (TRL 1.16 starts the engine with ``per_device_train_batch_size x vllm_tensor_parallel_size x
     steps_per_generation``, the same without the added groups)."""
-    local_rows = args.per_device_train_batch_size * args.steps_per_generation
     processes = args.world_size
-    target = local_rows * processes // args.num_generations
-    extra = first_round_extra_groups(args.dynamic_sampling_oversample, target, processes)
+    _, extra = first_round_groups(args, processes)
+    local_rows = args.per_device_train_batch_size * args.steps_per_generation
     return (local_rows + extra // processes * args.num_generations) * args.vllm_tensor_parallel_size
 
 
@@ -199,8 +206,7 @@ class DynamicSamplingMixin:
             logger.warning(mismatch)
         args = self.args
         processes = self.accelerator.num_processes
-        target = args.per_device_train_batch_size * args.steps_per_generation * processes // args.num_generations
-        extra = first_round_extra_groups(args.dynamic_sampling_oversample, target, processes)
+        target, extra = first_round_groups(args, processes)
         needed = target + extra
         if extra and _distinct_prompts(self.train_dataset, needed) < needed:
             distinct = _distinct_prompts(self.train_dataset)
@@ -410,10 +416,10 @@ class DynamicSamplingMixin:
         """The ``train_dataset`` indices of the prompts of one generation batch's extra groups, in the order they are
         drawn, the same on every process and again after resuming.
 
-        A seeded random order of the training set (from ``seed``, the global step and the micro-step) that skips the prompts of the
-        generation batch itself (on every process) and any prompt already drawn for the batch, compared by their
-        text (a prompt stored in several rows is one prompt). Once every distinct prompt has been used it starts
-        again, with repeats. TRL's own dataloader is not advanced.
+        A seeded random order of the training set (from ``seed``, the global step and the micro-step) that skips the
+        prompts of the generation batch itself (on every process) and any prompt already drawn for the batch,
+        compared by their text (a prompt stored in several rows is one prompt). Once every distinct prompt has been
+        used it starts again, with repeats. TRL's own dataloader is not advanced.
         """
         from accelerate.utils import gather_object
 
