@@ -209,7 +209,7 @@ def test_timing_rewards_are_pure_and_the_hard_prompts_ones_are_entirely_incorrec
     assert hard_prompts_coin_flip_reward(messages, completions[:2]) == [-1.0, -1.0]
 
 
-@pytest.mark.parametrize("oversample", [None, "1.5"])
+@pytest.mark.parametrize("oversample", ["1.0", "1.5"])
 def test_gpu_recipes_reports_dynamic_samplings_rounds_when_groups_are_replaced(tmp_path, tiny_model_dir, oversample):
     """DAPO's recipe through benchmarks/gpu_recipes.sh with the hard-prompts reward: entirely incorrect groups are
     dropped and only the shortfall is generated again, and the summary carries the rounds and groups per group kept;
@@ -221,8 +221,7 @@ def test_gpu_recipes_reports_dynamic_samplings_rounds_when_groups_are_replaced(t
              "--overlong_buffer_length 2 --per_device_train_batch_size 16 --gradient_checkpointing false "
              "--save_final_model false --save_strategy no --torch_num_threads 1 "
              "--reward_funcs benchmarks.timing_rewards:hard_prompts_coin_flip_reward")  # fmt: skip
-    if oversample:
-        extra += f" --dynamic_sampling_oversample {oversample}"
+    extra += f" --dynamic_sampling_oversample {oversample}"  # the recipe's own is 1.5
     env = {**ENV, "STEPS": "4", "PYTHON": sys.executable, "EXTRA": extra, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         ["bash", "benchmarks/gpu_recipes.sh", str(tmp_path / "out"), str(shapes), "dapo_qwen15b:4"],
@@ -231,7 +230,7 @@ def test_gpu_recipes_reports_dynamic_samplings_rounds_when_groups_are_replaced(t
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["completions"] == 64 for r in rows)
-    if oversample:  # four groups and two more in the first round, whose extra groups make up for hard prompts
+    if oversample == "1.5":  # four groups and two more in the first round, whose extra groups make up for hard prompts
         assert all(r["generated_per_kept"] >= 1.5 for r in rows) and any(r["rounds"] == 1 for r in rows)
         return
     # four groups a step: with a quarter of the prompts entirely incorrect, some step replaces groups, and an extra

@@ -310,8 +310,14 @@ def test_oversampling_settings_are_checked(tmp_path, tiny_model_dir, monkeypatch
     (problem,) = [p for p in report.problems if "dynamic_sampling_oversample" in p]
     assert "(2 x 4 = 8) must be a multiple of num_generations (16)" in problem
     assert "dynamic_sampling_oversample: 1.0" in problem
+    # The recipe oversamples by default: the same batch is refused without the override, and accepted with the fix
+    # the message names.
     report = check_recipe(["--config", "recipes/dapo_qwen15b.yaml", "--num_processes", "8",
                            "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"])  # fmt: skip
+    assert [p for p in report.problems if "dynamic_sampling_oversample" in p] == [problem]
+    report = check_recipe(["--config", "recipes/dapo_qwen15b.yaml", "--num_processes", "8",
+                           "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4",
+                           "--dynamic_sampling_oversample", "1.0"])  # fmt: skip
     assert not [p for p in report.problems if "dynamic_sampling_oversample" in p]
     # A trainer with whole groups per process starts.
     args = config(tmp_path, dynamic_sampling=True, dynamic_sampling_oversample=1.5)
