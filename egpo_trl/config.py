@@ -856,8 +856,9 @@ class EGPOConfig(GRPOConfig):
         if self.dynamic_sampling_oversample != 1.0 and not self.dynamic_sampling:
             raise ValueError(
                 f"dynamic_sampling_oversample={self.dynamic_sampling_oversample:g} sizes dynamic sampling's first "
-                "round, but dynamic_sampling is off; set dynamic_sampling: true or leave dynamic_sampling_oversample "
-                "at 1.0."
+                "round, but dynamic_sampling is off; set dynamic_sampling: true, or dynamic_sampling_oversample: 1.0 "
+                "(with a recipe that sets it, such as recipes/dapo_qwen15b.yaml, add --dynamic_sampling_oversample "
+                "1.0 to --dynamic_sampling false)."
             )
         layout = oversampling_layout_error(self)
         if layout:

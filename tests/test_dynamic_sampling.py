@@ -341,6 +341,37 @@ def test_oversampling_settings_are_checked(tmp_path, tiny_model_dir, monkeypatch
         assert EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=twice).args is args
 
 
+def test_the_dry_run_shows_the_first_rounds_size_and_how_to_turn_dynamic_sampling_off(monkeypatch):
+    """The dry run gives the oversampled first round's real size (the added groups are rounded up to whole groups per
+    process, so the factor can exceed the one set), and turning dynamic sampling off in a recipe that oversamples is
+    refused with the override that makes it run."""
+    from pathlib import Path
+
+    from egpo_trl.launch import check_recipe
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+
+    def dry_run(*extra):
+        report = check_recipe(["--config", "recipes/dapo_qwen15b.yaml", *extra])
+        return dict(report.settings).get("dynamic sampling"), [p for p in report.problems if "dynamic_sampling" in p]
+
+    line, problems = dry_run("--num_processes", "8")
+    assert problems == []
+    assert line == ("up to 10 rounds per generation batch (correctness); first round 64 + 32 groups (1.5x), "
+                    "1536 completions, 192 per process")  # fmt: skip
+    # one group per process per generation batch: half a group more each is rounded up to a whole one
+    line, _ = dry_run("--num_processes", "8", "--gradient_accumulation_steps", "1")
+    assert "first round 8 + 8 groups (2x), 256 completions, 32 per process" in line
+    line, _ = dry_run("--num_processes", "8", "--dynamic_sampling_oversample", "1.0")
+    assert line == "up to 10 rounds per generation batch (correctness)"
+
+    line, problems = dry_run("--dynamic_sampling", "false")
+    assert line is None and len(problems) == 1
+    assert "add --dynamic_sampling_oversample 1.0 to --dynamic_sampling false" in problems[0]
+    line, problems = dry_run("--dynamic_sampling", "false", "--dynamic_sampling_oversample", "1.0")
+    assert line is None and problems == []
+
+
 @pytest.mark.slow
 def test_an_oversampled_first_round_keeps_the_batchs_own_groups_first(tmp_path, tiny_model_dir):
     from fractions import Fraction

@@ -792,8 +792,11 @@ def test_kv_cache_line_says_when_a_generation_batch_is_decoded_in_rounds(tmp_pat
     # The R1-Distill-7B recipe's shape: 1,024 + 15,360 tokens, 128 completions per GPU, ~400k tokens of cache.
     line = kv_cache_message(400_000, 16_384, 128)
     assert line.startswith("vLLM's KV cache holds 400,000 tokens: 24 sequences of 16,384 tokens at once")
-    assert "for 128 per generation batch" in line and "about 5.3 rounds" in line
+    assert "for 128 per generation batch" in line and "decoded in 6 rounds" in line
     assert "vllm_gpu_memory_utilization" in line
+    # A few sequences over what fits take a whole round more: 192 where 183 fit are 2 rounds, not "about 1.0".
+    line = kv_cache_message(750_000, 4_096, 192, "oversampled first round")
+    assert "183 sequences" in line and "for 192 per oversampled first round" in line and "decoded in 2 rounds" in line
     # The whole batch fits: no rounds, no advice.
     line = kv_cache_message(10_000_000, 3_272, 128)
     assert "3056 sequences" in line and "rounds" not in line and line.endswith("generation batch.")

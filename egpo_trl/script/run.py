@@ -150,8 +150,9 @@ def kv_cache_message(tokens: int, sequence: int, rows: int, batch: str = "genera
     )
     if 0 < at_once < rows:
         line += (
-            f"; when every completion runs to its limit they are decoded in about {rows / at_once:.1f} rounds "
-            "(a larger vllm_gpu_memory_utilization, where GPU memory allows, holds more)"
+            f"; when every completion runs to its limit they are decoded in {-(-rows // at_once)} rounds, the last "
+            "sequences starting as the first end (a larger vllm_gpu_memory_utilization, where GPU memory allows, "
+            "holds more)"
         )
     return line + "."
 
