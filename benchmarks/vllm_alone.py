@@ -14,6 +14,9 @@ step's generation phase above this is the trainer's.
     python benchmarks/vllm_alone.py --model /tmp/shapes/qwen15b --num-prompts 8 --num-generations 16 \\
         --max-tokens 3072 --gpu-memory-utilization 0.3 --max-model-len 4096 --text --json /tmp/vllm_alone.json
     python benchmarks/vllm_alone.py --model builtin:tiny-math-qwen2 --device cpu --prompts synthetic --max-tokens 16
+    # a recipe's own batch and engine settings (here 8 prompts x 16 of up to 15,360 tokens at a 0.55 share)
+    python benchmarks/vllm_alone.py --recipe recipes/egpo_r1_distill_15b.yaml --model /tmp/shapes/r1_distill_15b \\
+        --ignore-eos --repeats 1
 
 Prompts are MATH-500 problems in the model's chat template (``--prompts math500``, as the recipes' data looks) or the
 synthetic arithmetic task. ``--ignore-eos`` makes every completion run to ``--max-tokens`` (random weights nearly
@@ -166,8 +169,48 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def recipe_defaults(path: str) -> dict:
+    """The engine settings and one process's generation batch of a recipe, as TRL's colocate mode would ask for them:
+    prompts per process (``per_device_train_batch_size x steps_per_generation / num_generations``, plus the groups
+    an oversampled dynamic-sampling first round adds, counted on one process), samples per prompt, completion
+    length, context length, memory share and temperature. Flags given on the command line win."""
+    import math
+
+    import yaml
+
+    recipe = yaml.safe_load(Path(path).read_text()) or {}
+    if recipe.get("generation_batch_size"):
+        raise SystemExit(f"{path} sets generation_batch_size, which splits over the processes: give --num-prompts")
+    generations = int(recipe.get("num_generations", 16))
+    rows = int(recipe.get("per_device_train_batch_size", 8)) * int(
+        recipe.get("steps_per_generation") or recipe.get("gradient_accumulation_steps", 1)
+    )
+    if rows % generations:
+        raise SystemExit(f"{path}: one process's generation batch ({rows} rows) is not whole groups of {generations}")
+    prompts = rows // generations
+    if recipe.get("dynamic_sampling") and float(recipe.get("dynamic_sampling_oversample", 1.0)) > 1.0:
+        prompts += math.ceil((float(recipe["dynamic_sampling_oversample"]) - 1) * prompts)
+    defaults = {
+        "num_prompts": prompts,
+        "num_generations": generations,
+        "max_tokens": int(recipe.get("max_completion_length", 256)),
+        "gpu_memory_utilization": float(recipe.get("vllm_gpu_memory_utilization", 0.3)),
+        "temperature": float(recipe.get("temperature", 1.0)),
+    }
+    if recipe.get("vllm_max_model_length"):
+        defaults["max_model_len"] = int(recipe["vllm_max_model_length"])
+    return defaults
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, ``--recipe``'s settings filling what it does not give."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--recipe",
+        default=None,
+        help="take the batch and engine settings from this recipe (one process's share, counted on one process; "
+        "an oversampled first round included); flags given here win",
+    )
     parser.add_argument("--model", required=True, help="model folder, or builtin:tiny-math-qwen2")
     parser.add_argument("--prompts", choices=("math500", "synthetic"), default="math500")
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts per process (a recipe's batch / 16)")
@@ -194,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
+    if args.recipe:
+        parser.set_defaults(**recipe_defaults(args.recipe))
+        args = parser.parse_args(argv)
     overrides = {}
     for item in args.engine_arg:
         key, sep, value = item.partition("=")
@@ -208,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("num_prompts", "num_generations", "max_tokens", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     rows = measure(args)
     print(markdown(rows))
     if args.json:

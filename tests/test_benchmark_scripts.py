@@ -625,6 +625,32 @@ def test_vllm_alone_reads_engine_values_and_refuses_bad_counts():
         assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
 
 
+def test_vllm_alone_takes_a_recipes_batch_and_engine_settings(tmp_path):
+    """--recipe gives one process's generation batch and engine settings as the trainer asks for them (the DAPO
+    recipe's oversampled first round included); flags given on the command line win."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from vllm_alone import parse_args
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    model = ["--model", "builtin:tiny-math-qwen2"]
+    args = parse_args([*model, "--recipe", str(ROOT / "recipes/egpo_r1_distill_15b.yaml")])
+    assert (args.num_prompts, args.num_generations, args.max_tokens) == (8, 16, 15360)  # 1 row x 128 steps
+    assert (args.max_model_len, args.gpu_memory_utilization, args.temperature) == (16384, 0.55, 1.0)
+    args = parse_args([*model, "--recipe", str(ROOT / "recipes/dapo_qwen15b.yaml")])
+    assert (args.num_prompts, args.max_tokens, args.max_model_len) == (12, 3072, 4096)  # 8 groups + 4 oversampled
+    args = parse_args([*model, "--recipe", str(ROOT / "recipes/dapo_qwen15b.yaml"), "--num-prompts", "8",
+                       "--gpu-memory-utilization", "0.5"])  # fmt: skip
+    assert (args.num_prompts, args.gpu_memory_utilization, args.max_tokens) == (8, 0.5, 3072)
+    recipe = tmp_path / "split.yaml"
+    recipe.write_text("num_generations: 16\nper_device_train_batch_size: 4\ngeneration_batch_size: 64\n")
+    with pytest.raises(SystemExit, match="give --num-prompts"):
+        parse_args([*model, "--recipe", str(recipe)])
+    recipe.write_text("num_generations: 16\nper_device_train_batch_size: 4\ngradient_accumulation_steps: 2\n")
+    with pytest.raises(SystemExit, match="not whole groups of 16"):
+        parse_args([*model, "--recipe", str(recipe)])
+
+
 @pytest.mark.slow
 def test_loss_forward_check_compares_the_two_sources_under_an_engine(tmp_path):
     """benchmarks/loss_forward_check.py on CPU under DDP (2 processes, gloo): its table and JSON rows, the pass
