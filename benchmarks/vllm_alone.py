@@ -169,37 +169,57 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def recipe_defaults(path: str) -> dict:
-    """The engine settings and one process's generation batch of a recipe, as TRL's colocate mode would ask for them:
-    prompts per process (``per_device_train_batch_size x steps_per_generation / num_generations``, plus the groups
-    an oversampled dynamic-sampling first round adds, counted on one process), samples per prompt, completion
-    length, context length, memory share and temperature. Flags given on the command line win."""
-    import math
-
+def recipe_defaults(path: str) -> tuple[dict, str | None]:
+    """The engine settings and one process's generation batch of a colocate recipe, as TRL's colocate mode asks for
+    them, and why the batch cannot be read from it (``None`` when it can): prompts per process
+    (``per_device_train_batch_size x steps_per_generation / num_generations``, plus the groups an oversampled
+    dynamic-sampling first round adds to one process's share, as the trainer counts them), samples per prompt,
+    completion length, context length, memory share and temperature. A key the recipe leaves out takes
+    EGPOConfig's default."""
     import yaml
 
-    recipe = yaml.safe_load(Path(path).read_text()) or {}
-    if recipe.get("generation_batch_size"):
-        raise SystemExit(f"{path} sets generation_batch_size, which splits over the processes: give --num-prompts")
-    generations = int(recipe.get("num_generations", 16))
-    rows = int(recipe.get("per_device_train_batch_size", 8)) * int(
-        recipe.get("steps_per_generation") or recipe.get("gradient_accumulation_steps", 1)
-    )
-    if rows % generations:
-        raise SystemExit(f"{path}: one process's generation batch ({rows} rows) is not whole groups of {generations}")
-    prompts = rows // generations
-    if recipe.get("dynamic_sampling") and float(recipe.get("dynamic_sampling_oversample", 1.0)) > 1.0:
-        prompts += math.ceil((float(recipe["dynamic_sampling_oversample"]) - 1) * prompts)
-    defaults = {
-        "num_prompts": prompts,
+    from egpo_trl import EGPOConfig
+    from egpo_trl.sampling.dynamic import first_round_extra_groups
+
+    defaults = {field.name: field.default for field in dataclasses.fields(EGPOConfig)}
+    recipe = {**defaults, **(yaml.safe_load(Path(path).read_text()) or {})}
+    if not recipe["use_vllm"] or recipe["vllm_mode"] != "colocate" or int(recipe["vllm_tensor_parallel_size"]) != 1:
+        raise ValueError(
+            f"{path} does not generate with one colocated vLLM engine per process (use_vllm {recipe['use_vllm']}, "
+            f"vllm_mode {recipe['vllm_mode']}, vllm_tensor_parallel_size {recipe['vllm_tensor_parallel_size']}): "
+            "give the batch and engine settings as flags instead of --recipe"
+        )
+    generations = int(recipe["num_generations"])
+    rows_per_device = int(recipe["per_device_train_batch_size"])
+    settings = {
         "num_generations": generations,
-        "max_tokens": int(recipe.get("max_completion_length", 256)),
-        "gpu_memory_utilization": float(recipe.get("vllm_gpu_memory_utilization", 0.3)),
-        "temperature": float(recipe.get("temperature", 1.0)),
+        "max_tokens": int(recipe["max_completion_length"]),
+        "gpu_memory_utilization": float(recipe["vllm_gpu_memory_utilization"]),
+        "temperature": float(recipe["temperature"]),
     }
     if recipe.get("vllm_max_model_length"):
-        defaults["max_model_len"] = int(recipe["vllm_max_model_length"])
-    return defaults
+        settings["max_model_len"] = int(recipe["vllm_max_model_length"])
+    if recipe["generation_batch_size"]:
+        processes = int(recipe.get("num_processes") or 1)
+        steps, left = divmod(int(recipe["generation_batch_size"]), rows_per_device * processes)
+        if left or not steps:
+            return settings, (
+                f"{path}: generation_batch_size {recipe['generation_batch_size']} does not split into steps of "
+                f"{rows_per_device} rows x {processes} processes; give --num-prompts"
+            )
+    else:
+        steps = int(recipe["steps_per_generation"] or recipe["gradient_accumulation_steps"])
+    rows = rows_per_device * steps
+    if rows % generations:
+        return settings, (
+            f"{path}: one process's generation batch ({rows} rows) is not whole groups of {generations}; give "
+            "--num-prompts"
+        )
+    prompts = rows // generations
+    if recipe["dynamic_sampling"]:
+        prompts += first_round_extra_groups(float(recipe["dynamic_sampling_oversample"]), prompts, 1)
+    settings["num_prompts"] = prompts
+    return settings, None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -238,8 +258,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
     if args.recipe:
-        parser.set_defaults(**recipe_defaults(args.recipe))
+        if not Path(args.recipe).is_file():
+            parser.error(f"--recipe {args.recipe}: no such file")
+        try:
+            settings, problem = recipe_defaults(args.recipe)
+        except ValueError as error:
+            parser.error(str(error))
+        parser.set_defaults(**settings)
         args = parser.parse_args(argv)
+        given = argv if argv is not None else sys.argv[1:]
+        if problem and not any(a == "--num-prompts" or a.startswith("--num-prompts=") for a in given):
+            parser.error(problem)
     overrides = {}
     for item in args.engine_arg:
         key, sep, value = item.partition("=")

@@ -599,6 +599,13 @@ class EGPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        # TRL's own check divides by num_generations first: 0 would end in a ZeroDivisionError, not a message.
+        if isinstance(self.num_generations, int) and not isinstance(self.num_generations, bool):
+            if self.num_generations < 2:
+                raise ValueError(
+                    f"num_generations must be at least 2 (completions per prompt: a group's advantages compare "
+                    f"them), got {self.num_generations}."
+                )
         super().__post_init__()
         self._validate_egpo()
 

@@ -625,14 +625,17 @@ def test_vllm_alone_reads_engine_values_and_refuses_bad_counts():
         assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
 
 
-def test_vllm_alone_takes_a_recipes_batch_and_engine_settings(tmp_path):
+def test_vllm_alone_takes_a_recipes_batch_and_engine_settings(tmp_path, capsys):
     """--recipe gives one process's generation batch and engine settings as the trainer asks for them (the DAPO
-    recipe's oversampled first round included); flags given on the command line win."""
+    recipe's oversampled first round included, counted as the trainer counts it; keys a recipe leaves out at
+    EGPOConfig's defaults); flags given on the command line win; what it cannot read it refuses, naming the flag."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         from vllm_alone import parse_args
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+    from egpo_trl.sampling.dynamic import first_round_extra_groups
+
     model = ["--model", "builtin:tiny-math-qwen2"]
     args = parse_args([*model, "--recipe", str(ROOT / "recipes/egpo_r1_distill_15b.yaml")])
     assert (args.num_prompts, args.num_generations, args.max_tokens) == (8, 16, 15360)  # 1 row x 128 steps
@@ -642,13 +645,35 @@ def test_vllm_alone_takes_a_recipes_batch_and_engine_settings(tmp_path):
     args = parse_args([*model, "--recipe", str(ROOT / "recipes/dapo_qwen15b.yaml"), "--num-prompts", "8",
                        "--gpu-memory-utilization", "0.5"])  # fmt: skip
     assert (args.num_prompts, args.gpu_memory_utilization, args.max_tokens) == (8, 0.5, 3072)
-    recipe = tmp_path / "split.yaml"
-    recipe.write_text("num_generations: 16\nper_device_train_batch_size: 4\ngeneration_batch_size: 64\n")
-    with pytest.raises(SystemExit, match="give --num-prompts"):
-        parse_args([*model, "--recipe", str(recipe)])
-    recipe.write_text("num_generations: 16\nper_device_train_batch_size: 4\ngradient_accumulation_steps: 2\n")
-    with pytest.raises(SystemExit, match="not whole groups of 16"):
-        parse_args([*model, "--recipe", str(recipe)])
+
+    def recipe(text):
+        path = tmp_path / "recipe.yaml"
+        path.write_text("use_vllm: true\n" + text)
+        return ["--recipe", str(path)]
+
+    def refused(argv, message):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert message in capsys.readouterr().err
+
+    # EGPOConfig's defaults for what a recipe leaves out: 8 rows, 8 generations, 512 tokens
+    args = parse_args([*model, *recipe("")])
+    assert (args.num_prompts, args.num_generations, args.max_tokens, args.gpu_memory_utilization) == (1, 8, 512, 0.3)
+    # 10 groups oversampled 1.1: one group more, as the trainer reads 1.1 (not 1.1 in binary, which rounds to 2)
+    args = parse_args([*model, *recipe("num_generations: 4\nper_device_train_batch_size: 40\ndynamic_sampling: true\n"
+                                       "dynamic_sampling_oversample: 1.1\n")])  # fmt: skip
+    assert args.num_prompts == 10 + first_round_extra_groups(1.1, 10, 1) == 11
+    # generation_batch_size splits over the recipe's processes
+    args = parse_args([*model, *recipe("num_generations: 16\nper_device_train_batch_size: 4\nnum_processes: 2\n"
+                                       "generation_batch_size: 128\n")])  # fmt: skip
+    assert args.num_prompts == 4  # 128 / (4 x 2) = 16 steps of 4 rows
+    split = recipe("num_generations: 16\nper_device_train_batch_size: 4\ngradient_accumulation_steps: 2\n")
+    refused([*model, *split], "is not whole groups of 16; give --num-prompts")
+    assert parse_args([*model, *split, "--num-prompts", "1"]).num_prompts == 1
+    refused([*model, *recipe("generation_batch_size: 100\n")], "does not split into steps")
+    refused([*model, *recipe("vllm_mode: server\n")], "give the batch and engine settings as flags")
+    refused([*model, "--recipe", str(ROOT / "recipes/tiny_cpu_dapo.yaml")], "use_vllm False")
+    refused([*model, "--recipe", str(tmp_path / "missing.yaml")], "no such file")
 
 
 @pytest.mark.slow

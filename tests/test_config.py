@@ -40,6 +40,8 @@ def test_defaults_are_the_papers(tmp_path):
         ({"egpo_lambda_min": 1.2, "egpo_lambda_max": 2.0}, "must bracket 1"),
         ({"egpo_entropy_eps": 0.0}, "egpo_entropy_eps must be > 0"),
         ({"egpo_lambda_max": float("nan")}, "finite number"),
+        ({"num_generations": 0}, "num_generations must be at least 2"),  # TRL divides by it first
+        ({"num_generations": 1}, "num_generations must be at least 2"),
     ],
 )
 def test_bad_values_are_refused_with_the_fix(tmp_path, kwargs, message):
