@@ -264,10 +264,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             settings, problem = recipe_defaults(args.recipe)
         except ValueError as error:
             parser.error(str(error))
-        parser.set_defaults(**settings)
+        # where the recipe gives no batch, --num-prompts must: no default stands in for it
+        parser.set_defaults(**settings, **({"num_prompts": None} if problem else {}))
         args = parser.parse_args(argv)
-        given = argv if argv is not None else sys.argv[1:]
-        if problem and not any(a == "--num-prompts" or a.startswith("--num-prompts=") for a in given):
+        if args.num_prompts is None:
             parser.error(problem)
     overrides = {}
     for item in args.engine_arg:

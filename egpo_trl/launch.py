@@ -679,14 +679,13 @@ def dry_run(argv: Sequence[str]) -> int:
     return 1 if report.problems else 0
 
 
-def _dynamic_sampling_setting(args: Any, generation_batch: int, world: int) -> str:
+def _dynamic_sampling_setting(args: Any, world: int) -> str:
     """The dry run's line for dynamic sampling: its rounds, and the first round's size where it is oversampled (the
     added groups are rounded up to a multiple of the processes, so the factor can differ from the one set)."""
-    from egpo_trl.sampling.dynamic import first_round_extra_groups
+    from egpo_trl.sampling.dynamic import first_round_groups
 
     line = f"up to {args.dynamic_sampling_max_rounds} rounds per generation batch ({args.dynamic_sampling_metric})"
-    target = generation_batch // args.num_generations
-    extra = first_round_extra_groups(args.dynamic_sampling_oversample, target, world) if target else 0
+    target, extra = first_round_groups(args, world)
     if extra:
         sequences = (target + extra) * args.num_generations
         line += (
@@ -782,7 +781,7 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
         if args.advantage_estimator == "egpo":
             report.settings.append(("egpo lambda min / max", f"{args.egpo_lambda_min} / {args.egpo_lambda_max}"))
         if args.dynamic_sampling:
-            report.settings.append(("dynamic sampling", _dynamic_sampling_setting(args, generation_batch, world)))
+            report.settings.append(("dynamic sampling", _dynamic_sampling_setting(args, world)))
         batch_problem = batch_shape_problem(
             args.per_device_train_batch_size,
             world,
