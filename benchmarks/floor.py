@@ -394,7 +394,9 @@ def table(rows: list[dict]) -> str:
             if row.get("reading_step_rounds_attn_s"):
                 phases.append(
                     ("step (clock)", row["clock_s"], row["reading_step_rounds_attn_s"],
-                     "sum, with attention; generation at its rounds reading (a reading, not a bound)")
+                     "sum, with attention; generation at its rounds reading"
+                     + (" or vLLM alone, the larger" if row.get("vllm_alone_s") else "")
+                     + " (a reading, not a bound)")
                 )  # fmt: skip
         for name, measured, bound, what in phases:
             ratio = measured / bound if measured is not None and bound else None

@@ -1065,6 +1065,12 @@ def test_steps_by_the_clock_count_what_step_time_leaves_out(tmp_path):
     second = json.loads(summary.read_text())[1]
     assert second["ratio_step_clock_attn"] == pytest.approx(92.9 / second["floor_step_attn_s"])
     assert second["ratio_training_clock_attn"] == pytest.approx((92.9 - 41.0) / second["floor_training_attn_s"])
+    # with vLLM alone and a KV cache, the clock's reading row names what its floor took, as the step_time row does
+    table = run("benchmarks/floor.py", str(grpo), "--shape", "qwen7b", "--card", "h200", "--vllm-alone-s", "38",
+                "--kv-cache-tokens", "500000")  # fmt: skip
+    readings = [line for line in table.splitlines() if "| step" in line and "rounds reading" in line]
+    assert len(readings) == 4, table  # two steps, step_time and clock
+    assert all("or vLLM alone, the larger (a reading, not a bound)" in line for line in readings), table
     # an archive's members, as the results' runs.tgz files keep them
     import tarfile
 
