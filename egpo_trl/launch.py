@@ -681,7 +681,9 @@ def dry_run(argv: Sequence[str]) -> int:
 
 def _dynamic_sampling_setting(args: Any, world: int) -> str:
     """The dry run's line for dynamic sampling: its rounds, and the first round's size where it is oversampled (the
-    added groups are rounded up to a multiple of the processes, so the factor can differ from the one set)."""
+    added groups are rounded up to a multiple of the processes, so the factor can differ from the one set). With
+    colocated engines over a tensor-parallel group, each engine decodes its group's prompts together: the line gives
+    that count too, the one vLLM's KV cache must hold."""
     from egpo_trl.sampling.dynamic import first_round_groups
 
     line = f"up to {args.dynamic_sampling_max_rounds} rounds per generation batch ({args.dynamic_sampling_metric})"
@@ -692,6 +694,11 @@ def _dynamic_sampling_setting(args: Any, world: int) -> str:
             f"; first round {target} + {extra} groups ({(target + extra) / target:.3g}x), {sequences} completions, "
             f"{sequences // world} per process"
         )
+        tensor_parallel = int(getattr(args, "vllm_tensor_parallel_size", 1) or 1)
+        if args.use_vllm and args.vllm_mode == "colocate" and tensor_parallel > 1:
+            line += (
+                f", {sequences // world * tensor_parallel} per vLLM engine (tensor_parallel_size {tensor_parallel})"
+            )
     return line
 
 
