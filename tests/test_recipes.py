@@ -151,21 +151,6 @@ def test_dry_run_passes_on_a_complete_local_setup(tiny_model_dir, local_dataset,
     assert "train rows              32" in out
 
 
-def test_the_r1_distill_recipes_loss_forward_fits_its_own_batch_shape(tiny_model_dir, local_dataset, tmp_path, capsys):
-    """The R1-Distill-1.5B EGPO recipe takes pi_old from the loss's forward with one row per micro-batch on 8
-    processes: each process's 128 completions hold whole groups, so a block is one group of 16 micro-batches."""
-    recipe = yaml.safe_load(Path("recipes/egpo_r1_distill_15b.yaml").read_text())
-    assert recipe["egpo_entropy_logps"] == "loss_forward" and recipe["num_processes"] == 8
-    assert (recipe["per_device_train_batch_size"], recipe["gradient_accumulation_steps"]) == (1, 128)
-    overrides = _tiny_overrides(tiny_model_dir, local_dataset, tmp_path)
-    overrides[overrides.index("--num_processes") + 1] = "8"  # the recipe's own processes and batch
-    code = dry_run(["--config", "recipes/egpo_r1_distill_15b.yaml", *overrides])
-    out = capsys.readouterr().out
-    assert "No problems found" in out and code == 0, out
-    assert "1 per device x 8 processes x 128 accumulation = 1024 completions (64 prompts)" in out, out
-    assert "cannot be used here" not in out, out  # the refusal where a group spans processes (test below)
-
-
 def test_dry_run_lists_every_late_failure(tiny_model_dir, local_dataset, tmp_path, capsys):
     out_dir = tmp_path / "earlier-run"
     (out_dir / "checkpoint-10").mkdir(parents=True)
