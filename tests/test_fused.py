@@ -63,6 +63,7 @@ MERGED = {
     "per_device, accumulation, extra",
     [
         (2, 4, {}),  # blocks of 2 micro-batches
+        (1, 8, {}),  # one row per micro-batch, a group over 4 of them (the R1-Distill recipes' layout: 16 of 1 row)
         (8, 1, {}),  # 2 groups in one micro-batch
         (4, 2, {}),  # one group per micro-batch
         (2, 4, {"dynamic_sampling": True, "scale_rewards": "batch"}),  # reassembled batches, batch-std advantages
