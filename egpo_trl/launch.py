@@ -681,9 +681,7 @@ def dry_run(argv: Sequence[str]) -> int:
 
 def _dynamic_sampling_setting(args: Any, world: int) -> str:
     """The dry run's line for dynamic sampling: its rounds, and the first round's size where it is oversampled (the
-    added groups are rounded up to a multiple of the processes, so the factor can differ from the one set). With
-    colocated engines over a tensor-parallel group, each engine decodes its group's prompts together: the line gives
-    that count too, the one vLLM's KV cache must hold."""
+    added groups are rounded up to a multiple of the processes, so the factor can differ from the one set)."""
     from egpo_trl.sampling.dynamic import first_round_groups
 
     line = f"up to {args.dynamic_sampling_max_rounds} rounds per generation batch ({args.dynamic_sampling_metric})"
@@ -694,11 +692,6 @@ def _dynamic_sampling_setting(args: Any, world: int) -> str:
             f"; first round {target} + {extra} groups ({(target + extra) / target:.3g}x), {sequences} completions, "
             f"{sequences // world} per process"
         )
-        tensor_parallel = int(getattr(args, "vllm_tensor_parallel_size", 1) or 1)
-        if args.use_vllm and args.vllm_mode == "colocate" and tensor_parallel > 1:
-            line += (
-                f", {sequences // world * tensor_parallel} per vLLM engine (tensor_parallel_size {tensor_parallel})"
-            )
     return line
 
 
@@ -799,12 +792,20 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
         if batch_problem:
             report.problems.append(batch_problem)
         if args.use_vllm:
+            engine = ""
+            if args.vllm_mode == "colocate":  # each engine decodes its tensor-parallel group's prompts together
+                from egpo_trl.sampling.dynamic import colocated_engine_sequences
+
+                rows, oversampled = colocated_engine_sequences(args, world)
+                engine = f", max_num_seqs {rows} per engine" + (
+                    " (the oversampled first round)" if oversampled else ""
+                )
             report.settings.append(
                 (
                     "vLLM",
                     f"mode {args.vllm_mode}, gpu_memory_utilization {args.vllm_gpu_memory_utilization}, "
                     f"sleep mode {args.vllm_enable_sleep_mode}, max_model_length {args.vllm_max_model_length}, "
-                    f"tensor_parallel_size {args.vllm_tensor_parallel_size}",
+                    f"tensor_parallel_size {args.vllm_tensor_parallel_size}{engine}",
                 )
             )
             if importlib.util.find_spec("vllm") is None:

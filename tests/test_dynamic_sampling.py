@@ -364,21 +364,21 @@ def test_the_dry_run_shows_the_first_rounds_size_and_how_to_turn_dynamic_samplin
     assert "first round 8 + 8 groups (2x), 256 completions, 32 per process" in line
     line, _ = dry_run("--num_processes", "8", "--dynamic_sampling_oversample", "1.0")
     assert line == "up to 10 rounds per generation batch (correctness)"
-    # colocated engines over 2 processes each decode both processes' prompts: the count the KV cache must hold, as
-    # the engine is started with it (oversampled_max_num_seqs, the trainer's own)
-    from types import SimpleNamespace
 
-    from egpo_trl.sampling.dynamic import oversampled_max_num_seqs
+    # the engine's max_num_seqs on the vLLM line: a colocated engine over 2 processes decodes both processes' prompts,
+    # the oversampled first round's where there is one (as kv_cache_line and the trainer give it)
+    def engine(*extra):
+        report = check_recipe(["--config", "recipes/dapo_qwen15b.yaml", "--num_processes", "8", *extra])
+        return dict(report.settings)["vLLM"]
 
-    line, problems = dry_run("--num_processes", "8", "--vllm_tensor_parallel_size", "2")
-    assert problems == [] and line.endswith("192 per process, 384 per vLLM engine (tensor_parallel_size 2)"), line
-    engine = oversampled_max_num_seqs(SimpleNamespace(
-        world_size=8, per_device_train_batch_size=16, steps_per_generation=8, num_generations=16,
-        generation_batch_size=1024, dynamic_sampling_oversample=1.5, vllm_tensor_parallel_size=2,
-    ))  # fmt: skip
-    assert engine == 384
-    line, _ = dry_run("--num_processes", "8", "--vllm_tensor_parallel_size", "2", "--vllm_mode", "server")
-    assert line.endswith("192 per process")  # a server's engine is not the processes' own
+    assert engine().endswith("tensor_parallel_size 1, max_num_seqs 192 per engine (the oversampled first round)")
+    assert engine("--vllm_tensor_parallel_size", "2").endswith(
+        "max_num_seqs 384 per engine (the oversampled first round)"
+    )
+    assert engine("--vllm_tensor_parallel_size", "2", "--dynamic_sampling_oversample", "1.0").endswith(
+        "tensor_parallel_size 2, max_num_seqs 256 per engine"
+    )
+    assert "max_num_seqs" not in engine("--vllm_mode", "server")  # a server's engine is not the processes' own
 
     line, problems = dry_run("--dynamic_sampling", "false")
     assert line is None and len(problems) == 1

@@ -46,6 +46,7 @@ __all__ = [
     "first_round_extra_groups",
     "first_round_groups",
     "largest_oversample",
+    "colocated_engine_sequences",
     "oversampled_max_num_seqs",
     "vllm_sequences_for_oversampling",
 ]
@@ -115,15 +116,26 @@ def first_round_groups(args: Any, processes: int) -> tuple[int, int]:
     return target, first_round_extra_groups(args.dynamic_sampling_oversample, target, processes)
 
 
-def oversampled_max_num_seqs(args: Any) -> int:
+def oversampled_max_num_seqs(args: Any, processes: int | None = None) -> int:
     """The sequences one colocated vLLM engine receives in an oversampled first round: this process's share of the
     generation batch plus its share of the added groups, times the tensor-parallel group that gathers its prompts
     (TRL 1.16 starts the engine with ``per_device_train_batch_size x vllm_tensor_parallel_size x
-    steps_per_generation``, the same without the added groups)."""
-    processes = args.world_size
+    steps_per_generation``, the same without the added groups). ``processes``: the run's (default
+    ``args.world_size``; the dry run parses the config on one process and passes the launch's)."""
+    processes = args.world_size if processes is None else processes
     _, extra = first_round_groups(args, processes)
     local_rows = args.per_device_train_batch_size * args.steps_per_generation
     return (local_rows + extra // processes * args.num_generations) * args.vllm_tensor_parallel_size
+
+
+def colocated_engine_sequences(args: Any, processes: int | None = None) -> tuple[int, bool]:
+    """``(max_num_seqs, oversampled)``: the sequences one colocated vLLM engine is started with, the most it
+    schedules at once (fewer decode at once where its KV cache holds fewer). A generation batch's share of this
+    process times the tensor-parallel group, or an oversampled first round's (:func:`oversampled_max_num_seqs`)."""
+    if args.dynamic_sampling and args.dynamic_sampling_oversample > 1.0:
+        return oversampled_max_num_seqs(args, processes), True
+    tensor_parallel = max(int(args.vllm_tensor_parallel_size or 1), 1)
+    return args.per_device_train_batch_size * args.steps_per_generation * tensor_parallel, False
 
 
 def _prompt_key(prompt: Any) -> str:

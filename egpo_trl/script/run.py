@@ -124,14 +124,10 @@ def kv_cache_line(trainer, training_args, max_prompt_length: int | None = None) 
     tokens = trainer.vllm_kv_cache_tokens()
     if not tokens:
         return None
-    if getattr(training_args, "dynamic_sampling", False) and training_args.dynamic_sampling_oversample > 1.0:
-        from egpo_trl.sampling.dynamic import oversampled_max_num_seqs
+    from egpo_trl.sampling.dynamic import colocated_engine_sequences
 
-        rows, batch = oversampled_max_num_seqs(training_args), "oversampled first round"  # what the engine was given
-    else:
-        rows = training_args.generation_batch_size // max(trainer.accelerator.num_processes, 1)
-        rows *= max(int(getattr(training_args, "vllm_tensor_parallel_size", 1) or 1), 1)
-        batch = "generation batch"
+    rows, oversampled = colocated_engine_sequences(training_args, trainer.accelerator.num_processes)
+    batch = "oversampled first round" if oversampled else "generation batch"  # what the engine was given
     return kv_cache_message(tokens, (max_prompt_length or 0) + training_args.max_completion_length, rows, batch)
 
 
