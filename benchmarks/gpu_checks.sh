@@ -13,7 +13,7 @@
 #   bash benchmarks/gpu_checks.sh resume RESULTS                    # resume with vLLM colocate + ZeRO-2 against an
 #                                                                  # uninterrupted run and a second one
 #   STEPS=1 bash benchmarks/gpu_checks.sh detach RESULTS JOB [JOB ...]  # fullbatch in a session of its own, for a
-#                                                                  # step longer than one command (R1-Distill)
+#                                                                  # step that outlives its shell (R1-Distill)
 #   bash benchmarks/gpu_checks.sh wait RESULTS [SECONDS]           # wait for a detached stage and print its tables
 #   bash benchmarks/gpu_checks.sh breakdown RESULTS JOB            # scoring + training only (no vLLM), each micro-batch
 #                                                                  # timed, under the recipe's accelerate config and
@@ -258,9 +258,9 @@ PY
         stage_status=$status
         ;;
     detach)
-        # A fullbatch stage in a process session of its own, for a run longer than one command (the R1-Distill shapes'
-        # 15,360-token steps): it goes on after the command returns, while the machine stays up. It runs from a copy
-        # of the repository, so that files replaced under it meanwhile cannot reach its later imports.
+        # A fullbatch stage in a process session of its own, for a run that outlives the shell that starts it (the
+        # R1-Distill shapes' 15,360-token steps): it goes on after the command returns, while the machine stays up. It
+        # runs from a copy of the repository, so that files replaced under it meanwhile cannot reach its later imports.
         [[ $# -ge 1 ]] || { echo "detach takes one or more jobs, e.g. egpo_r1_distill_15b@3:128" >&2; exit 2; }
         copy=$RUNS/$name/src
         mkdir -p "$copy" && cp -r benchmarks egpo_trl recipes pyproject.toml "$copy"/

@@ -812,6 +812,32 @@ def test_kv_cache_line_says_when_a_generation_batch_is_decoded_in_rounds(tmp_pat
     assert trainer.vllm_kv_cache_tokens() is None
     assert kv_cache_line(trainer, args, 64) is None
 
+    # With an engine: the sequences it was started with, over the run's processes (here 8) and its tensor-parallel
+    # group, an oversampled first round's where there is one
+    from types import SimpleNamespace
+
+    def line(**settings):
+        config = EGPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=16, gradient_accumulation_steps=8,
+            num_generations=16, max_completion_length=3_072, report_to="none", **settings,
+        )  # fmt: skip
+        engine = SimpleNamespace(vllm_kv_cache_tokens=lambda: 600_000, accelerator=SimpleNamespace(num_processes=8))
+        return kv_cache_line(engine, config, 200)
+
+    assert line().endswith("183 sequences of 3,272 tokens at once (prompt and completion at their limits), for 128 per "
+                           "generation batch.")  # fmt: skip
+    assert (
+        "for 256 per generation batch; when every completion runs to its limit they are decoded in 2 rounds"
+        in line(vllm_tensor_parallel_size=2)
+    )
+    oversampled = dict(dynamic_sampling=True, dynamic_sampling_oversample=1.5)
+    assert "for 192 per oversampled first round; when every completion runs to its limit they are decoded in 2 " in (
+        line(**oversampled)
+    )
+    assert "for 384 per oversampled first round; when every completion runs to its limit they are decoded in 3 " in (
+        line(**oversampled, vllm_tensor_parallel_size=2)
+    )
+
 
 def test_metrics_callback_writes_each_training_logs_clock(tmp_path, monkeypatch):
     """clock_s: seconds per optimizer step since the previous training log or the training's (re)start, with whatever
