@@ -42,11 +42,11 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DynamicSamplingMixin",
+    "colocated_engine_sequences",
     "filter_mismatch",
     "first_round_extra_groups",
     "first_round_groups",
     "largest_oversample",
-    "colocated_engine_sequences",
     "oversampled_max_num_seqs",
     "vllm_sequences_for_oversampling",
 ]
@@ -134,8 +134,7 @@ def colocated_engine_sequences(args: Any, processes: int | None = None) -> tuple
     process times the tensor-parallel group, or an oversampled first round's (:func:`oversampled_max_num_seqs`)."""
     if args.dynamic_sampling and args.dynamic_sampling_oversample > 1.0:
         return oversampled_max_num_seqs(args, processes), True
-    tensor_parallel = max(int(args.vllm_tensor_parallel_size or 1), 1)
-    return args.per_device_train_batch_size * args.steps_per_generation * tensor_parallel, False
+    return args.per_device_train_batch_size * args.steps_per_generation * args.vllm_tensor_parallel_size, False
 
 
 def _prompt_key(prompt: Any) -> str:
@@ -165,17 +164,12 @@ def vllm_sequences_for_oversampling(args: Any) -> Iterator[None]:
     context the engine is built with the first round's share instead (:func:`oversampled_max_num_seqs`). A no-op
     otherwise, and in server mode, where the server's engine takes whatever it is sent.
     """
-    if not (
-        args.dynamic_sampling
-        and args.dynamic_sampling_oversample > 1.0
-        and args.use_vllm
-        and args.vllm_mode == "colocate"
-    ):
+    sequences, oversampled = colocated_engine_sequences(args)
+    if not (oversampled and args.use_vllm and args.vllm_mode == "colocate"):
         yield
         return
     from trl.trainer import grpo_trainer
 
-    sequences = oversampled_max_num_seqs(args)
     original = grpo_trainer.VLLMGeneration
 
     def build(*pos_args: Any, **kwargs: Any):
