@@ -408,6 +408,21 @@ def test_guided_error_correction_without_solutions_says_it_injects_the_answer(tm
 
 
 @pytest.mark.slow
+def test_an_injected_answer_is_the_text_the_reward_compares_against(tmp_path, tiny_model_dir):
+    """A list of reference answers: the reward compares against the first, so the first is injected (not the
+    list's Python spelling), and the corrected completions score +1."""
+    dataset = make_prompt_dataset().map(lambda row: {"answer": [f"x={row['answer']}", row["answer"]]})
+    args = gec_config(tmp_path, edge_gec_answer_prob=1.0, edge_gec_solution_prob=0.0)
+    trainer = Recording(tiny_model_dir, boxed_accuracy_reward, args, train_dataset=dataset)
+    trainer.train()
+    assert trainer.state.log_history[0]["gec/frac_answer"] == 1.0
+    prompts, completions = texts(trainer, trainer.generated[0])
+    answers = answers_of(trainer, prompts)
+    assert all(c.endswith(f"\\boxed{{x={a}}}") for c, a in zip(completions, answers)), completions
+    assert trainer.egpo_last_batch["rewards_per_func"].eq(1.0).all()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("solution", ["S", "S \\boxed{0}", "S" * 60])
 def test_replaced_solution_ends_with_the_reference_answer(tmp_path, tiny_model_dir, solution):
     from egpo_trl.rewards import boxed_accuracy_reward

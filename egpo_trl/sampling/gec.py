@@ -27,6 +27,7 @@ from trl.trainer.utils import is_async_callable
 
 from egpo_trl.rewards import (
     TEMPLATE_PROBE_ANSWER,
+    _gold_to_text,
     answer_template_probe,
     answers_match,
     boxed_accuracy_reward,
@@ -352,7 +353,9 @@ class GuidedErrorCorrectionMixin:
             if not eligible[i]:
                 continue
             u = float(draws[i])
-            answer = inputs[i].get("answer")
+            gold = inputs[i].get("answer")
+            # The text the reward compares against: of a list of answers the first, not the list's Python spelling.
+            answer = "" if gold is None else _gold_to_text(gold)
             solution = inputs[i].get("solution")
             choice = None
             if u < reflect_below and room >= 1:
@@ -362,12 +365,12 @@ class GuidedErrorCorrectionMixin:
             elif u < solution_below:
                 choice = "solution" if solution else "answer"
                 solution_as_answer[i] = not solution
-            if choice in ("answer", "solution") and (answer is None or str(answer) == ""):
+            if choice in ("answer", "solution") and not answer:
                 choice = None
                 solution_as_answer[i] = False
             injected = suffix = body_ids = None
             if choice == "answer":
-                injected = encode(args.edge_gec_answer_template.replace("{answer}", str(answer)))
+                injected = encode(args.edge_gec_answer_template.replace("{answer}", answer))
                 if len(injected) > max_length - 1:  # this answer cannot fit: the row stays as it was sampled
                     choice, solution_as_answer[i] = None, False
                     too_long += 1
@@ -379,7 +382,7 @@ class GuidedErrorCorrectionMixin:
                 body_ids = encode(text)
                 suffix = []
                 if not answers_match(extract_last_boxed(text), answer) or len(body_ids) > max_length - 1:
-                    suffix = encode(SOLUTION_ANSWER_SUFFIX.replace("{answer}", str(answer)))
+                    suffix = encode(SOLUTION_ANSWER_SUFFIX.replace("{answer}", answer))
                     if len(suffix) > max_length - 1:  # an answer that cannot fit, as above
                         choice = None
                         too_long += 1
