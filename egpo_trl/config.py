@@ -798,6 +798,11 @@ class EGPOConfig(GRPOConfig):
         self._validate_baselines()
         self._validate_importance_sampling()
         self._validate_aggregation()
+        from egpo_trl.input_checks import generation_kwargs_problem
+
+        problem = generation_kwargs_problem(self.generation_kwargs)
+        if problem:
+            raise ValueError(problem)
 
     def _validate_aggregation(self) -> None:
         """``normalize_then_sum`` needs an estimator that takes the aggregated GRPO advantages (``group_advantages``):

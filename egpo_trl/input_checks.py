@@ -20,6 +20,7 @@ __all__ = [
     "batch_shape_problem",
     "check_trainer_inputs",
     "config_makes_forward_random",
+    "generation_kwargs_problem",
     "stochastic_settings",
     "loss_forward_input_problems",
     "required_columns",
@@ -87,6 +88,41 @@ def training_value_problems(args) -> list[str]:
     if save == "steps":
         need(args.save_steps > 0, "save_steps", "> 0 with save_strategy steps (or save_strategy: no)")
     return problems
+
+
+# ``generation_kwargs`` keys that replace a value TRL 1.16 sets itself on every generation call (they are applied
+# after TRL's own), with the setting that controls it (``None``: TRL's value is the only one that works). TRL asks
+# vLLM for ``logprobs=0``, the sampled token's log-prob alone, and keeps the first of those it gets back: with more,
+# vLLM sorts them by rank and the first is the most probable token's, so importance-sampling ratios and the
+# ``sampler`` entropy proxy would read another token's log-prob. ``n`` and ``num_return_sequences`` change how many
+# completions come back per prompt, ``max_tokens`` and ``max_new_tokens`` their length limit (vLLM's and
+# transformers' names).
+_TRL_GENERATION_KWARGS: dict[str, str | None] = {
+    "logprobs": None,
+    "n": "num_generations",
+    "num_return_sequences": "num_generations",
+    "max_tokens": "max_completion_length",
+    "max_new_tokens": "max_completion_length",
+}
+
+
+def generation_kwargs_problem(generation_kwargs: Any) -> str | None:
+    """One line naming the keys of ``generation_kwargs`` that TRL sets itself (see ``_TRL_GENERATION_KWARGS``) and
+    the settings to use instead; ``None`` when it has none."""
+    keys = [key for key in _TRL_GENERATION_KWARGS if key in (generation_kwargs or {})]
+    if not keys:
+        return None
+    settings = list(dict.fromkeys(_TRL_GENERATION_KWARGS[key] for key in keys if _TRL_GENERATION_KWARGS[key]))
+    instead = f" and set {' and '.join(settings)} instead" if settings else ""
+    logprobs = (
+        " (TRL asks vLLM for the sampled token's log-prob alone; with more it would keep the most probable token's)"
+        if "logprobs" in keys
+        else ""
+    )
+    return (
+        f"generation_kwargs sets {', '.join(keys)}, which TRL sets itself on every generation{logprobs}: remove "
+        f"{'it' if len(keys) == 1 else 'them'}{instead}."
+    )
 
 
 def batch_shape_problem(

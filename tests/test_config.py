@@ -144,6 +144,26 @@ def test_generation_kwargs_override_the_sampling_fields_as_trl_passes_them_to_vl
     ) == {"generation_kwargs.temperature": 1.0}
 
 
+@pytest.mark.parametrize(
+    ("generation_kwargs", "fix"),
+    [
+        ({"logprobs": 5}, "sets logprobs, .* the sampled token's log-prob alone.*: remove it\\.$"),
+        ({"n": 4}, "sets n, .*: remove it and set num_generations instead\\.$"),
+        ({"max_tokens": 64}, "sets max_tokens, .*: remove it and set max_completion_length instead\\.$"),
+        ('{"max_new_tokens": 64, "seed": 1}', "sets max_new_tokens, .* set max_completion_length instead"),
+    ],
+)
+def test_generation_kwargs_that_trl_sets_itself_are_refused_with_the_fix(tmp_path, generation_kwargs, fix):
+    """TRL sets these on every generation call and reads what comes back by its own values: with logprobs above 0 it
+    would keep the most probable token's log-prob as the sampled one's. Refused, in one line, from a dict or a JSON
+    string (the command line's form), with vLLM or without."""
+    for use_vllm in (True, False):
+        with pytest.raises(ValueError, match=f"^generation_kwargs {fix}") as error:
+            make(tmp_path, use_vllm=use_vllm, generation_kwargs=generation_kwargs)
+        assert "\n" not in str(error.value)
+    make(tmp_path, use_vllm=True, generation_kwargs={"seed": 1, "stop": ["\n\n"]})  # keys TRL leaves alone
+
+
 def test_plain_sampling_passes_with_vllm_importance_sampling(tmp_path):
     neutral = {"top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0, "generation_kwargs": {"min_tokens": 0}}
     config = EGPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, temperature=0.7, **neutral)
