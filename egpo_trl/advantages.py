@@ -352,7 +352,9 @@ def egpo_advantages(
        none of its own), ``-nsr_scale / (std_batch + 1e-4)`` with ``"batch"`` and ``-nsr_scale`` with ``"none"``,
        where ``nsr_scale`` is half the reward gap between a correct and an incorrect completion (1 for the
        paper's +1/-1 reward, 0.5 for a 1/0 reward). So the NSR-to-mixed balance does not change with the scaling:
-       an incorrect completion of an evenly split group gets about -1 under each.
+       an incorrect completion of an evenly split group gets about -1 under each. A batch with no correct
+       completion has no such gap for its std to measure: under ``"batch"`` its NSR advantage is -1, as under
+       ``"group"``.
     8. :math:`\tilde A_i = w_i A_i` (Eq. 12).
 
     With ``clamp="none"`` and ``nsr=False`` the advantages are GRPO's (bit for bit for binary rewards,
@@ -417,7 +419,9 @@ def egpo_advantages(
         if scale_rewards == "group":
             nsr_value = -1.0
         elif scale_rewards == "batch":
-            nsr_value = -nsr_scale / denominator  # 0-dim tensor: the batch std + 1e-4
+            # 0-dim tensor: the batch std + 1e-4. A batch without a correct completion has no correct-incorrect
+            # spread for that std to measure (it is 0, or the shaping rewards' alone): the group convention, -1.
+            nsr_value = torch.where(is_correct.any(), -nsr_scale / denominator, -1.0)
         else:
             nsr_value = -float(nsr_scale)
         base = base + all_incorrect * judged * nsr_value

@@ -334,3 +334,17 @@ def test_vllm_running_out_of_memory_while_generating_names_the_fix(tmp_path, tin
     with pytest.raises(RuntimeError) as caught:
         trainer._generate(["1 + 1"])
     assert caught.value is wake_up
+
+
+def test_nsr_stays_bounded_under_batch_scaling_when_no_completion_is_correct(tmp_path, tiny_model_dir):
+    def always_wrong(completions, **kwargs):
+        return [-1.0] * len(completions)
+
+    args = config(tmp_path, max_steps=2, scale_rewards="batch")
+    trainer = EGPOTrainer(tiny_model_dir, always_wrong, args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    result = trainer.egpo_last_batch["result"]
+    # The batch std is 0: NSR takes the group convention, -1 times the entropy weight (at most 1 when incorrect).
+    assert result.base_advantages.tolist() == [-1.0] * 8
+    assert all(-1.0 <= a < 0 for a in trainer._logs["advantages"])
+    assert all(abs(loss) <= 1.0 for loss in losses(trainer))
