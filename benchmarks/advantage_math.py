@@ -11,10 +11,9 @@ entropies and some all-correct / all-incorrect groups), checks that the vectoris
 agree, and prints the median time of each. The loop is the reference for both speed and results: it
 walks every group and every sample with plain Python floats, as a first implementation would.
 
-The vectorised function runs about 50 small tensor operations, so on CPU its time is mostly per-operation
-overhead, which intra-op threads (``--threads``, ``torch.set_num_threads``) can raise as well as lower; the
-loop is plain Python and uses one thread whatever the setting. The header gives the load average: time on a
-quiet machine.
+On CPU the vectorised function's time is mostly per-operation overhead, which intra-op threads (``--threads``,
+``torch.set_num_threads``) can raise as well as lower; the loop is plain Python and uses one thread whatever the
+setting. The header gives the load average: time on a quiet machine.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from egpo_trl.advantages import egpo_advantages  # noqa: E402
+from egpo_trl import egpo_advantages  # noqa: E402
 
 LAMBDA_MIN, LAMBDA_MAX, EPS = 0.8, 2.0, 1e-6
 

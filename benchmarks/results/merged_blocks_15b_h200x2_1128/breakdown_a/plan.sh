@@ -1,6 +1,0 @@
-tb 0 29700 egpo_ln recipes/egpo_qwen15b.yaml --bench-lengths lognormal & tb 1 29701 grpo_ln recipes/grpo_qwen15b.yaml --bench-lengths lognormal; wait
-tb 0 29700 egpo_ln_m131k recipes/egpo_qwen15b.yaml --bench-lengths lognormal --egpo_length_sorted_micro_batches true --egpo_loss_forward_block_tokens 131072 & tb 1 29701 egpo_ln_m64k recipes/egpo_qwen15b.yaml --bench-lengths lognormal --egpo_length_sorted_micro_batches true --egpo_loss_forward_block_tokens 65536; wait
-tb 0 29700 egpo_full_m131k recipes/egpo_qwen15b.yaml --egpo_length_sorted_micro_batches true --egpo_loss_forward_block_tokens 131072 & tb 1 29701 egpo_full recipes/egpo_qwen15b.yaml; wait
-tb 1 29701 egpo_ln_m131k_b recipes/egpo_qwen15b.yaml --bench-lengths lognormal --egpo_length_sorted_micro_batches true --egpo_loss_forward_block_tokens 131072 & tb 0 29700 grpo_ln_b recipes/grpo_qwen15b.yaml --bench-lengths lognormal; wait
-tb 0 29700 edge_ln_m131k recipes/edge_grpo_qwen15b.yaml --bench-lengths lognormal --edge_gec false --egpo_length_sorted_micro_batches true --egpo_loss_forward_block_tokens 131072 & tb 1 29701 edge_ln recipes/edge_grpo_qwen15b.yaml --bench-lengths lognormal --edge_gec false; wait
-touch /tmp/res/ALLDONE
