@@ -1,8 +1,9 @@
 """Outcome rewards for verifiable math (paper Eq. 1) and the answer-extraction helpers they use.
 
 The paper's reward is binary: ``+1`` when the content of the **last** ``\\boxed{...}`` of a completion
-equals the ground truth, ``-1`` otherwise (also when that last box is cut off by the length limit). Scoring
-returns within a bounded time on any input, in any thread: see :func:`answers_match`. Equality is decided by `math-verify`_. We extract the last
+equals the ground truth, ``-1`` otherwise (also when that last box is cut off by the length limit), ``None``
+(unscored) when math-verify gave no verdict in time. Scoring returns within a bounded time on any input, in any
+thread: see :func:`answers_match`. Equality is decided by `math-verify`_. We extract the last
 box ourselves: math-verify, given a whole text, gathers *every* box into one set, so a completion
 that writes ``\\boxed{3}`` and later ``\\boxed{5}`` would match a gold answer of ``3``.
 
@@ -20,6 +21,7 @@ import logging
 import os
 import re
 import selectors
+import signal
 import subprocess
 import sys
 import threading
@@ -47,15 +49,17 @@ __all__ = [
 CORRECT_REWARD = 1.0
 INCORRECT_REWARD = -1.0
 
-# Boxed contents longer than this, or nested deeper than MAX_NESTING braces, are not handed to the symbolic
-# verifier: they are never a final answer, and parsing them can take long.
+# Boxed contents longer than this, or nested deeper than MAX_NESTING brackets ({, ( and [ together, or a run of
+# unclosed ones), are not handed to the symbolic verifier: they are never a final answer, and math-verify's parser
+# takes longer the deeper they nest.
 MAX_ANSWER_CHARS = 1000
 MAX_NESTING = 12
 # A power whose exponent is a power (a tower, 9^{9^{9}}) or a number of more than MAX_EXPONENT_DIGITS digits
 # (9^{387420489}) asks for an integer of millions of digits: not handed to the symbolic verifier either.
 MAX_EXPONENT_DIGITS = 4
 # Wall-clock bound of one symbolic comparison, in the worker process (see egpo_trl.verify_worker): when it runs
-# over, the worker is killed and restarted, and the answer counts as wrong.
+# over, or the worker dies, the worker is killed and a fresh one asked once more; when that one fails too, there is
+# no verdict (the reward is None), and nothing is cached.
 VERIFY_TIMEOUT_S = 8.0
 # Seconds a fresh worker may take to start (importing sympy and math-verify).
 WORKER_START_TIMEOUT_S = 120.0
@@ -142,10 +146,10 @@ def _too_costly(answer: str) -> bool:
         return True
     depth = deepest = 0
     for char in answer:
-        if char == "{":
+        if char in "{([":
             depth += 1
             deepest = max(deepest, depth)
-        elif char == "}":
+        elif char in "})]":
             depth -= 1
     if deepest > MAX_NESTING:
         return True
@@ -176,9 +180,13 @@ _WORKER_BOOT = (
 )
 
 
+class _NoVerdict(Exception):
+    """math-verify gave no answer: its worker timed out or died, and so did the fresh one asked again."""
+
+
 class _VerifyWorker:
     """One math-verify worker process (``python -m egpo_trl.verify_worker``) per process using it, shared by its
-    threads, killed and restarted when a comparison overruns ``VERIFY_TIMEOUT_S``."""
+    threads, killed and restarted when a comparison overruns ``VERIFY_TIMEOUT_S`` or the worker dies."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -203,7 +211,11 @@ class _VerifyWorker:
         )
         self._owner = os.getpid()
         self._buffer = b""
-        if self._read_line(WORKER_START_TIMEOUT_S) != b"ready":
+        try:
+            ready = self._read_line(WORKER_START_TIMEOUT_S)
+        except EOFError:
+            ready = None
+        if ready != b"ready":
             self.close()
             raise RuntimeError(
                 f"The math-verify worker process (egpo_trl/verify_worker.py, run by {sys.executable}) did not start; check "
@@ -211,6 +223,7 @@ class _VerifyWorker:
             )
 
     def _read_line(self, timeout: float) -> bytes | None:
+        """The worker's next line, ``None`` past ``timeout``; raises ``EOFError`` when its output closes (it ended)."""
         # selectors (epoll/poll) rather than select.select, which refuses descriptors >= 1024 (FD_SETSIZE): a
         # long-lived training process (vLLM, DeepSpeed, data loaders) can hold that many files open.
         deadline = time.monotonic() + timeout
@@ -223,7 +236,7 @@ class _VerifyWorker:
                     return None
                 chunk = os.read(fd, 4096)
                 if not chunk:
-                    return None
+                    raise EOFError
                 self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
         return line
@@ -234,48 +247,76 @@ class _VerifyWorker:
             proc.kill()
             proc.wait()
             for stream in (proc.stdin, proc.stdout):
-                stream.close()
+                try:
+                    stream.close()
+                except OSError:  # a request still buffered for a worker that died (BrokenPipeError)
+                    pass
+
+    def _ask(self, request: bytes, timeout: float) -> bool | str:
+        """The worker's verdict on ``request``, or why there is none: it timed out, or it died (and how)."""
+        try:
+            self._proc.stdin.write(request)
+            self._proc.stdin.flush()
+            reply = self._read_line(timeout)
+        except (EOFError, OSError):  # its output closed, or its input (BrokenPipeError): it ended
+            self._proc.kill()  # changes nothing if it has ended; bounds the wait below if it has not
+            code = self._proc.wait()
+            if code >= 0:
+                return f"worker died (exit code {code})"
+            try:
+                return f"worker died (killed by {signal.Signals(-code).name})"
+            except ValueError:
+                return f"worker died (killed by signal {-code})"
+        if reply is None:
+            return f"timed out after {timeout:g} s"
+        return reply == b"1"
 
     def match(self, predicted: str, gold: str, timeout: float) -> bool:
+        """math-verify's verdict. A worker that overruns ``timeout`` or dies is replaced, and the fresh one asked
+        once more; raises :class:`_NoVerdict` when it fails too."""
+        request = (json.dumps([predicted, gold]) + "\n").encode()
         with self._lock:
-            if self._proc is None or self._owner != os.getpid() or self._proc.poll() is not None:
-                if self._owner != os.getpid():
-                    self._proc = None  # a forked child: the parent's worker is not ours to use
-                self.close()
-                self._start()
-            try:
-                self._proc.stdin.write((json.dumps([predicted, gold]) + "\n").encode())
-                self._proc.stdin.flush()
-                reply = self._read_line(timeout)
-            except (BrokenPipeError, OSError):
-                reply = None
-            if reply is None:  # overran its deadline, or died: kill it, the next call starts a fresh one
+            for attempt in (1, 2):
+                if self._proc is None or self._owner != os.getpid() or self._proc.poll() is not None:
+                    if self._owner != os.getpid():
+                        self._proc = None  # a forked child: the parent's worker is not ours to use
+                    self.close()
+                    self._start()
+                verdict = self._ask(request, timeout)
+                if isinstance(verdict, bool):
+                    return verdict
+                self.close()  # kill what is left of it: the next comparison starts a fresh one
                 logger.warning(
-                    "math-verify took longer than %.0f s comparing %.80r with %.80r; scored as no match.",
-                    timeout,
+                    "math-verify %s comparing %.80r with %.80r; %s",
+                    verdict,
                     predicted,
                     gold,
+                    "asking a fresh worker again."
+                    if attempt == 1
+                    else "no verdict, so the completion is left unscored (reward None, not -1) and nothing is cached.",
                 )
-                self.close()
-                return False
-            return reply == b"1"
+            raise _NoVerdict(verdict)
 
 
 _WORKER = _VerifyWorker()
 
 
-@lru_cache(maxsize=65536)
+@lru_cache(maxsize=65536)  # verdicts only: _NoVerdict is raised, so not cached
 def _symbolic_match(predicted: str, gold: str) -> bool:
     return _WORKER.match(predicted, gold, VERIFY_TIMEOUT_S)
 
 
-def answers_match(predicted: str | None, gold: Any) -> bool:
-    """Whether an extracted answer equals the ground truth, by string match then math-verify.
+def answers_match(predicted: str | None, gold: Any) -> bool | None:
+    """Whether an extracted answer equals the ground truth, by string match then math-verify; ``None`` when
+    math-verify gave no verdict.
 
     Never raises, and returns within a bounded time on any input, in any thread or process: answers that are
     too long, too deeply nested, power towers or powers with huge exponents get the string match only (see
     :func:`_too_costly`); math-verify runs in a worker process (:mod:`egpo_trl.verify_worker`) that is killed
-    when one comparison takes longer than ``VERIFY_TIMEOUT_S`` seconds. Any failure counts as no match.
+    when one comparison takes longer than ``VERIFY_TIMEOUT_S`` seconds or dies, then asked again in a fresh
+    worker. When that one fails too the result is ``None`` (no verdict, logged with its cause: neither a match
+    nor a mismatch, and not remembered, so the same answers are compared again next time). An answer
+    math-verify cannot parse is no match.
     """
     if predicted is None or gold is None:
         return False
@@ -286,7 +327,10 @@ def answers_match(predicted: str | None, gold: Any) -> bool:
         return True
     if _too_costly(predicted) or _too_costly(gold_text):
         return False
-    return _symbolic_match(predicted, gold_text)
+    try:
+        return _symbolic_match(predicted, gold_text)
+    except _NoVerdict:
+        return None
 
 
 def _gold_to_text(gold: Any) -> str:
@@ -297,8 +341,9 @@ def _gold_to_text(gold: Any) -> str:
     return str(gold).strip()
 
 
-def boxed_accuracy_reward(completions: list[Any], answer: list[Any], **kwargs: Any) -> list[float]:
-    """Paper Eq. 1: ``+1.0`` when the last ``\\boxed{}`` of a completion verifies against ``answer``, else ``-1.0``.
+def boxed_accuracy_reward(completions: list[Any], answer: list[Any], **kwargs: Any) -> list[float | None]:
+    """Paper Eq. 1: ``+1.0`` when the last ``\\boxed{}`` of a completion verifies against ``answer``, else ``-1.0``;
+    ``None`` (unscored) when math-verify gave no verdict (see :func:`answers_match`).
 
     Args:
         completions: TRL completions, plain strings or lists of chat messages.
@@ -306,7 +351,9 @@ def boxed_accuracy_reward(completions: list[Any], answer: list[Any], **kwargs: A
         **kwargs: the other dataset columns and TRL's extra arguments, ignored.
 
     Returns:
-        One float per completion. A completion without a complete box scores ``-1.0``.
+        One reward per completion. A completion without a complete box scores ``-1.0``. ``None`` is TRL's
+        "unscored" (NaN, left out of this function's reward mean); EGPO counts such a completion neither correct
+        nor incorrect, and ``egpo/frac_unscored`` logs their fraction.
     """
     if len(answer) != len(completions):
         raise ValueError(
@@ -315,8 +362,8 @@ def boxed_accuracy_reward(completions: list[Any], answer: list[Any], **kwargs: A
         )
     rewards = []
     for completion, gold in zip(completions, answer):
-        predicted = extract_last_boxed(completion_text(completion))
-        rewards.append(CORRECT_REWARD if answers_match(predicted, gold) else INCORRECT_REWARD)
+        equal = answers_match(extract_last_boxed(completion_text(completion)), gold)
+        rewards.append(None if equal is None else CORRECT_REWARD if equal else INCORRECT_REWARD)
     return rewards
 
 

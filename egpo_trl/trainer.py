@@ -1306,6 +1306,8 @@ class EGPOTrainer(
             ("frac_all_incorrect", GROUP_ALL_INCORRECT),
         ):
             metrics[f"egpo/{name}"].append((group_type == code).float().mean().item())
+        if scored is not None:  # rows the correctness reward returned None for (math-verify gave no verdict, say)
+            metrics["egpo/frac_unscored"].append(1.0 - scored.float().mean().item())
         correct, incorrect = _judged_rows(result, scored)
         values = {
             "weight_correct": _mean_of(result.weights, correct),

@@ -128,3 +128,20 @@ def test_the_command_line_refuses_the_same_before_anything_loads():
     ):
         script_args, training_args, _ = parse_args([*base, "--reward_funcs", *reward_funcs, *extra])
         assert script_args.reward_funcs == reward_funcs
+
+
+def test_completions_without_a_verdict_are_counted_and_never_incorrect(tmp_path, tiny_model_dir):
+    """``None`` from the correctness reward (boxed_accuracy_reward when math-verify gave no verdict) is logged as
+    egpo/frac_unscored; those completions get no NSR advantage, as they are not incorrect."""
+
+    def verifier(completions, **kwargs):
+        return [None if i % 4 == 0 else -1.0 for i in range(len(completions))]
+
+    trainer = EGPOTrainer(tiny_model_dir, verifier, config(tmp_path, max_steps=1), train_dataset=make_prompt_dataset())
+    trainer.train()
+    assert trainer.state.log_history[0]["egpo/frac_unscored"] == 0.25
+    batch = trainer.egpo_last_batch
+    unscored = torch.isnan(batch["rewards_per_func"][:, 0])
+    assert unscored.tolist() == [True, False, False, False] * 2
+    advantages = batch["result"].advantages
+    assert (advantages[unscored] == 0).all() and (advantages[~unscored] < 0).all()
