@@ -203,9 +203,13 @@ def required_columns(reward_funcs: Sequence[Any]) -> dict[str, str]:
     return needed
 
 
-def _dataset_problem(dataset: Any, reward_funcs: Sequence[Any], args: Any = None) -> str | None:
+def _dataset_problem(
+    dataset: Any, reward_funcs: Sequence[Any], args: Any = None, environment: bool = False
+) -> str | None:
     """One line naming the columns ``train_dataset`` lacks, what expects each (the trainer, a reward function's
-    parameter, ``edge_gec``) and the rename that supplies it from the dataset's own columns; ``None`` when none."""
+    parameter, ``edge_gec``) and the rename that supplies it from the dataset's own columns; ``None`` when none.
+    With an ``environment_factory`` (``environment``), TRL takes the prompt from the environment's ``reset`` when
+    the dataset has none."""
     columns = getattr(dataset, "column_names", None)
     if isinstance(columns, dict):  # a DatasetDict
         return (
@@ -215,7 +219,9 @@ def _dataset_problem(dataset: Any, reward_funcs: Sequence[Any], args: Any = None
     if not columns:
         return None  # an IterableDataset without known features, or a plain iterable: checked by TRL as it reads
     # What expects each column, and the setting that makes it expected.
-    needed: dict[str, list[str]] = {"prompt": ["the trainer (the prompts: text or chat messages)"]}
+    needed: dict[str, list[str]] = (
+        {} if environment else {"prompt": ["the trainer (the prompts: text or chat messages)"]}
+    )
     for column, func in required_columns(reward_funcs).items():
         needed.setdefault(column, []).append(f"{func} (its {column!r} parameter; reward_funcs)")
     if args is not None and getattr(args, "edge_gec", False):
@@ -326,7 +332,7 @@ def check_trainer_inputs(
     if problems:
         raise ValueError(f"EGPOConfig: {'; '.join(problems)}.")
     if getattr(args, "egpo_entropy_logps", None) == "loss_forward":
-        peft_config = kwargs.get("peft_config", pos_args[6] if len(pos_args) > 6 else None)
+        peft_config = kwargs.get("peft_config", pos_args[7] if len(pos_args) > 7 else None)
         problems = loss_forward_input_problems(model, peft_config, getattr(args, "model_init_kwargs", None))
         if problems:
             args._validate_loss_forward(problems)  # one error with the arguments' own problems, naming the fix
@@ -335,7 +341,8 @@ def check_trainer_inputs(
     )
     dataset = pos_args[0] if pos_args else kwargs.get("train_dataset")
     if dataset is not None:
-        problem = _dataset_problem(dataset, funcs, args)
+        environment = kwargs.get("environment_factory", pos_args[10] if len(pos_args) > 10 else None) is not None
+        problem = _dataset_problem(dataset, funcs, args, environment)
         if problem:
             raise ValueError(problem)
     problem = batch_shape_problem(

@@ -245,6 +245,9 @@ class EGPOTrainer(
 
     _tag_names = ["trl", "egpo"]
     _name = "EGPO"
+    # The GPU memory check of the first generation (egpo_trl/gpu_memory.py): a class default, so that a trainer built
+    # without __init__ (as TRL's own tests build one) generates as GRPOTrainer does.
+    _egpo_memory_checked = False
 
     def __init__(self, model, reward_funcs=None, args: EGPOConfig | None = None, *pos_args: Any, **kwargs: Any):
         model = check_trainer_inputs(model, reward_funcs, args, pos_args, kwargs)  # before anything loads
@@ -265,12 +268,18 @@ class EGPOTrainer(
             )
         reward_funcs = self._with_overlong_reward(reward_funcs, args)
         # Which reward function decides correct versus incorrect: refused now, before any model loads, when several
-        # could and the configuration needs the verdict (see egpo_trl/correctness.py).
+        # could and the configuration needs the verdict (see egpo_trl/correctness.py). Where TRL will refuse the
+        # reward functions' weights or processing classes for their number, TRL's error comes first.
         environment = kwargs.get("environment_factory") is not None or (
             len(pos_args) > 10 and pos_args[10] is not None
         )
-        correctness_index = correctness_reward_index(reward_funcs, args, complete=not environment)
+        processing_classes = kwargs.get("reward_processing_classes", pos_args[3] if len(pos_args) > 3 else None)
+        given = (args.reward_weights, processing_classes)
+        counts = {len(value) if isinstance(value, list) else 1 for value in given if value is not None}
         correctness_names = reward_func_names(reward_funcs)
+        correctness_index = None
+        if counts <= {len(correctness_names)}:
+            correctness_index = correctness_reward_index(reward_funcs, args, complete=not environment)
         # vLLM colocate mode on a CPU build of vLLM needs its own weight sync (a no-op otherwise): see vllm_cpu.py.
         from egpo_trl.vllm_cpu import colocate_on_cpu
 
@@ -299,7 +308,6 @@ class EGPOTrainer(
         self._egpo_capture_entropy = False  # capture the entropies of TRL's next old-log-prob pass
         self._egpo_captured_entropies: torch.Tensor | None = None
         self._egpo_round_inputs: list[dict[str, Any]] | None = None
-        self._egpo_memory_checked = False  # the GPU memory check of the first generation (egpo_trl/gpu_memory.py)
         #: What the last generation batch computed (global tensors), for inspection and tests.
         self.egpo_last_batch: dict[str, Any] = {}
 
@@ -553,7 +561,7 @@ class EGPOTrainer(
                 (logger.warning if tight and later_generations else logger.info)(line)
 
     def _egpo_generate(self, prompts: list):
-        gec = self.args.edge_gec and self.model.training and getattr(self, "_egpo_round_inputs", None) is not None
+        gec = getattr(self, "_egpo_round_inputs", None) is not None and self.args.edge_gec and self.model.training
         # GuidedErrorCorrectionMixin: the continuations share the round's vLLM wake-up and weight sync.
         with self._gec_vllm_awake() if gec else nullcontext():
             with self._egpo_timed("generation_s"):

@@ -204,3 +204,143 @@ def test_sampling_logps_give_the_proxy_only_for_plain_sampling(tmp_path, tiny_mo
     else:  # the default, or processed log-probs of another distribution: the policy's own pass gives H
         assert batch["entropy_source"] == "forward"
         assert (batch["entropies"] > 0).all()
+
+
+class CounterEnvironment:
+    """A TRL environment (``environment_factory``) that owns its reward: 1/0, whether ``increment`` was called."""
+
+    def reset(self, **kwargs):
+        self.count = 0
+
+    def increment(self, step: int) -> int:
+        """
+        Increment the counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self.count += step
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count > 0)
+
+
+class EchoEnvironment:
+    """A TRL environment without a reward of its own: the trainer's ``reward_funcs`` score its rollouts."""
+
+    def reset(self, **kwargs):
+        return "Echo."
+
+    def shout(self, text: str) -> str:
+        """
+        Shout the given text.
+
+        Args:
+            text: Text to shout.
+
+        Returns:
+            The text in upper case.
+        """
+        return text.upper()
+
+
+def tool_tokenizer(model_dir):
+    """The tiny model's tokenizer with TRL's Qwen2.5 chat template, which renders tool calls (TRL requires one)."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = qwen2_5_chat_template
+    return tokenizer
+
+
+def test_environments_route_a_dataset_without_prompts_as_in_trl(tmp_path, tiny_model_dir, monkeypatch):
+    # With a dict environment_factory, a dataset may have only the `environment` column: each environment's reset()
+    # gives the prompt. Both trainers build the same reward sources and tools from it.
+    from datasets import Dataset
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    dataset = Dataset.from_dict({"environment": ["counter", "echo"] * 4})
+    factory = {"counter": CounterEnvironment, "echo": EchoEnvironment}
+    built = []
+    for cls, args in (
+        (GRPOTrainer, config(tmp_path / "grpo", GRPOConfig)),
+        (EGPOTrainer, config(tmp_path / "egpo", egpo_correctness_reward="parity01_reward")),
+    ):
+        trainer = cls(
+            tiny_model_dir,
+            parity01_reward,
+            args,
+            train_dataset=dataset,
+            processing_class=tool_tokenizer(tiny_model_dir),
+            environment_factory=factory,
+        )
+        built.append((trainer.reward_func_names, sorted(tool.__name__ for tool in trainer.tools)))
+    assert built[0] == built[1] == (["parity01_reward", "CounterEnvironment"], ["increment", "shout"])
+
+    # Two reward sources (a reward function and an environment's get_reward) and none named as the correctness
+    # reward: refused with the names to choose from, as with several reward functions.
+    with pytest.raises(ValueError, match="one of: parity01_reward, CounterEnvironment"):
+        EGPOTrainer(
+            tiny_model_dir,
+            parity01_reward,
+            config(tmp_path / "ambiguous"),
+            train_dataset=dataset,
+            processing_class=tool_tokenizer(tiny_model_dir),
+            environment_factory=factory,
+        )
+    # Without an environment the dataset still needs its prompts.
+    with pytest.raises(ValueError, match="train_dataset has no 'prompt' column"):
+        EGPOTrainer(tiny_model_dir, parity01_reward, config(tmp_path / "plain"), train_dataset=dataset)
+
+
+def test_reward_argument_counts_are_refused_by_trl_with_its_message(tmp_path, tiny_model_dir):
+    # Two reward functions and no egpo_correctness_reward would be refused as ambiguous; when TRL refuses the reward
+    # arguments themselves, TRL's message comes first, the same as GRPOTrainer's.
+    funcs = [parity01_reward, length_reward]
+    for kwargs, overrides in (
+        ({"reward_processing_classes": [None]}, {}),
+        ({}, {"reward_weights": [1.0, 0.5, 0.5]}),
+    ):
+        errors = []
+        for cls, config_cls in ((GRPOTrainer, GRPOConfig), (EGPOTrainer, None)):
+            with pytest.raises(ValueError, match="must match") as error:
+                cls(
+                    tiny_model_dir,
+                    funcs,
+                    config(tmp_path, config_cls, **overrides),
+                    train_dataset=make_prompt_dataset(),
+                    **kwargs,
+                )
+            errors.append(str(error.value))
+        assert errors[0] == errors[1]
+
+
+def missing_logprobs_rollout(prompts, trainer):
+    """A ``rollout_func`` whose output lacks the ``logprobs`` that TRL requires."""
+    ids = [trainer.processing_class.encode("7")] * len(prompts)
+    return {"prompt_ids": ids, "completion_ids": ids}
+
+
+def test_rollout_func_output_is_checked_by_trl(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    args = config(tmp_path, max_steps=1)
+    trainer = EGPOTrainer(
+        tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset(), rollout_func=missing_logprobs_rollout
+    )
+    with pytest.raises(ValueError, match=r"rollout_func must return keys \['logprobs'\]"):
+        trainer.train()
+
+    # The same from a trainer built without __init__, as TRL's own unit tests build one.
+    from types import SimpleNamespace
+
+    bare = object.__new__(EGPOTrainer)
+    bare.accelerator, bare.model, bare.state = trainer.accelerator, trainer.model, trainer.state
+    bare.args = SimpleNamespace(report_to=[])
+    bare.use_vllm, bare.processing_class, bare.rollout_func = False, trainer.processing_class, missing_logprobs_rollout
+    with pytest.raises(ValueError, match=r"rollout_func must return keys \['logprobs'\]"):
+        bare._generate([[{"role": "user", "content": "1 + 1?"}]])
