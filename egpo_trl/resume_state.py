@@ -13,8 +13,11 @@ more state between steps, which a resumed ``GRPOTrainer`` loses:
 :class:`ExactResumeMixin` saves these into every checkpoint (``egpo_resume_state.pt``, one per process) and
 restores them where ``Trainer`` restores the RNG states, just before the first step after the resume. The state
 records the process count and batch shape it was saved with (``per_device_train_batch_size``,
-``steps_per_generation``, ``num_iterations``, ``gradient_accumulation_steps``); a resume with other values, or with
-another number of processes, ignores it on every process (with a warning: that resume is not exact).
+``steps_per_generation``, ``num_iterations``, ``gradient_accumulation_steps``) and the settings its generation batch
+was made with (its groups, rewards and advantages, and the log-probs it holds: ``num_generations``, the advantage
+estimator and every ``egpo_*`` option, ``scale_rewards``, ``reward_weights``, ...); a resume with other values, or
+with another number of processes, ignores it on every process (with a warning that names them: that resume is not
+exact, and its first step generates a new batch with the new settings).
 
 A Ctrl-C arrives in the middle of a step, after that step's generation has consumed random numbers. The mixin keeps
 a snapshot of the state at the end of the last finished step (RNG states included), and
@@ -55,6 +58,13 @@ RESUME_STATE_NAME = "egpo_resume_state.pt"
 _COUNTERS = ("_step", "_globalstep_last_logged", "_gec_calls")
 # The arguments that, with the process count, fix the layout of the saved generation buffer and micro-step counter.
 _LAYOUT_ARGS = ("per_device_train_batch_size", "steps_per_generation", "num_iterations", "gradient_accumulation_steps")
+# The arguments, with every egpo_* one, that the saved generation batch was made with: its groups, its rewards and
+# advantages, and which log-probs it holds (the reference model's, vLLM's importance-sampling ratios).
+_BATCH_ARGS = (
+    "num_generations", "advantage_estimator", "scale_rewards", "reward_weights", "multi_objective_aggregation",
+    "nsr_positive_weight", "edge_grpo_entropy_normalization", "overlong_buffer_length", "overlong_penalty_factor",
+    "beta", "use_vllm", "vllm_importance_sampling_correction",
+)  # fmt: skip
 
 
 def finished_run_step(args: Any, checkpoint: str | os.PathLike | None) -> tuple[int, int, str] | None:
@@ -303,13 +313,16 @@ class ExactResumeMixin:
         state["layout"] = self._egpo_batch_layout()
         return state
 
-    def _egpo_batch_layout(self) -> dict[str, int]:
-        """The process count and batch shape that the saved generation buffer and micro-step counter belong to."""
+    def _egpo_batch_layout(self) -> dict[str, Any]:
+        """The process count, batch shape and settings that the saved generation buffer and micro-step counter belong
+        to."""
         args = self.args
+        settings = [*_BATCH_ARGS, *sorted(name for name in vars(args) if name.startswith("egpo_"))]
         return {
             "world_size": int(args.world_size),
             "process_index": int(args.process_index),
             **{name: int(getattr(args, name)) for name in _LAYOUT_ARGS},
+            **{name: getattr(args, name, None) for name in settings},
         }
 
     def _egpo_layout_mismatch(self, checkpoint: str, state: dict[str, Any] | None) -> str | None:
@@ -325,9 +338,9 @@ class ExactResumeMixin:
                 return f"it holds {', '.join(others)} but not {os.path.basename(self._egpo_state_file(checkpoint))}"
             return None  # no state at all: reported as such
         saved = state.get("layout")
-        if saved is None:
-            return "its saved state does not record the process count and batch shape (an older version)"
         current = self._egpo_batch_layout()
+        if saved is None or not current.keys() <= saved.keys():
+            return "its saved state does not record the process count, batch shape and settings (an older version)"
         differ = [f"{key}={saved.get(key)} (now {value})" for key, value in current.items() if saved.get(key) != value]
         if differ:
             return "it was saved with " + ", ".join(differ)

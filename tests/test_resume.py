@@ -235,10 +235,11 @@ def test_ctrl_c_under_deepspeed_after_the_update_saves_that_step(tmp_path, tiny_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("change", ["steps_per_generation", "process_count", "older_state"])
+@pytest.mark.parametrize("change", ["steps_per_generation", "advantage_settings", "process_count", "older_state"])
 def test_a_state_saved_with_another_layout_is_ignored_with_a_warning(reference, tmp_path, caplog, change):
-    """The generation buffer of checkpoint-3 belongs to its process count and batch shape: a resume with other ones
-    (or from a state that does not record them) ignores it, says so, and still trains to the end."""
+    """The generation buffer of checkpoint-3 belongs to its process count, batch shape and the settings its groups and
+    advantages were made with: a resume with other ones (or from a state that does not record them) ignores it, says
+    so, and still trains to the end."""
     import torch
 
     from egpo_trl.resume_state import RESUME_STATE_NAME
@@ -255,6 +256,9 @@ def test_a_state_saved_with_another_layout_is_ignored_with_a_warning(reference, 
     if change == "steps_per_generation":
         run += ["--steps_per_generation", "1"]
         expected = "steps_per_generation=2 (now 1)"
+    elif change == "advantage_settings":  # the buffered batch holds groups of 4 and group-scaled advantages
+        run += ["--num_generations", "2", "--scale_rewards", "batch"]
+        expected = "it was saved with num_generations=4 (now 2), scale_rewards=group (now batch)"
     elif change == "process_count":  # as saved by two processes
         state_file.rename(state_file.with_name(RESUME_STATE_NAME.replace(".pt", "_0.pt")))
         shutil.copy(
