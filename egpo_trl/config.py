@@ -26,10 +26,8 @@ ENTROPY_LOGPS: tuple[str, ...] = ("policy", "sampler", "loss_forward")
 DYNAMIC_SAMPLING_METRICS: tuple[str, ...] = ("correctness", "reward")
 GEC_SCOPES: tuple[str, ...] = ("incorrect", "all_incorrect_groups")
 DEFAULT_GEC_REFLECTION_CUE = " Hold on, something in this solution is wrong. Let me check it again."
-# vLLM ``SamplingParams`` keys that change the distribution vLLM samples from (and reports log-probs of), with the
-# values that leave it unchanged (empty: any value set changes it). TRL passes ``generation_kwargs`` to vLLM after its
-# own sampling fields, so a key given there overrides the field of the same name. ``temperature`` is neutral at the
-# config's own temperature, the one TRL's trainer-side log-probs divide the logits by.
+# vLLM ``SamplingParams`` keys that change the distribution vLLM samples from, with the values that leave it unchanged
+# (empty: any value changes it); given in ``generation_kwargs`` they override the field of the same name.
 _DISTRIBUTION_CHANGING_KWARGS: dict[str, tuple[object, ...]] = {
     "temperature": (),
     "top_p": (1, 1.0),
@@ -69,16 +67,8 @@ def trl_computes_old_logps(config) -> bool:
 
 def distribution_changing_sampling_options(config) -> dict[str, object]:
     """The sampling options of ``config`` that make vLLM sample from a distribution other than the policy's at
-    ``temperature`` (``{name: value}``, empty for plain sampling).
-
-    TRL's trainer-side log-probs (``old_per_token_logps``) divide the logits by ``config.temperature`` and apply
-    nothing else, while vLLM (``logprobs_mode="processed_logprobs"``) reports the log-probs of the distribution it
-    sampled from, after top-p, top-k, min-p, penalties, ``min_tokens``, logit bias, allowed or banned tokens,
-    structured outputs (``vllm_structured_outputs_regex``) and the temperature it was given (a ``temperature`` in
-    ``generation_kwargs`` overrides the config's for vLLM only). With any of these the two disagree: vLLM's log-probs
-    are no longer the policy's (EGPO's entropy proxy), and TRL's importance-sampling ratios are those of another
-    distribution.
-    """
+    ``temperature`` (``{name: value}``, empty for plain sampling): TRL's trainer-side log-probs divide the logits by
+    ``temperature`` and apply nothing else, while vLLM reports the log-probs of the distribution it sampled from."""
     found: dict[str, object] = {}
     generation_kwargs = getattr(config, "generation_kwargs", None)
     if isinstance(generation_kwargs, str):  # GRPOConfig takes a JSON string too
@@ -142,12 +132,8 @@ def per_micro_batch_terms(args) -> list[str]:
 
 
 def oversampling_layout_error(args: Any) -> str | None:
-    """Why ``args`` cannot oversample dynamic sampling's first round (``dynamic_sampling_oversample``), or ``None``.
-
-    The added groups go to every process as whole groups after its share of the generation batch, so that share must
-    be whole groups too (with several processes TRL may split a group between them). Checked when the config is
-    built, so also by ``--dry-run`` (for the launch's process count where ``generation_batch_size`` sets
-    ``steps_per_generation``)."""
+    """Why ``args`` cannot oversample dynamic sampling's first round (``dynamic_sampling_oversample``), or ``None``:
+    the added groups go to every process as whole groups, so each process's share must be whole groups too."""
     if not args.dynamic_sampling or args.dynamic_sampling_oversample <= 1.0:
         return None
     local_rows = args.per_device_train_batch_size * args.steps_per_generation
@@ -166,212 +152,29 @@ class EGPOConfig(GRPOConfig):
     r"""
     Configuration class for [`EGPOTrainer`].
 
-    Every field of TRL's [`~trl.GRPOConfig`] works unchanged; the fields below add Entropy-Guided Policy
-    Optimization. As with TRL, field names are the YAML keys of a recipe and the command-line flags.
+    Every field of TRL's [`~trl.GRPOConfig`] works unchanged; the fields below add Entropy-Guided Policy Optimization
+    and its baselines. Each field's `help` documents it (`egpo-trl train --help-all`); field names are the YAML keys
+    of a recipe and the command-line flags.
 
     Parameters:
-        > Parameters that select the advantage estimator
+        > The advantage estimator: `advantage_estimator`
 
-        advantage_estimator (`str`, *optional*, defaults to `"egpo"`):
-            Name of the advantage estimator in `egpo_trl.advantages.ADVANTAGE_ESTIMATORS`. `"egpo"` is the paper's
-            method; `"grpo"` is TRL's GRPO.
+        > EGPO (paper Sec. 3): `egpo_lambda_min`, `egpo_lambda_max`, `egpo_entropy_eps`, `egpo_clamp`, `egpo_renorm`,
+        `egpo_nsr`, `egpo_nsr_weighting`, `egpo_correctness_reward`, `egpo_entropy_scope`
 
-        > Parameters of EGPO (paper Sec. 3)
+        > The entropy proxy's log-probs and the loss's forwards: `egpo_entropy_logps`, `egpo_entropy_metrics`,
+        `egpo_entropy_tokens_per_batch`, `egpo_entropy_batch_size`, `egpo_length_sorted_micro_batches`,
+        `egpo_loss_forward_block_tokens`, `egpo_cudnn_attention`, `egpo_shift_prompt_padding`
 
-        egpo_lambda_min (`float`, *optional*, defaults to `0.8`):
-            Lower clip bound \\(\\lambda_{\\min}\\) of the entropy weight (Eq. 9).
-        egpo_lambda_max (`float`, *optional*, defaults to `2.0`):
-            Upper clip bound \\(\\lambda_{\\max}\\) of the entropy weight (Eq. 9).
-        egpo_entropy_eps (`float`, *optional*, defaults to `1e-6`):
-            \\(\\varepsilon_H\\) in the raw weight \\(\\hat w_i = \\bar H / (H_i + \\varepsilon_H)\\) (Eq. 8).
-        egpo_clamp (`str`, *optional*, defaults to `"asymmetric"`):
-            How raw weights are bounded: `"asymmetric"` (paper, Eq. 9), `"symmetric"` (ablation C1),
-            `"negative_only"` (C2), `"positive_only"` (C3) or `"none"` (all weights 1).
-        egpo_renorm (`str`, *optional*, defaults to `"none"`):
-            Within-group renormalisation of the weights: `"none"` (paper default), `"after_clamp"` (C5, Eq. 10) or
-            `"before_clamp"` (C6).
-        egpo_nsr (`bool`, *optional*, defaults to `True`):
-            Negative sample reinforcement: entirely-incorrect groups get base advantage -1 (Sec. 3.2) instead of 0.
-        egpo_nsr_weighting (`str`, *optional*, defaults to `"entropy"`):
-            Weights on entirely-incorrect groups: `"entropy"` (paper) or `"unit"` (ablation C4, \\(w \\equiv 1\\)).
-        egpo_correctness_reward (`str` or `None`, *optional*, defaults to `None`):
-            Name of the reward function whose value decides correct (> 0) versus incorrect. `None` is fine with one
-            reward function; with several, it takes the package's accuracy reward (`boxed_accuracy_reward`) when
-            exactly one of them is that, and otherwise the trainer refuses to start when `egpo`, `nsr`, dynamic
-            sampling on correctness or `edge_gec` need the verdict (a format bonus must not decide it). Mixed-group
-            advantages still use the weighted sum of all rewards, as GRPO does. It must be binary (+1/-1 or 1/0
-            values) for those settings: other values stop training with an error that names the fix.
-        egpo_entropy_scope (`str`, *optional*, defaults to `"completion"`):
-            Tokens the entropy proxy averages over: the whole `"completion"` (paper Eq. 5), the `"thinking"` segment
-            inside `<think>...</think>`, or the `"answer"` segment after `</think>` (the paper's RQ4 suggestion). A
-            completion without that segment (no `</think>`) falls back to its whole completion, with a warning and
-            the `egpo/frac_entropy_scope_fallback` metric.
-        egpo_entropy_logps (`str`, *optional*, defaults to `"policy"`):
-            Where the entropy proxy's log-probs come from when TRL has not computed the old policy's (vLLM without
-            importance-sampling correction and `num_iterations=1`): `"policy"` recomputes them with the training
-            model in one no-grad pass, as verl (the paper's trainer) computes \\(\\pi_{old}\\); `"sampler"` takes
-            vLLM's sampling log-probs at no cost, which under plain sampling equal the policy's up to the two
-            engines' numerical differences (up to 6% of a completion's proxy in `docs/multi_gpu.md`);
-            `"loss_forward"` takes \\(\\pi_{old}\\)'s log-probs from the loss's own forward, which runs with the
-            weights that sampled the batch: the micro-batches of each group run their forwards, then EGPO's
-            weights, then their backwards (`egpo_trl/fused.py`), with no pass of their own. EGPO's estimator, and
-            EDGE-GRPO's with `edge_grpo_entropy_normalization="group"` (its Shannon entropies from the same forwards),
-            where TRL computes no old log-probs, each process's batch holds whole groups, the policy has no active
-            dropout, and no loss term is normalised per micro-batch (`bnpo`, `top_entropy_quantile`, an entropy
-            bonus); checked under DDP and DeepSpeed ZeRO-2/3 (DeepSpeed 0.19 and later), not yet under FSDP.
-        egpo_entropy_metrics (`bool`, *optional*, defaults to `True`):
-            Compute the entropy proxy (and the `egpo/entropy_*` metrics) even when the advantage estimator does not
-            use it (`grpo`, `nsr`). With one optimizer step per generation batch, the log-probs come from the
-            loss's own forward (the weights that sampled the batch), at no cost; otherwise from TRL's old log-probs,
-            or one no-grad pass (a policy with active dropout). `False` skips it.
-        egpo_entropy_tokens_per_batch (`int`, *optional*, defaults to `65536`):
-            Token budget of one micro-batch of that no-grad pass (rows times their padded prompt-plus-completion
-            width). Rows of similar completion length run together, each micro-batch cut to its longest completion,
-            and the log-probs come from TRL's fused LM head, so the pass holds no full-vocabulary logits. Lower it if
-            the pass runs out of memory, raise it on a card with memory to spare.
-        egpo_entropy_batch_size (`int` or `None`, *optional*, defaults to `None`):
-            Rows per micro-batch of that pass instead of a token budget; `None` uses
-            `egpo_entropy_tokens_per_batch`.
-        egpo_shift_prompt_padding (`bool`, *optional*, defaults to `True`):
-            Run the loss's forward (and TRL's own old-policy and reference log-prob passes) with every row shifted
-            left past its prompt padding, its tokens keeping their positions through `position_ids`, and no
-            attention mask, so that PyTorch's SDPA runs its causal kernel instead of the masked one. EGPO's no-grad
-            pass always does this where it is exact. Only for Llama, Mistral and Qwen-family decoders with full
-            causal attention under SDPA or eager attention, text-only batches and masks that are plain padding,
-            and runs without a mixture-of-experts router loss; anything else runs TRL's pass unchanged. Where TRL
-            compares two passes (old-policy log-probs in the ratio, a reference model's in the KL term), every
-            forward keeps TRL's width, so that both run the backbone at the same shapes. The values are TRL's up to
-            the two kernels' rounding. On by default: at the 1.5B recipes' full per-GPU batch (128 completions of
-            ~3,070 tokens, one H100) it took the scoring and training part of a step from 20.2-21.5 s to
-            13.8-14.8 s (BENCHMARKS.md, floors section). `False` gives TRL's passes exactly as `GRPOTrainer` runs them.
-
-        egpo_length_sorted_micro_batches (`bool`, *optional*, defaults to `False`):
-            Put rows of similar length into the same micro-batch: after TRL shuffles a generation batch, its rows are
-            sorted by prompt plus completion length, longest first (under `loss_forward`, the rows of each group, which
-            stays in its block); a generation batch never spans optimizer steps. The loss's forward is cut to its
-            micro-batch's longest row (`egpo_shift_prompt_padding`), so completions of varied lengths compute fewer
-            padding tokens; the gradient is the same sum over the same rows (to floating-point rounding), as every loss
-            normalisation but the per-micro-batch ones is independent of which rows share a micro-batch (`bnpo`,
-            `top_entropy_quantile` < 1, an entropy bonus and a mixture-of-experts router loss are refused). Where it
-            cannot save anything (the forwards keep TRL's full width: `egpo_shift_prompt_padding` off, a model whose
-            rows cannot be shifted, image inputs, TRL computing old-policy log-probs, `beta` != 0; or sorting cannot
-            change which rows share a micro-batch: one micro-batch per generation batch, one row per micro-batch, whole
-            groups per micro-batch under `loss_forward` unless `egpo_loss_forward_block_tokens` lets blocks hold
-            several groups) the rows are not sorted and a warning says so. TRL's metrics
-            that are averages of per-micro-batch means (`entropy`, `clip_ratio/*`, `kl`, `cispo_clip_ratio`,
-            `vespo/phi_seq_mean`) weigh short completions more when they share micro-batches, so their curves differ
-            from an unsorted run's.
-        egpo_loss_forward_block_tokens (`int` or `None`, *optional*, defaults to `None`):
-            Under `egpo_entropy_logps="loss_forward"` with `egpo_length_sorted_micro_batches`, let a block of
-            micro-batches hold several groups, so that rows of similar length from different groups share a
-            micro-batch: after TRL shuffles a generation batch, consecutive blocks are filled with whole groups, a
-            group joining the block before it only where that cuts the padded tokens the block's forwards compute
-            and the block then holds at most this many of them (rows times their micro-batch's longest row, prompt
-            plus completion), on every process (the blocks are the same on all processes, as their forwards and
-            backwards must line up); a block's rows are then sorted by length, longest first. The block holds all
-            its forwards until its last one has run (with gradient checkpointing, each layer's input of each row:
-            about 86 KB per token at the Qwen2.5-Math-1.5B shape in bf16, 28 layers x 1,536 x 2 bytes, so up to
-            ~21 GiB at 262,144 tokens), so this bounds that memory; where every completion has the same length
-            nothing is merged and the blocks are those of `None`. A single group's
-            block is never split, whatever the budget. `egpo/loss_forward_blocks` logs the blocks per generation
-            batch. `None` (default): each block holds the fewest micro-batches that hold whole groups, and sorting
-            stays within each group.
-        egpo_cudnn_attention (`bool` or `None`, *optional*, defaults to `None`):
-            Whether PyTorch's scaled-dot-product attention (SDPA) may use its cuDNN kernel during training and
-            evaluation steps (generation, scoring, the loss's forwards and backwards). PyTorch prefers that kernel on
-            recent GPUs. Its calls cost the host milliseconds: at the Qwen2.5-Math-1.5B shape on an H200 a profile
-            put 2.4 ms of host time on each forward call, against 0.1 ms of GPU time at spread lengths, and where a
-            micro-batch's rows are short the GPU waits for it. Its kernels are faster, which long rows need.
-
-            `None` (default) decides by `max_completion_length`:
-            - up to 4,096 tokens (the Qwen2.5-Math recipes' 3,072): off. At the 1.5B shape on one H200, with
-              completion lengths spread around a median of 700 tokens, GRPO's scoring and training took 4.80-5.08 s a
-              step with it off against 5.65-6.02 s on, EGPO's 8.17-8.41 s against 8.84-9.17 s (one run each); with
-              completions all 3,072 tokens long, EGPO's took 13.9-14.1 s either way.
-            - beyond (the R1-Distill recipes' 15,360-token completions): on. At the R1-Distill-1.5B shape on H200s,
-              one row of 15,528 tokens per micro-batch, 16 micro-batches, GRPO's took 10.72-10.76 s a step with it on
-              against 12.29-12.41 s off.
-
-            The cut at 4,096 is a judgement between the lengths measured: one pair of GRPO runs at the R1-Distill
-            length, none of spread R1-Distill lengths or between 3,072 and 15,360. `True` or `False` decides for
-            every run (on the command line `--egpo_cudnn_attention true` or `false`; leave it out, or write `null`
-            in a recipe, for the default). Off, SDPA's unmasked calls (the shifted rows of
-            `egpo_shift_prompt_padding`) run its flash kernel, whose rounding differs. The setting before each step
-            is restored after it; where cuDNN is the only SDPA kernel left on (`torch.nn.attention.sdpa_kernel`), it
-            stays on. BENCHMARKS.md, "Host time at spread lengths".
-
-        > Parameters of the baselines (see `docs/baselines.md`)
-
-        nsr_positive_weight (`float`, *optional*, defaults to `0.0`):
-            `advantage_estimator="nsr"`: the advantage of a correct completion. `0` is negative sample reinforcement
-            alone (every incorrect completion gets -1, correct ones 0); `0.1` is the same paper's Weighted-REINFORCE.
-        edge_grpo_entropy_normalization (`str`, *optional*, defaults to `"group"`):
-            `advantage_estimator="edge_grpo"`: the mean entropy that normalises each completion's entropy, over its
-            `"group"` (EDGE-GRPO paper) or over the whole generation `"batch"`.
-        dynamic_sampling (`bool`, *optional*, defaults to `False`):
-            DAPO's dynamic sampling: groups that carry no learning signal under GRPO (see `dynamic_sampling_metric`)
-            are dropped and more prompts are generated until the generation batch is made of informative groups
-            only, or `dynamic_sampling_max_rounds` is reached. An extra round generates only the shortfall: the
-            missing groups over the informative fraction seen so far (at least 0.1), at most a generation batch.
-        dynamic_sampling_max_rounds (`int`, *optional*, defaults to `10`):
-            Most generation rounds for one generation batch, the first included (DAPO's `max_num_gen_batches`).
-            When they do not yield enough informative groups, a warning is logged and the batch is completed with
-            uninformative groups.
-        dynamic_sampling_oversample (`float`, *optional*, defaults to `1.0`):
-            With dynamic sampling, the first round generates `ceil((f - 1) * G)` more groups than the generation
-            batch's `G` (rounded up to a multiple of the process count), for prompts drawn from `train_dataset`
-            (compared by text: not the batch's own, and no prompt twice), so that one round usually yields enough
-            informative groups. At long completion lengths vLLM's decode reads the weights once per step for all
-            sequences, so more sequences in one round cost much less than an extra round of the same length. The
-            generation batch's own groups are kept first when informative. `1.0` generates the generation batch only.
-            Needs each process's share of a generation batch to be whole groups, and `train_dataset` to hold at least
-            as many distinct prompts as the first round has groups; with vLLM colocate, vLLM's `max_num_seqs` is
-            raised so that the round runs at once.
-        dynamic_sampling_metric (`str`, *optional*, defaults to `"correctness"`):
-            What makes a group uninformative: `"correctness"`, every scored completion correct or every one incorrect
-            according to the correctness reward function (DAPO's `acc` filter, unaffected by shaping rewards such as
-            the overlong penalty); `"reward"`, every scored completion with the same total reward.
-        overlong_buffer_length (`int` or `None`, *optional*, defaults to `None`):
-            DAPO's soft overlong punishment: the length of the buffer \\(L_{cache}\\) before `max_completion_length`.
-            When set, the trainer adds the reward function
-            [`~egpo_trl.rewards.overlong_penalty_reward`]: 0 up to `max_completion_length - overlong_buffer_length`
-            tokens, then falling linearly to `-overlong_penalty_factor` at `max_completion_length`.
-        overlong_penalty_factor (`float`, *optional*, defaults to `1.0`):
-            The largest overlong penalty (at `max_completion_length`).
-        edge_gec (`bool`, *optional*, defaults to `False`):
-            EDGE-GRPO's Guided Error Correction: before scoring, an incorrect completion is, at random, continued after
-            a reflection cue (probability `edge_gec_reflect_prob`), given the reference answer after the cue
-            (`edge_gec_answer_prob`), or replaced by the reference solution (`edge_gec_solution_prob`, the dataset's
-            `solution` column; the answer is injected when a row has none, with a warning at start-up when the
-            column is missing and `gec/frac_solution_as_answer`; a solution whose last box does not give the answer
-            gets `\boxed{answer}` appended, `gec/frac_solution_boxed`). Needs an `answer` column. Works with
-            transformers generation and with vLLM (injected tokens get a NaN sampling log-prob: no IS correction).
-        edge_gec_scope (`str`, *optional*, defaults to `"incorrect"`):
-            Which completions Guided Error Correction may change: every `"incorrect"` one (the public EDGE-GRPO code)
-            or only those of `"all_incorrect_groups"` (the groups whose GRPO advantage collapses to 0).
-        edge_gec_reflect_prob (`float`, *optional*, defaults to `0.5`):
-            Probability that an eligible completion is continued by the policy after `edge_gec_reflection_cue`.
-        edge_gec_answer_prob (`float`, *optional*, defaults to `0.25`):
-            Probability that `edge_gec_answer_template` (with the reference answer) is appended to it.
-        edge_gec_solution_prob (`float`, *optional*, defaults to `0.25`):
-            Probability that it is replaced by the reference solution. The three probabilities sum to at most 1; the
-            rest of the mass leaves the completion unchanged.
-        edge_gec_reflection_cue (`str`, *optional*):
-            Text appended to an incorrect completion before the policy continues it.
-        edge_gec_answer_template (`str`, *optional*):
-            Text appended to an incorrect completion to give it the reference answer; `{answer}` is replaced by it.
-            Inside a box, keep the box's braces around it: `\\boxed{{answer}}` gives `\\boxed{13}`.
-        edge_gec_max_new_tokens (`int`, *optional*, defaults to `256`):
-            Most tokens the policy generates after the reflection cue. A corrected completion never exceeds
-            `max_completion_length`: the original part is shortened to leave room for the injected text and, for a
-            continuation, at least `min(edge_gec_max_new_tokens, half of the room the cue leaves)` tokens.
+        > Baselines (`docs/baselines.md`): NSR `nsr_positive_weight`; EDGE-GRPO `edge_grpo_entropy_normalization`,
+        `edge_gec*`; DAPO `dynamic_sampling*`, `overlong_buffer_length`, `overlong_penalty_factor`
     """
 
     advantage_estimator: str = field(
         default="egpo",
         metadata={
-            "help": "Advantage estimator, by name: 'egpo' (the paper's method) or 'grpo' (TRL's GRPO); more are "
-            "registered in egpo_trl.advantages.ADVANTAGE_ESTIMATORS."
+            "help": "Advantage estimator, by name: 'egpo' (the paper's method), 'grpo' (TRL's GRPO), 'nsr', "
+            "'edge_grpo', or another one registered in egpo_trl.advantages.ADVANTAGE_ESTIMATORS."
         },
     )
     egpo_lambda_min: float = field(
@@ -400,7 +203,7 @@ class EGPOConfig(GRPOConfig):
         default="none",
         metadata={
             "help": "Within-group renormalisation of the weights to mean 1: 'none' (paper default), 'after_clamp' "
-            "(ablation C5) or 'before_clamp' (C6).",
+            "(ablation C5, Eq. 10) or 'before_clamp' (C6).",
             "choices": list(RENORM_MODES),
         },
     )
@@ -421,29 +224,33 @@ class EGPOConfig(GRPOConfig):
     egpo_correctness_reward: str | None = field(
         default=None,
         metadata={
-            "help": "Name of the reward function that decides correct (reward > 0) vs incorrect. Needed with several "
-            "reward functions unless exactly one is boxed_accuracy_reward. A shaping bonus (format, length) then never "
-            "makes a wrong answer count as correct."
+            "help": "Name of the reward function that decides correct (reward > 0) vs incorrect, for egpo, nsr, "
+            "edge_gec and dynamic sampling on correctness; it must be binary (+1/-1 or 1/0). Unset: the only reward "
+            "function, or boxed_accuracy_reward when it is one of several; otherwise the trainer refuses to start "
+            "where the verdict is needed, so that a shaping bonus (format, length) never makes a wrong answer "
+            "correct. Mixed groups' advantages still use the weighted sum of all rewards, as in GRPO."
         },
     )
     egpo_entropy_scope: str = field(
         default="completion",
         metadata={
             "help": "Tokens the entropy proxy averages over: 'completion' (paper Eq. 5), 'thinking' (inside "
-            "<think>...</think>) or 'answer' (after </think>).",
+            "<think>...</think>) or 'answer' (after </think>). A completion without </think> falls back to all of it, "
+            "with a warning and the egpo/frac_entropy_scope_fallback metric.",
             "choices": list(ENTROPY_SCOPES),
         },
     )
-
     egpo_entropy_logps: str = field(
         default="policy",
         metadata={
-            "help": "Where the entropy proxy's log-probs come from when TRL has not computed the old policy's (vLLM "
-            "without importance-sampling correction, num_iterations 1): 'policy' recomputes them with the training "
-            "model in one no-grad pass (as verl, the paper's trainer, does); 'sampler' takes vLLM's sampling "
-            "log-probs at no cost (equal to the policy's up to numerical differences, under plain sampling); "
-            "'loss_forward' takes pi_old's log-probs from the loss's own forward (each group's micro-batches run "
-            "their forwards, then the weights, then their backwards), with no pass of its own.",
+            "help": "Where the entropy proxy's log-probs come from when TRL computes no old-policy log-probs (vLLM "
+            "without importance-sampling correction, num_iterations 1): 'policy', one no-grad pass of the training "
+            "model (as verl, the paper's trainer, computes pi_old); 'sampler', vLLM's sampling log-probs at no cost "
+            "(the policy's up to the engines' numerical differences, under plain sampling); 'loss_forward', pi_old's "
+            "log-probs from the loss's own forward (a group's micro-batches run their forwards, then the weights, "
+            "then their backwards: egpo_trl/fused.py), with no pass of its own. 'loss_forward' serves egpo and "
+            "edge_grpo (group normalisation) where each process holds whole groups, the policy has no active dropout "
+            "and no loss term is normalised per micro-batch; it is refused elsewhere, naming the reason.",
             "choices": list(ENTROPY_LOGPS),
         },
     )
@@ -451,8 +258,8 @@ class EGPOConfig(GRPOConfig):
         default=True,
         metadata={
             "help": "Compute the entropy proxy and the egpo/entropy_* metrics even when the advantage estimator does "
-            "not use it (grpo, nsr); free with one optimizer step per generation batch (the loss's forward gives "
-            "the log-probs), else TRL's old log-probs or one no-grad pass."
+            "not use it (grpo, nsr): free with one optimizer step per generation batch (the loss's forward gives "
+            "the log-probs), else from TRL's old log-probs or one no-grad pass."
         },
     )
     egpo_entropy_tokens_per_batch: int = field(
@@ -471,7 +278,8 @@ class EGPOConfig(GRPOConfig):
         metadata={
             "help": "Sort each generation batch's rows (each group's under loss_forward) by length, longest first, so "
             "that a micro-batch's forward, cut to its longest row, computes less padding; the same gradient. Not "
-            "with bnpo, top_entropy_quantile < 1, an entropy bonus or a MoE router loss."
+            "with bnpo, top_entropy_quantile < 1, an entropy bonus or a MoE router loss. TRL's per-micro-batch "
+            "metrics (entropy, clip_ratio/*, kl) then weigh short completions more."
         },
     )
     egpo_loss_forward_block_tokens: int | None = field(
@@ -479,23 +287,25 @@ class EGPOConfig(GRPOConfig):
         metadata={
             "help": "Under egpo_entropy_logps=loss_forward with egpo_length_sorted_micro_batches: let a block hold "
             "several whole groups, sorted by length together, where that cuts padding, up to this many padded tokens "
-            "held (rows x their micro-batch's longest row). Unset: one group's micro-batches per block."
+            "held (rows x their micro-batch's longest row). A block keeps its forwards until its last one has run, so "
+            "this bounds their memory. Unset: one group's micro-batches per block."
         },
     )
     egpo_cudnn_attention: bool | None = field(
         default=None,
         metadata={
-            "help": "Let SDPA use PyTorch's cuDNN attention kernel in training and evaluation steps: its calls cost "
-            "the host milliseconds, which micro-batches of short rows cannot hide, and its kernels are faster, which "
-            "long rows need. Unset: off where max_completion_length is at most 4,096 tokens, on beyond."
+            "help": "Let SDPA use PyTorch's cuDNN attention kernel in training and evaluation steps: its calls take "
+            "host time that micro-batches of short rows cannot hide, and its kernels are faster, which long rows "
+            "need. Unset: off where max_completion_length is at most 4,096 tokens, on beyond."
         },
     )
     egpo_shift_prompt_padding: bool = field(
         default=True,
         metadata={
             "help": "Shift rows past their prompt padding (original positions, no attention mask) in the loss's "
-            "forward and TRL's log-prob passes, so that SDPA runs its causal kernel; Llama/Mistral/Qwen decoders "
-            "with SDPA or eager attention only, anything else runs unchanged. false: TRL's passes as GRPOTrainer runs them."
+            "forward and TRL's log-prob passes, so that SDPA runs its causal kernel; the values are TRL's up to "
+            "rounding. Llama/Mistral/Qwen decoders with SDPA or eager attention only, anything else runs unchanged. "
+            "false: TRL's passes as GRPOTrainer runs them."
         },
     )
     nsr_positive_weight: float = field(
@@ -517,7 +327,8 @@ class EGPOConfig(GRPOConfig):
         default=False,
         metadata={
             "help": "DAPO's dynamic sampling: drop uninformative groups (see dynamic_sampling_metric) and generate for "
-            "more prompts until the generation batch holds only informative groups, or dynamic_sampling_max_rounds."
+            "more prompts until the generation batch holds only informative groups, or dynamic_sampling_max_rounds. "
+            "An extra round generates only the shortfall."
         },
     )
     dynamic_sampling_max_rounds: int = field(
@@ -532,8 +343,8 @@ class EGPOConfig(GRPOConfig):
         metadata={
             "help": "dynamic_sampling: the first round adds ceil((f - 1) x G) groups to the generation batch's G "
             "(rounded up to a multiple of the process count), for prompts drawn from train_dataset, so that one round "
-            "usually yields enough informative groups; the batch's own groups are kept first. 1.0: the generation "
-            "batch only. Must be >= 1."
+            "usually yields enough informative groups; the batch's own groups are kept first. Needs whole groups in "
+            "each process's share of a generation batch. 1.0: the generation batch only. Must be >= 1."
         },
     )
     dynamic_sampling_metric: str = field(
@@ -548,7 +359,8 @@ class EGPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "DAPO's soft overlong punishment: buffer length before max_completion_length over which a length "
-            "penalty grows linearly from 0 to -overlong_penalty_factor. None (default) adds no penalty."
+            "penalty (the overlong_penalty_reward function) grows linearly from 0 to -overlong_penalty_factor. None "
+            "(default) adds no penalty."
         },
     )
     overlong_penalty_factor: float = field(
@@ -559,7 +371,8 @@ class EGPOConfig(GRPOConfig):
         default=False,
         metadata={
             "help": "EDGE-GRPO's Guided Error Correction: before scoring, incorrect completions are at random continued "
-            "after a reflection cue, given the reference answer, or replaced by the reference solution."
+            "after a reflection cue, given the reference answer, or replaced by the reference solution (the "
+            "'solution' column, else the answer). Needs an 'answer' column; works with transformers and vLLM."
         },
     )
     edge_gec_scope: str = field(
@@ -582,7 +395,7 @@ class EGPOConfig(GRPOConfig):
         default=0.25,
         metadata={
             "help": "Probability that an eligible completion is replaced by the reference solution (the 'solution' "
-            "column). The three edge_gec_*_prob sum to at most 1."
+            "column). The three edge_gec_*_prob sum to at most 1; the rest leaves a completion unchanged."
         },
     )
     edge_gec_reflection_cue: str = field(
@@ -591,11 +404,17 @@ class EGPOConfig(GRPOConfig):
     )
     edge_gec_answer_template: str = field(
         default=DEFAULT_GEC_ANSWER_TEMPLATE,
-        metadata={"help": "Text appended to give the reference answer; '{answer}' is replaced by it."},
+        metadata={
+            "help": "Text appended to give the reference answer; '{answer}' is replaced by it. Inside a box keep the "
+            "box's braces around it: \\boxed{{answer}}."
+        },
     )
     edge_gec_max_new_tokens: int = field(
         default=256,
-        metadata={"help": "Most tokens the policy generates after the reflection cue. Must be >= 1."},
+        metadata={
+            "help": "Most tokens the policy generates after the reflection cue; a corrected completion never exceeds "
+            "max_completion_length. Must be >= 1."
+        },
     )
 
     def __post_init__(self):
@@ -824,13 +643,8 @@ class EGPOConfig(GRPOConfig):
 
     def _validate_importance_sampling(self) -> None:
         """Refuse vLLM sampling options that TRL's sequence-level importance-sampling correction would silently turn
-        into a vanishing loss (see :func:`distribution_changing_sampling_options`).
-
-        The sequence modes weight a completion by the product of its tokens' ratios, and a distribution other than
-        the one TRL's log-probs describe shifts every token's ratio the same way: over a long completion the weight
-        collapses towards 0 (or the completion is masked). The token modes (``token_truncate``, ``token_mask``)
-        bound each token's ratio on its own, so they accept whatever ``GRPOConfig`` accepts.
-        """
+        into a vanishing loss: the product of every token's ratio collapses over a long completion. The token modes
+        bound each token's ratio on its own, so they accept whatever ``GRPOConfig`` accepts."""
         if not (self.use_vllm and self.vllm_importance_sampling_correction):
             return
         mode = self.vllm_importance_sampling_mode

@@ -17,15 +17,13 @@ every row, about a quarter of the training's FLOPs with gradient checkpointing.
   accumulation boundary stays at the generation batch's last micro-batch: the earlier micro-batches' backwards run
   as accumulation steps, the last one's in the trainer's own step. One backward of the losses' sum would give the
   same gradient, but it holds every parameter's partial gradient, a whole unsharded gradient, until the block's
-  first micro-batch reaches it, and DeepSpeed reduces nothing before then (at the Qwen2.5-Math-7B shape under
-  ZeRO-2 the first step's training peak was 30 GB above GRPO's, and the second step, with Adam's moments,
-  ran out of memory). Under DDP (not DeepSpeed), whose gradient synchronisation is armed by the forward, the block
-  still runs one backward of the sum, and so holds that extra gradient. A step stopped by an exception inside a
+  first micro-batch reaches it, and DeepSpeed reduces nothing before then (enough to run out of memory at the 7B
+  shapes under ZeRO-2). Under DDP (not DeepSpeed), whose gradient synchronisation is armed by the forward, the
+  block still runs one backward of the sum, and so holds that extra gradient. A step stopped by an exception inside a
   block may leave the block's earlier micro-batches' gradients accumulated (``Trainer.train`` zeroes them when it
   starts again);
 * a block holds the forwards of all its micro-batches at once: with gradient checkpointing, each layer's input of
-  each row (``rows x tokens x hidden_size x 2`` bytes per layer in bf16, about 1.1 GiB for 4 rows of 3,300 tokens
-  at the Qwen2.5-Math-1.5B shape);
+  each row (``rows x tokens x hidden_size x 2`` bytes per layer in bf16);
 * with ``egpo_length_sorted_micro_batches`` and ``egpo_loss_forward_block_tokens``, a block may hold several of those
   smallest blocks (:func:`merged_blocks`: one joins the block before it where that cuts the padding the block's
   forwards compute, within the token budget, decided from every process's lengths so that all processes run the
@@ -77,10 +75,9 @@ FUSED_KEYS = (GROUP_KEY, REWARD_KEY, CORRECT_KEY, MASK_KEY, ROW_KEY)
 
 
 #: The DeepSpeed release line ``loss_forward`` was checked with (benchmarks/loss_forward_check.py, ZeRO-2 and ZeRO-3,
-#: 0.19.8: a backward per micro-batch on the CPU and on H200s, one backward of a block's sum on H100s). Its ZeRO
-#: optimizers close a gradient-accumulation micro-step at the next forward (``clear_backward_seen_flag``), which the
-#: block calls itself after each of its backwards. Earlier releases were not checked: on the CPU 0.17.6 and 0.18.9
-#: did not even run the no-grad pass's training correctly (with torch 2.13).
+#: 0.19.8, on the CPU and on GPUs). Its ZeRO optimizers close a gradient-accumulation micro-step at the next forward
+#: (``clear_backward_seen_flag``), which the block calls itself after each of its backwards. Earlier releases were not
+#: checked: on the CPU 0.17.6 and 0.18.9 did not even run the no-grad pass's training correctly (with torch 2.13).
 DEEPSPEED_CHECKED = "0.19"
 
 

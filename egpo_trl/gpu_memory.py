@@ -5,13 +5,12 @@ of the card whenever it generates. Beside it, training keeps its weights' and op
 Adam and AdamW (DeepSpeed's fused Adam too) create their two moment estimates, each the size of the parameters they
 update, at the first optimizer step, not before. So the first generation of a run has that much more room than
 every later one: a share that fits the first generation can run out of memory at the second, one whole step later.
-On 4 GPUs under ZeRO-3, AdamW's moments of a 7.6B-parameter model take 14.2 GiB of each GPU.
 
 At the first generation of training, with vLLM awake, the trainer reads each GPU's memory in use and adds the
 moments still to come: before vLLM generates, and again once it has (its sampling's buffers are then still held by
-PyTorch's cache). Where the sum comes within 0.5 GiB of the card (or over it) and the run has a later generation, it
-stops, naming the share that would fit: before generating where that reading already says so, else right after the
-first generation, a step before the second would have failed.
+PyTorch's cache). Where the sum comes within ``MARGIN_BYTES`` of the card (or over it) and the run has a later
+generation, it stops, naming the share that would fit: before generating where that reading already says so, else
+right after the first generation, a step before the second would have failed.
 """
 
 from __future__ import annotations
@@ -32,9 +31,8 @@ __all__ = [
 GIB = 1024**3
 #: What the suggested share leaves free on the fullest GPU at later generations, for the allocator's slack.
 HEADROOM_BYTES = 1 * GIB
-#: Later generations must leave this much of the card free to pass: at Qwen2.5-Math-1.5B's shape (one process under
-#: ZeRO-2) the estimate came out 0.11-0.14 GiB below the second generation's measured peak with 4-row micro-batches
-#: (one H100, 2026-11-27; two H200s, 2026-11-28) and 0.75 GiB below with 16-row ones (the H200s).
+#: Later generations must leave this much of the card free to pass: the estimate can come out somewhat below the
+#: peak that the second generation reaches.
 MARGIN_BYTES = 1 * GIB
 #: Optimizers whose state is known: per parameter, tensors shaped and typed like it (exp_avg, exp_avg_sq).
 _ADAM_CLASS_NAMES = ("FusedAdam",)
@@ -136,10 +134,8 @@ def generation_memory_verdict(
     ``readings`` holds, per process, ``(used, total, pending, parameters)``: bytes in use on its GPU with vLLM
     awake, the card's bytes, and the optimizer state still to come (bytes, and of how many parameters).
     ``generated``: read once the generation ran (what vLLM's sampling allocated is still held by PyTorch's cache),
-    rather than before it. On GPU runs the sum came out up to 0.75 GiB below the second generation's measured peak
-    (64.45 against 65.20 GiB at the 1.5B shape with 16-row micro-batches; 0.13 GiB with 4-row ones), so later
-    generations must leave ``MARGIN_BYTES`` (1 GiB) of the card free; the share it suggests leaves ``HEADROOM_BYTES``
-    (1 GiB).
+    rather than before it. The sum can come out somewhat below the second generation's peak, so later generations
+    must leave ``MARGIN_BYTES`` of the card free; the share it suggests leaves ``HEADROOM_BYTES``.
     """
     worst = fullest_reading(readings)
     used, total, pending, parameters = readings[worst]
@@ -161,7 +157,7 @@ def generation_memory_verdict(
         else "No share leaves room for vLLM's weights beside training here: train on more processes so that ZeRO "
         "or FSDP shard the training state further, or run vLLM on GPUs of its own (vllm_mode: server)."
     )
-    # Within the margin: the estimate ran up to 0.75 GiB low on GPU runs, so a sum this close to the card is not a fit.
+    # Within the margin: the estimate can run low, so a sum this close to the card is not a fit.
     outcome, verdict = " and run out of memory a whole step from now", "will not fit"
     if later <= total:
         verdict = "leaves too little room"

@@ -18,10 +18,10 @@ one) is work for nothing. This module plans the pass:
 * when the model allows it (a Llama/Mistral/Qwen-family decoder with full causal attention in every layer, PyTorch's
   SDPA or eager attention) and the masks are plain padding (prompts padded on the left, completions on the right),
   each row is shifted left past its prompt padding and given its original positions as ``position_ids``. The
-  micro-batch then needs no attention mask: SDPA runs its causal flash kernel instead of the memory-efficient kernel
-  with an explicit mask (measured on an H100: that masked kernel took 37% of the pass at 3,272 tokens per row), and
-  each token sees the same tokens at the same positions as in TRL's pass. Anything else (other architectures or
-  attention implementations, sliding windows, holes in a mask) takes the masked path. So do the ``dynamic`` and
+  micro-batch then needs no attention mask: SDPA runs its causal flash kernel instead of the slower
+  memory-efficient kernel with an explicit mask, and each token sees the same tokens at the same positions as in
+  TRL's pass. Anything else (other architectures or attention implementations, sliding windows, holes in a mask)
+  takes the masked path. So do the ``dynamic`` and
   ``longrope`` rotary scalings (the padding after a shifted row carries positions beyond the masked layout's, and
   the dynamic update persists into later forwards), and PEFT prompt learning other than prefix tuning (prompt
   tuning, P-tuning: virtual tokens are prepended to every row and ``position_ids`` are dropped).
