@@ -7,6 +7,7 @@ tiny model. Full benchmark evaluation lives in ``egpo-trl eval``.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -17,7 +18,19 @@ import torch
 
 from egpo_trl.rewards import CORRECT_REWARD, boxed_accuracy_reward
 
-__all__ = ["HeldoutResult", "generate_completions", "heldout_accuracy"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["HeldoutResult", "NO_CORRECT_CAUSES", "generate_completions", "heldout_accuracy"]
+
+#: Why no completion is ever correct, usually: said when none is, before training (:func:`heldout_accuracy`) and in its
+#: first steps (:class:`~egpo_trl.EGPOTrainer`).
+NO_CORRECT_CAUSES = (
+    "The usual causes: prompts given as plain text to a model that needs its chat template (give `prompt` as chat "
+    "messages, [{'role': 'user', 'content': ...}], so that the template is applied); an answer format that does not "
+    "end in \\boxed{...} (boxed_accuracy_reward reads a completion's last box: ask for it in the prompt, and check "
+    "the `answer` column against it); or a reward function that does not score a correct completion as correct (try "
+    "it on one)."
+)
 
 
 @dataclass
@@ -168,7 +181,7 @@ def heldout_accuracy(
     """Accuracy of ``model`` on ``dataset`` under sampling: ``num_samples`` completions per problem.
 
     A completion is correct when ``reward_func`` (by default the paper's Eq. 1 outcome reward) gives it
-    the "correct" reward ``+1``.
+    the "correct" reward ``+1``. When none is, a warning names the usual causes (:data:`NO_CORRECT_CAUSES`).
 
     Args:
         model, tokenizer: the policy to evaluate.
@@ -197,6 +210,13 @@ def heldout_accuracy(
     )
     rewards = reward_func(completions=completions, answer=answers)
     correct = [reward == CORRECT_REWARD for reward in rewards]
+    if not any(correct):
+        logger.warning(
+            "No completion of the held-out set was correct (0 of %d, reward function %s). %s",
+            len(correct),
+            getattr(reward_func, "__name__", type(reward_func).__name__),
+            NO_CORRECT_CAUSES,
+        )
     by_level: dict[str, float] = {}
     if "level" in dataset.column_names:
         buckets: dict[str, list[bool]] = defaultdict(list)

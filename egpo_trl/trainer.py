@@ -101,6 +101,7 @@ from egpo_trl.gpu_memory import (
     optimizer_name,
     pending_optimizer_state_bytes,
 )
+from egpo_trl.heldout import NO_CORRECT_CAUSES
 from egpo_trl.input_checks import check_trainer_inputs, config_makes_forward_random
 from egpo_trl.old_logps import FORWARD_KEYS as _FORWARD_KEYS
 from egpo_trl.resume_state import ExactResumeMixin
@@ -142,6 +143,8 @@ _LENGTHS_KEY = "egpo_completion_lengths"
 _TRUNCATED_KEY = "egpo_completion_truncated"
 # TRL's importance-sampling correction multiplies the loss by its ratios: below this mean, the run is told.
 IS_RATIO_WARNING_THRESHOLD = 0.5
+# Optimizer steps of a run after which, when none of its completions so far was correct, the run is told (once).
+NO_CORRECT_WARNING_STEPS = 4
 
 
 def _mean_of(values: torch.Tensor, where: torch.Tensor) -> float | None:
@@ -652,7 +655,37 @@ class EGPOTrainer(
         for name, seconds in timings.items():
             self._metrics[mode][f"timing/{name}"].append(seconds)
         self._egpo_check_importance_sampling(mode)
+        if mode == "train":
+            self._egpo_check_any_correct(rewards_per_func)
         return output
+
+    def _egpo_check_any_correct(self, rewards_per_func: torch.Tensor) -> None:
+        """Warn once when no completion generated for this run's first ``NO_CORRECT_WARNING_STEPS`` optimizer steps
+        was correct: every group is entirely incorrect, which usually means a setup problem (the causes:
+        :data:`~egpo_trl.heldout.NO_CORRECT_CAUSES`). Stops looking at the first correct completion, or at a
+        correctness reward that is not binary (a score, say: nothing to tell)."""
+        seen = getattr(self, "_egpo_incorrect_seen", 0)
+        if seen is None:
+            return
+        values = rewards_per_func[:, self._egpo_correctness_index]
+        values = values[~torch.isnan(values)]
+        if not set(values.unique().tolist()) <= {-1.0, 0.0}:
+            self._egpo_incorrect_seen = None
+            return
+        first_step = self._egpo_first_step = getattr(self, "_egpo_first_step", self.state.global_step)
+        self._egpo_incorrect_seen = seen + values.numel()
+        if self.state.global_step + 1 - first_step < NO_CORRECT_WARNING_STEPS:
+            return
+        if self.accelerator.is_main_process:
+            logger.warning(
+                "No completion of the first %d optimizer steps was correct (%d completions, none scored above 0 by "
+                "the correctness reward %r): every group is entirely incorrect (egpo/frac_all_incorrect 1). %s",
+                self.state.global_step + 1 - first_step,
+                self._egpo_incorrect_seen,
+                self.reward_func_names[self._egpo_correctness_index],
+                NO_CORRECT_CAUSES,
+            )
+        self._egpo_incorrect_seen = None
 
     def _egpo_check_importance_sampling(self, mode: str) -> None:
         """Warn when TRL's vLLM importance-sampling correction scales this batch's loss far below 1.
