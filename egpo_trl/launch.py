@@ -36,6 +36,7 @@ from egpo_trl.script.resolve import is_local_path, resolve_model_path
 __all__ = [
     "DryRunReport",
     "LaunchPlan",
+    "batch_summary",
     "check_recipe",
     "configure_tracking",
     "dry_run",
@@ -319,6 +320,7 @@ class DryRunReport:
     notes: list[str] = field(default_factory=list)
     command: str | None = None
     precision: str | None = None
+    needs_gpu: list[str] = field(default_factory=list)  # what needs a GPU on this machine that sees none
 
     def render(self) -> str:
         width = max((len(k) for k, _ in self.settings), default=0)
@@ -649,7 +651,7 @@ def _parse_for_dry_run(argv: list[str], report: DryRunReport, plan: LaunchPlan |
     except SystemExit as error:
         message = str(error)
         if ("bf16" in message or "fp16" in message) and _visible_gpus() == 0:
-            report.notes.append("bf16/fp16 not checked: this machine sees no GPU (checked again at launch).")
+            report.needs_gpu.append("bf16" if "bf16" in message else "fp16")
             report.precision = "bf16" if "--bf16" not in argv and "bf16" in message else None
             report.precision = f"{report.precision or 'bf16/fp16'} (as the recipe says; not checked without a GPU)"
             try:
@@ -705,6 +707,9 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
     except SystemExit as error:
         report.problems.append(str(error).removeprefix("egpo-trl train: "))
     parsed = _parse_for_dry_run(argv, report, plan)
+    on_cpu = plan is not None and plan.accelerate_settings.get("use_cpu")
+    if parsed is not None and parsed[1].use_vllm and not (parsed[1].use_cpu or on_cpu) and _visible_gpus() == 0:
+        report.needs_gpu.insert(0, "use_vllm")
 
     if plan is not None:
         report.settings.append(("recipe", plan.recipe))
@@ -735,14 +740,14 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
                     )
             gpus = _visible_gpus()
             if not plan.accelerate_settings.get("use_cpu"):
-                if gpus == 0:
+                if gpus == 0 and not report.needs_gpu:  # with them, a problem below
                     report.notes.append(
                         f"this machine sees no GPU; the launch needs {plan.world_size // plan.machines} on each of "
                         f"{plan.machines} machine(s)."
                         if plan.machines > 1
                         else f"this machine sees no GPU; the launch needs {plan.world_size}."
                     )
-                elif gpus < plan.world_size // plan.machines:
+                elif 0 < gpus < plan.world_size // plan.machines:
                     report.problems.append(
                         f"the launch needs {plan.world_size // plan.machines} GPUs on this machine but it sees {gpus}; "
                         "set num_processes (the total over the machines)."
@@ -754,19 +759,16 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
         world = plan.world_size if plan is not None else 1
         steps_per_generation = args.steps_per_generation or args.gradient_accumulation_steps
         generation_batch = args.per_device_train_batch_size * world * steps_per_generation
-        optimizer_batch = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
+        batch, batch_note = batch_summary(argv, args, world)
+        if batch_note:
+            report.notes.append(batch_note)
         report.settings += [
             ("model", model_args.model_name_or_path),
             ("dataset", f"{script_args.dataset_name} (split {script_args.dataset_train_split})"),
             ("method", args.advantage_estimator),
             ("output_dir", args.output_dir),
             ("completions per prompt", args.num_generations),
-            (
-                "batch",
-                f"{args.per_device_train_batch_size} per device x {world} processes x {args.gradient_accumulation_steps}"
-                f" accumulation = {optimizer_batch} completions ({optimizer_batch / args.num_generations:g} prompts) "
-                "per optimizer step",
-            ),
+            ("batch", batch),
             ("generation batch", f"{generation_batch} completions every {steps_per_generation} step(s)"),
             ("learning rate", args.learning_rate),
             ("length", f"epochs {args.num_train_epochs:g}" if args.max_steps <= 0 else f"max_steps {args.max_steps}"),
@@ -831,4 +833,60 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
         _check_wandb(args, report)
         _check_importance_sampling(args, report)
         _check_disk(args, model_args, report)
+    if report.needs_gpu:  # first: nothing else matters on this machine
+        processes = (
+            f"{plan.world_size // plan.machines} GPUs" if plan is not None and plan.accelerate_config else "a GPU"
+        )
+        report.problems.insert(
+            0,
+            f"this machine sees no GPU, but the recipe needs {processes} ({', '.join(report.needs_gpu)}): run it on a "
+            "machine with GPUs (recipes/demo_tiny_cpu.yaml trains on CPU).",
+        )
+    report.problems = list(dict.fromkeys(report.problems))  # a recipe that cannot be read is reported once
     return report
+
+
+def batch_summary(argv: Sequence[str], args: Any, world: int) -> tuple[str, str | None]:
+    """The completions and prompts of one optimizer step over all processes, and a note when they differ from the
+    recipe's own (its batch sizes over its ``num_processes``, or its accelerate config's)."""
+    per_device, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    batch = per_device * world * accumulation
+    line = (
+        f"{per_device} per device x {world} processes x {accumulation} accumulation = {batch} completions "
+        f"({batch / args.num_generations:g} prompts) per optimizer step"
+    )
+    own = _recipe_batch(option_value(argv, "config"))
+    if own is None or own[0] == batch:
+        return line, None
+    recipe_batch, recipe_processes = own
+    fix = ""
+    if recipe_batch % (per_device * world) == 0:
+        needed = recipe_batch // (per_device * world)
+        how = "halve" if 2 * needed == accumulation else ("double" if needed == 2 * accumulation else "set")
+        fix = f"; to keep the recipe's, {how} gradient_accumulation_steps (--gradient_accumulation_steps {needed})"
+    processes = f", {world} processes for its {recipe_processes}" if world != recipe_processes else ""
+    return line, (
+        f"this launch's optimizer step takes {batch} completions, {batch / recipe_batch:g}x the recipe's "
+        f"{recipe_batch}{processes}{fix}."
+    )
+
+
+def _recipe_batch(recipe: str | None) -> tuple[int, int] | None:
+    """``(completions per optimizer step, processes)`` as the recipe file itself sets them (``None`` when unknown)."""
+    from egpo_trl.config import EGPOConfig
+
+    if recipe is None:
+        return None
+    data = load_recipe(recipe)
+    defaults = EGPOConfig.__dataclass_fields__
+    try:
+        per_device = int(data.get("per_device_train_batch_size", defaults["per_device_train_batch_size"].default))
+        accumulation = int(data.get("gradient_accumulation_steps", defaults["gradient_accumulation_steps"].default))
+        processes = data.get("num_processes")
+        config = data.get("accelerate_config")
+        if processes is None and config is not None and str(config).lower() not in _NONE_VALUES:
+            processes = load_recipe(config, "accelerate config").get("num_processes")
+        processes = int(processes or 1)
+    except (TypeError, ValueError, SystemExit):
+        return None
+    return per_device * processes * accumulation, processes

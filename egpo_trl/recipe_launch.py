@@ -84,10 +84,15 @@ def run_as_script(path: str, argv: Sequence[str] | None = None) -> int:
         return main([path, *argv])
     if not in_distributed_launch():
         return main([path, *argv])
-    recipe = load_recipe(path)
-    accelerate_config = option_value(argv, "accelerate_config") or recipe.get("accelerate_config")
     rank = int(os.environ.get("RANK", "0") or 0)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    try:
+        recipe = load_recipe(path)
+    except SystemExit:
+        if rank != 0:
+            return 1  # the first process says why, once
+        raise
+    accelerate_config = option_value(argv, "accelerate_config") or recipe.get("accelerate_config")
     if accelerate_config is None or str(accelerate_config).lower() in ("", "none", "null", "false"):
         return main(["--config", path, *argv])
     given = launch_parent_options()

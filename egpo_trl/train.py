@@ -28,8 +28,11 @@ A run prints the held-out accuracy before and after training and writes into ``o
 * ``replaced/<time>-from-step-N/``, on a resume from ``checkpoint-N`` of a run that had gone further: the
   records and checkpoints of its later steps, which the resumed run trains again.
 
-``output_dir`` may contain ``{timestamp}``, replaced by the start time (``20260101-120000``), so that
-repeated runs of one recipe never write into each other's folder.
+``output_dir`` may contain ``{timestamp}``, replaced by the start time (``20260101-120000``, the first process's for
+every process of a launch), so that repeated runs of one recipe never write into each other's folder.
+
+The run's first line gives the optimizer step's batch over all processes, and says when it differs from the recipe's
+own (e.g. twice the processes: halve ``gradient_accumulation_steps`` to keep it).
 
 This module is the command; the pieces live in :mod:`egpo_trl.script` (arguments, data, callbacks, plots,
 output folder, the run) and :mod:`egpo_trl.launch` (``accelerate launch``, ``--dry-run``). The names below are
@@ -42,7 +45,7 @@ import os
 import sys
 from pathlib import Path
 
-from egpo_trl.launch import configure_tracking, dry_run, launch_if_requested, normalize_argv
+from egpo_trl.launch import batch_summary, configure_tracking, dry_run, launch_if_requested, normalize_argv
 from egpo_trl.script.args import TrainScriptArguments, batch_shape_problem, make_parser, parse_args
 from egpo_trl.script.callbacks import CompactProgressCallback, MetricsCallback
 from egpo_trl.script.data import SYNTHETIC_DATASET_PREFIX, column_problem, load_datasets
@@ -119,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     output_dir = Path(training_args.output_dir)
     created = not output_dir.exists()
     main_process = os.environ.get("RANK", "0") == "0"
+    if main_process:
+        batch, differs = batch_summary(argv, training_args, training_args.world_size)
+        print(f"Batch: {batch}." + (f" Note: {differs}" if differs else ""), flush=True)
     try:
         configure_tracking(training_args)
         run(script_args, training_args, model_args)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import glob
 import json
 import os
+import socket
 import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from egpo_trl.launch import in_distributed_launch, launch_command, normalize_argv, plan_launch
@@ -229,7 +231,7 @@ def test_dry_run_prints_the_command_of_each_machine(capsys):
 
 def test_train_runs_the_dry_run_checks_before_launching(tmp_path, capsys):
     argv = ["recipes/egpo_qwen15b.yaml", "--accelerate_config", "recipes/accelerate/ddp.yaml", "--use_vllm", "false"]
-    argv += ["--dataset_name", str(tmp_path / "missing"), "--output_dir", str(tmp_path / "run")]
+    argv += ["--bf16", "false", "--dataset_name", str(tmp_path / "missing"), "--output_dir", str(tmp_path / "run")]
     with pytest.raises(SystemExit) as stop:
         main(argv)
     message = str(stop.value)
@@ -237,3 +239,81 @@ def test_train_runs_the_dry_run_checks_before_launching(tmp_path, capsys):
     assert f"dataset {tmp_path / 'missing'} does not exist" in message
     assert "egpo-trl train recipes/egpo_qwen15b.yaml --dry-run" in message
     assert "Launching:" not in capsys.readouterr().out
+
+
+def test_the_dry_run_and_the_run_give_the_global_batch_and_say_when_it_is_not_the_recipes(tmp_path, capsys):
+    from egpo_trl.launch import dry_run
+
+    # Two machines of 8 for a recipe made for 8 processes: each optimizer step takes twice the recipe's batch.
+    two = ["--config", "recipes/egpo_qwen7b.yaml", "--num_machines", "2", "--num_processes", "16"]
+    two += ["--machine_rank", "0", "--main_process_ip", "node-a"]
+    dry_run(two)
+    out = capsys.readouterr().out
+    assert "2 per device x 16 processes x 64 accumulation = 2048 completions (128 prompts) per optimizer step" in out
+    assert (
+        "this launch's optimizer step takes 2048 completions, 2x the recipe's 1024, 16 processes for its 8; to keep "
+        "the recipe's, halve gradient_accumulation_steps (--gradient_accumulation_steps 32)." in out
+    )
+    dry_run([*two, "--gradient_accumulation_steps", "32"])
+    out = capsys.readouterr().out
+    assert "= 1024 completions (64 prompts) per optimizer step" in out and "x the recipe's" not in out
+    # The run's first line says it too, before anything loads (here the output folder then stops it).
+    (tmp_path / "run" / "checkpoint-10").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="already holds"):
+        main(["recipes/demo_tiny_cpu.yaml", *TINY_RUN, "--output_dir", str(tmp_path / "run")])
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "Batch: 8 per device x 1 processes x 1 accumulation = 8 completions (2 prompts) per optimizer step. Note: this "
+        "launch's optimizer step takes 8 completions, 0.125x the recipe's 64; to keep the recipe's, set "
+        "gradient_accumulation_steps (--gradient_accumulation_steps 8)."
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_a_gpu_recipe_on_a_machine_without_one_is_one_problem_first_and_nothing_launches(tmp_path, capsys):
+    from egpo_trl.launch import dry_run
+
+    argv = ["recipes/egpo_qwen15b.yaml", "--output_dir", str(tmp_path / "run")]
+    needs = (
+        "this machine sees no GPU, but the recipe needs 8 GPUs (use_vllm, bf16): run it on a machine with GPUs "
+        "(recipes/demo_tiny_cpu.yaml trains on CPU)."
+    )
+    assert dry_run(["--config", *argv]) == 1
+    out = capsys.readouterr().out
+    assert out.split("problem(s) found:\n")[1].splitlines()[0] == f"  - {needs}"
+    assert "ready to run" not in out and "not checked: this machine sees no GPU" not in out
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert str(stop.value).startswith(f"egpo-trl train: {needs}") and len(str(stop.value).splitlines()) == 1
+    assert "Launching:" not in capsys.readouterr().out
+    # Without vLLM and bf16 the launch can run on CPU: a note, not a problem.
+    dry_run(["--config", *argv, "--use_vllm", "false", "--bf16", "false"])
+    out = capsys.readouterr().out
+    assert "this machine sees no GPU; the launch needs 8." in out.split("problem(s) found")[0]
+    assert "this machine sees no GPU, but" not in out
+
+
+@pytest.mark.slow
+def test_the_processes_of_a_launch_share_one_timestamped_output_dir(tmp_path):
+    """Each process replaces {timestamp} as it parses the recipe; the second one here parses in a later second."""
+    script = tmp_path / "parse.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "time.sleep(1.5 * int(os.environ['RANK']))\n"
+        "from egpo_trl.train import parse_args\n"
+        "_, args, _ = parse_args(['--config', sys.argv[1], '--output_dir', sys.argv[2]])\n"
+        "print('output_dir', args.output_dir, flush=True)\n"
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf")}
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "RANK"):
+        env.pop(name, None)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--mixed_precision", "no"]
+    command += ["--num_processes", "2", "--main_process_port", port, str(script)]
+    command += [str(REPO / "recipes/demo_tiny_cpu.yaml"), str(tmp_path / "run-{timestamp}")]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    folders = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("output_dir ")]
+    assert len(folders) == 2, result.stdout + result.stderr[-3000:]
+    assert folders[0] == folders[1] and "{timestamp}" not in folders[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -874,3 +875,49 @@ def test_metrics_callback_writes_each_training_logs_clock(tmp_path, monkeypatch)
         None, SimpleNamespace(global_step=105, epoch=1.0, is_world_process_zero=False), None, logs={"loss": 1}
     )
     assert not (tmp_path / "other.jsonl").exists()
+
+
+def _demo_copy(tmp_path: Path, name: str, after_first=(), before_last=()) -> Path:
+    """The CPU demo recipe with lines added after its first line and before its last (the one that trains it)."""
+    lines = DEMO_RECIPE.read_text().splitlines(keepends=True)
+    path = tmp_path / name
+    path.write_text("".join([lines[0], *after_first, *lines[1:-1], *before_last, lines[-1]]))
+    return path
+
+
+def test_a_recipe_that_would_not_train_as_written_is_refused_in_one_line_by_every_entry_point(
+    tmp_path, capsys, monkeypatch
+):
+
+    # A key written twice: YAML keeps the last one, so the first would be ignored.
+    twice = _demo_copy(tmp_path, "twice.yaml", after_first=["max_steps: 20\n"])
+    later = next(n for n, line in enumerate(twice.read_text().splitlines(), 1) if line.startswith("max_steps: 100"))
+    duplicate = f"{twice}: max_steps is written twice, on lines 2 and {later}; keep one."
+    # A comment ending in ''' ends the text Python skips: `python quoted.yaml` reads the next line as code (a valid
+    # annotation) and ends before the last line, without training.
+    quoted = _demo_copy(tmp_path, "quoted.yaml", before_last=["# see '''\n", "gradient_accumulation_steps: 1\n"])
+    quotes = f"{quoted} line {len(quoted.read_text().splitlines()) - 2} holds ''', which ends the text Python skips"
+    # A scalar where a list is expected: TRL's parser keeps a recipe's value as written.
+    scalar = _demo_copy(tmp_path, "scalar.yaml", after_first=["reward_funcs: boxed_accuracy_reward\n"])
+    listed = "reward_funcs must be a list, e.g. [boxed_accuracy_reward]."
+    for recipe, message in [(twice, duplicate), (quoted, quotes), (scalar, listed)]:
+        with pytest.raises(SystemExit) as stop:
+            main([str(recipe), "--output_dir", str(tmp_path / "run")])
+        assert message in str(stop.value) and len(str(stop.value).splitlines()) == 1
+        assert main([str(recipe), "--output_dir", str(tmp_path / "run"), "--dry-run"]) == 1
+        out = capsys.readouterr().out
+        assert out.count(message) == 1 and "ready to run" not in out
+    assert not (tmp_path / "run").exists()
+    # `python twice.yaml` and `accelerate launch twice.yaml` run the recipe's last line: the first process says why,
+    # once, and the others stop with it.
+    from egpo_trl.recipe_launch import run_as_script
+
+    with pytest.raises(SystemExit, match=re.escape(duplicate)):
+        run_as_script(str(twice), [])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert run_as_script(str(twice), []) == 1
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit, match=re.escape(duplicate)):
+        run_as_script(str(twice), [])
+    assert capsys.readouterr().out == ""

@@ -320,7 +320,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
     if from_cli:
         raise _unknown_field_error(parser, from_cli, "on the command line")
     if "{timestamp}" in str(training_args.output_dir):
-        training_args.output_dir = str(training_args.output_dir).replace("{timestamp}", time.strftime("%Y%m%d-%H%M%S"))
+        stamp = [time.strftime("%Y%m%d-%H%M%S")]
+        state = getattr(training_args, "distributed_state", None)
+        if state is not None and state.num_processes > 1:  # one folder for the launch: every process takes rank 0's
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(stamp)
+        training_args.output_dir = str(training_args.output_dir).replace("{timestamp}", stamp[0])
     if model_args.model_name_or_path is None:
         raise SystemExit(
             "egpo-trl train: no model given; set model_name_or_path in the recipe or pass --model_name_or_path "
@@ -333,6 +339,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
     problems = training_value_problems(training_args)
     if problems:
         raise SystemExit(f"egpo-trl train: {'; '.join(problems)}.")
+    if isinstance(script_args.reward_funcs, str):  # a YAML scalar (TRL's parser keeps a recipe's value as written)
+        raise SystemExit(f"egpo-trl train: reward_funcs must be a list, e.g. [{script_args.reward_funcs}].")
     _check_correctness_reward(script_args, training_args)
     return script_args, training_args, model_args
 

@@ -17,8 +17,12 @@ YAML and make it a short Python program at the same time::
 
 No text codec is involved, so no escape sequence can break the file. What Python cannot ignore is a line after the
 last one whose value is not a Python expression (``max_steps: 5`` is fine, ``dataset_name: synthetic:arithmetic``
-is not) and ``'''`` between the two lines: ``egpo-trl train --dry-run`` reports both in one line, and
-``python -m egpo_trl.script.recipe RECIPE.yaml`` moves such lines above the last line (nothing is deleted).
+is not): ``egpo-trl train --dry-run`` reports it in one line, and ``python -m egpo_trl.script.recipe RECIPE.yaml``
+moves such lines above the last line (nothing is deleted). A ``'''`` between the two lines ends the text early:
+Python reads the rest as code, and where that code is valid (``max_steps: 20``) it ends without reaching the last
+line, having trained nothing. Only ``egpo-trl`` can say so: every reader of a recipe (:func:`load_recipe`, behind
+``egpo-trl train``, its dry run and a recipe's own last line) refuses such a file in one line naming the line, as it
+refuses a key written twice (YAML would keep the last one).
 """
 
 from __future__ import annotations
@@ -46,24 +50,55 @@ _OLD_HEADER_STARTS = ("# coding: unicode_escape", "# \\nraise SystemExit(")
 _OLD_FOOTER_START = '# \\n"""'
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _safe_load_unique(text: str) -> Any:
+    """``yaml.safe_load`` that refuses a mapping with a key written twice (YAML would keep the last one silently)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            lines: dict[tuple[str, str], int] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                line = key_node.start_mark.line + 1
+                first = lines.setdefault((key_node.tag, key_node.value), line)
+                if first != line:
+                    raise _DuplicateKey(f"{key_node.value} is written twice, on lines {first} and {line}; keep one")
+            return super().construct_mapping(node, deep)
+
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+
+
 def load_recipe(path: str | Path, what: str = "recipe", prog: str = "egpo-trl train") -> dict[str, Any]:
     """Read a recipe's YAML mapping, without the ``egpo_trl_recipe`` marker key.
 
     Raises:
-        SystemExit: with a one-line message for a missing file, invalid YAML or a file that is not a mapping.
+        SystemExit: with a one-line message for a missing file, invalid YAML, a key written twice, a file that is
+            not a mapping, or a ``'''`` that ends the text Python skips (``python`` and ``accelerate launch`` would
+            stop reading the recipe there, and could train nothing).
     """
     import yaml
 
     path = Path(path)
     if not path.is_file():
         raise SystemExit(f"{prog}: the {what} {path} does not exist; check the path.")
+    text = path.read_text()
     try:
-        data = yaml.safe_load(path.read_text())
+        data = _safe_load_unique(text)
+    except _DuplicateKey as error:
+        raise SystemExit(f"{prog}: {path}: {error}.") from None
     except yaml.YAMLError as error:
         raise SystemExit(f"{prog}: {path} is not valid YAML: {error}") from error
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise SystemExit(f"{prog}: {path} must be a YAML mapping of field: value.")
+    quotes = _quotes_line(text.splitlines())
+    if quotes is not None:
+        raise SystemExit(f"{prog}: {_quotes_problem(path, quotes)}")
     data.pop(MARKER_KEY, None)
     return data
 
@@ -89,6 +124,23 @@ def add_script_lines(text: str) -> str:
     return "\n".join([HEADER, *body, FOOTER]) + "\n"
 
 
+def _quotes_line(lines: Sequence[str]) -> int | None:
+    """The first line between a recipe's first and last lines that holds ``'''`` (``None``: none, or no such lines)."""
+    header = next((n for n, line in enumerate(lines, 1) if line.startswith(f"{MARKER_KEY}:")), None)
+    footer = next((n for n, line in enumerate(lines, 1) if _is_footer(line)), None)
+    if header is None or footer is None:
+        return None
+    return next((n for n in range(header + 1, footer) if "'''" in lines[n - 1]), None)
+
+
+def _quotes_problem(path: str | Path, line: int) -> str:
+    return (
+        f"{path} line {line} holds ''', which ends the text Python skips: `python {path}` and `accelerate launch "
+        f"{path}` would stop reading the recipe there; write it otherwise (e.g. \\'\\'\\' in a quoted YAML string, or "
+        "drop it from the comment)."
+    )
+
+
 def script_problem(path: str | Path) -> str | None:
     """Why ``python``/``accelerate launch`` cannot run the recipe ``path`` as written (``None`` when they can).
 
@@ -103,13 +155,9 @@ def script_problem(path: str | Path) -> str | None:
     footer = next((number for number, line in enumerate(lines, 1) if _is_footer(line)), None)
     if footer is None:
         return f"{path} lost its last line (#'''; ...): {fix.replace('move it above', 'restore')}."
-    header = next(number for number, line in enumerate(lines, 1) if line.startswith(f"{MARKER_KEY}:"))
-    quotes = next((n for n in range(header + 1, footer) if "'''" in lines[n - 1]), None)
+    quotes = _quotes_line(lines)
     if quotes is not None:
-        return (
-            f"`accelerate launch {path}` would not read it whole: line {quotes} holds ''', which ends the text Python "
-            "skips; write it otherwise (e.g. \\'\\'\\' in a quoted YAML string, or drop it from the comment)."
-        )
+        return _quotes_problem(path, quotes)
     try:
         tree = ast.parse(text, filename=str(path))
     except SyntaxError as error:
