@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import make_prompt_dataset
 
@@ -110,6 +111,8 @@ def test_dry_run_on_every_recipe(recipe, capsys):
         f"--config {recipe}" in out
     )
     expected = ["dataset outputs/data/openr1_stable_10k/dataset does not exist"]
+    if not torch.cuda.is_available():
+        expected.append("this machine sees no GPU, but the recipe needs 8 GPUs")
     if importlib.util.find_spec("vllm") is None:
         expected.append("use_vllm is true but vLLM is not installed")
     if importlib.util.find_spec("deepspeed") is None:
@@ -210,6 +213,7 @@ RISKY_COMMENT = (
 def _edited_copy(recipe: str, directory: Path) -> Path:
     """The recipe with RISKY_COMMENT after its first line and in its middle, and `max_steps: 2` appended."""
     lines = (REPO / "recipes" / recipe).read_text().splitlines(keepends=True)
+    lines = [line for line in lines if not line.startswith("max_steps:")]  # a key written twice is refused
     middle = len(lines) // 2
     lines = [lines[0], RISKY_COMMENT, *lines[1:middle], RISKY_COMMENT, *lines[middle:], "max_steps: 2\n"]
     path = directory / recipe
@@ -225,7 +229,7 @@ def test_recipe_is_plain_yaml_and_a_python_program(recipe, tmp_path):
     text = (REPO / "recipes" / recipe).read_text()
     assert text.splitlines()[0] == HEADER and text.splitlines()[-1] == FOOTER
     plain = yaml.safe_load(text)
-    assert plain.pop(MARKER_KEY) == "r'''" and load_recipe(REPO / "recipes" / recipe) == plain
+    assert plain.pop(MARKER_KEY) == "(r'''" and load_recipe(REPO / "recipes" / recipe) == plain
     edited = _edited_copy(recipe, tmp_path)
     assert load_recipe(edited) == {**plain, "max_steps": 2}
     assert script_problem(REPO / "recipes" / recipe) is None and script_problem(edited) is None
@@ -254,10 +258,10 @@ def test_a_recipe_broken_for_python_is_reported_and_repaired(tmp_path, capsys):
 
     path = _edited_copy("demo_tiny_cpu.yaml", tmp_path)
     with path.open("a") as file:
-        file.write("dataset_name: synthetic:arithmetic  # not a Python expression\n")
+        file.write("run_name: demo:tiny  # not a Python expression\n")
     before = load_recipe(path)
     problem = script_problem(path)
-    assert "dataset_name: synthetic:arithmetic" in problem and "after the last line" in problem
+    assert "run_name: demo:tiny" in problem and "after the last line" in problem
     assert f"python -m egpo_trl.script.recipe {path}" in problem
     assert dry_run(["--config", str(path), "--output_dir", str(tmp_path / "o")]) == 0  # egpo-trl train still reads it
     assert problem in capsys.readouterr().out
@@ -309,9 +313,9 @@ def test_accelerate_launch_of_a_recipe_trains_it(tmp_path):
     from egpo_trl.train import read_metrics
 
     recipe = _edited_copy("demo_tiny_cpu.yaml", tmp_path)
-    with recipe.open("a") as file:
-        file.write("max_steps: 1\n")
-    result = _accelerate_launch([], recipe, [*SHORT, "--output_dir", str(tmp_path / "run")], tmp_path)
+    result = _accelerate_launch(
+        [], recipe, [*SHORT, "--max_steps", "1", "--output_dir", str(tmp_path / "run")], tmp_path
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward" in r] == [1]
 
@@ -326,14 +330,18 @@ def test_accelerate_launch_uses_the_recipes_accelerate_settings_unless_given_oth
     )
     recipe = _edited_copy("demo_tiny_cpu.yaml", tmp_path)
     with recipe.open("a") as file:
-        file.write(f"accelerate_config: {accelerate_config}\nmax_steps: 1\n")
+        file.write(f"accelerate_config: {accelerate_config}\n")
     recipe.write_text(add_script_lines(recipe.read_text()))  # a path is no Python expression: above the last line
-    result = _accelerate_launch([], recipe, [*SHORT, "--output_dir", str(tmp_path / "a")], tmp_path)
+    result = _accelerate_launch(
+        [], recipe, [*SHORT, "--max_steps", "1", "--output_dir", str(tmp_path / "a")], tmp_path
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"using the recipe's ({accelerate_config})" in result.stdout
     assert f"Launching: accelerate launch --config_file {accelerate_config} -m egpo_trl.train" in result.stdout
     assert (tmp_path / "a" / "metrics.jsonl").is_file()
-    result = _accelerate_launch(["--cpu"], recipe, [*SHORT, "--output_dir", str(tmp_path / "b")], tmp_path)
+    result = _accelerate_launch(
+        ["--cpu"], recipe, [*SHORT, "--max_steps", "1", "--output_dir", str(tmp_path / "b")], tmp_path
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Training with the launch's own settings (--cpu; 1 process(es))" in result.stdout
     assert "Launching:" not in result.stdout and (tmp_path / "b" / "metrics.jsonl").is_file()

@@ -893,8 +893,7 @@ def test_a_recipe_that_would_not_train_as_written_is_refused_in_one_line_by_ever
     twice = _demo_copy(tmp_path, "twice.yaml", after_first=["max_steps: 20\n"])
     later = next(n for n, line in enumerate(twice.read_text().splitlines(), 1) if line.startswith("max_steps: 100"))
     duplicate = f"{twice}: max_steps is written twice, on lines 2 and {later}; keep one."
-    # A comment ending in ''' ends the text Python skips: `python quoted.yaml` reads the next line as code (a valid
-    # annotation) and ends before the last line, without training.
+    # A comment ending in ''' ends the text Python skips early: what follows is a syntax error for `python`.
     quoted = _demo_copy(tmp_path, "quoted.yaml", before_last=["# see '''\n", "gradient_accumulation_steps: 1\n"])
     quotes = f"{quoted} line {len(quoted.read_text().splitlines()) - 2} holds ''', which ends the text Python skips"
     # A scalar where a list is expected: TRL's parser keeps a recipe's value as written.
@@ -921,3 +920,5 @@ def test_a_recipe_that_would_not_train_as_written_is_refused_in_one_line_by_ever
     with pytest.raises(SystemExit, match=re.escape(duplicate)):
         run_as_script(str(twice), [])
     assert capsys.readouterr().out == ""
+    ran = subprocess.run([sys.executable, str(quoted)], capture_output=True, text=True, cwd=tmp_path)
+    assert ran.returncode != 0 and "SyntaxError" in ran.stderr

@@ -4,25 +4,22 @@ A recipe is a YAML mapping of fields (see :mod:`egpo_trl.script.args`). ``accele
 the file they are given with the Python interpreter, so a shipped recipe carries two extra lines that keep it plain
 YAML and make it a short Python program at the same time::
 
-    egpo_trl_recipe: r'''  # this line and the last one let `python` and `accelerate launch` run this file
+    egpo_trl_recipe: (r'''  # this line and the last one let `python` and `accelerate launch` run this file
     model_name_or_path: builtin:tiny-math-qwen2
     ...
-    #'''; from egpo_trl.recipe_launch import run_as_script; raise SystemExit(run_as_script(__file__))
+    #'''); from egpo_trl.recipe_launch import run_as_script; raise SystemExit(run_as_script(__file__))
 
 * YAML reads the first line as one more key (``egpo_trl_recipe``, which every egpo-trl reader drops) and the last
   line as a comment.
-* Python reads the first line as the start of a raw string that the last line closes, so everything between them,
-  comments with ``\\x``, ``\\u``, ``\\N``, LaTeX or ``\"\"\"`` included, is text; the rest of the last line trains
-  the recipe with the command-line overrides (:func:`egpo_trl.recipe_launch.run_as_script`).
+* Python reads the first line as the start of a raw string in parentheses that the last line closes, so everything
+  between them, comments with ``\\x``, ``\\u``, ``\\N``, LaTeX or ``\"\"\"`` included, is text; the rest of the last line
+  trains the recipe with the command-line overrides (:func:`egpo_trl.recipe_launch.run_as_script`).
 
-No text codec is involved, so no escape sequence can break the file. What Python cannot ignore is a line after the
-last one whose value is not a Python expression (``max_steps: 5`` is fine, ``dataset_name: synthetic:arithmetic``
-is not): ``egpo-trl train --dry-run`` reports it in one line, and ``python -m egpo_trl.script.recipe RECIPE.yaml``
-moves such lines above the last line (nothing is deleted). A ``'''`` between the two lines ends the text early:
-Python reads the rest as code, and where that code is valid (``max_steps: 20``) it ends without reaching the last
-line, having trained nothing. Only ``egpo-trl`` can say so: every reader of a recipe (:func:`load_recipe`, behind
-``egpo-trl train``, its dry run and a recipe's own last line) refuses such a file in one line naming the line, as it
-refuses a key written twice (YAML would keep the last one).
+A line after the last one whose value is not a Python expression (``dataset_name: synthetic:arithmetic``) stops
+Python: ``egpo-trl train --dry-run`` reports it, and ``python -m egpo_trl.script.recipe RECIPE.yaml`` moves such lines
+above the last line. A ``'''`` between the two lines ends the text early; the parenthesis makes what follows a
+syntax error rather than code that runs, and every reader of a recipe (:func:`load_recipe`) refuses such a file in
+one line naming the line, as it refuses a key written twice (YAML would keep the last one).
 """
 
 from __future__ import annotations
@@ -43,8 +40,8 @@ __all__ = [
 ]
 
 MARKER_KEY = "egpo_trl_recipe"
-HEADER = f"{MARKER_KEY}: r'''  # this line and the last one let `python` and `accelerate launch` run this file"
-FOOTER = "#'''; from egpo_trl.recipe_launch import run_as_script; raise SystemExit(run_as_script(__file__))"
+HEADER = f"{MARKER_KEY}: (r'''  # this line and the last one let `python` and `accelerate launch` run this file"
+FOOTER = "#'''); from egpo_trl.recipe_launch import run_as_script; raise SystemExit(run_as_script(__file__))"
 # The lines an earlier layout of the recipes used (a `unicode_escape` coding line): recognised and replaced.
 _OLD_HEADER_STARTS = ("# coding: unicode_escape", "# \\nraise SystemExit(")
 _OLD_FOOTER_START = '# \\n"""'
