@@ -1,23 +1,8 @@
 """Build an RL training pool from OpenR1-Math-220k (or any pool in its schema): the paper's *OpenR1-Stable-10k*.
 
-The recipe (paper appendix "Dataset Construction", Table 4) runs these stages in order; every one is a
-field of :class:`OpenR1DataConfig` and can be switched off or re-parameterized:
-
-1. ``answer`` - single-value ground truth enforced, empty ground truth dropped.
-2. ``min_generations`` - at least ``min_generations`` recorded generations.
-3. ``length`` - prompt ``<= max_prompt_tokens`` and response ``<= max_response_tokens``, counted with the
-   policy's tokenizer (the prompt as the chat template renders it).
-4. ``boxed_match`` - the last ``\\boxed{}`` of the reference solution or of any generation matches the answer.
-5. ``decontamination`` - MinHash-LSH near duplicates of evaluation problems removed.
-6. ``deduplication`` - MinHash-LSH near duplicates inside the pool removed (the first occurrence is kept).
-7. ``sampling`` - a ``pool_size`` pool drawn with subset ratios (default/extended) and correctness-bucket
-   ratios (mixed / entirely correct, from the recorded generations' correctness).
-8. ``validation_split`` - ``val_size`` problems of the pool held out.
-9. ``final_prompt_length`` - prompts longer than ``final_max_prompt_tokens`` dropped from both splits.
-
-Stages 1-6 look at one row at a time and run on a stream, chunk by chunk, so the 220k rows (about 10 GB
-with their generations) never sit in memory: only the surviving problems' text, answer and labels are kept.
-Given the same inputs and seed, the output is identical whatever the chunk size.
+The stages of :data:`STAGES` run in order (paper appendix, Table 4), each switched and parameterised by a field
+of :class:`OpenR1DataConfig`. The row-level stages run on a stream, chunk by chunk, so only the surviving
+problems are held in memory; the output does not depend on the chunk size.
 """
 
 from __future__ import annotations
@@ -52,21 +37,6 @@ from egpo_trl.rewards import answers_match, extract_last_boxed
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "BUCKETS",
-    "QWEN_MATH_INSTRUCTION",
-    "STAGES",
-    "BuildResult",
-    "InputSpec",
-    "OpenR1DataConfig",
-    "apportion",
-    "build_openr1_dataset",
-    "correctness_bucket",
-    "is_empty_answer",
-    "is_single_value_answer",
-    "sample_pool",
-]
-
 QWEN_MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 BUCKETS = ("mixed", "entirely_correct", "entirely_incorrect", "unknown")
 STAGES = {
@@ -95,19 +65,9 @@ _OPENR1_COLUMNS = [
 ]
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Configuration
-# --------------------------------------------------------------------------------------------------------------------
-
-
 @dataclass
 class InputSpec:
-    """One input of the pool: a hub dataset (streamed) or local parquet/jsonl files in OpenR1-Math-220k's schema.
-
-    Give either ``path`` (a hub name such as ``open-r1/OpenR1-Math-220k``, or a local copy of such a
-    repository) with ``name``/``split``, or ``data_files`` (local ``.parquet``, ``.jsonl`` or ``.json``
-    files; glob patterns allowed). ``subset`` is the label the subset ratios refer to.
-    """
+    """One input: a streamed hub dataset (``path``) or local parquet/jsonl ``data_files``, labelled ``subset``."""
 
     subset: str
     path: str | None = None
@@ -130,7 +90,6 @@ class InputSpec:
             raise ValueError(f"input {self.subset!r}: `limit` must be >= 0 or null, got {self.limit}.")
 
     def describe(self) -> str:
-        """A one-line description of where the rows come from."""
         if self.data_files:
             return f"local files {', '.join(self.data_files)}"
         where = f"{self.path} (config {self.name or 'default'}, split {self.split}"
@@ -168,18 +127,9 @@ class InputSpec:
             stream = load_dataset(
                 self.path, self.name, split=self.split, revision=self.revision, streaming=True, **kwargs
             )
-        remaining = math.inf if self.limit is None else self.limit
-        if remaining == 0:
-            return
-        for batch in stream.iter(batch_size=batch_size):
-            size = len(next(iter(batch.values())))
-            if size > remaining:
-                batch = {key: values[: int(remaining)] for key, values in batch.items()}
-                size = int(remaining)
-            yield batch
-            remaining -= size
-            if remaining <= 0:
-                return
+        if self.limit is not None:
+            stream = stream.take(self.limit)
+        yield from stream.iter(batch_size=batch_size)
 
 
 def _file_kind(name: str) -> str | None:
@@ -373,7 +323,6 @@ class OpenR1DataConfig:
 
     @classmethod
     def field_names(cls) -> list[str]:
-        """Names of the settings (the keys a YAML recipe may hold)."""
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
@@ -395,7 +344,6 @@ class OpenR1DataConfig:
         return cls.from_dict(values)
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings as plain Python values (inputs included), ready for YAML."""
         return dataclasses.asdict(self)
 
 
@@ -421,10 +369,6 @@ def _check_ratios(name: str, ratios: Any) -> dict[str, float]:
         raise ValueError(f"{name} must be non-negative and sum to 1, got {ratios} (sum {sum(ratios.values()):g}).")
     return ratios
 
-
-# --------------------------------------------------------------------------------------------------------------------
-# Row-level checks
-# --------------------------------------------------------------------------------------------------------------------
 
 _THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _LATEX_SPACE_RE = re.compile(r"\\[,;:! ]")
@@ -453,13 +397,7 @@ def is_empty_answer(answer: Any) -> bool:
 
 
 def is_single_value_answer(answer: Any) -> bool:
-    """Whether a ground truth is one value rather than a list of alternatives or of several answers.
-
-    Several values: more than one list element; a comma or semicolon outside brackets (``2, 3``,
-    ``x=1; y=2``; thousands separators such as ``1,000`` and LaTeX spacing ``\\,`` do not count); the
-    words "or"/"and" (also inside ``\\text{}``); ``\\quad`` separators; ``\\pm``/``\\mp``. A tuple, interval
-    or set written inside brackets (``(1, 2)``, ``[0, 1)``, ``\\{1, 2\\}``) is one value.
-    """
+    """Whether a ground truth is one value: no list of alternatives, no top-level ``,``/``;``, "or"/"and", ``\\pm``."""
     if isinstance(answer, (list, tuple)):
         values = [item for item in answer if not is_empty_answer(item)]
         return len(values) <= 1 and all(is_single_value_answer(item) for item in values)
@@ -479,12 +417,7 @@ def is_single_value_answer(answer: Any) -> bool:
 
 
 def correctness_bucket(row: dict[str, Any], source: str = "math_verify") -> str:
-    """The correctness bucket of a problem from its recorded generations' correctness flags.
-
-    Returns ``"entirely_correct"`` (every flag true), ``"entirely_incorrect"`` (every flag false),
-    ``"mixed"``, or ``"unknown"`` when no flag is recorded. ``source`` picks the flags:
-    ``correctness_math_verify``, ``correctness_llama``, or ``either`` (true if either is true).
-    """
+    """``mixed``, ``entirely_correct``, ``entirely_incorrect`` or ``unknown`` from the recorded correctness flags."""
     verify_flags = list(row.get("correctness_math_verify") or [])
     llama_flags = list(row.get("correctness_llama") or [])
     if source == "math_verify":
@@ -514,17 +447,8 @@ def _snippet(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Sampling
-# --------------------------------------------------------------------------------------------------------------------
-
-
 def apportion(total: int, ratios: dict[str, float]) -> dict[str, int]:
-    """Split ``total`` into integer counts proportional to ``ratios`` (largest remainder; ties in key order).
-
-    >>> apportion(10, {"a": 0.85, "b": 0.15})
-    {'a': 9, 'b': 1}
-    """
+    """Split ``total`` into integer counts proportional to ``ratios`` (largest remainder; ties in key order)."""
     weight = sum(ratios.values())
     exact = {key: round(total * value / weight, 9) for key, value in ratios.items()}
     counts = {key: int(math.floor(value)) for key, value in exact.items()}
@@ -546,19 +470,11 @@ class _Candidate:
 
 
 def sample_pool(candidates: Sequence[Any], config: OpenR1DataConfig) -> tuple[list[Any], dict[str, Any]]:
-    """Draw the pool: ``pool_size`` problems split by ``subset_ratios``, each subset by ``bucket_ratios``.
+    """Draw ``pool_size`` problems split by ``subset_ratios``, each subset by ``bucket_ratios``.
 
-    Each (subset, bucket) cell is shuffled by a generator seeded with ``(seed, subset, bucket)`` and its
-    quota taken from the front, so the draw does not depend on the order cells are visited. Cells short
-    of their quota are filled (``fill_shortfall``) from the same subset's other buckets (largest share
-    first, zero-share buckets such as ``entirely_incorrect`` last), then from the other subsets.
-
-    Args:
-        candidates: objects with ``subset``, ``bucket``, ``source`` and ``index`` attributes, in input order.
-        config: the builder settings (``pool_size``, ``subset_ratios``, ``bucket_ratios``, ``seed``, ...).
-
-    Returns:
-        The pool (in cell order) and a summary: per-cell quota, available and taken counts, and fills.
+    Each (subset, bucket) cell is shuffled with a seed of its own and its quota taken from the front; short
+    cells are filled (``fill_shortfall``) from the same subset's other buckets, then from other subsets.
+    Returns the pool and a summary of quotas, available and taken counts, and fills.
     """
     subsets = list(config.subset_ratios)
     present = {candidate.bucket for candidate in candidates}
@@ -633,15 +549,8 @@ def sample_pool(candidates: Sequence[Any], config: OpenR1DataConfig) -> tuple[li
     return pool, summary
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# The builder
-# --------------------------------------------------------------------------------------------------------------------
-
-
 @dataclass
 class StageStats:
-    """Rows in and out of one stage, per subset, with a few examples of removed rows."""
-
     name: str
     enabled: bool = True
     setting: str = ""
@@ -735,7 +644,6 @@ class _Builder:
         return messages + [{"role": "user", "content": content}]
 
     def prompt_token_counts(self, problems: Sequence[str]) -> list[int]:
-        """Token counts of the prompts as the model sees them (chat template and generation prompt included)."""
         if not problems:
             return []
         tokenizer = self.tokenizer
@@ -1156,22 +1064,10 @@ def _publish(staging: Path, output_dir: Path) -> None:
 
 
 def build_openr1_dataset(config: OpenR1DataConfig, command: str | None = None) -> BuildResult:
-    """Run the OpenR1-Stable recipe described by ``config`` and write its outputs to ``config.output_dir``.
+    """Run the recipe of ``config`` and write ``config.output_dir`` atomically.
 
-    Writes ``dataset/`` (``DatasetDict.save_to_disk`` with ``train`` and ``validation``), ``train.parquet``
-    and ``validation.parquet`` (if ``save_parquet``), ``report.md``, ``stats.json``, ``removed.jsonl`` (one
-    line per removed row: stage, reason, id and details) and ``build_config.yaml`` (the settings used).
-    Every split has the columns ``prompt`` (chat messages), ``answer`` (ground truth string), ``problem``,
-    ``id``, ``subset``, ``bucket`` and ``source``.
-
-    The outputs are built in a sibling staging folder and moved into place at the end, so a failed run
-    leaves nothing half-written, and an earlier build is replaced only when ``overwrite`` is true.
-
-    Args:
-        config: the recipe.
-        command: the command line that asked for the build, recorded in the report.
-
-    Returns:
-        A :class:`BuildResult`.
+    Writes ``dataset/`` (``save_to_disk``: ``train`` and ``validation`` with columns ``prompt``, ``answer``,
+    ``problem``, ``id``, ``subset``, ``bucket``, ``source``), the parquet files, ``report.md``, ``stats.json``,
+    ``removed.jsonl`` and ``build_config.yaml``.
     """
     return _Builder(config, command).build()
