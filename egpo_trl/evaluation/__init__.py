@@ -1,14 +1,4 @@
-"""Benchmark evaluation: pass@1 over ``k`` samples under the paper's protocol, resumable, with per-sample records.
-
-The command line is ``egpo-trl eval`` (:mod:`egpo_trl.evaluation.cli`); the pieces are importable:
-
-* :mod:`~egpo_trl.evaluation.benchmarks`: the benchmark registry, data loading and prompts;
-* :mod:`~egpo_trl.evaluation.scoring`: answer extraction and comparison per benchmark;
-* :mod:`~egpo_trl.evaluation.backends`: transformers and vLLM generation with per-token log-probs;
-* :mod:`~egpo_trl.evaluation.records`: the append-only JSON-lines records;
-* :mod:`~egpo_trl.evaluation.summary`: pass@1, standard errors, Table 1 style tables and comparisons;
-* :mod:`~egpo_trl.evaluation.runner`: :func:`evaluate`, which ties them together.
-"""
+"""Benchmark evaluation: pass@1 over ``k`` samples under the paper's protocol, resumable, with per-sample records."""
 
 from egpo_trl.evaluation.backends import (
     Generation,

@@ -1,8 +1,7 @@
 """Benchmark registry: where each benchmark's rows come from, how its prompt reads, how its answer is scored.
 
-Built-in benchmarks read the files vendored in ``egpo_trl/data/benchmarks/`` (see its README for sources
-and licences), so evaluation runs offline. Any other benchmark can be given as a local ``.jsonl``,
-``.json`` or ``.parquet`` file or as a Hugging Face Hub dataset name, with configurable fields.
+Built-ins read the files vendored in ``egpo_trl/data/benchmarks/`` (offline); any other benchmark is a local
+``.jsonl``/``.json``/``.parquet`` file or a Hub dataset, with configurable fields.
 """
 
 from __future__ import annotations
@@ -19,18 +18,6 @@ from egpo_trl.evaluation.scoring import ANSWER_FORMATS, CHOICE_LETTERS, gold_ans
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "BENCHMARKS",
-    "MATH_INSTRUCTION",
-    "CHOICE_INSTRUCTION",
-    "PAPER_ORDER",
-    "BenchmarkSpec",
-    "Problem",
-    "build_messages",
-    "is_builtin",
-    "load_problems",
-    "resolve_benchmark",
-]
 
 # The MATH-style instruction of the paper's evaluation (and of Qwen2.5-Math's chain-of-thought prompt).
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -43,18 +30,9 @@ CHOICE_INSTRUCTION = (
 class BenchmarkSpec:
     """How to load and score one benchmark.
 
-    Attributes:
-        name: short key, also the name of its records file (``records/<name>.jsonl``).
-        display_name: column title in the summary table.
-        source: ``package:<path>`` (a file vendored under ``egpo_trl/data/benchmarks/``), ``synthetic:<task>``
-            (a held-out split of :mod:`egpo_trl.data.synthetic`), a local file, or a Hub dataset name.
-        question_field: the column with the question text, or with chat messages used as the prompt verbatim.
-        answer_field: the column with the reference answer.
-        answer_format: ``math``, ``gsm8k``, ``minerva`` or ``choice`` (see :mod:`egpo_trl.evaluation.scoring`).
-        choices_field: the column with the choice texts (``choice`` format).
-        id_field: the column with a stable problem id (the row index when absent).
-        split / subset: split and configuration of a Hub dataset (split also picks the synthetic split).
-        instruction: appended to a text question; ``None`` leaves the question as it is.
+    ``source`` is ``package:<path>`` (vendored), ``synthetic:<task>`` (:mod:`egpo_trl.data.synthetic`), a local
+    file or ``hub:<dataset>``; ``question_field`` may hold chat messages, used verbatim; ``instruction`` is
+    appended to a text question (``None``: none); ``id_field`` defaults to the row index.
     """
 
     name: str
@@ -132,16 +110,7 @@ _CHOICES_CANDIDATES = ("choices", "options")
 
 @dataclass
 class Problem:
-    """One benchmark question.
-
-    Attributes:
-        id: stable identifier (records are keyed by ``(id, sample)``).
-        index: position in the benchmark file.
-        question: the question text, or chat messages to use as the prompt verbatim.
-        gold: accepted reference answers (for multiple choice, the correct index as a string).
-        choices: choice texts of a multiple-choice question.
-        meta: other columns worth keeping in the records (level, subject, ...).
-    """
+    """One benchmark question; ``gold`` lists the accepted answers (for multiple choice, the index)."""
 
     id: str
     index: int
@@ -172,10 +141,9 @@ def resolve_benchmark(
     subset: str | None = None,
     instruction: str | None = None,
 ) -> BenchmarkSpec:
-    """The :class:`BenchmarkSpec` for a built-in name, a local file or a Hub dataset name.
+    """The :class:`BenchmarkSpec` of a built-in name, a local file or a Hub dataset; given fields override.
 
-    Field options override the built-in spec (for example ``--split validation`` on ``synthetic``); for a file
-    or a Hub dataset, missing fields are detected from the first row when the data is loaded.
+    Fields left unset for a file or a Hub dataset are detected from its first row when loaded.
     """
     if answer_format is not None and answer_format not in ANSWER_FORMATS:
         raise ValueError(f"Unknown answer format {answer_format!r}; choose one of {ANSWER_FORMATS}.")
@@ -228,13 +196,8 @@ def _parse_rows(text: str, origin: str) -> list[dict[str, Any]]:
                     raise ValueError(f"{origin}, line {number}: not valid JSON ({error}).") from None
         return rows
     data = json.loads(text)
-    if isinstance(data, dict):  # column-oriented {"field": [values, ...]} or {"data": [...]}
-        if "data" in data and isinstance(data["data"], list):
-            return data["data"]
-        columns = list(data)
-        return [dict(zip(columns, values)) for values in zip(*(data[column] for column in columns))]
     if not isinstance(data, list):
-        raise ValueError(f"{origin}: expected a JSON list of objects.")
+        raise ValueError(f"{origin}: expected a JSON list of objects (or a .jsonl file).")
     return data
 
 
@@ -310,15 +273,7 @@ def _minerva_alternatives() -> dict[str, list[str]]:
 
 
 def load_problems(spec: BenchmarkSpec, limit: int | None = None) -> tuple[BenchmarkSpec, list[Problem]]:
-    """Load a benchmark's problems, in file order.
-
-    Args:
-        spec: the benchmark (:func:`resolve_benchmark`).
-        limit: keep the first ``limit`` problems (a slice, for quick runs).
-
-    Returns:
-        ``(spec, problems)``: the spec with any detected fields filled in, and the problems.
-    """
+    """``(spec, problems)``: the first ``limit`` problems in file order, and the spec with detected fields filled in."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}.")
     rows = _load_rows(spec, limit)
@@ -365,12 +320,8 @@ def load_problems(spec: BenchmarkSpec, limit: int | None = None) -> tuple[Benchm
 
 
 def build_messages(problem: Problem, spec: BenchmarkSpec, system_prompt: str | None = None) -> list[dict[str, str]]:
-    """The chat messages of a problem's prompt.
-
-    A text question gets the benchmark's instruction on a new line (after the lettered choices for multiple
-    choice); chat messages stored in the data are used as they are. ``system_prompt`` is put first unless
-    the messages already have a system message.
-    """
+    """The chat messages of a problem's prompt: the question, lettered choices and instruction (chat messages
+    stored in the data as they are), after ``system_prompt`` unless the messages have a system message."""
     if isinstance(problem.question, list):
         messages = [dict(message) for message in problem.question]
     else:

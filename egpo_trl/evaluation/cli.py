@@ -1,19 +1,9 @@
 """``egpo-trl eval``: pass@1 of a model on math benchmarks under the paper's protocol, or a comparison of runs.
 
-Examples::
+    egpo-trl eval --model Qwen/Qwen2.5-Math-1.5B --output-dir runs/base   # Table 1's five benchmarks, k=8
+    egpo-trl eval --compare runs/base runs/egpo                           # side by side, with deltas
 
-    # The paper's protocol (k=8, T=0.6, top-p 0.95, top-k 20) on the five benchmarks of Table 1
-    egpo-trl eval --model Qwen/Qwen2.5-Math-1.5B --benchmarks math500,aime24,mmlu_stem,minerva,gsm8k \\
-        --output-dir runs/qwen-math-1.5b-base
-
-    # A local file or a Hub dataset, with its fields
-    egpo-trl eval --model ./my-model --benchmarks data/test.jsonl --question-field query --answer-field gt \\
-        --output-dir runs/my-model
-
-    # Models side by side, with deltas to the first
-    egpo-trl eval --compare runs/qwen-math-1.5b-base runs/qwen-math-1.5b-egpo
-
-An interrupted run continues where it stopped when started again with the same ``--output-dir``.
+Started again with the same ``--output-dir``, an interrupted run continues where it stopped.
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """Per-sample evaluation records in JSON lines, appended as they finish, so that runs resume.
 
-A record file is only ever appended to. Each line is one finished ``(problem, sample)`` pair; a run that
-is interrupted (killed, out of memory, preempted) leaves every finished line in place, and the next run
-skips the pairs it finds. A line cut short by a crash in the middle of a write is ignored when reading
-and never overwritten: the next append starts on a new line.
-
-Record fields:
-
-``benchmark``, ``problem_id``, ``problem_index``, ``sample``
-    which problem (the benchmark's id, or its row index) and which of its ``k`` samples.
-``prompt``, ``completion``
-    the rendered prompt text and the generated text (special tokens dropped).
-``gold``, ``extracted``, ``correct``
-    accepted reference answers, the answer read from the last ``\\boxed{}``, and the verdict.
-``completion_ids``, ``logprobs``
-    the sampled token ids (end-of-sequence token included) and their log-probabilities under the model.
-``num_prompt_tokens``, ``num_completion_tokens``, ``finish_reason``
-    lengths, and ``"stop"``, ``"length"`` (cut off by the generation budget or the context) or
-    ``"prompt_too_long"`` (the prompt fills the model's context: nothing generated, scored incorrect).
-``thinking_span``, ``answer_span``
-    ``[start, end)`` token ranges of the thinking and answer segments (:mod:`egpo_trl.segments`).
-``entropy``
-    the entropy proxy of the whole completion, paper Eq. 5 (mean negative log-prob).
-``backend``, ``seed``, ``meta``
-    how it was generated, and extra columns of the problem (level, subject).
+One line per finished ``(problem, sample)``: the prompt and completion, ``gold``/``extracted``/``correct``, the
+sampled ``completion_ids`` and their ``logprobs``, ``finish_reason`` (``stop``, ``length`` or
+``prompt_too_long``), the ``thinking_span``/``answer_span`` token ranges (:mod:`egpo_trl.segments`) and the
+whole-completion ``entropy`` (paper Eq. 5). A line torn by a crash is skipped on reading and never overwritten.
 """
 
 from __future__ import annotations
@@ -35,8 +15,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["RecordStore", "iter_records", "record_key"]
 
 
 def record_key(record: dict[str, Any]) -> tuple[str, int]:
@@ -65,17 +43,13 @@ def iter_records(path: str) -> Iterator[dict[str, Any]]:
 
 
 class RecordStore:
-    """An append-only JSON-lines file of records, keyed by ``(problem_id, sample)``.
-
-    Args:
-        path: the file; created (with its folder) on the first append.
-    """
+    """An append-only JSON-lines file of records, keyed by ``(problem_id, sample)``."""
 
     def __init__(self, path: str):
         self.path = path
 
     def load(self) -> dict[tuple[str, int], dict[str, Any]]:
-        """All finished records by key. When a key appears twice, the first record wins."""
+        """All finished records by key (the first record of a key wins)."""
         records: dict[tuple[str, int], dict[str, Any]] = {}
         if not os.path.exists(self.path):
             return records
@@ -88,7 +62,7 @@ class RecordStore:
         return records
 
     def append(self, records: Iterable[dict[str, Any]]) -> int:
-        """Append records, one line each, and flush them to disk before returning. Returns how many."""
+        """Append records, one line each, synced to disk before returning; returns how many."""
         lines = [json.dumps(record, ensure_ascii=False) + "\n" for record in records]
         if not lines:
             return 0

@@ -1,12 +1,7 @@
 """Run an evaluation: sample ``k`` completions per problem, score them, append records, write the summary.
 
-Output folder layout::
-
-    <output_dir>/
-        run.json              model, protocol and benchmark definitions (checked when the run resumes)
-        records/<name>.jsonl  one line per finished (problem, sample), appended as batches finish
-        summary.json          pass@1 and its standard errors per benchmark
-        summary.md            the same, as a Table 1 style Markdown table
+The run folder holds ``run.json`` (model, protocol and benchmarks, checked on resume), ``records/<name>.jsonl``,
+``summary.json`` and ``summary.md``.
 """
 
 from __future__ import annotations
@@ -30,7 +25,6 @@ from egpo_trl.segments import segment_spans
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PROTOCOL_KEYS", "evaluate", "render_prompt"]
 
 # Settings that change what a sample is: a resumed run must use the same ones.
 PROTOCOL_KEYS = ("model", "temperature", "top_p", "top_k", "max_new_tokens", "chat_template", "system_prompt")
@@ -40,11 +34,7 @@ LOGPROB_DIGITS = 6
 
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, str]], use_chat_template: bool) -> tuple[str, list[int]]:
-    """The prompt text and its token ids: the chat template with the generation prompt, or the plain text.
-
-    Without a chat template the messages' contents are joined by blank lines and the tokenizer adds its
-    usual special tokens (a BOS token, for tokenizers that have one).
-    """
+    """The prompt text and ids: the chat template with the generation prompt, or the contents joined by blank lines."""
     if use_chat_template:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -59,7 +49,7 @@ def _now() -> str:
 
 
 def _check_or_write_run(path: str, run: dict[str, Any]) -> dict[str, Any]:
-    """Create ``run.json``, or check that an existing one describes the same protocol; returns the merged run."""
+    """Create ``run.json``, or check that an existing one has the same protocol; returns the merged run."""
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w", encoding="utf-8") as handle:
@@ -161,27 +151,12 @@ def evaluate(
     label: str | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Evaluate a model on benchmarks with ``num_samples`` samples per problem; resumable.
+    """Evaluate ``model_name`` (loaded in ``backend``) on ``benchmarks`` with ``num_samples`` samples per problem.
 
-    Args:
-        backend: a :class:`~egpo_trl.evaluation.backends.TransformersBackend` or ``VLLMBackend``.
-        model_name: the model's name or path (recorded; a resumed run must use the same).
-        benchmarks: the benchmarks (:func:`~egpo_trl.evaluation.benchmarks.resolve_benchmark`).
-        output_dir: the run folder. An existing run there is continued: finished ``(problem, sample)`` pairs
-            are skipped, and the protocol must match.
-        settings: decoding settings.
-        num_samples: ``k``, samples per problem.
-        limit: evaluate only the first ``limit`` problems of each benchmark.
-        seed: run seed; each request's seed derives from it and the request's key.
-        chat_template: ``"auto"`` (use the tokenizer's chat template when it has one), ``"on"`` or ``"off"``.
-        system_prompt: an optional system message.
-        chunk_size: sequences generated between two writes of records (default: the backend's batch size,
-            256 for vLLM).
-        label: the model's name in the summary tables (default: the model's folder name).
-        progress: show progress bars.
-
-    Returns:
-        The summary (also written to ``summary.json`` and ``summary.md``).
+    An existing run in ``output_dir`` is continued: finished ``(problem, sample)`` pairs are skipped and the
+    protocol must match. Each request's seed derives from ``seed`` and its key. ``chat_template`` is ``auto``
+    (the tokenizer's, when it has one), ``on`` or ``off``; ``chunk_size`` sequences are generated between two
+    writes of records. Returns the summary, also written to ``summary.json`` and ``summary.md``.
     """
     from tqdm.auto import tqdm
 
@@ -256,22 +231,16 @@ def evaluate(
         bar = tqdm(
             total=total, initial=total - len(pending), desc=spec.display_name, unit="sample", disable=not progress
         )
+        chunks = [too_long] if too_long else []
+        chunks += [pending[start : start + chunk_size] for start in range(0, len(pending), chunk_size)]
         try:
-            if too_long:
-                keys = [(problem.id, sample) for problem, sample in too_long]
-                seeds = [request_seed(seed, spec.name, problem_id, sample) for problem_id, sample in keys]
-                empty = [Generation([], [], "", "prompt_too_long") for _ in too_long]
-                by_key = {(problem.id, sample): problem for problem, sample in too_long}
-                records = _records_for(by_key, keys, prompts, empty, spec, tokenizer, backend.name, seeds)
-                store.append(records)
-                for record in records:
-                    finished.setdefault((record["problem_id"], record["sample"]), record)
-                bar.update(len(too_long))
-            for start in range(0, len(pending), chunk_size):
-                chunk = pending[start : start + chunk_size]
+            for chunk in chunks:
                 keys = [(problem.id, sample) for problem, sample in chunk]
                 seeds = [request_seed(seed, spec.name, problem_id, sample) for problem_id, sample in keys]
-                generations = backend.generate([prompts[problem.id][1] for problem, _ in chunk], settings, seeds)
+                if chunk is too_long:  # nothing to generate: recorded as unanswered
+                    generations = [Generation([], [], "", "prompt_too_long") for _ in chunk]
+                else:
+                    generations = backend.generate([prompts[problem.id][1] for problem, _ in chunk], settings, seeds)
                 by_key = {(problem.id, sample): problem for problem, sample in chunk}
                 records = _records_for(by_key, keys, prompts, generations, spec, tokenizer, backend.name, seeds)
                 store.append(records)

@@ -1,19 +1,10 @@
 """Reference answers and scoring of completions, per answer format.
 
-Every format reads the prediction from the **last** ``\\boxed{}`` of the completion, as the training reward
-does (:func:`egpo_trl.rewards.extract_last_boxed`), and decides equality with
-:func:`egpo_trl.rewards.answers_match` (string match, then math-verify). What differs between benchmarks is
-how the reference answer is stored and which surface forms count as the same answer:
-
-* ``math`` (MATH-500, AIME, AMC, most custom data): the reference as given. Numbers stored as floats
-  (AMC's ``27.0``) become ``"27"``; zero-padded integers (AIME's ``"025"``) equal ``25``.
-* ``gsm8k``: the reference is the number after the last ``####`` of the worked solution; thousands
-  separators are dropped on both sides.
-* ``minerva``: the reference is the last box of the solution (plus any alternative spellings), and both
-  sides are normalised: trailing units (``\\mathrm{~cm}``, ``\\text{ K}``, ``\\AA``), primes and degree signs
-  are dropped and scientific notation ``1.2e-8`` reads as ``1.2 \\times 10^{-8}``.
-* ``choice`` (MMLU-STEM): the reference is the index of the correct choice; the box may hold the letter
-  (``B``, ``(B)``, ``\\text{B}``, ``B. text``) or the text of the choice.
+Every format reads the prediction from the last ``\\boxed{}`` and compares with
+:func:`egpo_trl.rewards.answers_match`, as the training reward does. ``math``: the reference as given (floats
+such as ``27.0`` read ``27``); ``gsm8k``: the number after the last ``####``, commas dropped; ``minerva``: the
+last box of the solution, units, primes and degrees dropped on both sides and ``1.2e-8`` read as
+``1.2 \\times 10^{-8}``; ``choice``: the index of the correct choice, named in the box by letter or by text.
 """
 
 from __future__ import annotations
@@ -24,15 +15,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from egpo_trl.rewards import answers_match, extract_last_boxed
-
-__all__ = [
-    "ANSWER_FORMATS",
-    "choice_index",
-    "gold_answers",
-    "gsm8k_reference",
-    "normalize_minerva",
-    "score_completion",
-]
 
 ANSWER_FORMATS = ("math", "gsm8k", "minerva", "choice")
 CHOICE_LETTERS = string.ascii_uppercase
@@ -60,16 +42,11 @@ _TRAILING_SYMBOLS += (r"\%", "%", r"\AA", r"\mathring{A}", r"\;", r"\,", r"\!", 
 
 
 def normalize_minerva(answer: str) -> str:
-    """Normalise a Minerva Math answer so that equal quantities compare equal.
-
-    Drops trailing units, degree signs and primes and ``$`` delimiters, and rewrites scientific notation
-    (``4.46e19``, as the references write it) to ``4.46 \\times 10^{19}`` so that math-verify reads it as a
-    number.
+    """Normalise a Minerva Math answer: drop trailing units, degrees, primes and ``$``; ``4.46e19`` becomes
+    ``4.46 \\times 10^{19}``.
 
     >>> normalize_minerva(r"1.6 \\mathrm{~cm}")
     '1.6'
-    >>> normalize_minerva("1.24e-8")
-    '1.24 \\\\times 10^{-8}'
     """
     text = answer.replace("$", "").strip()
     text = re.sub(r"^[a-zA-Z_]\w*\s*=\s*", "", text) if text.count("=") == 1 else text
@@ -84,10 +61,7 @@ def normalize_minerva(answer: str) -> str:
 
 
 def gold_answers(row: dict[str, Any], answer_format: str, answer_field: str) -> list[str]:
-    """The accepted reference answers of a benchmark row, as strings (first = canonical).
-
-    For ``choice``, a single string: the index of the correct choice (``"0"``-based).
-    """
+    """The accepted reference answers of a row, as strings (first = canonical; for ``choice``, the 0-based index)."""
     if answer_format not in ANSWER_FORMATS:
         raise ValueError(f"Unknown answer format {answer_format!r}; choose one of {ANSWER_FORMATS}.")
     if answer_field not in row:
@@ -146,10 +120,7 @@ def _loose_text(text: str) -> str:
 
 
 def choice_index(prediction: str | None, choices: Sequence[str]) -> int | None:
-    """The choice a boxed prediction names: by letter (``B``, ``(B)``, ``\\text{B}``, ``B. text``) or by text.
-
-    Returns ``None`` when the prediction names no choice or more than one.
-    """
+    """The choice a boxed prediction names, by letter (``B``, ``(B)``, ``\\text{B}``, ``B. text``) or by text; ``None`` if not one."""
     if prediction is None:
         return None
     text = _strip_latex_text(prediction)
@@ -173,18 +144,8 @@ def choice_index(prediction: str | None, choices: Sequence[str]) -> int | None:
 def score_completion(
     completion: str, gold: Sequence[str], answer_format: str, choices: Sequence[str] | None = None
 ) -> tuple[str | None, bool]:
-    """Extract the answer of a completion and decide whether it is correct.
-
-    Args:
-        completion: the generated text.
-        gold: accepted reference answers (:func:`gold_answers`); for ``choice``, the correct index as a string.
-        answer_format: one of :data:`ANSWER_FORMATS`.
-        choices: the choice texts (``choice`` format only).
-
-    Returns:
-        ``(extracted, correct)``: the content of the last ``\\boxed{}`` (for ``choice``, the letter of the
-        choice it names, or the raw content when it names none), and whether it matches.
-    """
+    """``(extracted, correct)``: the content of the last ``\\boxed{}`` (for ``choice``, the letter it names, when
+    it names one) and whether it matches one of ``gold``."""
     boxed = extract_last_boxed(completion)
     if answer_format == "choice":
         if choices is None:

@@ -11,8 +11,6 @@ from typing import Any
 
 from egpo_trl.evaluation.benchmarks import BENCHMARKS, PAPER_ORDER
 
-__all__ = ["benchmark_stats", "compare_runs", "format_summary_markdown", "load_summary", "pass_at_1"]
-
 
 def _mean(values: Sequence[float | None]) -> float:
     values = [value for value in values if not _missing(value)]
@@ -28,18 +26,10 @@ def _stderr(values: Sequence[float]) -> float:
 
 
 def pass_at_1(correct: dict[str, dict[int, bool]], num_samples: int) -> dict[str, float]:
-    """Mean pass@1 (%) over problems and samples, and two standard errors.
+    """Mean pass@1 (%) from ``{problem_id: {sample: correct}}`` (samples ``>= num_samples`` ignored).
 
-    Args:
-        correct: ``{problem_id: {sample: correct}}``.
-        num_samples: ``k``, the samples per problem of the protocol (samples ``>= k`` are ignored).
-
-    Returns:
-        ``pass@1``: mean over problems of the fraction of correct samples, in %; equal to the mean of the
-        ``k`` per-trial accuracies when every problem has all ``k`` samples (the paper's "mean pass@1 over
-        8 trials"). ``stderr_trials``: standard error of that mean over the ``k`` trials (trial ``j`` = the
-        ``j``-th sample of every problem), the sampling noise. ``stderr_problems``: standard error over
-        problems, which also counts which problems the benchmark happens to contain.
+    ``pass@1`` is the mean over problems of the fraction of correct samples (the paper's mean pass@1 over ``k``
+    trials); ``stderr_trials`` is its standard error over the ``k`` trials, ``stderr_problems`` over problems.
     """
     per_problem = []
     per_trial: dict[int, list[float]] = defaultdict(list)
@@ -59,11 +49,7 @@ def pass_at_1(correct: dict[str, dict[int, bool]], num_samples: int) -> dict[str
 
 
 def benchmark_stats(records: Iterable[dict[str, Any]], num_samples: int, num_problems: int) -> dict[str, Any]:
-    """Summary numbers of one benchmark from its records (only samples ``< num_samples`` count).
-
-    Samples whose prompt did not fit in the model's context count as incorrect in pass@1 and are left out
-    of the mean completion length.
-    """
+    """Summary numbers of one benchmark; a prompt too long for the model counts as incorrect."""
     correct: dict[str, dict[int, bool]] = defaultdict(dict)
     by_level: dict[str, dict[str, dict[int, bool]]] = defaultdict(lambda: defaultdict(dict))
     lengths: list[int] = []
@@ -177,11 +163,8 @@ def load_summary(run: str) -> dict[str, Any]:
 
 
 def compare_runs(summaries: Sequence[dict[str, Any]], labels: Sequence[str] | None = None) -> str:
-    """Two or more runs side by side, in Markdown: pass@1 per benchmark with its delta to the first run.
-
-    Cells read like the paper's Table 1: ``74.00 (+50.60)``. Benchmarks missing from a run show ``n/a``; the
-    average is over the benchmarks that every run has.
-    """
+    """Two or more runs side by side in Markdown, each pass@1 with its delta to the first run (``74.00 (+50.60)``);
+    the average is over the benchmarks that every run has."""
     if len(summaries) < 2:
         raise ValueError("--compare needs at least two runs.")
     labels = list(
