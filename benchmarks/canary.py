@@ -382,7 +382,8 @@ def _build_model(args: argparse.Namespace) -> Path:
     if args.mode == "cpu":
         path = models / "tiny-char-qwen2"
         if not (path / "config.json").is_file():
-            from egpo_trl.testing import build_tiny_model
+            sys.path.insert(0, str(REPO / "tests"))
+            from tiny_qwen2 import build_tiny_model
 
             build_tiny_model(str(path), seed=args.seed, hidden_size=CPU_HIDDEN_SIZE)
         return path.resolve()
@@ -563,7 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "gpu":
         _check_gpu_prerequisites(args, runs)
     elif not args.no_vllm:
-        from egpo_trl.vllm_cpu import is_vllm_cpu_build
+        sys.path.insert(0, str(REPO / "tests"))
+        from vllm_cpu import is_vllm_cpu_build
 
         if not is_vllm_cpu_build():
             raise CanaryError(

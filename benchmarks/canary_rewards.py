@@ -74,7 +74,7 @@ def freeze_sampler_weights() -> None:
     """Make every vLLM weight sync of this process push the weights of its first sync (the initial weights).
 
     Patches TRL's ``VLLMGeneration._iter_named_params``, the iterator that every sync path reads the trainer's
-    parameters from (TRL's colocate and server syncs, and ``egpo_trl.vllm_cpu``'s sync on CPU builds). The first
+    parameters from (TRL's colocate and server syncs, and ``tests/vllm_cpu.py``'s sync on CPU builds). The first
     call records a CPU copy of each tensor it yields; later calls still walk the trainer's parameters (so gathers
     under ZeRO-3 stay collective) but yield the recorded tensors. Idempotent.
     """
@@ -105,5 +105,9 @@ def freeze_sampler_weights() -> None:
     _frozen_installed = True
 
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from vllm_cpu import install_cpu_weight_sync  # noqa: E402
+
+install_cpu_weight_sync()  # the CPU mode's vLLM colocate runs (the CPU build of vLLM); nothing elsewhere
 if os.environ.get(FREEZE_ENV, "").strip().lower() in ("1", "true", "yes"):
     freeze_sampler_weights()

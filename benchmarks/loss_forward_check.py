@@ -95,7 +95,8 @@ def main() -> int:
     parser.add_argument("--json", help="write the table's rows here")
     args = parser.parse_args()
 
-    from egpo_trl.testing import build_tiny_model
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tiny_qwen2 import build_tiny_model
 
     out = Path(args.out)
     model = build_tiny_model(str(out / "tiny-qwen2"))

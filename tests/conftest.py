@@ -15,10 +15,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-
-from egpo_trl.testing import build_tiny_model  # noqa: E402,F401  (re-exported for the tests)
+from tiny_qwen2 import build_tiny_model  # noqa: E402,F401  (re-exported for the tests)
+from vllm_cpu import install_cpu_weight_sync  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+install_cpu_weight_sync()  # vLLM colocate mode on the CPU build of vLLM (tests marked vllm); nothing elsewhere
 
 
 @pytest.fixture(scope="session")

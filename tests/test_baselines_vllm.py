@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import build_tiny_model
-
-from egpo_trl.vllm_cpu import is_vllm_cpu_build
+from vllm_cpu import is_vllm_cpu_build
 
 TESTS = Path(__file__).resolve().parent
 SCRIPT = TESTS / "scripts" / "vllm_colocate_gec.py"

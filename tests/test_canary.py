@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from egpo_trl.vllm_cpu import is_vllm_cpu_build
+from vllm_cpu import is_vllm_cpu_build
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"

@@ -169,9 +169,8 @@ def test_model_family_budgets():
 
 
 def test_budget_of_a_checkpoint_comes_from_its_chat_template_not_its_name(tmp_path):
+    from tiny_qwen2 import CHAT_TEMPLATE, build_tiny_model
     from transformers import AutoTokenizer
-
-    from egpo_trl.testing import CHAT_TEMPLATE, build_tiny_model
 
     # An R1-style checkpoint saved under a name that says nothing: its template opens the thinking segment.
     reasoning = build_tiny_model(str(tmp_path / "outputs" / "run1"))

@@ -14,7 +14,7 @@ TRL's tests load tiny models and data sets from the Hugging Face Hub (``trl-inte
 access, ``--stand-ins`` (on by default) writes offline stand-ins under the work folder, where the tests' relative
 names resolve: the two models most tests use (``tiny-Qwen2ForCausalLM-2.5`` and
 ``tiny-Qwen2ForSequenceClassification-2.5``, random weights with the character-level tokenizer of
-:func:`egpo_trl.testing.build_tiny_model`), the tiny Qwen3 models (dense, mixture-of-experts and classifier, the same
+``tests/tiny_qwen2.py``), the tiny Qwen3 models (dense, mixture-of-experts and classifier, the same
 tokenizer with TRL's Qwen3 chat template, which renders tool calls) and the ``zen`` data set's
 ``standard_prompt_only`` and ``conversational_prompt_only`` configurations. Tests of other models, of images, of
 scripted completions in Qwen's own token ids, or of GPUs, fail or skip the same way for both trainers. TRL's
@@ -73,7 +73,8 @@ def write_stand_ins(root: Path) -> None:
     from datasets import Dataset
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
-    from egpo_trl.testing import build_tiny_model
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_qwen2 import build_tiny_model
 
     hub = root / "trl-internal-testing"
     causal = hub / "tiny-Qwen2ForCausalLM-2.5"

@@ -1,4 +1,4 @@
-"""Helpers for tests, benchmarks and examples: a tiny Qwen2 causal LM and tokenizer built offline.
+"""A tiny Qwen2 causal LM and tokenizer built offline, for the tests and the benchmarks that check mechanics.
 
 Nothing here downloads anything: the tokenizer is character-level, trained on nothing, and the model has
 random weights. It is small enough for CPU tests and, with a larger ``hidden_size``, for cost benchmarks.
