@@ -164,7 +164,7 @@ class EGPOConfig(GRPOConfig):
 
         > The entropy proxy's log-probs and the loss's forwards: `egpo_entropy_logps`, `egpo_entropy_metrics`,
         `egpo_entropy_tokens_per_batch`, `egpo_entropy_batch_size`, `egpo_length_sorted_micro_batches`,
-        `egpo_loss_forward_block_tokens`, `egpo_cudnn_attention`, `egpo_shift_prompt_padding`
+        `egpo_loss_forward_block_tokens`, `egpo_shift_prompt_padding`
 
         > Baselines (`docs/baselines.md`): NSR `nsr_positive_weight`; EDGE-GRPO `edge_grpo_entropy_normalization`,
         `edge_gec*`; DAPO `dynamic_sampling*`, `overlong_buffer_length`, `overlong_penalty_factor`
@@ -289,14 +289,6 @@ class EGPOConfig(GRPOConfig):
             "several whole groups, sorted by length together, where that cuts padding, up to this many padded tokens "
             "held (rows x their micro-batch's longest row). A block keeps its forwards until its last one has run, so "
             "this bounds their memory. Unset: one group's micro-batches per block."
-        },
-    )
-    egpo_cudnn_attention: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Let SDPA use PyTorch's cuDNN attention kernel in training and evaluation steps: its calls take "
-            "host time that micro-batches of short rows cannot hide, and its kernels are faster, which long rows "
-            "need. Unset: off where max_completion_length is at most 4,096 tokens, on beyond."
         },
     )
     egpo_shift_prompt_padding: bool = field(

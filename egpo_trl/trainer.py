@@ -942,48 +942,11 @@ class EGPOTrainer(
             )
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        with self._egpo_attention_kernels():
-            if getattr(self, "_fused", False):  # called in training only (the model may not be in train mode yet)
-                return self._fused_training_step(
-                    model, inputs, lambda: super(EGPOTrainer, self).training_step(model, inputs, num_items_in_batch)
-                )
-            return super().training_step(model, inputs, num_items_in_batch)
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys: list[str] | None = None):
-        with self._egpo_attention_kernels():
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-
-    #: The ``max_completion_length`` up to which ``egpo_cudnn_attention=None`` turns cuDNN off.
-    CUDNN_OFF_UP_TO_TOKENS = 4096
-
-    def _egpo_cudnn_attention(self) -> bool:
-        """Whether SDPA may use cuDNN in this run's steps: ``egpo_cudnn_attention``, or where it is ``None`` whether
-        ``max_completion_length`` is beyond :attr:`CUDNN_OFF_UP_TO_TOKENS`."""
-        chosen = getattr(self.args, "egpo_cudnn_attention", None)
-        if chosen is not None:
-            return bool(chosen)
-        return (self.max_completion_length or 0) > self.CUDNN_OFF_UP_TO_TOKENS
-
-    @contextmanager
-    def _egpo_attention_kernels(self):
-        """A training or evaluation step (generation, scoring, forwards, backwards and their recomputed forwards) with
-        PyTorch's cuDNN kernel for SDPA off where :meth:`_egpo_cudnn_attention` says so; the setting before the step
-        comes back after it. Where cuDNN is the only SDPA kernel left on (``torch.nn.attention.sdpa_kernel`` around
-        the run), the user's choice stands: turning it off would leave SDPA no kernel."""
-        others = (
-            torch.backends.cuda.flash_sdp_enabled(),
-            torch.backends.cuda.mem_efficient_sdp_enabled(),
-            torch.backends.cuda.math_sdp_enabled(),
-        )
-        if self._egpo_cudnn_attention() or not any(others):
-            yield
-            return
-        before = torch.backends.cuda.cudnn_sdp_enabled()
-        torch.backends.cuda.enable_cudnn_sdp(False)
-        try:
-            yield
-        finally:
-            torch.backends.cuda.enable_cudnn_sdp(before)
+        if getattr(self, "_fused", False):  # called in training only (the model may not be in train mode yet)
+            return self._fused_training_step(
+                model, inputs, lambda: super(EGPOTrainer, self).training_step(model, inputs, num_items_in_batch)
+            )
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if (

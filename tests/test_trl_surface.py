@@ -87,12 +87,7 @@ METHODS = [
     (
         "training_step",
         ["model", "inputs", "num_items_in_batch"],
-        "trainer.py (override: fused.py keeps a block's micro-batches until the last one's step; SDPA's kernels)",
-    ),
-    (
-        "prediction_step",
-        ["model", "inputs", "prediction_loss_only", "ignore_keys"],
-        "trainer.py (override: SDPA's kernels in evaluation steps, egpo_cudnn_attention)",
+        "trainer.py (override: fused.py keeps a block's micro-batches until the last one's step)",
     ),
     # transformers.Trainer's, overridden by ExactResumeMixin (egpo_trl/resume_state.py) for exact resume.
     (
@@ -145,7 +140,6 @@ OVERRIDES = {
     "compute_loss",
     "_prepare_inputs",
     "training_step",
-    "prediction_step",
     # ExactResumeMixin (egpo_trl/resume_state.py): transformers.Trainer's, for exact resume.
     "_save_checkpoint",
     "_load_rng_state",
@@ -310,7 +304,7 @@ SOURCE = [
         "GRPOTrainer.__init__",
         "self.vllm_generation = VLLMGeneration(",
         "the vLLM generator's attribute",
-        "gec.py, vllm_cpu.py",
+        "gec.py, tests/vllm_cpu.py",
     ),
     (
         "VLLMGeneration.generate",
@@ -330,10 +324,10 @@ SOURCE = [
         "the engine is started with the max_num_seqs the trainer gives",
         "sampling/dynamic.py",
     ),
-    ("VLLMGeneration.__init__", "self.mode = mode", "colocate or server", "vllm_cpu.py"),
-    ("VLLMGeneration._init_vllm", "self.llm = LLM(", "the colocated engine", "vllm_cpu.py"),
-    ("VLLMGeneration.sync_weights", "", "replaced on CPU builds by cpu_sync_weights", "vllm_cpu.py"),
-    ("VLLMGeneration._iter_named_params", "", "the weights cpu_sync_weights streams", "vllm_cpu.py"),
+    ("VLLMGeneration.__init__", "self.mode = mode", "colocate or server", "tests/vllm_cpu.py"),
+    ("VLLMGeneration._init_vllm", "self.llm = LLM(", "the colocated engine", "tests/vllm_cpu.py"),
+    ("VLLMGeneration.sync_weights", "", "replaced on CPU builds by cpu_sync_weights", "tests/vllm_cpu.py"),
+    ("VLLMGeneration._iter_named_params", "", "the weights cpu_sync_weights streams", "tests/vllm_cpu.py"),
     (
         "VLLMGeneration.sync_weights",
         "self._iter_named_params()",
@@ -545,26 +539,23 @@ SOURCE = [
 
 # vLLM's own internals, checked only when vLLM is installed: (module, qualified name, parameter names it must take
 # (None: it must exist), used by). The engine's attribute chains llm.llm_engine.model_executor.driver_worker
-# .model_runner (vllm_cpu.py) and llm.llm_engine.vllm_config.cache_config (trainer.py) exist only on a running
+# .model_runner (tests/vllm_cpu.py) and llm.llm_engine.vllm_config.cache_config (trainer.py) exist only on a running
 # engine and are not checked here (tests/test_vllm_cpu.py runs one).
 VLLM = [
     ("vllm", "LLM.generate", ["prompts", "sampling_params"], "resume_state.py (per-prompt sampling seeds)"),
     ("vllm", "LLM.sleep", ["level"], "sampling/gec.py, benchmarks/timing_rewards.py (counted)"),
     ("vllm", "LLM.wake_up", ["tags"], "sampling/gec.py, benchmarks/timing_rewards.py (counted)"),
-    ("vllm", "LLM.reset_prefix_cache", None, "vllm_cpu.py (after a CPU weight reload)"),
+    ("vllm", "LLM.reset_prefix_cache", None, "tests/vllm_cpu.py (after a CPU weight reload)"),
     ("vllm", "SamplingParams.clone", None, "resume_state.py (one SamplingParams per prompt)"),
     ("vllm", "SamplingParams.seed", None, "resume_state.py"),
     (
         "vllm.v1.worker.cpu_model_runner",
         "CPUModelRunner.reload_weights",
         ["weights_iterator", "is_checkpoint_format"],
-        "vllm_cpu.py (cpu_sync_weights)",
+        "tests/vllm_cpu.py (cpu_sync_weights)",
     ),
     ("vllm.config", "CacheConfig.kv_cache_size_tokens", None, "trainer.py (vllm_kv_cache_tokens, the start-up line)"),
-    ("vllm.platforms", "current_platform.is_cpu", None, "vllm_cpu.py (is_vllm_cpu_build)"),
-    ("vllm.utils.cpu_resource_utils", "get_allowed_cpu_list", None, "vllm_cpu.py (memory check)"),
-    ("vllm.utils.cpu_resource_utils", "get_memory_node_info", None, "vllm_cpu.py (memory check)"),
-    ("vllm.utils.cpu_resource_utils", "get_visible_memory_node", None, "vllm_cpu.py (memory check)"),
+    ("vllm.platforms", "current_platform.is_cpu", None, "tests/vllm_cpu.py (is_vllm_cpu_build)"),
 ]
 
 # What TRL's private methods return, checked by calling them on a real trainer: (method, what is expected).
