@@ -1,12 +1,7 @@
-"""``egpo-trl data``: build training datasets.
+"""``egpo-trl data build --config recipes/data/openr1_stable_10k.yaml [--SETTING VALUE ...]``.
 
-Usage::
-
-    egpo-trl data build --config recipes/data/openr1_stable_10k.yaml [--SETTING VALUE ...]
-
-Every setting of :class:`~egpo_trl.data.openr1.OpenR1DataConfig` can be given on the command line and
-overrides the recipe; lists and mappings are written in YAML, for example
-``--subset_ratios '{default: 0.9, extended: 0.1}'`` or ``--decontamination_benchmarks '[math500, gsm8k]'``.
+Every setting of :class:`~egpo_trl.data.openr1.OpenR1DataConfig` overrides the recipe from the command line;
+lists and mappings are YAML, e.g. ``--subset_ratios '{default: 0.9, extended: 0.1}'``.
 """
 
 from __future__ import annotations
@@ -20,8 +15,6 @@ import sys
 from typing import Any
 
 import yaml
-
-__all__ = ["main", "parse_overrides"]
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -59,11 +52,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def parse_overrides(values: dict[str, str]) -> dict[str, Any]:
-    """Turn command-line strings into setting values, following each setting's type.
-
-    Text settings keep the string as given (``null`` means none where the setting allows it); the
-    others are read as YAML, so ``4096``, ``true``, ``null``, ``[a, b]`` and ``{a: 1}`` all work.
-    """
+    """Command-line strings as setting values: text settings as given (``null``: none), the others read as YAML."""
     from egpo_trl.data.openr1 import OpenR1DataConfig
 
     types = {f.name: str(f.type) for f in dataclasses.fields(OpenR1DataConfig)}
@@ -115,10 +104,7 @@ def hub_reachable(timeout: float = 3.0) -> str | None:
 
 
 def hub_problem(config) -> str | None:
-    """Why the build cannot read its Hub inputs or tokenizer here, in one line naming the fix (``None``: it can).
-
-    Inputs read from local files or folders, and a tokenizer given as a local folder, need no network.
-    """
+    """Why the build cannot read its Hub inputs or tokenizer here, in one line naming the fix (``None``: it can)."""
     remote = [spec.path for spec in config.inputs if spec.path and not os.path.exists(os.path.expanduser(spec.path))]
     tokenizer = config.tokenizer
     if tokenizer and not os.path.exists(os.path.expanduser(tokenizer)):
@@ -142,7 +128,6 @@ def hub_problem(config) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``egpo-trl data``; returns the process exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _build_parser()
     args = vars(parser.parse_args(argv))

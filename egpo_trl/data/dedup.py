@@ -1,12 +1,7 @@
-"""Near-duplicate detection with MinHash-LSH, for deduplicating a problem pool and decontaminating it.
+"""Near-duplicate detection with MinHash-LSH (datasketch), for deduplicating a problem pool and decontaminating it.
 
-A problem is turned into a set of word n-gram *shingles* (after light normalization: lower case,
-``\\dfrac``/``\\tfrac`` read as ``\\frac``, ``$`` dropped, whitespace collapsed), hashed into a MinHash
-signature (`datasketch`_), and indexed with locality-sensitive hashing. LSH only proposes candidates;
-every candidate is then checked against the estimated Jaccard similarity of the two signatures, so two
-problems are near duplicates exactly when that estimate is ``>= threshold``.
-
-.. _datasketch: https://ekzhu.com/datasketch/
+Problems become sets of word n-gram shingles of their normalised text; LSH proposes candidates and each is
+checked against the estimated Jaccard similarity, so near duplicates are exactly the pairs at or above the threshold.
 """
 
 from __future__ import annotations
@@ -21,17 +16,6 @@ from pathlib import Path
 
 import numpy as np
 from datasketch import MinHash, MinHashLSH
-
-__all__ = [
-    "BENCHMARK_DIR",
-    "DECONTAMINATION_BENCHMARKS",
-    "BenchmarkProblem",
-    "NearDuplicateIndex",
-    "load_benchmark_problems",
-    "minhashes",
-    "normalize_problem",
-    "shingles",
-]
 
 BENCHMARK_DIR = Path(__file__).resolve().parent / "benchmarks"
 
@@ -57,10 +41,7 @@ def normalize_problem(text: str) -> str:
 
 
 def shingles(text: str, size: int = 3) -> set[bytes]:
-    """The word ``size``-gram shingles of a problem (words and single punctuation marks are the units).
-
-    A text shorter than ``size`` units gives one shingle, the whole text (possibly empty).
-    """
+    """The word ``size``-gram shingles of a problem (a text shorter than ``size`` units is one shingle)."""
     if size < 1:
         raise ValueError(f"shingle size must be >= 1, got {size}.")
     tokens = _TOKEN_RE.findall(normalize_problem(text))
@@ -75,16 +56,7 @@ def minhashes(texts: Sequence[str], num_perm: int = 128, shingle_size: int = 3) 
 
 
 class NearDuplicateIndex:
-    """An LSH index of MinHash signatures that answers "which stored item is a near duplicate of this one?".
-
-    Items are identified by their insertion position (``0, 1, 2, ...``). Lookups are exact with respect
-    to the estimated Jaccard similarity: LSH proposes candidates and each is verified against
-    ``threshold``, so false positives of the banding never count as matches.
-
-    Args:
-        threshold: Jaccard similarity at or above which two items are near duplicates.
-        num_perm: number of MinHash permutations (must match the signatures added).
-    """
+    """An LSH index of MinHash signatures, items identified by insertion position; matches verified against ``threshold``."""
 
     def __init__(self, threshold: float = 0.8, num_perm: int = 128) -> None:
         if not 0.0 < threshold <= 1.0:
@@ -99,18 +71,13 @@ class NearDuplicateIndex:
         return len(self._signatures)
 
     def add(self, minhash: MinHash) -> int:
-        """Store a signature and return its position."""
         key = len(self._signatures)
         self._lsh.insert(key, minhash, check_duplication=False)
         self._signatures.append(np.array(minhash.hashvalues, copy=True))
         return key
 
     def best_match(self, minhash: MinHash) -> tuple[int, float] | None:
-        """The stored item most similar to ``minhash`` among those at or above the threshold.
-
-        Returns:
-            ``(position, estimated_jaccard)``, ties broken by the earliest position, or ``None``.
-        """
+        """``(position, estimated Jaccard)`` of the most similar stored item at or above the threshold (earliest on ties), or ``None``."""
         best: tuple[int, float] | None = None
         hashvalues = minhash.hashvalues
         for key in sorted(self._lsh.query(minhash)):
@@ -126,7 +93,7 @@ def _band_key(band: bytes) -> bytes:
 
 @dataclass(frozen=True)
 class BenchmarkProblem:
-    """One evaluation problem used for decontamination: which benchmark, its row number, its text."""
+    """One evaluation problem used for decontamination."""
 
     benchmark: str
     index: int
@@ -134,11 +101,7 @@ class BenchmarkProblem:
 
 
 def load_benchmark_problems(names: Iterable[str]) -> list[BenchmarkProblem]:
-    """Problem texts of evaluation sets, by vendored name (see :data:`DECONTAMINATION_BENCHMARKS`) or file path.
-
-    A path may point to a ``.jsonl``, ``.json`` (a list of objects) or ``.parquet`` file whose rows have
-    a ``problem`` or ``question`` field.
-    """
+    """Problem texts of evaluation sets, by vendored name or path of a .jsonl/.json/.parquet file with a ``problem`` or ``question`` field."""
     problems: list[BenchmarkProblem] = []
     for name in names:
         if name in DECONTAMINATION_BENCHMARKS:

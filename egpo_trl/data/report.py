@@ -6,8 +6,6 @@ from typing import Any
 
 import yaml
 
-__all__ = ["render_report"]
-
 
 def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")

@@ -1,19 +1,8 @@
 """Synthetic multi-step arithmetic with verifiable answers, for demos, tests and the shipped tiny model.
 
-A problem is a left-to-right chain of additions and subtractions of whole numbers, such as
-``Compute 23 + 8 - 15 + 40.`` Its worked solution, in the paper's format, reasons one operation at a
-time inside ``<think>...</think>`` and then gives the final answer in ``\\boxed{}``::
-
-    <think>23+8=31, 31-15=16, 16+40=56</think> \\boxed{56}
-
-Difficulty grows with the level: level *n* chains *n* operations on numbers from 0 to 30 (see
-:data:`LEVELS`), so it takes *n* reasoning steps, each a chance to slip. Every intermediate result
-stays between 0 and 999, so answers are non-negative integers.
-
-**Splits never overlap.** Which split a problem belongs to is a function of the problem itself (a
-stable hash of its canonical expression), not of the seed or of the order of generation. The
-``test`` split therefore never contains a problem of ``train`` or ``validation``, whatever seeds and
-sizes were used to build them.
+A level-*n* problem chains *n* additions and subtractions of numbers from 0 to 30 (``Compute 23 + 8 - 15.``);
+its worked solution is ``<think>23+8=31, 31-15=16</think> \\boxed{16}``. A problem's split is a stable hash
+of its expression, so splits never share a problem whatever seeds and sizes built them.
 """
 
 from __future__ import annotations
@@ -27,20 +16,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from datasets import Dataset
 
-__all__ = [
-    "DEFAULT_INSTRUCTION",
-    "LEVELS",
-    "SPLITS",
-    "SYNTHETIC_TASKS",
-    "ArithmeticProblem",
-    "LevelSpec",
-    "QUESTION_TEMPLATES",
-    "format_prompt",
-    "load_synthetic_task",
-    "make_arithmetic_dataset",
-    "sample_problem",
-    "split_of",
-]
 
 DEFAULT_INSTRUCTION = "Think step by step inside <think></think>, then put the final answer in \\boxed{}."
 
@@ -54,12 +29,7 @@ _MAX_MISSES = 5000
 
 @dataclass(frozen=True)
 class LevelSpec:
-    """The shape of the problems of one difficulty level.
-
-    Attributes:
-        num_operations: how many additions/subtractions the chain has (the number of reasoning steps).
-        max_operand: operands are drawn from ``[0, max_operand]`` (the first one from ``[1, max_operand]``).
-    """
+    """A level: ``num_operations`` steps on operands in ``[0, max_operand]`` (the first in ``[1, max_operand]``)."""
 
     num_operations: int
     max_operand: int
@@ -78,14 +48,12 @@ class ArithmeticProblem:
 
     @property
     def expression(self) -> str:
-        """The chain as written in the question, e.g. ``"23 + 8 - 15"``."""
         parts = [str(self.operands[0])]
         for operator, operand in zip(self.operators, self.operands[1:]):
             parts += [operator, str(operand)]
         return " ".join(parts)
 
     def steps(self) -> list[tuple[int, str, int, int]]:
-        """The reasoning steps ``(left, operator, right, result)``, one per operation."""
         total, steps = self.operands[0], []
         for operator, operand in zip(self.operators, self.operands[1:]):
             result = total + operand if operator == "+" else total - operand
@@ -95,17 +63,14 @@ class ArithmeticProblem:
 
     @property
     def answer(self) -> int:
-        """The value of the chain."""
         steps = self.steps()
         return steps[-1][3] if steps else self.operands[0]
 
     @property
     def uid(self) -> str:
-        """A stable identifier derived from the expression (the same problem always gets the same id)."""
         return hashlib.blake2b(self.expression.encode(), digest_size=8).hexdigest()
 
     def solution(self) -> str:
-        """The worked solution in the paper's format: steps inside ``<think>...</think>``, then ``\\boxed{answer}``."""
         thoughts = ", ".join(f"{left}{operator}{right}={result}" for left, operator, right, result in self.steps())
         return f"<think>{thoughts}</think> \\boxed{{{self.answer}}}"
 
@@ -142,10 +107,7 @@ def sample_problem(level: int, rng: random.Random) -> ArithmeticProblem:
 def format_prompt(
     question: str, system_prompt: str | None = None, instruction: str | None = DEFAULT_INSTRUCTION
 ) -> list[dict[str, str]]:
-    """A conversational prompt (TRL's format): an optional system message, then the user's question.
-
-    The ``instruction`` (how to format the answer) is appended to the question after a space.
-    """
+    """TRL's conversational prompt: an optional system message, then the question with ``instruction`` appended."""
     content = question if not instruction else f"{question} {instruction}"
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": content})
@@ -175,26 +137,10 @@ def make_arithmetic_dataset(
     system_prompt: str | None = None,
     instruction: str | None = DEFAULT_INSTRUCTION,
 ) -> Dataset:
-    """Build ``num_problems`` distinct arithmetic problems of one split, spread evenly over ``levels``.
+    """``num_problems`` distinct problems of one split, spread evenly over ``levels``, in a seeded shuffled order.
 
-    Args:
-        split: ``"train"``, ``"validation"`` or ``"test"``. Problems are assigned to splits by a hash of
-            the problem (see :func:`split_of`), so splits never share a problem.
-        num_problems: rows to return; level ``levels[i]`` gets ``num_problems // len(levels)`` rows, the
-            first ``num_problems % len(levels)`` levels one more.
-        levels: difficulty levels (keys of :data:`LEVELS`), as integers or a string such as ``"1,2,3"``.
-        seed: seed of the problem sampler. Rows come in a shuffled order that depends only on the seed.
-        system_prompt: optional system message put before the question.
-        instruction: text appended to every question (how to lay out the answer); ``None`` for none.
-
-    Returns:
-        A :class:`datasets.Dataset` with columns ``prompt`` (chat messages), ``answer`` (string),
-        ``level`` (int), ``id`` (string), ``problem`` (the question text) and ``solution`` (a worked
-        solution in the ``<think>...</think> \\boxed{}`` format).
-
-    Raises:
-        ValueError: on an unknown split or level, or when a level has fewer distinct problems in the
-            split than requested.
+    Columns: ``prompt`` (chat messages), ``answer``, ``level``, ``id``, ``problem`` (the question) and
+    ``solution`` (a worked solution). A level with too few distinct problems in the split is an error.
     """
     if split not in SPLITS:
         raise ValueError(f"Unknown split {split!r}; choose one of {list(SPLITS)}.")
@@ -241,7 +187,7 @@ SYNTHETIC_TASKS = {"arithmetic": make_arithmetic_dataset}
 
 
 def load_synthetic_task(name: str, **kwargs: Any) -> Dataset:
-    """Build the built-in synthetic task ``name`` (see :data:`SYNTHETIC_TASKS`) with the given options."""
+    """The built-in synthetic task ``name`` (:data:`SYNTHETIC_TASKS`) built with ``kwargs``."""
     if name not in SYNTHETIC_TASKS:
         raise ValueError(f"Unknown synthetic task {name!r}; built-in tasks: {sorted(SYNTHETIC_TASKS)}.")
     return SYNTHETIC_TASKS[name](**kwargs)

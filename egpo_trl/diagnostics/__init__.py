@@ -1,9 +1,4 @@
-"""Entropy diagnostics of evaluation records: does the policy's uncertainty predict its errors?
-
-The command line is ``egpo-trl diagnose`` (:mod:`egpo_trl.diagnostics.cli`). The numbers come from
-:mod:`~egpo_trl.diagnostics.metrics` (entropy per segment, ROC-AUC, bootstrap) and the figures from
-:mod:`~egpo_trl.diagnostics.plots`.
-"""
+"""Entropy diagnostics of evaluation records (``egpo-trl diagnose``): does the policy's uncertainty predict its errors?"""
 
 from egpo_trl.diagnostics.metrics import (
     SCOPES,

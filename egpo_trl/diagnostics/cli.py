@@ -1,17 +1,7 @@
-"""``egpo-trl diagnose``: does the policy know what it knows? Entropy of correct vs incorrect completions.
+"""``egpo-trl diagnose RUN``: entropy of correct vs incorrect completions in ``egpo-trl eval`` records.
 
-Reads the records of ``egpo-trl eval`` (a run folder or ``.jsonl`` files) and writes, into the output folder:
-
-* ``diagnostics.md`` / ``diagnostics.json``: per scope (whole completion, thinking, answer), the ROC-AUC
-  of the entropy proxy for predicting an incorrect answer (paper Table 3), the mean entropy of correct
-  and incorrect completions and their gap (paper Sec. 5.4), with bootstrap intervals over problems;
-* ``entropies.csv``: the per-completion numbers;
-* ``entropy_density.png``, ``roc_thinking_vs_answer.png``, ``answer_length_vs_entropy.png`` and
-  ``thinking_vs_answer_entropy.png``.
-
-Example::
-
-    egpo-trl diagnose runs/r1-distill-1.5b --output-dir runs/r1-distill-1.5b/diagnostics
+Writes ``diagnostics.md``/``.json`` (per scope: ROC-AUC for predicting an incorrect answer, paper Table 3, and
+the entropy gap, Sec. 5.4, with bootstrap intervals over problems), ``entropies.csv`` and four figures.
 """
 
 from __future__ import annotations
@@ -28,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from egpo_trl.diagnostics.metrics import SCOPES, EntropyTable, entropy_table, scope_report
+from egpo_trl.diagnostics.metrics import SCOPES, EntropyTable, entropy_table, nan_to_none, roc_auc, scope_report
 from egpo_trl.evaluation.records import iter_records
 from egpo_trl.segments import DEFAULT_THINK_END, DEFAULT_THINK_START
 
@@ -153,8 +143,6 @@ def diagnose(
     table: EntropyTable, label: str, num_resamples: int = 1000, seed: int = 0, level: float = 0.95
 ) -> dict[str, Any]:
     """All numbers of the diagnostics for an :class:`EntropyTable`, ready for JSON."""
-    from egpo_trl.diagnostics.metrics import roc_auc
-
     benchmarks = list(dict.fromkeys(table.benchmark))
     by_benchmark = {}
     for name in benchmarks:
@@ -162,7 +150,7 @@ def diagnose(
         by_benchmark[name] = {
             "num_completions": len(part),
             "num_incorrect": int((~part.correct).sum()),
-            **{scope: _none_if_nan(roc_auc(part.scope(scope), ~part.correct)) for scope in SCOPES},
+            **{scope: nan_to_none(roc_auc(part.scope(scope), ~part.correct)) for scope in SCOPES},
         }
     return {
         "label": label,
@@ -176,10 +164,6 @@ def diagnose(
         "scopes": {scope: scope_report(table, scope, num_resamples, seed, level) for scope in SCOPES},
         "by_benchmark": by_benchmark,
     }
-
-
-def _none_if_nan(value: float) -> float | None:
-    return None if math.isnan(value) else value
 
 
 def _write_csv(table: EntropyTable, path: str) -> None:

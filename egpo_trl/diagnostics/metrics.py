@@ -1,9 +1,7 @@
-"""Entropy of evaluation records per segment, ROC-AUC for predicting incorrect answers, bootstrap intervals.
+"""Entropy of evaluation records per segment (paper Eq. 5), ROC-AUC for predicting incorrect answers, bootstrap.
 
-The entropy proxy is the paper's Eq. 5, the mean negative log-probability of the sampled tokens, taken
-over the whole completion, the thinking segment and the answer segment (:mod:`egpo_trl.segments`).
-"Positive" in the ROC analysis is an **incorrect** answer, as in the paper's Table 3: an AUC above 0.5
-means that higher entropy goes with wrong answers.
+"Positive" in the ROC analysis is an incorrect answer, as in the paper's Table 3: an AUC above 0.5 means that
+higher entropy goes with wrong answers.
 """
 
 from __future__ import annotations
@@ -17,30 +15,12 @@ import torch
 
 from egpo_trl.segments import DEFAULT_THINK_END, DEFAULT_THINK_START, segment_entropy, segment_masks
 
-__all__ = [
-    "SCOPES",
-    "EntropyTable",
-    "bootstrap_gap_and_auc",
-    "entropy_table",
-    "roc_auc",
-    "roc_curve",
-    "scope_report",
-]
-
 SCOPES = ("completion", "thinking", "answer")
 
 
 @dataclass
 class EntropyTable:
-    """Per-completion entropies and labels, aligned arrays of length ``N``.
-
-    Attributes:
-        completion / thinking / answer: entropy proxy per scope (``NaN`` where the segment is empty).
-        thinking_tokens / answer_tokens: segment lengths in tokens.
-        correct: whether the answer was correct.
-        group: index of the completion's problem (for the bootstrap over problems).
-        benchmark, problem_id, sample: where each completion comes from.
-    """
+    """Per-completion entropies (``NaN`` for an empty segment), segment lengths and labels, aligned arrays."""
 
     completion: np.ndarray
     thinking: np.ndarray
@@ -103,16 +83,8 @@ def entropy_table(
 ) -> EntropyTable:
     """Per-completion entropy over the whole completion and each segment.
 
-    Args:
-        records: evaluation records with ``logprobs`` and ``correct``, plus ``completion_ids`` (when a
-            ``tokenizer`` is given) or the ``thinking_span`` / ``answer_span`` written by ``egpo-trl eval``.
-        tokenizer: when given, segments are recomputed from the token ids with
-            :func:`egpo_trl.segments.segment_masks` (for records of other tools, or other tags).
-        think_start / think_end: the tags (with ``tokenizer`` only).
-        batch_size: completions per vectorised batch.
-
-    Returns:
-        An :class:`EntropyTable`.
+    Segments come from the records' ``thinking_span``/``answer_span`` (written by ``egpo-trl eval``), or, with a
+    ``tokenizer``, from their ``completion_ids`` (:func:`egpo_trl.segments.segment_masks`).
     """
     # Samples without generated tokens (a prompt longer than the model's context) have no entropy.
     records = [record for record in records if record.get("logprobs")]
@@ -178,10 +150,7 @@ def _weighted_auc(scores: np.ndarray, positive: np.ndarray, weights: np.ndarray)
 
 
 def roc_auc(scores: Sequence[float], positive: Sequence[bool]) -> float:
-    """Area under the ROC curve of ``scores`` for the ``positive`` class (Mann-Whitney U / (n_pos n_neg)).
-
-    Ties count one half. ``NaN`` scores are left out; the AUC is ``NaN`` when a class is empty.
-    """
+    """ROC-AUC of ``scores`` for the ``positive`` class (ties count one half, ``NaN`` scores left out)."""
     scores = np.asarray(scores, dtype=float)
     positive = np.asarray(positive, dtype=bool)
     keep = ~np.isnan(scores)
@@ -191,10 +160,7 @@ def roc_auc(scores: Sequence[float], positive: Sequence[bool]) -> float:
 
 
 def roc_curve(scores: Sequence[float], positive: Sequence[bool]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ROC curve points ``(fpr, tpr, thresholds)``, predicting positive when ``score >= threshold``.
-
-    Starts at ``(0, 0)`` (threshold ``+inf``) and ends at ``(1, 1)``; ``NaN`` scores are left out.
-    """
+    """``(fpr, tpr, thresholds)``, positive when ``score >= threshold``, from ``(0, 0)`` to ``(1, 1)``; ``NaN`` left out."""
     scores = np.asarray(scores, dtype=float)
     positive = np.asarray(positive, dtype=bool)
     keep = ~np.isnan(scores)
@@ -218,14 +184,10 @@ def bootstrap_gap_and_auc(
     seed: int = 0,
     chunk: int = 200,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Bootstrap replicates of the entropy gap (incorrect minus correct mean) and of the AUC.
+    """Bootstrap replicates ``(gaps, aucs)`` of the entropy gap (incorrect minus correct mean) and of the AUC.
 
-    Resamples **problems** with replacement and keeps all their completions (a cluster bootstrap): the
-    ``k`` samples of one problem are not independent, and resampling completions would understate the
-    uncertainty.
-
-    Returns:
-        ``(gaps, aucs)``, each ``[num_resamples]`` (``NaN`` for replicates that lack a class).
+    Problems are resampled with all their completions (a cluster bootstrap: a problem's ``k`` samples are
+    not independent).
     """
     keep = ~np.isnan(scores)
     scores, correct, group = scores[keep], correct[keep].astype(bool), group[keep]
@@ -256,7 +218,7 @@ def _interval(values: np.ndarray, level: float) -> list[float | None]:
     return [float(np.quantile(values, tail)), float(np.quantile(values, 1 - tail))]
 
 
-def _number(value: float) -> float | None:
+def nan_to_none(value: float) -> float | None:
     return None if value is None or np.isnan(value) else float(value)
 
 
@@ -264,7 +226,7 @@ def scope_report(
     table: EntropyTable, scope: str, num_resamples: int = 1000, seed: int = 0, level: float = 0.95
 ) -> dict[str, Any]:
     """Table 3 and Sec. 5.4 numbers for one scope: AUC for predicting incorrect answers, mean entropy of
-    correct and incorrect completions, their gap (incorrect minus correct), with bootstrap intervals."""
+    correct and incorrect completions and their gap, with bootstrap intervals."""
     scores = table.scope(scope)
     defined = ~np.isnan(scores)
     correct = table.correct
@@ -277,11 +239,11 @@ def scope_report(
         "num_correct": int((defined & correct).sum()),
         "num_incorrect": int((defined & ~correct).sum()),
         "num_undefined": int((~defined).sum()),
-        "auc_incorrect": _number(roc_auc(scores, ~correct)),
+        "auc_incorrect": nan_to_none(roc_auc(scores, ~correct)),
         "auc_interval": _interval(aucs, level),
-        "mean_entropy_correct": _number(mean_correct),
-        "mean_entropy_incorrect": _number(mean_incorrect),
-        "gap": _number(mean_incorrect - mean_correct),
+        "mean_entropy_correct": nan_to_none(mean_correct),
+        "mean_entropy_incorrect": nan_to_none(mean_incorrect),
+        "gap": nan_to_none(mean_incorrect - mean_correct),
         "gap_interval": _interval(gaps, level),
         "interval_level": level,
         "num_resamples": num_resamples,

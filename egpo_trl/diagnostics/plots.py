@@ -8,8 +8,6 @@ import numpy as np
 
 from egpo_trl.diagnostics.metrics import SCOPES, EntropyTable, roc_auc, roc_curve
 
-__all__ = ["plot_all", "plot_density", "plot_length_vs_entropy", "plot_roc", "plot_thinking_vs_answer"]
-
 LOG_FLOOR = 1e-6
 CORRECT_COLOR = "#2a9d8f"
 INCORRECT_COLOR = "#e76f51"
@@ -106,10 +104,7 @@ def _density_panel(axis, values: np.ndarray, correct: np.ndarray, title: str) ->
 
 
 def plot_density(table: EntropyTable, path: str, title: str = "", note: str | None = None) -> str:
-    """Density of the entropy of correct vs incorrect completions, one panel per scope (paper Fig. 3 style).
-
-    Dashed lines mark the class means; the title gives their gap Δ (incorrect minus correct).
-    """
+    """Density of the entropy of correct vs incorrect completions per scope, means and gap marked (paper Fig. 3)."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(SCOPES), figsize=(4.2 * len(SCOPES), 3.4))
     for axis, scope in zip(axes, SCOPES):

@@ -1,10 +1,4 @@
-"""The tiny math reasoning model shipped with egpo_trl, and the script that builds it.
-
-``python -m egpo_trl.tiny_model.build --output DIR`` trains a tokenizer, builds a small Qwen2 causal
-LM with untied embeddings and fine-tunes it on worked solutions of the synthetic arithmetic task.
-The built model ships in ``egpo_trl/assets/tiny-math-qwen2`` and loads with
-``AutoModelForCausalLM.from_pretrained(tiny_model_path())``.
-"""
+"""The tiny math reasoning model shipped in ``egpo_trl/assets/tiny-math-qwen2``, and its build script (``build.py``)."""
 
 from __future__ import annotations
 

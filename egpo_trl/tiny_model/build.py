@@ -1,35 +1,10 @@
-"""Build the tiny math reasoning model: tokenizer, Qwen2 architecture, supervised fine-tuning, model card.
+"""Build the tiny math reasoning model: ``python -m egpo_trl.tiny_model.build --output DIR``.
 
-Usage::
-
-    python -m egpo_trl.tiny_model.build --output egpo_trl/assets/tiny-math-qwen2 [--seed 0] [--sft-steps N]
-
-Steps:
-
-1. **Tokenizer.** A byte-level BPE trained with the ``tokenizers`` library on the rendered training
-   conversations. Digits are always split into single characters, so numbers have one spelling.
-   ``<|endoftext|>`` (padding), ``<|im_start|>`` and ``<|im_end|>`` (end of turn, the EOS token) are
-   special tokens; ``<think>`` and ``</think>`` are ordinary added tokens, so they survive decoding
-   with ``skip_special_tokens=True``. The chat template renders ChatML, as Qwen2 chat models do.
-2. **Model.** A ``Qwen2ForCausalLM`` of about a million parameters with ``tie_word_embeddings=False``
-   (the CPU build of vLLM wants untied input and output embeddings).
-3. **Supervised fine-tuning** on worked solutions of the ``train`` split of the synthetic arithmetic
-   task (:mod:`egpo_trl.data.synthetic`), loss on the assistant tokens only. The number of steps is
-   chosen so that the model is a *partial* reasoner: it always answers in the
-   ``<think>...</think> \\boxed{}`` format but often slips on a step, which leaves room for RL.
-4. **Evaluation** on the ``test`` split (never seen in training) by sampling, and a model card that
-   records how the model was made and what it scores.
-
-Everything is seeded and the build runs on a fixed number of threads (``--num-threads``, default 2):
-two builds with the same arguments and torch version on the same kind of CPU give the same weights.
-On a machine busy with other work ``--num-threads 1`` is faster; its weights differ in the last bits.
-
-Larger variants come from the same recipe with other sizes, on a GPU with ``--device cuda``; for example
-a 25M-parameter model (used for the GPU run of the quickstart notebook)::
-
-    python -m egpo_trl.tiny_model.build --output models/small-math-qwen2 --device cuda \
-        --hidden-size 512 --intermediate-size 1536 --num-hidden-layers 8 --num-attention-heads 8 \
-        --learning-rate 1e-3
+A byte-level BPE tokenizer (digits split, ChatML template), a ``Qwen2ForCausalLM`` with untied embeddings (the
+CPU build of vLLM wants them), supervised fine-tuning on slipped worked solutions of the synthetic task's
+``train`` split (a partial reasoner, leaving room for RL), an evaluation on its ``test`` split, and a model
+card. Seeded on a fixed number of threads, two builds with the same arguments and torch version on the same
+kind of CPU give the same weights. Larger variants: other sizes with ``--device cuda``.
 """
 
 from __future__ import annotations
@@ -61,8 +36,6 @@ from egpo_trl.data.synthetic import (
     sample_problem,
     split_of,
 )
-
-__all__ = ["BuildConfig", "CHAT_TEMPLATE", "build_model", "build_tokenizer", "main", "supervised_finetune"]
 
 # ChatML, as used by Qwen2 chat models. The generation prompt opens the assistant turn.
 CHAT_TEMPLATE = (
@@ -107,13 +80,6 @@ class BuildConfig:
     tokenizer_corpus_size: int = 5000
 
 
-def _set_threads(num_threads: int) -> None:
-    # A fixed thread count makes the floating-point sums, and so the weights, the same on every machine
-    # with the same CPU kind.
-    if num_threads > 0:
-        torch.set_num_threads(num_threads)
-
-
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -124,11 +90,7 @@ SLIP_OFFSETS = (-10, -2, -1, 1, 2, 10)
 
 
 def slipped_solution(problem: ArithmeticProblem, rng: random.Random, slip_prob: float) -> str:
-    """A worked solution in which each step's result is, with probability ``slip_prob``, off by a small amount.
-
-    Later steps carry on from the slipped value, so a slip makes the final answer wrong, as a real
-    arithmetic mistake does. With ``slip_prob=0`` this is ``problem.solution()``.
-    """
+    """A worked solution whose steps each slip by a small offset with probability ``slip_prob``; later steps carry on."""
     total, thoughts = problem.operands[0], []
     for operator, operand in zip(problem.operators, problem.operands[1:]):
         result = total + operand if operator == "+" else total - operand
@@ -153,17 +115,13 @@ def _sample_train_example(level: int, rng: random.Random, slip_prob: float = 0.0
 def _iter_train_problems(
     levels: Sequence[int], rng: random.Random, slip_prob: float = 0.0
 ) -> Iterator[tuple[list[dict[str, str]], str]]:
-    """An endless stream of (prompt messages, solution) from the ``train`` split, levels drawn uniformly."""
+    """An endless stream of (prompt, solution) of the ``train`` split, levels drawn uniformly."""
     while True:
         yield _sample_train_example(rng.choice(levels), rng, slip_prob)
 
 
 def build_tokenizer(corpus: Sequence[str], vocab_size: int) -> Any:
-    """Train a byte-level BPE on ``corpus`` and wrap it as a transformers fast tokenizer with a chat template.
-
-    Returns:
-        A ``PreTrainedTokenizerFast`` whose pad token is ``<|endoftext|>`` (id 0) and EOS ``<|im_end|>``.
-    """
+    """A byte-level BPE trained on ``corpus``, as a fast tokenizer with the ChatML template (pad id 0, EOS ``<|im_end|>``)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -247,11 +205,7 @@ def _collate(encoded: list[tuple[list[int], list[int]]], pad_id: int) -> dict[st
 def supervised_finetune(
     model: torch.nn.Module, tokenizer: Any, config: BuildConfig, log_every: int = 100
 ) -> list[dict[str, float]]:
-    """Fine-tune ``model`` on a stream of worked solutions (completion tokens only), AdamW + cosine schedule.
-
-    Returns:
-        The training log: one ``{"step", "loss", "lr"}`` record every ``log_every`` steps.
-    """
+    """Fine-tune on a stream of worked solutions (completion tokens only), AdamW with warm-up and cosine decay; returns the log."""
     levels = [int(level) for level in config.levels.split(",")]
     rng = random.Random(f"sft/{config.seed}")
     optimizer = torch.optim.AdamW(
@@ -499,7 +453,8 @@ def _check_output(output: Path, overwrite: bool) -> None:
 def build(config: BuildConfig, output: Path) -> dict[str, Any]:
     """Run the whole build and save the model, tokenizer, build record and model card in ``output``."""
     start, cpu_start = time.time(), time.process_time()
-    _set_threads(config.num_threads)
+    if config.num_threads > 0:  # a fixed thread count fixes the order of floating-point sums
+        torch.set_num_threads(config.num_threads)
     if config.device not in ("cpu", "cuda") and not config.device.startswith("cuda:"):
         raise SystemExit(f"--device {config.device}: expected cpu, cuda or cuda:N.")
     if config.device.startswith("cuda") and not torch.cuda.is_available():
@@ -562,7 +517,6 @@ def build(config: BuildConfig, output: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line entry point of the build (see the module docstring)."""
     parser = argparse.ArgumentParser(
         prog="python -m egpo_trl.tiny_model.build",
         description="Build the tiny math reasoning model (tokenizer, Qwen2 model, SFT, evaluation, model card).",
