@@ -126,24 +126,6 @@ def test_the_safe_prefix_matches_the_definition_with_a_byte_fallback_vocabulary(
         assert boxed_safe_prefix(ids, decode) == _linear_safe_prefix(ids, decode), decode(ids)
 
 
-def test_the_helpers_stay_importable_from_the_trainer_module():
-    import egpo_trl.sampling.gec as gec
-    import egpo_trl.trainer as trainer
-
-    assert trainer.boxed_safe_prefix is gec.boxed_safe_prefix
-    assert trainer.SOLUTION_ANSWER_SUFFIX is gec.SOLUTION_ANSWER_SUFFIX
-
-
-def test_the_mixin_adds_methods_and_overrides_nothing_of_grpo_trainer():
-    from trl import GRPOTrainer
-
-    from egpo_trl.sampling import GuidedErrorCorrectionMixin
-
-    own = {name for name in vars(GuidedErrorCorrectionMixin) if not name.startswith("__")}
-    assert own and not own & set(dir(GRPOTrainer)) and not own & set(vars(EGPOTrainer))
-    assert GuidedErrorCorrectionMixin in EGPOTrainer.__mro__ and issubclass(EGPOTrainer, GRPOTrainer)
-
-
 # ----------------------------------------------------------------------------- continuations across processes
 def _engine(prompt: list[int]) -> list[int]:
     """A deterministic stand-in for the sampler's continuation of one prompt: it names the prompt it came from."""
@@ -186,49 +168,6 @@ def test_padding_refuses_a_count_above_the_gathered_maximum():
 
     with pytest.raises(ValueError, match="more than the gathered maximum"):
         pad_continuation_batch([[1], [2]], [1, 1], filler=[0])
-
-
-def _reward_model_and_batch(tiny_model_dir):
-    from transformers import AutoConfig, AutoTokenizer, Qwen2ForSequenceClassification
-
-    config_ = AutoConfig.from_pretrained(tiny_model_dir, num_labels=1)
-    torch.manual_seed(0)
-    model = Qwen2ForSequenceClassification(config_).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    batch = tokenizer(["1 + 1 = 2", "2 + 2 = 5", "3 + 3 = 6"], return_tensors="pt", padding=True)
-    return model, dict(batch)
-
-
-@pytest.mark.parametrize("always_forward", [False, True])
-def test_a_reward_model_with_no_rewritten_rows_runs_a_discarded_forward_across_processes(
-    tiny_model_dir, always_forward
-):
-    """Under ZeRO-3 every forward is collective: with several processes, a process with nothing to re-score still
-    runs the reward model once (on one row), and its scores stay the cached ones."""
-    from egpo_trl.sampling.gec import _RowSubsetRewardModel
-
-    model, batch = _reward_model_and_batch(tiny_model_dir)
-    batch_sizes = []
-    model.register_forward_hook(
-        lambda module, args, kwargs, output: batch_sizes.append(len(kwargs["input_ids"])), with_kwargs=True
-    )
-    cached = torch.tensor([0.25, -1.0, 0.5])
-    wrapped = _RowSubsetRewardModel(model, [], cached, 3, always_forward=always_forward)
-    with torch.no_grad():
-        logits = wrapped(**batch).logits
-    torch.testing.assert_close(logits[:, 0], cached)
-    assert batch_sizes == ([1] if always_forward else [])
-
-    # With rows to re-score, only those rows go through the model, and only their scores change.
-    batch_sizes.clear()
-    wrapped = _RowSubsetRewardModel(model, [1], cached, 3, always_forward=always_forward)
-    with torch.no_grad():
-        logits = wrapped(**batch).logits[:, 0]
-        expected = model(**batch).logits[1, 0]
-    assert batch_sizes[0] == 1
-    torch.testing.assert_close(logits[[0, 2]], cached[[0, 2]])
-    torch.testing.assert_close(logits[1], expected, rtol=1e-4, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------- real runs
@@ -287,6 +226,16 @@ def test_guided_error_correction_rewrites_incorrect_completions(tmp_path, tiny_m
         rows(generated["completion_ids"], generated["completion_mask"])
     )
     assert completion_text(completions[0])
+
+
+@pytest.mark.slow
+def test_guided_error_correction_refuses_reward_functions_it_cannot_rescore_by_row(tmp_path, tiny_model_dir):
+    async def async_reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    args = gec_config(tmp_path, egpo_correctness_reward="boxed_accuracy_reward")
+    with pytest.raises(ValueError, match="not reward models or async functions"):
+        EGPOTrainer(tiny_model_dir, [boxed_accuracy_reward, async_reward], args, train_dataset=make_prompt_dataset())
 
 
 @pytest.mark.slow

@@ -1,8 +1,5 @@
-"""What dynamic sampling and Guided Error Correction share: the generation paths they cannot run on.
-
-Both features rewrite or regroup the completions of a generation round between TRL's generation and its
-scoring, which TRL 1.16 makes possible for single-turn text generation only.
-"""
+"""What dynamic sampling and Guided Error Correction share: TRL 1.16 lets them regroup or rewrite a round's
+completions for single-turn text generation only."""
 
 from __future__ import annotations
 
@@ -10,8 +7,8 @@ from typing import Any
 
 
 def refuse_unsupported_generation(trainer: Any, feature: str) -> None:
-    """Raise, naming ``feature``, when ``trainer`` generates with something the sampling features cannot handle:
-    a vision-language model, tools, a ``rollout_func`` or an ``environment_factory``."""
+    """Raise, naming ``feature``, when ``trainer`` generates with a vision-language model, tools, a ``rollout_func``
+    or an ``environment_factory``."""
     unsupported = {
         "vision-language models": bool(getattr(trainer, "_is_vlm", False)),
         "tools": bool(trainer.tools),

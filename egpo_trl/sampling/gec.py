@@ -1,16 +1,8 @@
-"""EDGE-GRPO's Guided Error Correction, as a mixin of :class:`~egpo_trl.trainer.EGPOTrainer`.
+"""EDGE-GRPO's Guided Error Correction (``edge_gec``), a mixin of :class:`~egpo_trl.trainer.EGPOTrainer`.
 
-With ``edge_gec=True`` the incorrect completions of a generation round are rewritten after generation and before
-TRL scores them: continued by the policy after a reflection cue, given the reference answer, or replaced by the
-reference solution (see :meth:`GuidedErrorCorrectionMixin._guided_error_correction`). TRL then scores and trains
-on the rewritten completions as if they had been sampled.
-
-Why a mixin: the feature needs the trainer's state (the accelerator, the tokenizer, TRL's generation backend,
-the reward functions, the metrics), so its methods live on the trainer, but in a class of their own that
-overrides nothing of ``GRPOTrainer``. ``EGPOTrainer._generate`` calls
-:meth:`GuidedErrorCorrectionMixin._guided_error_correction` on each training round when the feature is on; the
-mixin reads the round's dataset rows from ``_egpo_round_inputs`` and correctness from ``_egpo_correct``.
-The text helpers (:func:`boxed_safe_prefix`, :func:`shortened`) are plain functions. ``tests/test_gec.py`` tests it.
+The incorrect completions of a training round are rewritten after generation and before TRL scores them: continued
+by the policy after a reflection cue, given the reference answer, or replaced by the reference solution. TRL then
+scores and trains on them as if they had been sampled.
 """
 
 from __future__ import annotations
@@ -19,7 +11,6 @@ import logging
 import math
 import re
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import torch
 from trl.data_utils import is_conversational
@@ -46,17 +37,16 @@ __all__ = [
 ]
 
 _BOXED = "\\boxed{"
-# Appended to a reference solution (Guided Error Correction) whose last box does not give the reference answer.
-SOLUTION_ANSWER_SUFFIX = "\n\nThe final answer is \\boxed{{answer}}."
-
-
 _BRACES = re.compile(r"\\boxed\{|[{}]")
+# Appended to a reference solution whose last box does not give the reference answer.
+SOLUTION_ANSWER_SUFFIX = "\n\nThe final answer is \\boxed{{answer}}."
+# Tokens past the bisection's landing point checked one by one (a split character may decode unexpectedly).
+_SPLIT_CHARACTER_TOKENS = 16
 
 
 def _open_boxed_start(text: str) -> int | None:
-    """Where ``text`` must be cut to leave no ``\\boxed{...}`` open: the start of its first ``\\boxed{`` that is
-    not closed (an outer box stays open around a closed inner one), or of a trailing part of the command itself
-    (``... \\box``); ``None`` when ``text`` does not stop inside one."""
+    """Where ``text`` must be cut to leave no ``\\boxed{`` open (or no trailing part of the command, ``... \\box``);
+    ``None`` when it stops outside one."""
     depth, open_boxes = 0, []  # the open boxes' starts, with the brace depth each opened at
     for match in _BRACES.finditer(text):
         if match.group() == "}":
@@ -76,40 +66,24 @@ def _open_boxed_start(text: str) -> int | None:
 
 
 def _ends_inside_boxed(text: str) -> bool:
-    """Whether ``text`` stops inside a ``\\boxed{...}`` (or inside the command itself, e.g. ``... \\box``)."""
     return _open_boxed_start(text) is not None
 
 
-#: Tokens past the bisection's landing point that :func:`boxed_safe_prefix` checks one by one, in case a tokenizer
-#: decodes a split character in a way :func:`_complete_length` does not foresee.
-_SPLIT_CHARACTER_TOKENS = 16
-
-
 def _complete_length(text: str) -> int:
-    """The length of ``text`` without the replacement characters it ends with. A character split over byte tokens
-    (byte-level or byte-fallback vocabularies) decodes to replacement characters until its last byte (one or more
-    for each byte, for a whole run of byte tokens), so the decoded length of a growing prefix can run ahead and fall
-    back; without them it never decreases."""
+    """``text``'s length without trailing replacement characters (a character split over byte tokens), which never
+    decreases as a prefix grows."""
     return len(text.rstrip("\ufffd"))
 
 
 def boxed_safe_prefix(ids: list[int], decode) -> list[int]:
-    """The longest prefix of ``ids`` whose text (``decode(ids)``) does not stop inside a ``\\boxed{}``.
-
-    Guided Error Correction shortens a completion to make room for the injected text. Cutting inside the
-    completion's own ``\\boxed{`` would leave the injected text inside an unclosed box: the prefix is cut back
-    to before it instead. Every prefix whose text reaches past the open box's start stops inside it, so the cut
-    jumps to the longest prefix that ends before that start (a bisection on decoded lengths, split characters'
-    replacement characters left out, then the few tokens after its landing point one by one), then checks again for
-    an earlier open box: a few dozen decodes for a long completion, not one per token, with the result of cutting
-    one token at a time.
-    """
+    """The longest prefix of ``ids`` whose text (``decode``) does not stop inside a ``\\boxed{}``: a bisection on
+    decoded lengths to just before an open box, repeated while an earlier one is open (a few dozen decodes)."""
     n = len(ids)
     while n > 0:
         start = _open_boxed_start(decode(ids[:n]))
         if start is None:
             return ids[:n]
-        low, high = 0, n - 1  # the longest m < n whose text stops before `start` (see _complete_length)
+        low, high = 0, n - 1  # the longest m < n whose text stops before `start`
         while low < high:
             middle = (low + high + 1) // 2
             if _complete_length(decode(ids[:middle])) <= start:
@@ -126,23 +100,14 @@ def boxed_safe_prefix(ids: list[int], decode) -> list[int]:
 
 
 def shortened(ids: list[int], limit: int, decode) -> list[int]:
-    """``ids`` cut to at most ``limit`` tokens; when that cuts something off, never inside its own ``\\boxed{}``
-    (:func:`boxed_safe_prefix`). The cut every Guided Error Correction rewrite makes to fit what it adds."""
+    """``ids`` cut to at most ``limit`` tokens, never inside its own ``\\boxed{}`` when something is cut off."""
     kept = list(ids[: max(0, limit)])
     return boxed_safe_prefix(kept, decode) if len(kept) < len(ids) else kept
 
 
 def pad_continuation_batch(prompts: list[list[int]], counts: list[int], filler: list[int]) -> list[list[int]]:
-    """This process's continuation prompts, padded with copies of ``filler`` to the largest of ``counts``.
-
-    ``counts`` holds every process's number of continuation prompts (gathered, in process order). TRL's vLLM
-    generation assumes each process sends the same number of prompts: the server mode gathers all processes'
-    prompts and gives process ``p`` the results ``[p * n, (p + 1) * n)`` where ``n`` is its own number of prompts,
-    and the colocate mode with tensor parallelism does the same within each tensor-parallel group. With lists of
-    different lengths the results land on another process's rows. Padding every process to the same length
-    (at least one prompt, as a process with nothing to continue still takes part in a collective generation)
-    keeps the first ``len(prompts)`` results this process's own; the caller drops the rest.
-    """
+    """This process's continuation prompts padded with ``filler`` to the largest of ``counts`` (every process's, at
+    least one): TRL's vLLM generation hands results back by position, assuming equal numbers on every process."""
     width = max(max(counts, default=0), 1)
     if len(prompts) > width:
         raise ValueError(
@@ -151,59 +116,14 @@ def pad_continuation_batch(prompts: list[list[int]], counts: list[int], filler: 
     return [list(p) for p in prompts] + [list(filler) for _ in range(width - len(prompts))]
 
 
-class _RowSubsetRewardModel(torch.nn.Module):
-    """A reward model that scores only the given rows of TRL's tokenized batch and returns ``cached`` for the others
-    (see :meth:`GuidedErrorCorrectionMixin._gec_rescore`).
-
-    With ``always_forward`` (any run of several processes), the model runs a forward even when this process has no
-    rows to score: on the batch's first row, whose score is discarded. A model sharded with DeepSpeed ZeRO-3 gathers
-    its parameters from every process in each forward, so a process that skipped the forward while another ran one
-    would leave the other waiting forever.
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        rows: list[int],
-        cached: torch.Tensor,
-        batch_size: int,
-        always_forward: bool = False,
-    ):
-        super().__init__()
-        self.model = model
-        self.rows, self.cached, self.batch_size = rows, cached, batch_size
-        self.always_forward = always_forward
-
-    def forward(self, **inputs):
-        scores = self.cached.clone()
-        if not self.rows and not (self.always_forward and self.batch_size > 0):
-            return SimpleNamespace(logits=scores.unsqueeze(1))
-        rows = self.rows or [0]  # a one-row dummy forward, discarded, when this process has nothing to score
-        index = torch.tensor(rows, device=scores.device)
-        chosen = {
-            key: value[index.to(value.device)]
-            if torch.is_tensor(value) and value.dim() >= 1 and value.size(0) == self.batch_size
-            else value
-            for key, value in inputs.items()
-        }
-        logits = self.model(**chosen).logits[:, 0].to(scores.dtype)
-        if self.rows:
-            scores[index] = logits
-        return SimpleNamespace(logits=scores.unsqueeze(1))
-
-
 class GuidedErrorCorrectionMixin:
-    """EDGE-GRPO's Guided Error Correction (``edge_gec=True``).
-
-    Methods only, for a ``GRPOTrainer`` subclass that provides ``_egpo_round_inputs`` (the dataset rows of the
-    round being generated), ``_egpo_correct`` and ``_egpo_correctness_index`` (:class:`~egpo_trl.trainer.EGPOTrainer`).
-    Logs ``gec/frac_eligible``, ``gec/frac_reflect``, ``gec/frac_answer``, ``gec/frac_solution``,
-    ``gec/frac_solution_as_answer``, ``gec/frac_solution_boxed`` and ``gec/frac_answer_too_long`` (rows left as
-    sampled because their reference answer cannot fit ``max_completion_length``).
-    """
+    """EDGE-GRPO's Guided Error Correction. Needs the trainer's ``_egpo_round_inputs`` (the round's dataset rows),
+    ``_egpo_correct`` and ``_egpo_correctness_index``. Logs ``gec/frac_{eligible,reflect,answer,solution,
+    solution_as_answer,solution_boxed,answer_too_long}``."""
 
     def _check_guided_error_correction(self) -> None:
-        """Refuse, at init, what Guided Error Correction does not support; warn when solutions are missing."""
+        """Refuse, at init, what GEC cannot serve: other generation paths, no ``answer`` column, an answer template
+        the boxed reward cannot read, texts that cannot fit ``max_completion_length``."""
         args = self.args
         refuse_unsupported_generation(self, "edge_gec")
         if getattr(self, "use_transformers_continuous_batching", False):
@@ -211,13 +131,48 @@ class GuidedErrorCorrectionMixin:
                 "edge_gec continues incorrect completions with vLLM or the plain transformers generation, not "
                 "with transformers' continuous batching; turn one of them off."
             )
+        if any(isinstance(f, torch.nn.Module) or is_async_callable(f) for f in self.reward_funcs):
+            raise ValueError(
+                "edge_gec re-scores the rewritten completions with plain reward functions only, not reward models "
+                "or async functions; use plain functions, or turn edge_gec off."
+            )
         columns = getattr(self.train_dataset, "column_names", None) or []
         if "answer" not in columns:
             raise ValueError(
                 f"edge_gec needs the reference answers in an `answer` column of train_dataset; it has {columns}."
             )
-        self._check_gec_answer_template(columns)
-        self._check_gec_lengths(columns)
+        # Some rows get the answer template: the answer share, or the solution share without a `solution` column.
+        injects = args.edge_gec_answer_prob > 0 or (args.edge_gec_solution_prob > 0 and "solution" not in columns)
+        index = getattr(self, "_egpo_correctness_index", None)
+        if injects and index is not None and self.reward_funcs[index] is boxed_accuracy_reward:
+            rendered, readable = answer_template_probe(args.edge_gec_answer_template)
+            if not readable:
+                raise ValueError(
+                    f"edge_gec_answer_template {args.edge_gec_answer_template!r} gives {rendered!r} for the answer "
+                    f"{TEMPLATE_PROBE_ANSWER!r}, which boxed_accuracy_reward (the correctness reward) cannot read: "
+                    "every injected answer would be scored as wrong. Put the answer in a box, e.g. ' The answer is "
+                    "\\boxed{{answer}}.' (the default template does)."
+                )
+
+        def length(text: str) -> int:
+            return len(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+        texts = []  # the cue needs one continued token and the EOS; the template a one-character answer and the EOS
+        if args.edge_gec_reflect_prob > 0:
+            texts.append(
+                ("edge_gec_reflection_cue", args.edge_gec_reflection_cue, length(args.edge_gec_reflection_cue) + 2)
+            )
+        if injects:
+            template = args.edge_gec_answer_template
+            texts.append(("edge_gec_answer_template", template, length(template.replace("{answer}", "0")) + 1))
+        for name, text, needed in texts:
+            if needed > args.max_completion_length:
+                raise ValueError(
+                    f"max_completion_length={args.max_completion_length} is too short for Guided Error Correction: "
+                    f"{name} ({text!r}) needs {needed} tokens with the EOS (the cue: and one continued token; the "
+                    f"template: with a one-character answer). Raise max_completion_length to at least {needed}, or "
+                    "shorten the text."
+                )
         if args.edge_gec_solution_prob > 0 and "solution" not in columns and self.accelerator.is_main_process:
             logger.warning(
                 "edge_gec_solution_prob=%g but train_dataset has no `solution` column: that share of the incorrect "
@@ -227,77 +182,12 @@ class GuidedErrorCorrectionMixin:
                 args.edge_gec_solution_prob,
             )
 
-    def _gec_injects_answers(self, columns: list[str]) -> bool:
-        """Whether some incorrect completions get the reference answer with ``edge_gec_answer_template``: the answer
-        share, or the solution share when ``train_dataset`` (``columns``) has no ``solution`` column."""
-        args = self.args
-        return args.edge_gec_answer_prob > 0 or (args.edge_gec_solution_prob > 0 and "solution" not in columns)
-
-    def _check_gec_answer_template(self, columns: list[str]) -> None:
-        """Refuse an answer template the correctness reward cannot read, when it is the package's boxed reward: every
-        injected answer would be scored as wrong (and trained on as a wrong completion)."""
-        args = self.args
-        index = getattr(self, "_egpo_correctness_index", None)
-        if (
-            not self._gec_injects_answers(columns)
-            or index is None
-            or self.reward_funcs[index] is not boxed_accuracy_reward
-        ):
-            return
-        rendered, readable = answer_template_probe(args.edge_gec_answer_template)
-        if not readable:
-            raise ValueError(
-                f"edge_gec_answer_template {args.edge_gec_answer_template!r} gives {rendered!r} for the answer "
-                f"{TEMPLATE_PROBE_ANSWER!r}, which boxed_accuracy_reward (the correctness reward) cannot read: every injected answer "
-                "would be scored as wrong. Put the answer in a box, e.g. ' The answer is \\boxed{{answer}}.' (the "
-                "default template does)."
-            )
-
-    def _check_gec_lengths(self, columns: list[str]) -> None:
-        """Refuse texts that GEC inserts but that cannot fit ``max_completion_length``.
-
-        A rewritten completion ends with EOS within ``max_completion_length`` tokens: the reflection cue needs room
-        for at least one continued token after it, and the answer template must fit whole with the shortest answer.
-        Cut short, it would train on a text that gives no answer while the metrics count it as given. A longer
-        answer that does not fit (or the suffix that boxes a reference solution's answer, where one is needed)
-        leaves its row as sampled, counted in ``gec/frac_answer_too_long``.
-        """
-        args = self.args
-        max_length = args.max_completion_length
-        tokenizer = self._tokenizer
-
-        def length(text: str) -> int:
-            return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-        texts = []
-        if args.edge_gec_reflect_prob > 0:
-            cue = args.edge_gec_reflection_cue
-            texts.append(("edge_gec_reflection_cue", cue, length(cue) + 2))
-        if self._gec_injects_answers(columns):
-            template = args.edge_gec_answer_template
-            texts.append(("edge_gec_answer_template", template, length(template.replace("{answer}", "0")) + 1))
-        for name, text, needed in texts:
-            if needed > max_length:
-                raise ValueError(
-                    f"max_completion_length={max_length} is too short for Guided Error Correction: {name} "
-                    f"({text!r}) needs {needed} tokens with the EOS (the cue: and one continued token; the template: "
-                    f"with a one-character answer). Raise max_completion_length to at least {needed}, or shorten "
-                    "the text."
-                )
-
     def _guided_error_correction(self, prompts: list, result: tuple) -> tuple:
-        """EDGE-GRPO's Guided Error Correction on one generation round, before TRL scores it.
-
-        Each completion that is incorrect according to the correctness reward function (and, with
-        ``edge_gec_scope="all_incorrect_groups"``, belongs to a group without a correct completion) is, with the
-        configured probabilities: continued by the policy after ``edge_gec_reflection_cue`` (``reflect``); given the
-        reference answer with ``edge_gec_answer_template`` (``answer``); replaced by the reference solution
-        (``solution``, the row's ``solution`` column, else ``answer``, counted in ``gec/frac_solution_as_answer``;
-        a solution whose last box does not give the reference answer, or that must be shortened, ends with
-        ``SOLUTION_ANSWER_SUFFIX``, counted in ``gec/frac_solution_boxed``). The rewritten completion keeps the
-        original's tokens (shortened when needed, so that it fits ``max_completion_length``) and ends with EOS,
-        except a continuation that runs out of tokens. TRL then scores and trains on the rewritten completions.
-        """
+        """GEC on one round (``result``: TRL's ``_generate`` output), before TRL scores it. Each incorrect completion
+        (with ``edge_gec_scope="all_incorrect_groups"``, of a group without a correct one) is, with the configured
+        probabilities, continued after ``edge_gec_reflection_cue``, given the answer with ``edge_gec_answer_template``,
+        or replaced by the row's ``solution`` (else the answer; ending with ``SOLUTION_ANSWER_SUFFIX`` where its last
+        box does not give the answer or it is cut), shortened to fit ``max_completion_length`` and ended with EOS."""
         prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images = result
         args = self.args
         inputs = self._egpo_round_inputs
@@ -305,8 +195,7 @@ class GuidedErrorCorrectionMixin:
         local_rows = len(completion_ids)
         num_generations = self.num_generations
 
-        # Correctness of the sampled completions (gathered, since a group may span processes). Every reward function
-        # scores every sampled completion here, once; TRL's scoring of the round re-scores only the rewritten ones.
+        # Every reward function scores every sampled completion here, once; TRL's scoring re-scores the rewritten ones.
         rewards_per_func, pending_extra, pending_metrics = self._gec_score_sampled(
             inputs, prompts, completions, completion_ids
         )
@@ -375,9 +264,6 @@ class GuidedErrorCorrectionMixin:
                     choice, solution_as_answer[i] = None, False
                     too_long += 1
             elif choice == "solution":
-                # The reference solution, scored by its last box: when that box does not give the reference answer
-                # (no box, another box last), or the solution must be shortened to fit, it ends with the answer's
-                # box, so that the replaced completion is the correct one it stands for.
                 text = str(solution)
                 body_ids = encode(text)
                 suffix = []
@@ -415,11 +301,6 @@ class GuidedErrorCorrectionMixin:
             batch = pad_continuation_batch(reflect_prompts, counts, filler=list(prompt_ids[0]))
             with self._egpo_timed("gec_continuation_s"):  # the continuations alone, also counted in gec_s
                 continuations, continuation_logps = self._continue_generation(batch, max(int(stats[:, 1].max()), 1))
-            if len(continuations) != len(batch):
-                raise RuntimeError(
-                    f"Guided Error Correction sent {len(batch)} prompts to the generation backend and got "
-                    f"{len(continuations)} continuations back; is the TRL version 1.16.0?"
-                )
             continuations = continuations[: len(reflect_rows)]  # the padding's continuations are dropped
             for k, (i, continuation) in enumerate(zip(reflect_rows, continuations, strict=True)):
                 room_left = min(args.edge_gec_max_new_tokens, max_length - len(new_ids[i]))
@@ -464,16 +345,16 @@ class GuidedErrorCorrectionMixin:
             local_rows * self.accelerator.num_processes
         )
         names = (
-            "frac_eligible",
-            "frac_reflect",
-            "frac_answer",
-            "frac_solution",
-            "frac_solution_as_answer",
-            "frac_solution_boxed",
-            "frac_answer_too_long",
+            "eligible",
+            "reflect",
+            "answer",
+            "solution",
+            "solution_as_answer",
+            "solution_boxed",
+            "answer_too_long",
         )
         for name, value in zip(names, totals.tolist()):
-            self._metrics["train"][f"gec/{name}"].append(value)
+            self._metrics["train"][f"gec/frac_{name}"].append(value)
         if too_long and not getattr(self, "_gec_warned_too_long", False):
             self._gec_warned_too_long = True
             logger.warning(
@@ -488,14 +369,8 @@ class GuidedErrorCorrectionMixin:
 
     @contextmanager
     def _gec_vllm_awake(self):
-        """Keep a sleeping colocated vLLM engine awake over a round's generation and its continuations.
-
-        With ``vllm_enable_sleep_mode`` TRL wakes the engine for each generation call, pushes every weight into it
-        (the level-2 sleep discards them) and puts it back to sleep. The continuations are a second call in the same
-        round: inside this block the engine is woken, and the weights pushed, once, and put to sleep once at the
-        end, so a round with continuations costs one weight sync and one wake/sleep, as one without. Does nothing
-        for other generation modes, or when no completion can be continued (``edge_gec_reflect_prob`` 0).
-        """
+        """Keep a sleeping colocated vLLM engine awake over a round's generation and its continuations: one weight
+        sync and one wake/sleep per round. A no-op for other generation modes or without ``edge_gec_reflect_prob``."""
         generation = getattr(self, "vllm_generation", None) if self.use_vllm else None
         if (
             generation is None
@@ -505,8 +380,8 @@ class GuidedErrorCorrectionMixin:
         ):
             yield
             return
-        with self._egpo_timed("generation_s"):  # counted as generation, as TRL's own wake-up and sync are
-            if generation._llm_weights_sleeping:  # the weights were discarded: push the current ones (this wakes them)
+        with self._egpo_timed("generation_s"):
+            if generation._llm_weights_sleeping:  # level-2 sleep discarded the weights: push them (this wakes them)
                 generation.sync_weights()
                 self._last_loaded_step = self.state.global_step
             generation.llm.wake_up(tags=["kv_cache"])
@@ -520,41 +395,29 @@ class GuidedErrorCorrectionMixin:
             generation._llm_weights_sleeping = True
 
     def _gec_score_sampled(self, inputs, prompts, completions, completion_ids):
-        """TRL's rewards of the sampled completions (gathered ``[B_global, num_funcs]``), with what the reward
-        functions logged through ``log_extra`` (``{column: values}``, this process's rows) and ``log_metric``
-        (``{name: values}``) taken out of TRL's pending logs: :meth:`_gec_rescore` logs them once, with the round."""
-        extra_before = {k: len(v) for k, v in self._pending_extra_logs.items()}
-        metrics_before = {k: len(v) for k, v in self._pending_metrics.items()}
+        """TRL's rewards of the sampled completions (gathered), with what the reward functions logged (``log_extra``
+        columns, ``log_metric`` values) taken out of TRL's pending logs for :meth:`_gec_rescore` to log once."""
+        before = {id(p): {k: len(v) for k, v in p.items()} for p in (self._pending_extra_logs, self._pending_metrics)}
         rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids)
-        extra, metrics = {}, {}
-        for pending, before, taken in (
-            (self._pending_extra_logs, extra_before, extra),
-            (self._pending_metrics, metrics_before, metrics),
-        ):
+        taken = []
+        for pending in (self._pending_extra_logs, self._pending_metrics):
+            out = {}
             for key in list(pending):
-                kept = before.get(key, 0)
+                kept = before[id(pending)].get(key, 0)
                 if len(pending[key]) > kept:
-                    taken[key] = list(pending[key][kept:])
+                    out[key] = list(pending[key][kept:])
                     del pending[key][kept:]
                 if not pending[key]:
                     del pending[key]
-        return rewards_per_func, extra, metrics
+            taken.append(out)
+        return rewards_per_func, taken[0], taken[1]
 
     def _gec_rescore(self, calculate, inputs, prompts, completions, completion_ids_list) -> torch.Tensor:
-        """TRL's scoring of a round that Guided Error Correction rewrote, calling each reward function only on the
-        rewritten completions: the others keep the rewards they got before the rewrite, so that every reward
-        function is called once per completion.
-
-        ``calculate`` is ``GRPOTrainer._calculate_rewards``; it runs with each reward function wrapped so that it
-        sees the rewritten rows only. Columns that reward functions log with ``log_extra`` are logged once per row
-        (the rewritten rows' values from the second call, the others' from the first), in row order, so that the
-        completions table stays aligned; scalars logged with ``log_metric`` keep the first call's values, which
-        describe the whole round as sampled.
-        """
+        """TRL's scoring (``calculate``) of a rewritten round, each reward function called on the rewritten rows only
+        (the others keep their rewards), so that every completion is scored once. ``log_extra`` columns are logged
+        once per row, in row order; ``log_metric`` values are the first call's."""
         state, self._gec_scored = self._gec_scored, None
-        cached = state["rewards"]
-        rows = state["changed"]
-        n = len(prompts)
+        cached, rows, n = state["rewards"], state["changed"], len(prompts)
         extra: dict[str, list] = {}
 
         def subset(value):
@@ -563,49 +426,28 @@ class GuidedErrorCorrectionMixin:
         def log_extra(column: str, values: list) -> None:
             extra.setdefault(column, []).extend(values)
 
-        def merged(i: int, outputs: list) -> list:
+        def arguments(prompts, completions, completion_ids, kwargs):
+            kwargs = {key: subset(value) for key, value in kwargs.items()}
+            if "log_extra" in kwargs:
+                kwargs["log_extra"] = log_extra
+            if "log_metric" in kwargs:
+                kwargs["log_metric"] = lambda name, value: None
+            return dict(
+                prompts=subset(prompts),
+                completions=subset(completions),
+                completion_ids=subset(completion_ids),
+                **kwargs,
+            )
+
+        def merged(i: int, outputs) -> list:
             values = [None if math.isnan(v) else v for v in cached[:, i].tolist()]
-            for j, value in zip(rows, outputs, strict=True):
+            for j, value in zip(rows, list(outputs), strict=True):
                 values[j] = value
             return values
 
         def wrap(i: int, func):
-            if isinstance(func, torch.nn.Module):
-                return _RowSubsetRewardModel(func, rows, cached[:, i], n, self.accelerator.num_processes > 1)
-
-            def arguments(kwargs):
-                kwargs = {key: subset(value) for key, value in kwargs.items()}
-                if "log_extra" in kwargs:
-                    kwargs["log_extra"] = log_extra
-                if "log_metric" in kwargs:
-                    kwargs["log_metric"] = lambda name, value: None
-                return kwargs
-
-            if is_async_callable(func):
-
-                async def wrapped_async(prompts, completions, completion_ids, **kwargs):
-                    if not rows:
-                        return merged(i, [])
-                    outputs = await func(
-                        prompts=subset(prompts),
-                        completions=subset(completions),
-                        completion_ids=subset(completion_ids),
-                        **arguments(kwargs),
-                    )
-                    return merged(i, outputs)
-
-                return wrapped_async
-
             def wrapped(prompts, completions, completion_ids, **kwargs):
-                if not rows:
-                    return merged(i, [])
-                outputs = func(
-                    prompts=subset(prompts),
-                    completions=subset(completions),
-                    completion_ids=subset(completion_ids),
-                    **arguments(kwargs),
-                )
-                return merged(i, list(outputs))
+                return merged(i, func(**arguments(prompts, completions, completion_ids, kwargs)) if rows else [])
 
             return wrapped
 
@@ -615,7 +457,6 @@ class GuidedErrorCorrectionMixin:
             rewards_per_func = calculate(inputs, prompts, completions, completion_ids_list)
         finally:
             self.reward_funcs[:] = originals
-        # TRL flushes the pending logs after scoring: put back one value per row, and the first call's metrics.
         for column in sorted(set(state["extra"]) | set(extra)):
             values = list(state["extra"].get(column, [None] * n))
             values += [None] * (n - len(values))
@@ -629,8 +470,8 @@ class GuidedErrorCorrectionMixin:
     def _continue_generation(
         self, prompt_ids: list[list[int]], max_new_tokens: int
     ) -> tuple[list[list[int]], list[list[float]] | None]:
-        """One continuation of at most ``max_new_tokens`` tokens for each token-id prompt, with TRL's generation
-        backend (vLLM, which also returns the sampled tokens' log-probs, or transformers, which returns ``None``)."""
+        """One continuation of at most ``max_new_tokens`` tokens per token-id prompt with TRL's backend, with the
+        sampled tokens' log-probs (vLLM) or ``None`` (transformers)."""
         if self.use_vllm:
             generation = self.vllm_generation
             previous = generation.max_completion_length
