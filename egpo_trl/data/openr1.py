@@ -148,135 +148,83 @@ def _default_inputs() -> list[InputSpec]:
     ]
 
 
+def _setting(default: Any, help: str) -> Any:
+    if callable(default):
+        return field(default_factory=default, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class OpenR1DataConfig:
     """Settings of the OpenR1-Stable-10k builder. Defaults are the paper's (appendix, Table 4)."""
 
     # Inputs and outputs
-    inputs: list[InputSpec] = field(
-        default_factory=_default_inputs,
-        metadata={
-            "help": "The pools to read, each {subset, path | data_files, name, split, revision, columns, limit}. "
-            "`subset` labels the rows for `subset_ratios`. Default: OpenR1-Math-220k `default` and `extended` "
-            "from the Hub, streamed."
-        },
+    inputs: list[InputSpec] = _setting(
+        _default_inputs,
+        "The pools to read, each {subset, path | data_files, name, split, revision, columns, limit}; `subset` labels "
+        "the rows for `subset_ratios`. Default: OpenR1-Math-220k `default` and `extended` from the Hub, streamed.",
     )
-    tokenizer: str = field(
-        default="Qwen/Qwen2.5-Math-1.5B",
-        metadata={"help": "Tokenizer (hub name or local path) used to count prompt and response tokens."},
-    )
-    output_dir: str = field(
-        default="outputs/data/openr1_stable_10k",
-        metadata={"help": "Where the dataset (save_to_disk), parquet files, report and removal log are written."},
-    )
-    overwrite: bool = field(
-        default=False,
-        metadata={"help": "Replace an existing output of this builder in `output_dir` (never another folder)."},
-    )
-    seed: int = field(default=42, metadata={"help": "Seed of the pool sampling and of the validation split."})
-    chunk_size: int = field(
-        default=1000, metadata={"help": "Rows read and filtered at a time (memory bound; does not change results)."}
-    )
-    save_parquet: bool = field(default=True, metadata={"help": "Also write train.parquet and validation.parquet."})
-
+    tokenizer: str = _setting("Qwen/Qwen2.5-Math-1.5B", "Tokenizer (hub name or local path) that counts tokens.")
+    output_dir: str = _setting("outputs/data/openr1_stable_10k", "Where the dataset, report and removal log go.")
+    overwrite: bool = _setting(False, "Replace an earlier output of this builder in `output_dir` (never another).")
+    seed: int = _setting(42, "Seed of the pool sampling and of the validation split.")
+    chunk_size: int = _setting(1000, "Rows read and filtered at a time (memory bound; does not change results).")
+    save_parquet: bool = _setting(True, "Also write train.parquet and validation.parquet.")
     # Prompt format
-    system_prompt: str | None = field(
-        default=QWEN_MATH_INSTRUCTION,
-        metadata={
-            "help": "System message of every prompt (null for none). Default: the Qwen2.5-Math CoT instruction."
-        },
-    )
-    user_instruction: str | None = field(
-        default=None, metadata={"help": "Text appended to the problem in the user message (null for none)."}
-    )
-
+    system_prompt: str | None = _setting(QWEN_MATH_INSTRUCTION, "System message of every prompt (null for none).")
+    user_instruction: str | None = _setting(None, "Text appended to the problem in the user message (null: none).")
     # Stage 1: answers
-    require_single_value_answer: bool = field(
-        default=True,
-        metadata={"help": "Drop problems whose ground truth lists several values ('2, 3', 'x=1 or x=2', '\\pm 4')."},
+    require_single_value_answer: bool = _setting(
+        True, "Drop problems whose ground truth lists several values ('2, 3', 'x=1 or x=2', '\\pm 4')."
     )
-    drop_empty_answers: bool = field(default=True, metadata={"help": "Drop problems with an empty ground truth."})
+    drop_empty_answers: bool = _setting(True, "Drop problems with an empty ground truth.")
     # Stage 2: generations
-    min_generations: int = field(
-        default=2, metadata={"help": "Minimum number of non-empty recorded generations (0 disables the stage)."}
-    )
+    min_generations: int = _setting(2, "Minimum number of non-empty recorded generations (0 disables the stage).")
     # Stage 3: lengths
-    max_prompt_tokens: int | None = field(
-        default=4096, metadata={"help": "Maximum prompt length in tokens, chat template included (null disables)."}
-    )
-    max_response_tokens: int | None = field(
-        default=4096, metadata={"help": "Maximum response length in tokens (null disables)."}
-    )
-    response_length_source: str = field(
-        default="solution",
-        metadata={
-            "help": "Which response `max_response_tokens` applies to: `solution` (the reference solution), "
-            "`shortest_generation` (at least one generation fits) or `all_generations` (every generation fits)."
-        },
+    max_prompt_tokens: int | None = _setting(4096, "Maximum prompt tokens, chat template included (null disables).")
+    max_response_tokens: int | None = _setting(4096, "Maximum response tokens (null disables).")
+    response_length_source: str = _setting(
+        "solution",
+        "What `max_response_tokens` applies to: `solution`, `shortest_generation` (one generation fits) or "
+        "`all_generations` (every generation fits).",
     )
     # Stage 4: boxed match
-    boxed_match_filter: bool = field(
-        default=True,
-        metadata={"help": "Keep a problem only if the last \\boxed{} of its solution or of a generation matches."},
+    boxed_match_filter: bool = _setting(
+        True, "Keep a problem only if the last \\boxed{} of its solution or of a generation matches."
     )
     # Stages 5-6: MinHash-LSH
-    decontaminate: bool = field(
-        default=True, metadata={"help": "Remove near duplicates of the `decontamination_benchmarks` problems."}
+    decontaminate: bool = _setting(True, "Remove near duplicates of the `decontamination_benchmarks` problems.")
+    decontamination_benchmarks: list[str] = _setting(
+        lambda: list(DECONTAMINATION_BENCHMARKS),
+        f"Vendored evaluation sets ({', '.join(DECONTAMINATION_BENCHMARKS)}) or .jsonl/.json/.parquet files with "
+        "a `problem` or `question` field.",
     )
-    decontamination_benchmarks: list[str] = field(
-        default_factory=lambda: list(DECONTAMINATION_BENCHMARKS),
-        metadata={
-            "help": f"Evaluation sets to decontaminate against: vendored names ({', '.join(DECONTAMINATION_BENCHMARKS)}) "
-            "or paths of .jsonl/.json/.parquet files with a `problem` or `question` field."
-        },
-    )
-    deduplicate: bool = field(default=True, metadata={"help": "Remove near duplicates inside the pool."})
-    minhash_num_perm: int = field(default=128, metadata={"help": "MinHash permutations."})
-    minhash_threshold: float = field(
-        default=0.8, metadata={"help": "Estimated Jaccard similarity at or above which problems are near duplicates."}
-    )
-    shingle_size: int = field(default=3, metadata={"help": "Word n-gram size of the MinHash shingles."})
-
+    deduplicate: bool = _setting(True, "Remove near duplicates inside the pool.")
+    minhash_num_perm: int = _setting(128, "MinHash permutations.")
+    minhash_threshold: float = _setting(0.8, "Estimated Jaccard similarity from which problems are near duplicates.")
+    shingle_size: int = _setting(3, "Word n-gram size of the MinHash shingles.")
     # Stage 7: sampling
-    correctness_source: str = field(
-        default="math_verify",
-        metadata={
-            "help": "Which recorded correctness defines the buckets: `math_verify` (correctness_math_verify), "
-            "`llama` (correctness_llama) or `either` (a generation is correct if either says so)."
-        },
+    correctness_source: str = _setting(
+        "math_verify", "Correctness flags that define the buckets: `math_verify`, `llama` or `either`."
     )
-    pool_size: int = field(default=10000, metadata={"help": "Problems in the sampled pool (train + validation)."})
-    subset_ratios: dict[str, float] = field(
-        default_factory=lambda: {"default": 0.85, "extended": 0.15},
-        metadata={"help": "Share of the pool from each input subset (must sum to 1)."},
+    pool_size: int = _setting(10000, "Problems in the sampled pool (train + validation).")
+    subset_ratios: dict[str, float] = _setting(
+        lambda: {"default": 0.85, "extended": 0.15}, "Share of the pool from each input subset (sums to 1)."
     )
-    bucket_ratios: dict[str, float] = field(
-        default_factory=lambda: {"mixed": 0.6, "entirely_correct": 0.4, "entirely_incorrect": 0.0},
-        metadata={
-            "help": "Share of each subset's quota per correctness bucket (mixed, entirely_correct, "
-            "entirely_incorrect; must sum to 1). A bucket with share 0 is kept in the candidates and only fills "
-            "shortfalls."
-        },
+    bucket_ratios: dict[str, float] = _setting(
+        lambda: {"mixed": 0.6, "entirely_correct": 0.4, "entirely_incorrect": 0.0},
+        "Share of each subset's quota per correctness bucket (sums to 1); a share-0 bucket only fills shortfalls.",
     )
-    fill_shortfall: bool = field(
-        default=True,
-        metadata={
-            "help": "When a (subset, bucket) cell has too few problems, fill the gap from the same subset's other "
-            "buckets, then from other subsets. If false, the pool is smaller instead."
-        },
+    fill_shortfall: bool = _setting(
+        True,
+        "Fill a short (subset, bucket) cell from the subset's other buckets, then other subsets (else: smaller pool).",
     )
-    max_source_fraction: float | None = field(
-        default=None,
-        metadata={"help": "Cap on the share of the pool from one `source` value (null: no cap)."},
-    )
+    max_source_fraction: float | None = _setting(None, "Cap on the share of the pool from one `source` (null: none).")
     # Stage 8: validation
-    val_size: int = field(default=128, metadata={"help": "Problems of the pool held out for validation."})
+    val_size: int = _setting(128, "Problems of the pool held out for validation.")
     # Stage 9: final prompt filter
-    final_max_prompt_tokens: int | None = field(
-        default=1024, metadata={"help": "Drop prompts longer than this many tokens at the end (null disables)."}
-    )
-    # Report
-    report_examples: int = field(default=5, metadata={"help": "Examples of removed rows shown per stage."})
+    final_max_prompt_tokens: int | None = _setting(1024, "Drop longer prompts at the end (null disables).")
+    report_examples: int = _setting(5, "Examples of removed rows shown per stage in the report.")
 
     def __post_init__(self) -> None:
         self.inputs = [spec if isinstance(spec, InputSpec) else _input_from_dict(spec) for spec in self.inputs]
