@@ -44,17 +44,6 @@ class RoundRecording(Recording):
         return super()._generate_round(inputs)
 
 
-def test_the_mixin_adds_methods_and_overrides_nothing_of_grpo_trainer():
-    from trl import GRPOTrainer
-
-    from egpo_trl import EGPOTrainer
-    from egpo_trl.sampling import DynamicSamplingMixin
-
-    own = {name for name in vars(DynamicSamplingMixin) if not name.startswith("__")}
-    assert own and not own & set(dir(GRPOTrainer)) and not own & set(vars(EGPOTrainer))
-    assert DynamicSamplingMixin in EGPOTrainer.__mro__ and issubclass(EGPOTrainer, GRPOTrainer)
-
-
 @pytest.mark.slow
 def test_dynamic_sampling_fills_the_batch_with_informative_groups(tmp_path, tiny_model_dir):
     args = config(tmp_path, max_steps=4, dynamic_sampling=True, dynamic_sampling_max_rounds=8)
