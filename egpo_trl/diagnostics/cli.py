@@ -146,11 +146,12 @@ def diagnose(
     benchmarks = list(dict.fromkeys(table.benchmark))
     by_benchmark = {}
     for name in benchmarks:
-        part = table.subset(np.asarray([bench == name for bench in table.benchmark]))
+        part = np.asarray([bench == name for bench in table.benchmark])
+        incorrect = ~table.correct[part]
         by_benchmark[name] = {
-            "num_completions": len(part),
-            "num_incorrect": int((~part.correct).sum()),
-            **{scope: nan_to_none(roc_auc(part.scope(scope), ~part.correct)) for scope in SCOPES},
+            "num_completions": int(part.sum()),
+            "num_incorrect": int(incorrect.sum()),
+            **{scope: nan_to_none(roc_auc(table.scope(scope)[part], incorrect)) for scope in SCOPES},
         }
     return {
         "label": label,

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from egpo_trl.segments import DEFAULT_THINK_END, DEFAULT_THINK_START, segment_entropy, segment_masks
 
@@ -41,30 +42,10 @@ class EntropyTable:
             raise ValueError(f"Unknown scope {name!r}; choose one of {SCOPES}.")
         return getattr(self, name)
 
-    def subset(self, keep: np.ndarray) -> EntropyTable:
-        index = np.flatnonzero(keep)
-        return EntropyTable(
-            completion=self.completion[index],
-            thinking=self.thinking[index],
-            answer=self.answer[index],
-            thinking_tokens=self.thinking_tokens[index],
-            answer_tokens=self.answer_tokens[index],
-            correct=self.correct[index],
-            group=self.group[index],
-            benchmark=[self.benchmark[i] for i in index],
-            problem_id=[self.problem_id[i] for i in index],
-            sample=[self.sample[i] for i in index],
-        )
-
 
 def _padded(rows: Sequence[Sequence[float]], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max((len(row) for row in rows), default=0)
-    values = torch.zeros((len(rows), width), dtype=dtype)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for index, row in enumerate(rows):
-        if len(row):
-            values[index, : len(row)] = torch.tensor(row, dtype=dtype)
-            mask[index, : len(row)] = 1
+    values = pad_sequence([torch.tensor(row, dtype=dtype) for row in rows], batch_first=True)
+    mask = pad_sequence([torch.ones(len(row), dtype=torch.long) for row in rows], batch_first=True)
     return values, mask
 
 

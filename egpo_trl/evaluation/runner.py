@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from egpo_trl.evaluation.backends import Generation, SamplingSettings, request_seed
 from egpo_trl.evaluation.benchmarks import BenchmarkSpec, Problem, build_messages, load_problems
@@ -94,12 +95,8 @@ def _records_for(
     backend_name: str,
     seeds: Sequence[int],
 ) -> list[dict[str, Any]]:
-    width = max((len(generation.token_ids) for generation in generations), default=0)
-    ids = torch.zeros((len(generations), width), dtype=torch.long)
-    mask = torch.zeros((len(generations), width), dtype=torch.long)
-    for row, generation in enumerate(generations):
-        ids[row, : len(generation.token_ids)] = torch.tensor(generation.token_ids, dtype=torch.long)
-        mask[row, : len(generation.token_ids)] = 1
+    ids = pad_sequence([torch.tensor(g.token_ids, dtype=torch.long) for g in generations], batch_first=True)
+    mask = pad_sequence([torch.ones(len(g.token_ids), dtype=torch.long) for g in generations], batch_first=True)
     spans = segment_spans(ids, mask, tokenizer)
 
     records = []
