@@ -1,21 +1,22 @@
 """Held-out accuracy of a policy under sampling: the number ``egpo-trl train`` prints before and after training.
 
-This is a small, self-contained sampler on top of ``model.generate`` (no vLLM, no distributed
-evaluation), meant for the quick sanity check around a training run and for building the shipped
-tiny model. Full benchmark evaluation lives in ``egpo-trl eval``.
+It samples the model in memory with the evaluation's transformers backend (no vLLM, no distributed evaluation): the
+quick sanity check around a training run. Full benchmark evaluation lives in ``egpo-trl eval``.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from egpo_trl.evaluation.backends import SamplingSettings, TransformersBackend
 from egpo_trl.rewards import CORRECT_REWARD, boxed_accuracy_reward
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,6 @@ class HeldoutResult:
         }
 
 
-@torch.no_grad()
 def generate_completions(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -76,93 +76,41 @@ def generate_completions(
     batch_size: int = 128,
     seed: int | None = 0,
 ) -> list[str]:
-    """Sample one completion per prompt with ``model.generate`` and decode it (special tokens dropped).
+    """Sample one completion per prompt (chat messages, rendered with the chat template, or plain text) with
+    :class:`~egpo_trl.evaluation.backends.TransformersBackend`, in batches of ``batch_size``; the decoded texts.
 
-    Args:
-        model: a causal LM (its training mode is restored afterwards).
-        tokenizer: its tokenizer; conversational prompts are rendered with its chat template.
-        prompts: chat messages (``[{"role": ..., "content": ...}, ...]``) or plain strings.
-        max_new_tokens: generation budget per completion.
-        temperature: sampling temperature; ``0`` means greedy decoding.
-        top_p: nucleus sampling threshold (``1.0`` disables it).
-        top_k: top-k filtering (``0`` disables it).
-        batch_size: prompts per ``generate`` call.
-        seed: seeds torch's generator before sampling, for reproducible numbers, and restores the random state of
-            torch (CPU and the model's device), Python and NumPy afterwards: what runs next (a training run) draws
-            the same numbers with or without this evaluation. ``None`` samples from the current state and leaves
-            it advanced.
-
-    Returns:
-        One decoded completion per prompt, in order.
+    ``temperature=0`` decodes greedily; ``top_k=0`` and ``top_p=1`` disable those filters. ``seed`` seeds torch once
+    before the first batch and restores torch's (CPU and the model's device), Python's and NumPy's random state
+    afterwards, so that what runs next (a training run) draws the same numbers with or without this evaluation;
+    ``None`` samples from the current state and leaves it advanced. The model's training mode is restored.
     """
-    if seed is None:
-        return _generate(model, tokenizer, prompts, max_new_tokens, temperature, top_p, top_k, batch_size)
-    device = next(model.parameters()).device
-    with _random_state_kept(device):
-        torch.manual_seed(seed)
-        return _generate(model, tokenizer, prompts, max_new_tokens, temperature, top_p, top_k, batch_size)
-
-
-@contextmanager
-def _random_state_kept(device: torch.device) -> Iterator[None]:
-    """Restore torch's (CPU and every device of ``device``'s type: ``torch.manual_seed`` seeds them all), Python's
-    and NumPy's random state on exit."""
-    import random
-
-    import numpy as np
-
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    accelerator = device.type not in ("cpu", "meta")
-    devices = list(range(getattr(torch, device.type).device_count())) if accelerator else []
-    try:
-        with torch.random.fork_rng(devices=devices, device_type=device.type if accelerator else "cuda"):
-            yield
-    finally:
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
-
-
-def _generate(model, tokenizer, prompts, max_new_tokens, temperature, top_p, top_k, batch_size) -> list[str]:
-    """:func:`generate_completions` from the current random state."""
+    settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
+    backend = TransformersBackend(model, tokenizer=tokenizer, batch_size=batch_size)
+    ids = [
+        tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, str)
+        else tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+        for prompt in prompts
+    ]
     was_training = model.training
     model.eval()
-    padding_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    device = next(model.parameters()).device
-    sampling = temperature > 0
-    gen_kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": sampling}
-    if sampling:
-        gen_kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
-    eos_ids = model.generation_config.eos_token_id
-    if eos_ids is None:
-        eos_ids = tokenizer.eos_token_id
-    outputs: list[str] = []
+    device = backend.device
+    accelerator = device.type not in ("cpu", "meta")
+    devices = list(range(getattr(torch, device.type).device_count())) if accelerator and seed is not None else []
+    python_state, numpy_state = random.getstate(), np.random.get_state()
     try:
-        for start in range(0, len(prompts), batch_size):
-            batch = list(prompts[start : start + batch_size])
-            if batch and not isinstance(batch[0], str):
-                encoded = tokenizer.apply_chat_template(
-                    batch,
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    padding=True,
-                    return_dict=True,
-                    return_tensors="pt",
-                )
-            else:
-                encoded = tokenizer(batch, padding=True, return_tensors="pt")
-            encoded = {
-                key: value.to(device) for key, value in encoded.items() if key in ("input_ids", "attention_mask")
-            }
-            generated = model.generate(
-                **encoded, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, **gen_kwargs
-            )
-            new_tokens = generated[:, encoded["input_ids"].shape[1] :]
-            outputs.extend(tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
+        with torch.random.fork_rng(
+            devices=devices, device_type=device.type if accelerator else "cuda", enabled=seed is not None
+        ):
+            if seed is not None:
+                torch.manual_seed(seed)
+            generations = backend.generate(ids, settings)
     finally:
-        tokenizer.padding_side = padding_side
         model.train(was_training)
-    return outputs
+        if seed is not None:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+    return [generation.text for generation in generations]
 
 
 def heldout_accuracy(

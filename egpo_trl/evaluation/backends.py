@@ -193,7 +193,8 @@ class TransformersBackend:
     """Batched sampling with ``model.generate`` (CPU or one GPU).
 
     Args:
-        model_name_or_path: a Hub model name or a local directory.
+        model_name_or_path: a Hub model name or a local directory, or a loaded model (sampled as it is, on its own
+            device and in its own mode; ``tokenizer`` is then required).
         tokenizer: the tokenizer (loaded from the model when ``None``).
         device: ``"cuda"``, ``"cpu"``, ... (``None``: CUDA when available).
         dtype: ``"auto"``, ``"bfloat16"``, ``"float16"`` or ``"float32"``.
@@ -204,7 +205,7 @@ class TransformersBackend:
 
     def __init__(
         self,
-        model_name_or_path: str,
+        model_name_or_path: Any,
         tokenizer: Any = None,
         device: str | None = None,
         dtype: str = "auto",
@@ -215,17 +216,21 @@ class TransformersBackend:
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(
-            model_name_or_path, trust_remote_code=trust_remote_code
-        )
-        torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-        if self.device.type == "cpu" and dtype == "auto":
-            torch_dtype = torch.float32  # half precision is slow and inexact on CPU
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_name_or_path, dtype=torch_dtype, trust_remote_code=trust_remote_code
-        ).to(self.device)
-        self.model.eval()
+        if isinstance(model_name_or_path, str):
+            self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(
+                model_name_or_path, trust_remote_code=trust_remote_code
+            )
+            torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+            if self.device.type == "cpu" and dtype == "auto":
+                torch_dtype = torch.float32  # half precision is slow and inexact on CPU
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model_name_or_path, dtype=torch_dtype, trust_remote_code=trust_remote_code
+            ).to(self.device)
+            self.model.eval()
+        else:
+            self.model, self.tokenizer = model_name_or_path, tokenizer
+            self.device = next(self.model.parameters()).device
         self.batch_size = batch_size
         self.eos_ids = _eos_ids(self.tokenizer, self.model.generation_config)
         pad = self.tokenizer.pad_token_id
@@ -251,20 +256,22 @@ class TransformersBackend:
 
     @torch.no_grad()
     def generate(
-        self, prompts: Sequence[Sequence[int]], settings: SamplingSettings, seeds: Sequence[int]
+        self, prompts: Sequence[Sequence[int]], settings: SamplingSettings, seeds: Sequence[int] | None = None
     ) -> list[Generation]:
         """Sample one completion per prompt (token ids), in batches of ``batch_size``.
 
         Torch's generator is seeded from ``seeds[0]`` of each batch, so a run is reproducible for a fixed
-        batch composition.
+        batch composition; without ``seeds`` it samples on from torch's current random state.
         """
         results: list[Generation] = []
         for start in range(0, len(prompts), self.batch_size):
             batch = [list(prompt) for prompt in prompts[start : start + self.batch_size]]
-            results.extend(self._generate_batch(batch, settings, int(seeds[start])))
+            results.extend(self._generate_batch(batch, settings, None if seeds is None else int(seeds[start])))
         return results
 
-    def _generate_batch(self, prompts: list[list[int]], settings: SamplingSettings, seed: int) -> list[Generation]:
+    def _generate_batch(
+        self, prompts: list[list[int]], settings: SamplingSettings, seed: int | None
+    ) -> list[Generation]:
         from transformers import (
             GenerationConfig,
             LogitsProcessorList,
@@ -303,7 +310,8 @@ class TransformersBackend:
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_ids or None,
         )
-        torch.manual_seed(seed)
+        if seed is not None:
+            torch.manual_seed(seed)
         output = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
