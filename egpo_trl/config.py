@@ -163,8 +163,7 @@ class EGPOConfig(GRPOConfig):
         `egpo_nsr`, `egpo_nsr_weighting`, `egpo_correctness_reward`, `egpo_entropy_scope`
 
         > The entropy proxy's log-probs and the loss's forwards: `egpo_entropy_logps`, `egpo_entropy_metrics`,
-        `egpo_entropy_tokens_per_batch`, `egpo_entropy_batch_size`, `egpo_length_sorted_micro_batches`,
-        `egpo_loss_forward_block_tokens`, `egpo_shift_prompt_padding`
+        `egpo_length_sorted_micro_batches`, `egpo_loss_forward_block_tokens`, `egpo_shift_prompt_padding`
 
         > Baselines (`docs/baselines.md`): NSR `nsr_positive_weight`; EDGE-GRPO `edge_grpo_entropy_normalization`,
         `edge_gec*`; DAPO `dynamic_sampling*`, `overlong_buffer_length`, `overlong_penalty_factor`
@@ -261,17 +260,6 @@ class EGPOConfig(GRPOConfig):
             "not use it (grpo, nsr): free with one optimizer step per generation batch (the loss's forward gives "
             "the log-probs), else from TRL's old log-probs or one no-grad pass."
         },
-    )
-    egpo_entropy_tokens_per_batch: int = field(
-        default=65536,
-        metadata={
-            "help": "Token budget (rows x padded width) of one micro-batch of the no-grad log-prob pass; rows of "
-            "similar completion length run together. Lower it if the pass runs out of memory."
-        },
-    )
-    egpo_entropy_batch_size: int | None = field(
-        default=None,
-        metadata={"help": "Rows per micro-batch of the no-grad log-prob pass; unset: egpo_entropy_tokens_per_batch."},
     )
     egpo_length_sorted_micro_batches: bool = field(
         default=False,
@@ -417,7 +405,16 @@ class EGPOConfig(GRPOConfig):
                     f"num_generations must be at least 2 (completions per prompt: a group's advantages compare "
                     f"them), got {self.num_generations}."
                 )
-        super().__post_init__()
+        given = (self.steps_per_generation, self.generation_batch_size)
+        try:
+            super().__post_init__()
+        except ValueError as error:  # the line the CLI gives, in the fields users set
+            if "divisible by num_generations" not in str(error):
+                raise
+            from egpo_trl.input_checks import batch_shape_problem
+
+            sizes = (self.per_device_train_batch_size, self.world_size, self.gradient_accumulation_steps)
+            raise ValueError(batch_shape_problem(*sizes, self.num_generations, *given) or str(error)) from None
         self._validate_egpo()
 
     def _note_sampler_fallback(self) -> None:
@@ -586,15 +583,6 @@ class EGPOConfig(GRPOConfig):
                 f"With egpo_clamp='asymmetric' the bounds must bracket 1 (lambda_min <= 1 <= lambda_max), got "
                 f"[{self.egpo_lambda_min}, {self.egpo_lambda_max}]; otherwise one side of the clamp is a constant."
             )
-        for name in ("egpo_entropy_tokens_per_batch", "egpo_entropy_batch_size"):
-            value = getattr(self, name)
-            if value is None and name == "egpo_entropy_batch_size":
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(
-                    f"{name} must be a positive integer, got {value!r}"
-                    + (" (or leave it unset for the token budget)." if name == "egpo_entropy_batch_size" else ".")
-                )
         tokens = self.egpo_loss_forward_block_tokens
         if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
             raise ValueError(

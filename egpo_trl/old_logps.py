@@ -1,37 +1,10 @@
-"""The no-grad log-prob pass over a generation batch, sized for throughput.
+"""Per-token log-probs of the completion tokens with every row shifted left past its prompt padding
+(``egpo_shift_prompt_padding``).
 
-EGPO's entropy proxy (and EDGE-GRPO's Shannon entropies) need the old policy's per-token log-probs of the completion
-tokens. When TRL has not computed them, :meth:`~egpo_trl.EGPOTrainer._egpo_forward` runs one no-grad pass of the
-policy. TRL's own helper (``GRPOTrainer._get_per_token_logps_and_entropies``) is built for the loss: it runs
-``per_device_train_batch_size`` rows at a time (4 in the paper recipes), each padded to the whole batch's width.
-Without gradients the same forward fits many more rows, and right padding (completions shorter than the longest
-one) is work for nothing. This module plans the pass:
-
-* rows are sorted by completion length, so that each micro-batch holds completions of similar length;
-* each micro-batch holds as many rows as fit in a token budget (``egpo_entropy_tokens_per_batch``, counted on its
-  own padded width), or a fixed number of rows (``egpo_entropy_batch_size``);
-* each micro-batch is cut to its own longest completion: the columns after it are padding in every row, and
-  positions after a token never change its log-prob in a causal model, so they are not computed. Prompts keep
-  their left padding, so every token keeps the position TRL's pass gives it. (Rotary scalings whose frequencies
-  follow the widest position of a forward, ``dynamic`` and ``longrope``, keep TRL's full width in every
-  micro-batch: cut, a forward could stay below the length where the scaling starts while TRL's passes it.)
-* when the model allows it (a Llama/Mistral/Qwen-family decoder with full causal attention in every layer, PyTorch's
-  SDPA or eager attention) and the masks are plain padding (prompts padded on the left, completions on the right),
-  each row is shifted left past its prompt padding and given its original positions as ``position_ids``. The
-  micro-batch then needs no attention mask: SDPA runs its causal flash kernel instead of the slower
-  memory-efficient kernel with an explicit mask, and each token sees the same tokens at the same positions as in
-  TRL's pass. Anything else (other architectures or attention implementations, sliding windows, holes in a mask)
-  takes the masked path. So do the ``dynamic`` and
-  ``longrope`` rotary scalings (the padding after a shifted row carries positions beyond the masked layout's, and
-  the dynamic update persists into later forwards), and PEFT prompt learning other than prefix tuning (prompt
-  tuning, P-tuning: virtual tokens are prepended to every row and ``position_ids`` are dropped).
-
-The log-probs themselves come from TRL's fused LM head (``add_fused_lm_head``, which ``GRPOTrainer`` installs on
-the policy): the model's own forward with ``fused_lm_head=True`` runs the backbone and projects only the scored
-(completion) positions through the output layer in tiles, accumulating in float32 without materialising the
-``[batch, length, vocabulary]`` logits. It divides by the sampling temperature and applies the model's logit scale
-and final soft-capping exactly as in TRL's pass, gathers the output layer under DeepSpeed ZeRO-3 and works through
-PEFT wrappers, so the values are TRL's up to the floating-point effects of a different batch composition.
+Each row keeps its original positions as ``position_ids`` and has only right padding, so the forward needs no attention
+mask and PyTorch's SDPA runs its causal kernel; every token sees the same tokens at the same positions as in TRL's
+``_get_per_token_logps_and_entropies``. :func:`can_realign` says where that holds; elsewhere TRL's layout is used. The
+log-probs come from TRL's fused LM head (``fused_lm_head=True``), as in TRL's pass.
 """
 
 from __future__ import annotations
@@ -41,10 +14,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-__all__ = ["can_realign", "completion_widths", "plan_micro_batches", "no_grad_completion_logps", "shifted_logps"]
-
-#: Default token budget of one micro-batch of the no-grad pass (rows x padded width).
-DEFAULT_TOKENS_PER_BATCH = 65536
+__all__ = ["can_realign", "completion_widths", "shifted_logps"]
 
 #: Keyword arguments of GRPOTrainer's log-prob helper that a batch may carry (multimodal inputs).
 FORWARD_KEYS = (
@@ -68,139 +38,6 @@ def completion_widths(completion_mask: torch.Tensor) -> torch.Tensor:
     """
     columns = torch.arange(1, completion_mask.size(1) + 1, device=completion_mask.device)
     return (columns * (completion_mask != 0)).amax(dim=1) if completion_mask.size(1) else completion_mask.sum(dim=1)
-
-
-def plan_micro_batches(
-    widths: torch.Tensor,
-    prompt_width: int,
-    tokens_per_batch: int | None = DEFAULT_TOKENS_PER_BATCH,
-    batch_size: int | None = None,
-    num_micro_batches: int | None = None,
-) -> list[tuple[torch.Tensor, int]]:
-    """Split rows into micro-batches of similar completion width.
-
-    Args:
-        widths: ``[B]`` completion widths (:func:`completion_widths`).
-        prompt_width: columns of the (left-padded) prompts, counted in every row.
-        tokens_per_batch: most ``rows * (prompt_width + width)`` tokens of one micro-batch (at least one row each).
-        batch_size: when set, this many rows per micro-batch instead of a token budget.
-        num_micro_batches: when set and larger than the plan, the largest micro-batches are split until the plan has
-            exactly this many (processes whose forward passes communicate, as under ZeRO-3 or FSDP, must run the
-            same number). Never more than ``B``.
-
-    Returns:
-        A list of ``(rows, width)``: a ``LongTensor`` of row indices (longest completions first) and the completion
-        columns the micro-batch keeps (at least 1).
-    """
-    num_rows = widths.numel()
-    if num_rows == 0:
-        return []
-    order = torch.sort(widths.cpu(), descending=True, stable=True).indices
-    sorted_widths = widths.cpu()[order].tolist()
-    groups: list[list[int]] = []
-    start = 0
-    while start < num_rows:
-        width = max(int(sorted_widths[start]), 1)  # the first row of a group is its widest
-        if batch_size is not None:
-            count = batch_size
-        else:
-            count = max(1, int(tokens_per_batch) // (prompt_width + width))
-        groups.append(order[start : start + count].tolist())
-        start += count
-    if num_micro_batches is not None:
-        target = min(int(num_micro_batches), num_rows)
-        while len(groups) < target:
-            largest = max(range(len(groups)), key=lambda i: len(groups[i]))
-            group = groups[largest]
-            half = (len(group) + 1) // 2
-            groups[largest : largest + 1] = [group[:half], group[half:]]
-    return [
-        (torch.tensor(group, dtype=torch.long), max(int(widths.cpu()[group].max()), 1))
-        for group in groups
-        if len(group) > 0
-    ]
-
-
-@torch.no_grad()
-def no_grad_completion_logps(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor,
-    *,
-    compute_entropy: bool = False,
-    tokens_per_batch: int | None = DEFAULT_TOKENS_PER_BATCH,
-    batch_size: int | None = None,
-    num_micro_batches: int | Callable[[int], int] | None = None,
-    autocast: Callable[[], AbstractContextManager] = nullcontext,
-    realign: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and, when asked, Shannon entropies) of the completion tokens under ``model``.
-
-    ``model`` is a causal language model with TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``), possibly
-    wrapped by PEFT. The attention mask is ``prompt_mask`` followed by ``completion_mask``, and the scored tokens are
-    the completion tokens it keeps, as in ``GRPOTrainer._get_per_token_logps_and_entropies``.
-
-    Args:
-        num_micro_batches: a fixed number of micro-batches, or a function from this process's planned count to the
-            count to run (e.g. the largest over processes); see :func:`plan_micro_batches`.
-        autocast: a context manager factory the forward runs under (the accelerator's autocast).
-        realign: shift rows past their prompt padding and run without an attention mask (see the module's notes);
-            ``None`` (default) does so when :func:`can_realign` allows it, ``False`` always uses the masked path.
-
-    Returns:
-        ``(logps, entropies)``, each ``[B, C]`` float32 with ``C = completion_ids.size(1)``, 0 at the columns that are
-        not scored (as TRL's); ``entropies`` is ``None`` unless ``compute_entropy``.
-    """
-    batch, num_columns = completion_ids.shape
-    prompt_width = prompt_ids.size(1)
-    device = completion_ids.device
-    if num_columns == 0:
-        # Nothing to score here, but the count is asked all the same: with several processes it gathers the other
-        # processes' counts, and a process that skipped it (or the forwards it implies) would leave them waiting.
-        target = _micro_batch_target(num_micro_batches, 0)
-        if target > 0:
-            _dummy_forwards(model, prompt_ids, prompt_mask, target, autocast)
-        empty = completion_ids.new_zeros(batch, 0, dtype=torch.float32)
-        return empty, (empty.clone() if compute_entropy else None)
-    widths = completion_widths(completion_mask)
-    # Rotary scalings that follow the longest position of a forward give TRL's values only at TRL's full width.
-    plan_widths = torch.full_like(widths, num_columns) if _rope_follows_longest_position(model) else widths
-    plan = plan_micro_batches(plan_widths, prompt_width, tokens_per_batch, batch_size)
-    target = _micro_batch_target(num_micro_batches, len(plan))
-    if target > len(plan):
-        plan = plan_micro_batches(plan_widths, prompt_width, tokens_per_batch, batch_size, num_micro_batches=target)
-    logps = torch.zeros(batch, num_columns, dtype=torch.float32, device=device)
-    entropies = torch.zeros_like(logps) if compute_entropy else None
-    if realign is None:
-        realign = can_realign(model, prompt_mask, completion_mask)
-    for rows, width in plan:
-        rows = rows.to(device)
-        if realign:
-            row_logps, row_entropies = _realigned_forward(
-                model,
-                prompt_ids[rows],
-                prompt_mask[rows],
-                completion_ids[rows, :width],
-                widths[rows].to(device),
-                compute_entropy,
-                autocast,
-            )
-            logps[rows, :width] = row_logps
-            if compute_entropy:
-                entropies[rows, :width] = row_entropies
-            continue
-        input_ids = torch.cat([prompt_ids[rows], completion_ids[rows, :width]], dim=1)
-        attention_mask = torch.cat([prompt_mask[rows], completion_mask[rows, :width]], dim=1)
-        labels = input_ids.masked_fill(attention_mask == 0, -100)
-        labels[:, :prompt_width] = -100  # only the completion tokens are scored
-        with autocast():
-            outputs = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
-        logps[rows, :width] = outputs.log_probs[:, -width:].float()
-        if compute_entropy:
-            entropies[rows, :width] = _fused_entropies(outputs)[:, -width:].float()
-    return logps, entropies
 
 
 #: Model types whose decoder takes its positions from ``position_ids`` alone (rotary embeddings) and whose attention
@@ -373,29 +210,3 @@ def shifted_logps(
         all_logps.append(logps)
         all_entropies.append(entropies)
     return torch.cat(all_logps, dim=0), (torch.cat(all_entropies, dim=0) if compute_entropy else None)
-
-
-def _micro_batch_target(num_micro_batches: int | Callable[[int], int] | None, planned: int) -> int:
-    """How many forwards to run when this process planned ``planned`` (see :func:`no_grad_completion_logps`)."""
-    if num_micro_batches is None:
-        return planned
-    return num_micro_batches(planned) if callable(num_micro_batches) else num_micro_batches
-
-
-def _dummy_forwards(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    count: int,
-    autocast: Callable[[], AbstractContextManager],
-) -> None:
-    """``count`` forwards of one short row whose results are discarded: the share of a process with nothing to
-    score in forwards that gather sharded parameters from every process (ZeRO-3, FSDP)."""
-    if prompt_ids.numel() > 0:
-        input_ids, attention_mask = prompt_ids[:1], torch.ones_like(prompt_mask[:1])
-    else:
-        input_ids = torch.zeros(1, 1, dtype=torch.long, device=prompt_ids.device)
-        attention_mask = torch.ones_like(input_ids)
-    for _ in range(count):
-        with autocast():
-            model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids, fused_lm_head=True)

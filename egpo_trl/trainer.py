@@ -1,64 +1,10 @@
 """``EGPOTrainer``: TRL's ``GRPOTrainer`` with EGPO's entropy-calibrated advantages.
 
-The trainer is glue. TRL generates, scores and builds the batch as usual; after
-``GRPOTrainer._generate_and_score_completions`` returns, EGPO
-
-1. takes the old policy's per-token log-probs of the completion tokens the loss scores (TRL's
-   ``completion_mask`` after ``mask_truncated_completions``, times its ``tool_mask``),
-2. turns them into one entropy proxy per completion (:func:`~egpo_trl.advantages.sequence_entropy`),
-3. gathers entropies across processes (groups may span processes; TRL gathers the rewards the same
-   way), computes the advantages on the global tensors with the configured estimator
-   (:func:`~egpo_trl.advantages.egpo_advantages` by default), and keeps this process's slice,
-4. puts the result where TRL expects it (``advantages`` in the batch and in the completions table).
-
-Each feature is a mixin of methods that overrides nothing of ``GRPOTrainer``; ``EGPOTrainer`` holds every
-override of TRL's methods and calls the features from them (``_generate`` for Guided Error Correction,
-``_generate_and_score_completions`` for dynamic sampling, ``_prepare_inputs``, ``training_step`` and
-``compute_loss`` for ``egpo_entropy_logps="loss_forward"``), so what EGPO changes in ``GRPOTrainer`` is read
-here, in one file.
-
-TRL's clipped objective, every loss type, ``num_iterations``, gradient accumulation, PEFT, vLLM and
-multi-process training are untouched, except that ``egpo_entropy_logps="loss_forward"`` runs the backwards of a
-block of micro-batches in its last micro-batch's step (the same gradient; it refuses the settings where it would not
-be).
-
-Where the log-probs come from (the paper's "zero-overhead" proxy):
-
-* ``old_per_token_logps`` when TRL computed them: with ``num_iterations > 1``, when generation and
-  optimisation steps are misaligned, and with vLLM importance-sampling correction (on by default).
-  No extra cost.
-* otherwise, with ``egpo_entropy_logps="sampler"``, the sampling log-probs vLLM returned (``use_vllm``
-  without importance-sampling correction), when sampling is plain (no top-p, top-k, min-p, penalties,
-  ``min_tokens``, structured outputs or ``generation_kwargs`` temperature of its own: see
-  :func:`~egpo_trl.config.distribution_changing_sampling_options`), so that they are
-  the policy's at the temperature up to the engines' numerical differences. No extra cost.
-* otherwise (the default ``egpo_entropy_logps="policy"``, and plain transformers generation with
-  ``num_iterations = 1``) one extra no-grad forward pass of the policy over the generation batch, as verl
-  (the paper's trainer) computes the old policy's log-probs. It costs about a third of a training step's
-  forward+backward; :mod:`egpo_trl.old_logps` sizes its micro-batches by a token budget and skips right padding,
-  and ``benchmarks/entropy_pass.py`` and ``docs/multi_gpu.md`` measure it.
-* with ``egpo_entropy_logps="loss_forward"`` (EGPO's and EDGE-GRPO's estimators, where TRL computes no old
-  log-probs), the loss's own forwards, each group's held until its weights are known (:mod:`egpo_trl.fused`). No
-  extra cost.
-
-Estimators whose advantages do not read the proxy (``grpo``, ``nsr``) still log it (``egpo_entropy_metrics``). In
-the last case they take it from the loss's own forward instead of a pass: with one optimizer step per generation
-batch that forward runs with the weights that sampled the batch, and every row goes through it before the step
-ends (``egpo/entropy_source`` 4; not with a random training-mode forward, such as active dropout).
-
-The baselines run through the same trainer (``docs/baselines.md``):
-
-* ``advantage_estimator="edge_grpo"`` reads full-distribution Shannon entropies. When TRL computes the
-  old log-probs it computes them in that same no-grad pass; otherwise the one extra pass above returns
-  both. They are constants of the objective, taken under the policy that sampled the batch.
-* ``dynamic_sampling`` (DAPO) generates extra rounds for prompts drawn from the training set until the
-  generation batch is made of informative groups; the batch keeps its shape. It lives in
-  :mod:`egpo_trl.sampling.dynamic` (:class:`~egpo_trl.sampling.dynamic.DynamicSamplingMixin`).
-* ``edge_gec`` (EDGE-GRPO's Guided Error Correction) rewrites incorrect completions after generation and
-  before TRL scores them. It lives in :mod:`egpo_trl.sampling.gec`
-  (:class:`~egpo_trl.sampling.gec.GuidedErrorCorrectionMixin`).
-* ``overlong_buffer_length`` (DAPO) adds :func:`~egpo_trl.rewards.overlong_penalty_reward` to the reward
-  functions.
+After ``GRPOTrainer._generate_and_score_completions`` the trainer takes the old policy's per-token log-probs of the
+scored completion tokens (from TRL's old log-probs, vLLM's sampling log-probs, one no-grad pass, or the loss's own
+forward: ``egpo_entropy_logps``), turns them into one entropy proxy per completion, gathers rewards and entropies
+across processes, computes the advantages with the configured estimator and keeps this process's slice. The features
+(dynamic sampling, Guided Error Correction, ``loss_forward``, exact resume) are mixins called from the overrides here.
 """
 
 from __future__ import annotations
@@ -152,14 +98,8 @@ def _judged_rows(result: AdvantageOutput, scored: torch.Tensor | None) -> tuple[
 
 
 def vllm_out_of_memory_message(args, processes: int, error: BaseException) -> str | None:
-    """What to do when a colocated vLLM engine runs out of GPU memory while it generates, or ``None`` where ``error``
-    is not that.
-
-    In colocate mode vLLM takes back its share of each GPU (``vllm_gpu_memory_utilization``) at every generation, on
-    top of what training keeps there: the weights' and optimizer's shards under ZeRO, more of them per GPU the fewer
-    processes share them. PyTorch's out-of-memory error and the one vLLM's sleep-mode allocator raises on wake-up
-    ("CUDA Error: out of memory") are both ``RuntimeError``s that say "out of memory".
-    """
+    """The error for a colocated vLLM engine running out of GPU memory while it generates, naming the fix (``None``
+    where ``error`` is not that)."""
     if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate"):
         return None
     text = str(error)
@@ -199,12 +139,13 @@ class EGPOTrainer(
 ):
     """Trainer for Entropy-Guided Policy Optimization (EGPO), a drop-in replacement for TRL's ``GRPOTrainer``.
 
-    It takes exactly ``GRPOTrainer``'s arguments; ``args`` is an :class:`~egpo_trl.EGPOConfig`.
+    It takes ``GRPOTrainer``'s arguments; ``args`` is an :class:`~egpo_trl.EGPOConfig`. A completion is correct when
+    the reward function named by ``egpo_correctness_reward`` (by default the package's ``boxed_accuracy_reward``)
+    gives it a reward > 0; that function must be a binary verifier where group types are read. Logs TRL's metrics
+    and ``egpo/*`` (group types, weights, entropies of correct and incorrect completions, ``egpo/entropy_source``),
+    ``dynamic_sampling/*`` and ``gec/*``.
 
     Example::
-
-        from egpo_trl import EGPOConfig, EGPOTrainer
-        from egpo_trl.rewards import boxed_accuracy_reward
 
         trainer = EGPOTrainer(
             model="Qwen/Qwen2.5-Math-1.5B",
@@ -213,26 +154,6 @@ class EGPOTrainer(
             train_dataset=dataset,  # columns: prompt, answer
         )
         trainer.train()
-
-    Correctness rule with several reward functions: a completion is correct when the reward function
-    named by ``args.egpo_correctness_reward`` gives it a reward > 0. Unset, it is the package's
-    ``boxed_accuracy_reward`` when exactly one of them is that; otherwise the trainer refuses to start where the
-    configuration reads correctness (see :func:`egpo_trl.correctness.correctness_reward_index`). Group
-    types (entirely-correct, mixed, entirely-incorrect) follow from that; mixed-group advantages use
-    the weighted sum of all rewards, as GRPO does. That function must be a binary verifier (+1/-1 or
-    1/0 values) for the estimators and features that use group types; any other values stop training
-    with an error naming the fix (see the README, "Where EGPOTrainer differs from GRPOTrainer").
-
-    Metrics logged beside TRL's, per generation batch (``egpo/*``): the fraction of entirely-correct,
-    mixed and entirely-incorrect groups, the mean weight on correct and on incorrect completions, the
-    mean entropy of correct and of incorrect completions and their gap (incorrect minus correct), the
-    fraction of raw weights at each clip bound, whether an extra forward pass was needed and where the entropy
-    proxy's log-probs came from (``egpo/entropy_source``, see ``ENTROPY_SOURCE_CODES``). Under dynamic sampling
-    and Guided Error Correction, TRL's reward and length metrics describe the batch trained on. With
-    ``edge_grpo``, ``egpo/token_entropy_mean`` (the mean Shannon entropy); with dynamic sampling,
-    ``dynamic_sampling/*`` (rounds needed, fraction of informative groups, groups generated per group kept,
-    whether the cap was hit); with Guided Error Correction, ``gec/*`` (fraction of completions continued, given
-    the answer, replaced).
     """
 
     _tag_names = ["trl", "egpo"]
@@ -298,13 +219,8 @@ class EGPOTrainer(
         self.egpo_last_batch: dict[str, Any] = {}
 
     def _egpo_vllm_token_ids_only(self) -> None:
-        """Ask a colocated vLLM engine for token ids only (``detokenize=False``).
-
-        TRL reads the token ids of vLLM's outputs and decodes them itself; the text vLLM builds as it samples (and
-        the text of every returned log-prob's token) is thrown away, at a per-token cost on the CPU thread that
-        also drives the GPU. A run whose ``generation_kwargs`` set ``detokenize`` or ``stop`` strings (which need
-        the text) is left as it is. Server mode is left as it is too: the server decides.
-        """
+        """Ask a colocated vLLM engine for token ids only (``detokenize=False``): TRL decodes the ids itself. Left
+        alone where ``generation_kwargs`` set ``detokenize`` or ``stop`` strings, and in server mode."""
         generation = getattr(self, "vllm_generation", None)
         if not getattr(self, "use_vllm", False) or getattr(generation, "mode", None) != "colocate":
             return
@@ -314,11 +230,7 @@ class EGPOTrainer(
         generation.generation_kwargs = {**kwargs, "detokenize": False}  # a copy: args.generation_kwargs stays as given
 
     def vllm_kv_cache_tokens(self) -> int | None:
-        """How many tokens the colocated vLLM engine's KV cache holds, all its sequences together.
-
-        ``None`` without a colocated engine (server mode asks the server), or where vLLM does not say (an engine in
-        another process). A generation batch whose sequences need more than this is decoded in several rounds.
-        """
+        """How many tokens the colocated vLLM engine's KV cache holds, all sequences together (``None`` where unknown)."""
         generation = getattr(self, "vllm_generation", None)
         if not getattr(self, "use_vllm", False) or getattr(generation, "mode", None) != "colocate":
             return None
@@ -412,19 +324,9 @@ class EGPOTrainer(
         compute_aux_loss=False,
         **others,
     ):
-        """TRL's log-prob pass, or with ``egpo_shift_prompt_padding`` the same with rows shifted past their prompt
-        padding (:func:`egpo_trl.old_logps.shifted_logps`) where :func:`~egpo_trl.old_logps.can_realign` allows it:
-        text-only batches (no image inputs), masks that are plain padding, and no MoE auxiliary loss in the run
-        (TRL asks for it in the loss's forward only; a run with it keeps TRL's layout in every pass, so that the
-        policy ratio and the KL term compare log-probs of one layout).
-
-        When TRL compares two passes over the same rows (old-policy log-probs in the policy ratio, the reference
-        model's in the KL term), every shifted forward keeps TRL's full width: the old-policy pass and the loss's
-        micro-batches group the rows differently, and forwards cut to their longest row would run the backbone at
-        other shapes. (As in TRL's own layout, the fused LM head on a GPU still scores another number of tokens per
-        forward, and dynamic sampling pads reassembled batches wider than a round's old-policy pass, so the two
-        passes can differ by rounding.) Otherwise (the paper's recipes: one optimizer step per generation batch, no
-        importance-sampling correction, no KL term) only the loss's forward runs, cut to its longest row."""
+        """TRL's log-prob pass, or with ``egpo_shift_prompt_padding`` the same on rows shifted past their prompt padding
+        where :func:`~egpo_trl.old_logps.can_realign` allows it (text only, no MoE auxiliary loss). Where TRL compares
+        two passes over the same rows (:meth:`_egpo_compared_passes`) the shifted forwards keep TRL's full width."""
         if (
             getattr(self.args, "egpo_shift_prompt_padding", False)
             and not compute_aux_loss
@@ -593,13 +495,7 @@ class EGPOTrainer(
         self._egpo_incorrect_seen = None
 
     def _egpo_check_importance_sampling(self, mode: str) -> None:
-        """Warn when TRL's vLLM importance-sampling correction scales this batch's loss far below 1.
-
-        With ``vllm_importance_sampling_correction`` TRL multiplies the loss by ``exp(trainer - vLLM log-probs)``
-        (per token or per sequence, truncated or masked). When vLLM samples from another distribution than the
-        trainer's (processed logits) or the two disagree numerically over long completions, these ratios fall
-        towards 0 and the run learns nothing while every other metric looks normal.
-        """
+        """Warn when TRL's vLLM importance-sampling correction scales this batch's loss far below 1."""
         values = self._metrics[mode].get("sampling/importance_sampling_ratio/mean")
         if not values or not values[-1] < IS_RATIO_WARNING_THRESHOLD:
             return
@@ -713,15 +609,8 @@ class EGPOTrainer(
 
     # ------------------------------------------------------------------ entropies
     def _egpo_loss_mask(self, output: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The tokens the entropy proxy averages over, and (for a ``thinking``/``answer`` scope) which rows fell back
-        to their whole completion because their segment is empty (``None`` for the ``completion`` scope).
-
-        A completion without ``</think>`` (cut off by the length limit, or a model that does not write the tags) has
-        no answer segment, and one that closes the tag at once has no thinking segment. Their segment entropy is
-        undefined; rather than leave them out of the group mean (weight 1, as if unscored), the proxy falls back to
-        the whole completion, as :func:`egpo_trl.segments.scope_mask` does, and ``egpo/frac_entropy_scope_fallback``
-        logs how often.
-        """
+        """The tokens the entropy proxy averages over, and for a ``thinking``/``answer`` scope which rows fell back to
+        their whole completion because their segment is empty (``None`` for the ``completion`` scope)."""
         mask = output["completion_mask"]
         if output.get("tool_mask") is not None:
             mask = mask * output["tool_mask"]
@@ -735,15 +624,9 @@ class EGPOTrainer(
         return torch.where(fallback.unsqueeze(1), mask, chosen), fallback
 
     def _egpo_entropies(self, output: dict[str, Any], mode: str = "train") -> dict[str, Any]:
-        """Global per-completion entropies of this generation batch.
-
-        Returns a dict with ``nll`` (``Tensor[B_global]``, the Eq. 5 proxy, or ``None`` when neither the estimator
-        nor ``egpo_entropy_metrics`` asks for it, or when the metrics are deferred), ``shannon`` (the mean Shannon
-        entropy, for estimators that read it, else ``None``), ``source`` (where the proxy's log-probs came from:
-        ``old_per_token_logps``, ``sampling_per_token_logps``, ``forward``, ``training_forward`` or ``none``),
-        ``extra_pass`` (whether this method ran a forward pass of its own) and ``deferred`` (``None``, or the state of
-        metrics that the loss's forwards complete, see :meth:`_egpo_defers_entropy_metrics`).
-        """
+        """Global per-completion entropies of this generation batch: ``nll`` (the Eq. 5 proxy, ``[B_global]``, or
+        ``None``), ``shannon`` (for estimators that read it), ``source`` of the log-probs, ``extra_pass`` and
+        ``deferred`` (metrics the loss's forwards complete)."""
         token_entropies = output.pop(_TOKEN_ENTROPY_KEY, None)
         need_nll = self._egpo_entropy_input == "nll" or self.args.egpo_entropy_metrics
         need_shannon = self._egpo_entropy_input == "shannon"
@@ -814,14 +697,8 @@ class EGPOTrainer(
         return noise or _random_training_forward(self.model)
 
     def _egpo_defers_entropy_metrics(self, mode: str) -> bool:
-        """Whether this training batch's ``egpo/entropy_*`` metrics can come from the loss's own forwards.
-
-        That is the case when TRL skips its old-log-prob pass (one optimizer step per generation batch, no
-        importance-sampling correction): the loss's forward of each row then runs with the weights that sampled it
-        (TRL uses its log-probs as the old ones), so its log-probs are the old policy's, as a no-grad pass would
-        give them up to floating-point effects of another batch composition. Not when the policy has active dropout
-        (the loss's forward runs in training mode), nor for evaluation batches, which no loss sees.
-        """
+        """Whether this training batch's ``egpo/entropy_*`` metrics come from the loss's own forwards: TRL computes no
+        old log-probs (so each row's loss forward runs with the weights that sampled it) and the forward is not random."""
         if mode != "train" or self._trl_computes_old_logps():
             return False
         if getattr(self, "_egpo_random_training_forward", None) is None:
@@ -873,13 +750,9 @@ class EGPOTrainer(
         return reasons + self._egpo_compared_passes()
 
     def _check_length_sorting(self) -> None:
-        """``egpo_length_sorted_micro_batches``: refuse (again, with what the trainer knows) what it cannot serve, and
-        set ``_egpo_sort_window``, the rows sorted together (``None``: no sorting). Rows stay within their optimizer
-        step and their generation batch's split: windows of gcd(gradient_accumulation_steps, steps_per_generation)
-        micro-batches; under ``loss_forward`` each group on its own, as its block's loss needs a group's rows
-        together, or with ``egpo_loss_forward_block_tokens`` each block of merged groups (``_fused_block_tokens``).
-        Where sorting cannot cut any forward (TRL's full width, or a window inside one micro-batch) the rows are not
-        sorted."""
+        """``egpo_length_sorted_micro_batches``: refuse what it cannot serve and set ``_egpo_sort_window``, the rows
+        sorted together (``None``: no sorting); within an optimizer step, per group under ``loss_forward`` or per
+        merged block with ``egpo_loss_forward_block_tokens``."""
         args = self.args
         self._egpo_sort_window = None
         if args.egpo_loss_forward_block_tokens is not None and not (
@@ -1056,55 +929,29 @@ class EGPOTrainer(
 
     @torch.no_grad()
     def _egpo_forward(self, output: dict[str, Any], compute_entropy: bool = False):
-        """One no-grad pass of the (old) policy over the batch: per-token log-probs ``[B_local, C]`` and, when asked,
-        per-token Shannon entropies of the full next-token distribution (else ``None``).
-
-        The pass runs through the fused LM head TRL installs on the policy, in micro-batches planned by
-        :func:`egpo_trl.old_logps.no_grad_completion_logps`: rows of similar completion length together, as many as
-        ``egpo_entropy_tokens_per_batch`` tokens (or ``egpo_entropy_batch_size`` rows) each, every micro-batch cut to
-        its longest completion. Batches with multimodal inputs go through TRL's helper, ``egpo_entropy_batch_size``
-        rows (or as many as the token budget holds at full width) at a time.
-        """
-        from egpo_trl.old_logps import no_grad_completion_logps
-
-        args = self.args
+        """One no-grad pass of the (old) policy over the batch through TRL's log-prob helper: per-token log-probs
+        ``[B_local, C]`` and, when asked, per-token Shannon entropies (else ``None``)."""
         forward_kwargs = {key: output[key] for key in _FORWARD_KEYS if output.get(key) is not None}
-        tokens_per_batch = getattr(args, "egpo_entropy_tokens_per_batch", None)
-        batch_size = getattr(args, "egpo_entropy_batch_size", None)
-        was_training = self.model.training
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        training = self.model.training
         self.model.eval()  # no dropout: the proxy is the old policy's, and no RNG is consumed
         try:
-            with disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
-                if forward_kwargs:  # images and their per-row slicing: TRL's helper (timed as old_logps_s there)
-                    input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-                    attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-                    if batch_size is None:
-                        batch_size = max(1, (tokens_per_batch or input_ids.numel()) // max(input_ids.size(1), 1))
-                    logps, entropies, _ = self._get_per_token_logps_and_entropies(
-                        self.model,
-                        input_ids,
-                        attention_mask,
-                        output["completion_ids"].size(1),
-                        batch_size=batch_size,
-                        compute_entropy=compute_entropy,
-                        **forward_kwargs,
-                    )
-                    return logps, entropies
-                with self._egpo_timed("old_logps_s"):
-                    return no_grad_completion_logps(
-                        self.model,
-                        output["prompt_ids"],
-                        output["prompt_mask"],
-                        output["completion_ids"],
-                        output["completion_mask"],
-                        compute_entropy=compute_entropy,
-                        tokens_per_batch=tokens_per_batch,
-                        batch_size=batch_size,
-                        num_micro_batches=self._egpo_same_count_across_processes,
-                        autocast=self.accelerator.autocast,
-                    )
+            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+                logps, entropies, _ = self._get_per_token_logps_and_entropies(
+                    self.model,
+                    input_ids,
+                    attention_mask,
+                    output["completion_ids"].size(1),
+                    batch_size=self.args.per_device_train_batch_size
+                    if training
+                    else self.args.per_device_eval_batch_size,
+                    compute_entropy=compute_entropy,
+                    **forward_kwargs,
+                )
         finally:
-            self.model.train(was_training)
+            self.model.train(training)
+        return logps, entropies
 
     def _egpo_same_count_across_processes(self, count: int) -> int:
         """The largest of every process's ``count``: processes whose forward passes gather sharded parameters
@@ -1169,14 +1016,8 @@ class EGPOTrainer(
         )
 
     def _egpo_correct(self, rewards_per_func: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """Which completions are correct (the correctness reward function's value > 0), and the reward value of an
-        incorrect one (-1 or 0).
-
-        The group types of EGPO and NSR, dynamic sampling's ``correctness`` filter and Guided Error Correction need
-        a binary verifier: a correctness reward whose values are those of a +1/-1 or a 1/0 reward. Any other value
-        (a length, a score, a reward model's logit) would make every positive reward "correct", every group
-        entirely-correct and every advantage 0, a run that trains nothing: it is refused with the fix.
-        """
+        """Which completions are correct (correctness reward > 0) and an incorrect one's reward (-1 or 0); a correctness
+        reward that is not binary is refused where group types are read."""
         values = rewards_per_func[:, self._egpo_correctness_index]
         scored = values[~torch.isnan(values)]
         distinct = set(scored.unique().tolist())

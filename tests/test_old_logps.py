@@ -1,14 +1,17 @@
-"""The no-grad log-prob pass (egpo_trl.old_logps) against TRL's own helper, on the tiny Qwen2 model."""
+"""Rows shifted past their prompt padding (egpo_trl.old_logps) against TRL's own log-prob helper, on the tiny Qwen2 model."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 import torch
 from conftest import make_prompt_dataset, parity_reward, train_two_steps
 from conftest import trainer_config as config
+from trl import GRPOTrainer
 
 from egpo_trl import EGPOTrainer
-from egpo_trl.old_logps import completion_widths, plan_micro_batches
+from egpo_trl.old_logps import can_realign, completion_widths, shifted_logps
 
 
 def padded_batch(vocab_size: int, prompt_lengths: list[int], completion_lengths: list[int], seed: int = 0):
@@ -42,43 +45,45 @@ def trainer(tmp_path_factory, tiny_model_dir):
     return trainer
 
 
-def trl_pass(trainer, batch, compute_entropy, model=None):
-    """TRL's own helper over ``batch``, two rows at a time, with ``model`` (default: the trainer's policy)."""
+def _pass(helper, trainer, batch, compute_entropy, model):
     model = trainer.model if model is None else model
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     model.eval()
     with torch.no_grad():
-        logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+        logps, entropies, _ = helper(
             model,
             input_ids,
             attention_mask,
             batch["completion_ids"].size(1),
-            batch_size=2,
+            batch_size=3,
             compute_entropy=compute_entropy,
         )
     model.train()
     return logps, entropies
 
 
-@pytest.mark.parametrize(
-    ("tokens_per_batch", "batch_size"),
-    [(65536, None), (40, None), (1, None), (None, 3), (None, 1)],
-    ids=["whole-batch", "budget-40", "one-row-each", "three-rows", "one-row"],
-)
-def test_pass_equals_trls_helper(trainer, tokens_per_batch, batch_size):
+def trl_pass(trainer, batch, compute_entropy, model=None):
+    """TRL's own helper over ``batch``, three rows at a time, with ``model`` (default: the trainer's policy)."""
+    return _pass(
+        partial(GRPOTrainer._get_per_token_logps_and_entropies, trainer), trainer, batch, compute_entropy, model
+    )
+
+
+def egpo_pass(trainer, batch, compute_entropy, model=None):
+    """The trainer's no-grad pass (rows shifted where :func:`can_realign` allows it)."""
+    return _pass(trainer._get_per_token_logps_and_entropies, trainer, batch, compute_entropy, model)
+
+
+def test_pass_equals_trls_helper(trainer):
     assert trainer.temperature == 0.7  # the fused head divides by it in both passes
     # Padding in prompts and completions, a completion with no scored token, rows in no particular length order.
     prompt_lengths = [5, 9, 3, 9, 7, 1, 6]
     completion_lengths = [4, 11, 0, 7, 11, 2, 9]
     batch = padded_batch(trainer.model.config.vocab_size, prompt_lengths, completion_lengths)
     expected_logps, expected_entropies = trl_pass(trainer, batch, compute_entropy=True)
-    trainer.args.egpo_entropy_tokens_per_batch, trainer.args.egpo_entropy_batch_size = tokens_per_batch, batch_size
-    try:
-        logps, entropies = trainer._egpo_forward(batch, compute_entropy=True)
-        logps_only, none = trainer._egpo_forward(batch, compute_entropy=False)
-    finally:
-        trainer.args.egpo_entropy_tokens_per_batch, trainer.args.egpo_entropy_batch_size = 65536, None
+    logps, entropies = trainer._egpo_forward(batch, compute_entropy=True)
+    logps_only, none = trainer._egpo_forward(batch, compute_entropy=False)
     assert trainer.model.training  # the pass puts the model back in training mode
     assert none is None
     assert logps.shape == expected_logps.shape == batch["completion_ids"].shape
@@ -90,53 +95,9 @@ def test_pass_equals_trls_helper(trainer, tokens_per_batch, batch_size):
     assert (logps[scored] < 0).all() and (entropies[scored] > 0).all()
 
 
-def test_plan_groups_rows_of_similar_length_within_the_budget():
-    mask = torch.zeros(6, 10, dtype=torch.long)
-    for row, length in enumerate([3, 10, 0, 7, 10, 1]):
-        mask[row, :length] = 1
-    widths = completion_widths(mask)
-    assert widths.tolist() == [3, 10, 0, 7, 10, 1]
-    plan = plan_micro_batches(widths, prompt_width=2, tokens_per_batch=24)
-    assert [(rows.tolist(), width) for rows, width in plan] == [([1, 4], 10), ([3, 0], 7), ([5, 2], 1)]
-    assert sorted(i for rows, _ in plan for i in rows.tolist()) == list(range(6))
-    assert all(len(rows) * (2 + width) <= 24 for rows, width in plan)
-    # Processes that must run the same number of forward passes split their largest micro-batches.
-    split = plan_micro_batches(widths, prompt_width=2, tokens_per_batch=24, num_micro_batches=5)
-    assert len(split) == 5 and sorted(i for rows, _ in split for i in rows.tolist()) == list(range(6))
-    assert len(plan_micro_batches(widths, prompt_width=2, batch_size=4)) == 2
-    assert len(plan_micro_batches(widths, 2, tokens_per_batch=10**6, num_micro_batches=99)) == 6
-
-
-@pytest.mark.parametrize("others", [0, 2])
-def test_a_process_with_no_completion_tokens_still_asks_for_the_count_and_runs_as_many_forwards(trainer, others):
-    """With empty completions there is nothing to score, but the count function (a gather over processes in a
-    multi-process run) is called, and the forwards the other processes run are matched by discarded ones."""
-    from egpo_trl.old_logps import no_grad_completion_logps
-
-    batch = padded_batch(trainer.model.config.vocab_size, [5, 3], [0, 0])
-    batch["completion_ids"] = batch["completion_ids"][:, :0]
-    batch["completion_mask"] = batch["completion_mask"][:, :0]
-    asked, forwards = [], []
-    handle = trainer.model.register_forward_hook(lambda *args: forwards.append(1))
-    try:
-        logps, entropies = no_grad_completion_logps(
-            trainer.model,
-            **batch,
-            compute_entropy=True,
-            num_micro_batches=lambda count: asked.append(count) or max(count, others),
-        )
-    finally:
-        handle.remove()
-    assert asked == [0]  # this process plans no forward; the largest count over processes decides
-    assert len(forwards) == others
-    assert logps.shape == entropies.shape == (2, 0)
-
-
 def test_realigned_rows_give_trls_values(trainer):
     """Rows shifted past their prompt padding, with their original positions and no attention mask, score every
     completion token as TRL's masked pass does."""
-    from egpo_trl.old_logps import can_realign, no_grad_completion_logps
-
     batch = padded_batch(trainer.model.config.vocab_size, [5, 9, 3, 9, 7, 1, 6], [4, 11, 0, 7, 11, 2, 9], seed=3)
     assert can_realign(trainer.model, batch["prompt_mask"], batch["completion_mask"])
     expected_logps, expected_entropies = trl_pass(trainer, batch, compute_entropy=True)
@@ -144,50 +105,31 @@ def test_realigned_rows_give_trls_values(trainer):
     handle = trainer.model.register_forward_pre_hook(
         lambda module, args, kwargs: calls.append(kwargs), with_kwargs=True
     )
-    trainer.model.eval()
     try:
-        autocast = trainer.accelerator.autocast  # as the trainer runs the pass (and TRL's helper above)
-        logps, entropies = no_grad_completion_logps(
-            trainer.model, **batch, compute_entropy=True, tokens_per_batch=40, autocast=autocast
-        )
-        masked_logps, _ = no_grad_completion_logps(
-            trainer.model, **batch, tokens_per_batch=40, realign=False, autocast=autocast
-        )
+        logps, entropies = egpo_pass(trainer, batch, compute_entropy=True)
     finally:
         handle.remove()
-        trainer.model.train()
-    realigned = calls[: len(calls) // 2]
-    assert realigned and all(call.get("attention_mask") is None and "position_ids" in call for call in realigned)
-    assert all(call.get("attention_mask") is not None for call in calls[len(calls) // 2 :])
+    assert calls and all(call.get("attention_mask") is None and "position_ids" in call for call in calls)
     torch.testing.assert_close(logps, expected_logps, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropies, expected_entropies, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(masked_logps, expected_logps, rtol=1e-5, atol=1e-5)
     scored = batch["completion_mask"].bool()
     assert (logps[~scored] == 0).all() and (logps[scored] < 0).all()
 
 
 def test_realigned_pass_under_sdpa_matches_the_masked_pass(trainer):
     """The default attention (SDPA): the causal kernel without a mask against the masked kernel, to SDPA's rounding."""
-    from egpo_trl.old_logps import can_realign, no_grad_completion_logps
-
     batch = padded_batch(trainer.model.config.vocab_size, [6, 2, 8, 8], [10, 3, 0, 12], seed=4)
     trainer.model.set_attn_implementation("sdpa")
-    trainer.model.eval()
     try:
         assert can_realign(trainer.model, batch["prompt_mask"], batch["completion_mask"])
-        realigned, _ = no_grad_completion_logps(trainer.model, **batch, autocast=trainer.accelerator.autocast)
-        masked, _ = no_grad_completion_logps(
-            trainer.model, **batch, realign=False, autocast=trainer.accelerator.autocast
-        )
+        realigned, _ = egpo_pass(trainer, batch, compute_entropy=False)
+        masked, _ = trl_pass(trainer, batch, compute_entropy=False)
     finally:
         trainer.model.set_attn_implementation("eager")
-        trainer.model.train()
     torch.testing.assert_close(realigned, masked, rtol=1e-3, atol=1e-3)
 
 
 def test_masks_with_holes_and_other_attention_take_the_masked_path(trainer):
-    from egpo_trl.old_logps import can_realign, no_grad_completion_logps
-
     batch = padded_batch(trainer.model.config.vocab_size, [5, 4, 3], [6, 8, 5], seed=5)
     model = trainer.model
     assert can_realign(model, batch["prompt_mask"], batch["completion_mask"])
@@ -201,11 +143,7 @@ def test_masks_with_holes_and_other_attention_take_the_masked_path(trainer):
     assert not can_realign(model, no_prompt, batch["completion_mask"])
     # The holed batch still gets TRL's values (through the masked path).
     expected, _ = trl_pass(trainer, holed, compute_entropy=False)
-    model.eval()
-    try:
-        logps, _ = no_grad_completion_logps(model, **holed, autocast=trainer.accelerator.autocast)
-    finally:
-        model.train()
+    logps, _ = egpo_pass(trainer, holed, compute_entropy=False)
     torch.testing.assert_close(logps, expected, rtol=1e-5, atol=1e-5)
     # Attention implementations and layouts where a shifted row could see other tokens are left alone.
     config = model.config
@@ -288,6 +226,14 @@ def test_training_with_shifted_rows_matches_training_without(tmp_path, tiny_mode
         torch.testing.assert_close(results[True][1][name], weight, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def forced_shift(model, batch, autocast):
+    """Every row shifted in one forward, whatever :func:`can_realign` says."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        return shifted_logps(model, input_ids, attention_mask, batch["completion_ids"].size(1), autocast=autocast)
+
+
 def fused_policy(trainer, model):
     """``model`` with the fused LM head GRPOTrainer installs on its policy, in evaluation mode."""
     from trl.trainer.utils import add_fused_lm_head
@@ -315,8 +261,6 @@ def test_rotary_scaling_that_follows_the_longest_position_takes_the_masked_path(
     for dynamic scaling, the frequencies of later forwards too)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from egpo_trl.old_logps import can_realign, no_grad_completion_logps
-
     # Positions up to 23 in the masked layout (12 + 12 columns): within the 24 the scaling starts after.
     values = {**trainer.model.config.to_dict(), "max_position_embeddings": 24}
     values["rope_parameters"] = {**rope, "rope_theta": 10000.0}
@@ -326,10 +270,7 @@ def test_rotary_scaling_that_follows_the_longest_position_takes_the_masked_path(
     assert not can_realign(model, batch["prompt_mask"], batch["completion_mask"])
     autocast = trainer.accelerator.autocast  # as TRL's helper runs
     expected_logps, expected_entropies = trl_pass(trainer, batch, compute_entropy=True, model=model)
-    model.eval()
-    logps, entropies = no_grad_completion_logps(
-        model, **batch, compute_entropy=True, tokens_per_batch=40, autocast=autocast
-    )
+    logps, entropies = egpo_pass(trainer, batch, compute_entropy=True, model=model)
     torch.testing.assert_close(logps, expected_logps, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropies, expected_entropies, rtol=1e-5, atol=1e-5)
     # Past the scaling's start (TRL's full width 24 > 20) a micro-batch cut to its own width would stay below it:
@@ -338,12 +279,11 @@ def test_rotary_scaling_that_follows_the_longest_position_takes_the_masked_path(
     wide.load_state_dict(model.state_dict())
     wide = fused_policy(trainer, wide)
     expected_wide, _ = trl_pass(trainer, batch, compute_entropy=False, model=wide)
-    wide.eval()
-    wide_logps, _ = no_grad_completion_logps(wide, **batch, tokens_per_batch=40, autocast=autocast)
+    wide_logps, _ = egpo_pass(trainer, batch, compute_entropy=False, model=wide)
     torch.testing.assert_close(wide_logps, expected_wide, rtol=1e-5, atol=1e-5)
     # Forced (all rows in one forward), the shifted layout gives other values; TRL's own pass after it still gives
     # its values.
-    shifted, _ = no_grad_completion_logps(model, **batch, tokens_per_batch=10**6, realign=True, autocast=autocast)
+    shifted, _ = forced_shift(model, batch, autocast)
     assert (shifted - expected_logps).abs().max() > 1e-4
     if rope["rope_type"] == "longrope":
         torch.testing.assert_close(trl_pass(trainer, batch, False, model=model)[0], expected_logps, rtol=0, atol=0)
@@ -354,8 +294,6 @@ def test_prompt_tuning_adapter_takes_the_masked_path(trainer, tiny_model_dir):
     layout would read other columns at other positions. LoRA and prefix tuning keep the layout and are exact."""
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
-
-    from egpo_trl.old_logps import can_realign, no_grad_completion_logps
 
     batch = padded_batch(trainer.model.config.vocab_size, [5, 9, 3, 9, 7, 1], [4, 11, 0, 7, 11, 2], seed=7)
     adapters = {
@@ -370,24 +308,12 @@ def test_prompt_tuning_adapter_takes_the_masked_path(trainer, tiny_model_dir):
         model = peft.get_peft_model(fused_policy(trainer, base), adapter).eval()
         assert can_realign(model, batch["prompt_mask"], batch["completion_mask"]) == (name != "prompt"), name
         expected_logps, expected_entropies = trl_pass(trainer, batch, compute_entropy=True, model=model)
-        model.eval()
-        logps, entropies = no_grad_completion_logps(
-            model, **batch, compute_entropy=True, tokens_per_batch=40, autocast=autocast
-        )
+        logps, entropies = egpo_pass(trainer, batch, compute_entropy=True, model=model)
         torch.testing.assert_close(logps, expected_logps, rtol=1e-5, atol=1e-5, msg=name)
         torch.testing.assert_close(entropies, expected_entropies, rtol=1e-5, atol=1e-5, msg=name)
         if name == "prompt":
-            shifted, _ = no_grad_completion_logps(
-                model, **batch, tokens_per_batch=10**6, realign=True, autocast=autocast
-            )
+            shifted, _ = forced_shift(model.eval(), batch, autocast)
             assert (shifted - expected_logps).abs().max() > 0.1
-
-
-@pytest.mark.parametrize(("name", "value"), [("egpo_entropy_tokens_per_batch", 0), ("egpo_entropy_batch_size", -2)])
-def test_pass_sizes_must_be_positive(tmp_path, name, value):
-    # Last in this file: building a config resets accelerate's shared state, which the module's trainer uses.
-    with pytest.raises(ValueError, match=name):
-        config(tmp_path, **{name: value})
 
 
 class _PassRecorder(EGPOTrainer):
@@ -438,7 +364,7 @@ class _PassRecorder(EGPOTrainer):
 def test_shifted_passes_keep_trls_width_when_trl_compares_two_of_them(tmp_path, tiny_model_dir):
     """With TRL's old-policy log-probs in the ratio (num_iterations 2), every shifted forward keeps TRL's width, so
     that the old-policy pass and the loss's forwards round alike: the first iteration's ratio is exactly 1. With one
-    optimizer step per generation batch (no old-policy pass) the loss's forwards are cut to their longest row."""
+    optimizer step per generation batch (no old-policy ratio) the forwards are cut to their longest row."""
     found = {}
     for iterations in (2, 1):
         args = config(
@@ -468,8 +394,7 @@ def test_shifted_passes_keep_trls_width_when_trl_compares_two_of_them(tmp_path, 
             assert torch.equal(logps, old_rows[row])
             compared += 1
     assert compared > 0
-    # One optimizer step per generation batch: no old-policy pass, each forward cut to its longest row.
-    assert all(p["grad"] for p in found[1])
+    # One optimizer step per generation batch: no old-policy pass in the ratio, each forward cut to its longest row.
     widths = [(width, p["width"]) for p in found[1] for width, _ in p["forwards"]]
     assert widths and all(width <= full for width, full in widths) and any(width < full for width, full in widths)
 
