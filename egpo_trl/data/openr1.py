@@ -8,6 +8,7 @@ problems are held in memory; the output does not depend on the chunk size.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import hashlib
 import json
@@ -541,12 +542,10 @@ class _Builder:
         self.command = command
         self.stages = {name: StageStats(name) for name in STAGES}
         self._describe_stages()
-        self._tokenizer = None
         self._warned_no_template = False
         self.removal_log = None
         self.extra: dict[str, Any] = {"boxed_match_via": Counter(), "contamination_by_benchmark": Counter()}
 
-    # -- helpers -----------------------------------------------------------------------------------------------------
     def _describe_stages(self) -> None:
         c = self.config
         s = self.stages
@@ -570,19 +569,17 @@ class _Builder:
         s["final_prompt_length"].enabled = c.final_max_prompt_tokens is not None
         s["final_prompt_length"].setting = f"prompt <= {c.final_max_prompt_tokens} tokens"
 
-    @property
+    @functools.cached_property
     def tokenizer(self):
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
+        from transformers import AutoTokenizer
 
-            try:
-                self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer)
-            except Exception as error:
-                raise ValueError(
-                    f"could not load the tokenizer {self.config.tokenizer!r} ({error}). Set `tokenizer` to a hub name "
-                    "or a local folder holding tokenizer files."
-                ) from error
-        return self._tokenizer
+        try:
+            return AutoTokenizer.from_pretrained(self.config.tokenizer)
+        except Exception as error:
+            raise ValueError(
+                f"could not load the tokenizer {self.config.tokenizer!r} ({error}). Set `tokenizer` to a hub name "
+                "or a local folder holding tokenizer files."
+            ) from error
 
     def prompt_messages(self, problem: str) -> list[dict[str, str]]:
         content = problem.strip()
@@ -634,7 +631,6 @@ class _Builder:
         stats.rows_out.update(row["_subset"] for row in rows)
         return rows
 
-    # -- stages 1-6 --------------------------------------------------------------------------------------------------
     def keep_answer(self, rows):
         flags = []
         for row in rows:
@@ -815,7 +811,6 @@ class _Builder:
                 f"it has {sorted(columns)}. Add them, or disable the stages that need them."
             )
 
-    # -- the whole build ---------------------------------------------------------------------------------------------
     def build(self) -> BuildResult:
         from datasets import Dataset, DatasetDict
 

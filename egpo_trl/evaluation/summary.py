@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -14,15 +15,11 @@ from egpo_trl.evaluation.benchmarks import BENCHMARKS, PAPER_ORDER
 
 def _mean(values: Sequence[float | None]) -> float:
     values = [value for value in values if not _missing(value)]
-    return sum(values) / len(values) if values else float("nan")
+    return statistics.fmean(values) if values else float("nan")
 
 
 def _stderr(values: Sequence[float]) -> float:
-    if len(values) < 2:
-        return float("nan")
-    mean = _mean(values)
-    variance = sum((value - mean) ** 2 for value in values) / (len(values) - 1)
-    return math.sqrt(variance / len(values))
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
 
 
 def pass_at_1(correct: dict[str, dict[int, bool]], num_samples: int) -> dict[str, float]:
