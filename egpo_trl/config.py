@@ -223,11 +223,9 @@ class EGPOConfig(GRPOConfig):
     egpo_correctness_reward: str | None = field(
         default=None,
         metadata={
-            "help": "Name of the reward function that decides correct (reward > 0) vs incorrect, for egpo, nsr, "
-            "edge_gec and dynamic sampling on correctness; it must be binary (+1/-1 or 1/0). Unset: the only reward "
-            "function, or boxed_accuracy_reward when it is one of several; otherwise the trainer refuses to start "
-            "where the verdict is needed, so that a shaping bonus (format, length) never makes a wrong answer "
-            "correct. Mixed groups' advantages still use the weighted sum of all rewards, as in GRPO."
+            "help": "Name of the binary (+1/-1 or 1/0) reward function that decides correct (reward > 0) vs "
+            "incorrect. Unset: the only reward function, or boxed_accuracy_reward among several; otherwise refused "
+            "where the verdict is needed. Mixed groups' advantages use the weighted sum of all rewards, as in GRPO."
         },
     )
     egpo_entropy_scope: str = field(
@@ -242,14 +240,10 @@ class EGPOConfig(GRPOConfig):
     egpo_entropy_logps: str = field(
         default="policy",
         metadata={
-            "help": "Where the entropy proxy's log-probs come from when TRL computes no old-policy log-probs (vLLM "
-            "without importance-sampling correction, num_iterations 1): 'policy', one no-grad pass of the training "
-            "model (as verl, the paper's trainer, computes pi_old); 'sampler', vLLM's sampling log-probs at no cost "
-            "(the policy's up to the engines' numerical differences, under plain sampling); 'loss_forward', pi_old's "
-            "log-probs from the loss's own forward (a group's micro-batches run their forwards, then the weights, "
-            "then their backwards: egpo_trl/fused.py), with no pass of its own. 'loss_forward' serves egpo and "
-            "edge_grpo (group normalisation) where each process holds whole groups, the policy has no active dropout "
-            "and no loss term is normalised per micro-batch; it is refused elsewhere, naming the reason.",
+            "help": "Where the entropy proxy's log-probs come from when TRL computes no old-policy log-probs: "
+            "'policy', one no-grad pass of the policy (as verl computes pi_old); 'sampler', vLLM's sampling log-probs "
+            "(plain sampling only); 'loss_forward', the loss's own forward, each group's backwards held until its "
+            "weights are known (egpo and edge_grpo only; refused, naming the reason, where it cannot serve).",
             "choices": list(ENTROPY_LOGPS),
         },
     )
@@ -257,8 +251,7 @@ class EGPOConfig(GRPOConfig):
         default=True,
         metadata={
             "help": "Compute the entropy proxy and the egpo/entropy_* metrics even when the advantage estimator does "
-            "not use it (grpo, nsr): free with one optimizer step per generation batch (the loss's forward gives "
-            "the log-probs), else from TRL's old log-probs or one no-grad pass."
+            "not use it (grpo, nsr)."
         },
     )
     egpo_length_sorted_micro_batches: bool = field(
@@ -321,10 +314,8 @@ class EGPOConfig(GRPOConfig):
     dynamic_sampling_oversample: float = field(
         default=1.0,
         metadata={
-            "help": "dynamic_sampling: the first round adds ceil((f - 1) x G) groups to the generation batch's G "
-            "(rounded up to a multiple of the process count), for prompts drawn from train_dataset, so that one round "
-            "usually yields enough informative groups; the batch's own groups are kept first. Needs whole groups in "
-            "each process's share of a generation batch. 1.0: the generation batch only. Must be >= 1."
+            "help": "dynamic_sampling: the first round generates f times the generation batch's groups (extra prompts "
+            "from train_dataset), so that one round usually yields enough informative groups. Must be >= 1."
         },
     )
     dynamic_sampling_metric: str = field(

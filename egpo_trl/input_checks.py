@@ -1,10 +1,5 @@
 """Checks of what a training run is given, shared by ``egpo-trl train`` and the Python API, made before any model
-loads: training values that cannot work, the dataset's columns against the reward functions, and the batch shape.
-
-:func:`check_trainer_inputs` is what ``EGPOTrainer(...)`` calls first: it resolves ``builtin:<name>`` (and the
-shipped model's path from any folder) and raises one ``ValueError`` line naming the fix for bad input, so that
-a missing ``answer`` column is not a traceback from inside the reward after the model has loaded.
-"""
+loads: training values that cannot work, the dataset's columns against the reward functions, and the batch shape."""
 
 from __future__ import annotations
 
@@ -23,6 +18,7 @@ __all__ = [
     "generation_kwargs_problem",
     "stochastic_settings",
     "loss_forward_input_problems",
+    "model_problem",
     "required_columns",
     "resolve_model_name",
     "training_value_problems",
@@ -46,11 +42,7 @@ _ASSETS = Path(__file__).resolve().parent / "assets"
 
 
 def training_value_problems(args) -> list[str]:
-    """What is wrong with an :class:`~egpo_trl.EGPOConfig`'s values that TRL would only find mid-run (or never).
-
-    Returns:
-        One sentence per problem, naming the field, its value and what it must be; empty when all is well.
-    """
+    """What is wrong with an :class:`~egpo_trl.EGPOConfig`'s values that TRL would only find mid-run (or never)."""
     problems = []
 
     def need(ok: bool, name: str, rule: str) -> None:
@@ -133,12 +125,7 @@ def batch_shape_problem(
     steps_per_generation: int | None = None,
     generation_batch_size: int | None = None,
 ) -> str | None:
-    """What is wrong with a batch that cannot be cut into groups of ``num_generations``, in the fields users set.
-
-    TRL checks ``generation_batch_size`` (per_device_train_batch_size x processes x steps_per_generation, where
-    steps_per_generation defaults to gradient_accumulation_steps); this names those fields instead and suggests a
-    per_device_train_batch_size that works. ``None`` when the batch is fine.
-    """
+    """What is wrong with a batch that cannot be cut into groups of ``num_generations``, in the fields users set."""
     steps_name, steps = "gradient_accumulation_steps", gradient_accumulation_steps
     if steps_per_generation:
         steps_name, steps = "steps_per_generation", steps_per_generation
@@ -146,7 +133,7 @@ def batch_shape_problem(
         if generation_batch_size % num_generations == 0:
             return None
         return (
-            f"generation_batch_size={generation_batch_size} is not a multiple of num_generations={num_generations}; "
+            f"generation_batch_size={generation_batch_size} is not divisible by num_generations={num_generations}; "
             "set it to a multiple (or leave it unset)."
         )
     total = per_device_train_batch_size * processes * steps
@@ -156,10 +143,28 @@ def batch_shape_problem(
     suggestion = max(unit, math.ceil(per_device_train_batch_size / unit) * unit)
     return (
         f"per_device_train_batch_size {per_device_train_batch_size} x {processes} process(es) x {steps_name} {steps} = "
-        f"{total} completions per generation, not a multiple of num_generations={num_generations} (every prompt needs "
-        f"a whole group); set per_device_train_batch_size to a multiple of {unit}, e.g. --per_device_train_batch_size "
-        f"{suggestion}."
+        f"{total} completions per generation, not divisible by num_generations={num_generations} (every prompt needs "
+        f"a whole group); set per_device_train_batch_size to a multiple of {unit}, e.g. {suggestion}."
     )
+
+
+def model_problem(name: str) -> str | None:
+    """Why the model ``name`` (after ``builtin:`` is resolved) cannot be loaded, seen without the network: a local
+    path that does not exist, or a folder that is not a saved model; ``None`` otherwise (a Hub id is not checked)."""
+    from egpo_trl.script.resolve import is_local_path
+
+    path = Path(name).expanduser()
+    if path.is_dir() and not any((path / f).is_file() for f in ("config.json", "adapter_config.json")):
+        return (
+            f"{name} has no config.json, so it is not a saved model; give the folder that save_pretrained wrote (a "
+            "trained run's output_dir, or one of its checkpoint-* folders)."
+        )
+    if not path.exists() and is_local_path(name):
+        return (
+            f"the model {name} does not exist; check the path, or give a local model folder, a Hub id such as "
+            "Qwen/Qwen2.5-Math-1.5B, or builtin:tiny-math-qwen2."
+        )
+    return None
 
 
 def resolve_model_name(model: Any) -> Any:
@@ -173,10 +178,12 @@ def resolve_model_name(model: Any) -> Any:
         model = resolve_model_path(model)
     except SystemExit as error:
         raise ValueError(str(error).replace("egpo-trl train: ", "", 1)) from None
-    path = Path(model)
-    parts = path.parts
-    if not path.exists() and "assets" in parts and parts[-2:-1] == ("assets",) and (_ASSETS / parts[-1]).is_dir():
+    parts = Path(model).parts
+    if not Path(model).exists() and parts[-2:-1] == ("assets",) and (_ASSETS / parts[-1]).is_dir():
         return str(_ASSETS / parts[-1])
+    problem = model_problem(model)
+    if problem:
+        raise ValueError(problem)
     return model
 
 
@@ -319,12 +326,7 @@ def loss_forward_input_problems(model: Any, peft_config: Any, model_init_kwargs:
 def check_trainer_inputs(
     model: Any, reward_funcs: Any, args: Any, pos_args: Sequence[Any], kwargs: dict[str, Any]
 ) -> Any:
-    """What ``EGPOTrainer.__init__`` checks before the model loads; returns the model, ``builtin:`` names resolved.
-
-    Raises:
-        ValueError: one line naming the fix, for invalid training values, a train dataset without the columns
-            the reward functions need, or a batch that cannot be cut into whole groups of ``num_generations``.
-    """
+    """What ``EGPOTrainer.__init__`` checks before the model loads; returns the model, ``builtin:`` names resolved."""
     model = resolve_model_name(model)
     if args is None:
         return model
@@ -353,5 +355,5 @@ def check_trainer_inputs(
         args.steps_per_generation,
     )
     if problem:
-        raise ValueError(problem.replace(" --per_device_train_batch_size ", " per_device_train_batch_size="))
+        raise ValueError(problem)
     return model

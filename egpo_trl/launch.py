@@ -1,18 +1,4 @@
-"""One command per recipe: the ``accelerate launch`` behind ``egpo-trl train``, ``--dry-run`` checks and tracking.
-
-``egpo-trl train recipes/egpo_qwen15b.yaml`` reads the recipe's ``accelerate_config`` and ``num_processes``. With
-an accelerate config, and outside a distributed launch, it prints and runs::
-
-    accelerate launch --config_file recipes/accelerate/zero2.yaml --num_processes 8 \\
-        -m egpo_trl.train --config recipes/egpo_qwen15b.yaml [overrides]
-
-whose processes train in-process (they see the launch's environment). Without one it trains in its own process.
-
-``egpo-trl train <recipe> --dry-run`` resolves the recipe and the accelerate config, checks what would otherwise
-fail minutes into a multi-GPU job (batch divisibility across processes, vLLM / DeepSpeed installed, lengths within
-the model's context, the dataset and the output folder), prints the resolved settings and the launch command, and
-exits non-zero listing every problem. It downloads nothing.
-"""
+"""``accelerate launch`` behind ``egpo-trl train <recipe>``, the ``--dry-run`` checks, and tracking."""
 
 from __future__ import annotations
 
@@ -27,11 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from egpo_trl.input_checks import model_problem
 from egpo_trl.script.args import batch_shape_problem, option_value, parse_args
 from egpo_trl.script.data import SYNTHETIC_DATASET_PREFIX, column_problem
 from egpo_trl.script.outputs import RUN_MARKERS
 from egpo_trl.script.recipe import load_recipe, script_problem
-from egpo_trl.script.resolve import is_local_path, resolve_model_path
+from egpo_trl.script.resolve import resolve_model_path
 
 __all__ = [
     "DryRunReport",
@@ -62,11 +49,7 @@ _DRY_RUN_FLAGS = ("--dry-run", "--dry_run")
 
 
 def normalize_argv(argv: Sequence[str]) -> tuple[list[str], bool]:
-    """Accept ``egpo-trl train <recipe.yaml> [...]`` as ``--config <recipe.yaml>`` and take out ``--dry-run``.
-
-    Returns:
-        ``(argv, dry_run)``: the arguments for :func:`egpo_trl.script.args.parse_args` and whether ``--dry-run`` was given.
-    """
+    """``(argv, dry_run)``: a leading recipe path turned into ``--config <recipe>``, ``--dry-run`` taken out."""
     args = list(argv)
     is_dry_run = any(a in _DRY_RUN_FLAGS for a in args)
     args = [a for a in args if a not in _DRY_RUN_FLAGS]
@@ -85,10 +68,6 @@ def in_distributed_launch(environ: dict[str, str] | None = None) -> bool:
     return any(name in environ for name in _LAUNCH_ENV_VARS)
 
 
-def _read_yaml(path: str | Path, what: str) -> dict[str, Any]:
-    return load_recipe(path, what)
-
-
 def _visible_gpus() -> int:
     try:
         import torch
@@ -100,19 +79,7 @@ def _visible_gpus() -> int:
 
 @dataclass
 class LaunchPlan:
-    """How ``egpo-trl train`` runs a recipe.
-
-    Attributes:
-        recipe: the recipe path (``None`` without ``--config``).
-        accelerate_config: the accelerate config file, or ``None`` to train in this process.
-        accelerate_settings: that file's contents.
-        num_processes: processes of the launch (``None``: the accelerate config's own value).
-        main_process_port: the launch's rendezvous port (``None``: accelerate's default).
-        num_machines: machines of the launch (``None``: one); ``num_processes`` is then the total over them.
-        machine_rank: this machine's rank among them.
-        main_process_ip: the address of the machine of rank 0.
-        argv: the arguments forwarded to ``egpo_trl.train``.
-    """
+    """How ``egpo-trl train`` runs a recipe: accelerate's launch options, ``None`` where unset."""
 
     recipe: str | None
     accelerate_config: str | None
@@ -165,14 +132,11 @@ def _integer_setting(argv: Sequence[str], recipe: dict[str, Any], name: str, min
 
 
 def plan_launch(argv: Sequence[str]) -> LaunchPlan:
-    """Read ``accelerate_config``/``num_processes`` from the recipe and the command line (the latter wins).
-
-    ``num_processes`` defaults to the number of GPUs this machine sees, else the accelerate config's value.
-    ``--accelerate_config none`` trains in this process whatever the recipe says.
-    """
+    """The launch of ``argv``: the command line's launch options, else the recipe's; ``num_processes`` defaults to
+    the GPUs this machine sees times ``num_machines``."""
     argv = list(argv)
     recipe = option_value(argv, "config")
-    data = _read_yaml(recipe, "recipe") if recipe else {}
+    data = load_recipe(recipe, "recipe") if recipe else {}
     accelerate_config = option_value(argv, "accelerate_config") or data.get("accelerate_config")
     if accelerate_config is not None and str(accelerate_config).lower() in _NONE_VALUES:
         accelerate_config = None
@@ -205,7 +169,7 @@ def plan_launch(argv: Sequence[str]) -> LaunchPlan:
             )
     settings: dict[str, Any] = {}
     if accelerate_config is not None:
-        settings = _read_yaml(accelerate_config, "accelerate config")
+        settings = load_recipe(accelerate_config, "accelerate config")
         if num_processes is None and not settings.get("use_cpu"):
             num_processes = (_visible_gpus() * machines) or None
     if num_processes is not None and num_processes % machines:
@@ -250,13 +214,7 @@ def _printable(command: Sequence[str]) -> str:
 
 
 def launch_if_requested(argv: Sequence[str]) -> int | None:
-    """Run ``accelerate launch`` when the recipe names an accelerate config and this is not a launched process.
-
-    Prints the command first (so that it can be run by hand or from a SLURM script).
-
-    Returns:
-        The launch's exit status, or ``None`` when training should happen in this process.
-    """
+    """Run (and print) the recipe's ``accelerate launch`` after the dry run's checks; ``None``: train here."""
     if in_distributed_launch():
         return None
     plan = plan_launch(argv)
@@ -293,12 +251,7 @@ def launch_if_requested(argv: Sequence[str]) -> int | None:
 
 
 def configure_tracking(training_args) -> None:
-    """Point the Weights & Biases run at the recipe's ``project`` and keep its files beside the run's outputs.
-
-    ``WANDB_PROJECT`` defaults to ``project`` and ``WANDB_DIR`` to ``output_dir`` (so an offline run,
-    ``WANDB_MODE=offline``, lands in ``<output_dir>/wandb/offline-run-*``, to upload later with ``wandb sync``).
-    Variables already set in the environment win. The run's name is ``run_name``.
-    """
+    """``WANDB_PROJECT`` defaults to ``project`` and ``WANDB_DIR`` to ``output_dir`` (the environment wins)."""
     report_to = training_args.report_to or []
     if isinstance(report_to, str):
         report_to = [report_to]
@@ -446,10 +399,9 @@ def _check_context(script_args, training_args, model_args, report: DryRunReport)
     except SystemExit as error:
         report.problems.append(str(error).removeprefix("egpo-trl train: "))
         return
-    if not Path(path).expanduser().exists() and is_local_path(path):
-        report.problems.append(
-            f"the model {path} does not exist; check the path, or give a Hub id or builtin:tiny-math-qwen2."
-        )
+    problem = model_problem(path)
+    if problem:
+        report.problems.append(problem)
         return
     try:
         from transformers import AutoConfig
@@ -581,8 +533,7 @@ def _check_wandb(training_args, report: DryRunReport) -> None:
 
 
 def _check_loss_forward(args, model_args, report: DryRunReport, plan: LaunchPlan | None = None) -> None:
-    """``loss_forward``'s checks of the adapter's and the model's configs, as the trainer makes them before loading,
-    and its memory notes for the launch (``plan``)."""
+    """``loss_forward``'s checks made before the model loads, and its memory notes."""
     if getattr(args, "egpo_entropy_logps", None) != "loss_forward":
         return
     from egpo_trl.config import loss_forward_error
@@ -594,10 +545,8 @@ def _check_loss_forward(args, model_args, report: DryRunReport, plan: LaunchPlan
         report.notes.append(block_memory_note(args.per_device_train_batch_size, blocks))
     if blocks > 1 and plan is not None and plan.zero_stage == 3:
         report.notes.append(
-            f"egpo_entropy_logps=loss_forward under ZeRO-3 holds each block's {blocks} forwards until their backwards "
-            "(about 10 GiB more than the pass at the 7B recipes' shape under ZeRO-2), and under ZeRO-3 it was timed "
-            "only in an earlier form, no faster than the pass (BENCHMARKS.md). For ZeRO-3's lower memory, "
-            "--egpo_entropy_logps policy."
+            f"egpo_entropy_logps=loss_forward under ZeRO-3 holds each block's {blocks} forwards until their backwards, "
+            "more memory than the no-grad pass; for ZeRO-3's lower memory, --egpo_entropy_logps policy."
         )
     if args._loss_forward_blocks_may_merge() and not args.gradient_checkpointing:  # the trainer's own condition
         report.notes.append(merged_block_memory_note(args.egpo_loss_forward_block_tokens))
@@ -617,14 +566,8 @@ def _launch_engine(plan: LaunchPlan | None) -> str | None:
 
 
 def _parse_for_dry_run(argv: list[str], report: DryRunReport, plan: LaunchPlan | None = None):
-    """``parse_args`` without this machine's checks: no GPU needed for bf16, no batch check at one process.
-
-    ``GRPOConfig`` checks the generation batch against the process count of the process that parses it (one
-    here); the dry run checks it for the launch's count instead, so the parse sees a process count that any
-    group size divides. A ``generation_batch_size``, which sets ``steps_per_generation`` from the process count, is
-    parsed for the launch's own count. ``loss_forward``'s checks see the launch's own process count and engine
-    (``plan``).
-    """
+    """``parse_args`` for the launch's process count and engine (``plan``) rather than this process's, and
+    without a GPU for bf16; problems go to ``report``."""
     from unittest import mock
 
     from egpo_trl.config import EGPOConfig
@@ -670,11 +613,7 @@ def _parse_for_dry_run(argv: list[str], report: DryRunReport, plan: LaunchPlan |
 
 
 def dry_run(argv: Sequence[str]) -> int:
-    """Resolve and check a recipe without training or downloading; print the report.
-
-    Returns:
-        0 when no problem was found, 1 otherwise (every problem is listed).
-    """
+    """Print :func:`check_recipe`'s report; 1 when it lists a problem."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     report = check_recipe(argv)
     print(report.render(), flush=True)
@@ -682,8 +621,7 @@ def dry_run(argv: Sequence[str]) -> int:
 
 
 def _dynamic_sampling_setting(args: Any, world: int) -> str:
-    """The dry run's line for dynamic sampling: its rounds, and the first round's size where it is oversampled (the
-    added groups are rounded up to a multiple of the processes, so the factor can differ from the one set)."""
+    """Dynamic sampling's rounds, and its oversampled first round's size."""
     from egpo_trl.sampling.dynamic import first_round_groups
 
     line = f"up to {args.dynamic_sampling_max_rounds} rounds per generation batch ({args.dynamic_sampling_metric})"

@@ -1,8 +1,4 @@
-"""What ``python recipes/<recipe>.yaml`` and ``accelerate launch recipes/<recipe>.yaml`` run: the recipe's training.
-
-The last line of a recipe (see :mod:`egpo_trl.script.recipe`) calls :func:`run_as_script` with the recipe's path;
-the command-line arguments after the recipe are its overrides, as for ``egpo-trl train``.
-"""
+"""What ``python recipes/<recipe>.yaml`` and ``accelerate launch recipes/<recipe>.yaml`` run: the recipe's training."""
 
 from __future__ import annotations
 
@@ -37,10 +33,7 @@ _LAUNCH_VARIABLES = (
 
 
 def launch_parent_options(ppid: int | None = None, script: str | None = None) -> list[str] | None:
-    """The options given to the ``accelerate launch`` that started this process (``None`` when unknown).
-
-    Read from the parent's command line (Linux ``/proc``): the arguments between ``launch`` and this script.
-    """
+    """The options given to the ``accelerate launch`` that started this process (``None`` when unknown)."""
     ppid = os.getppid() if ppid is None else ppid
     script = sys.argv[0] if script is None else script
     try:
@@ -67,16 +60,7 @@ def _accelerate_default_config() -> str | None:
 
 
 def run_as_script(path: str, argv: Sequence[str] | None = None) -> int:
-    """Train the recipe ``path``: what ``python <recipe>.yaml`` and ``accelerate launch <recipe>.yaml`` run.
-
-    * ``python recipes/x.yaml [overrides]`` is ``egpo-trl train recipes/x.yaml [overrides]``: it runs
-      ``accelerate launch`` itself when the recipe names an ``accelerate_config``.
-    * Inside ``accelerate launch [options] recipes/x.yaml [overrides]``: when that command was given accelerate
-      options (or accelerate has a default config), its processes train with those settings. When it was given
-      none and the recipe names an ``accelerate_config``, the first process launches the recipe's settings instead
-      (the command is printed) and the others stop; without an ``accelerate_config`` the processes train as
-      launched.
-    """
+    """Train the recipe ``path``: what ``python <recipe>.yaml`` and ``accelerate launch <recipe>.yaml`` run."""
     from egpo_trl.train import main
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -1,123 +1,136 @@
 """``egpo-trl train``: train a policy with EGPO (or a baseline estimator) from a YAML recipe.
 
-Usage::
+    egpo-trl train recipes/demo_tiny_cpu.yaml [--field value ...]
+    egpo-trl train recipes/egpo_qwen15b.yaml --dry-run
+    accelerate launch recipes/egpo_qwen15b.yaml      # or: python recipes/egpo_qwen15b.yaml
 
-    egpo-trl train --config recipes/demo_tiny_cpu.yaml [--field value ...]
-    egpo-trl train recipes/egpo_qwen15b.yaml            # a recipe naming accelerate_config: accelerate launch
-    egpo-trl train recipes/egpo_qwen15b.yaml --dry-run  # check the recipe and print the launch command
-    python -m egpo_trl.train --config recipes/demo_tiny_cpu.yaml
-    accelerate launch --config_file recipes/accelerate/ddp.yaml -m egpo_trl.train --config <recipe>
-
-The YAML keys are the fields of :class:`TrainScriptArguments` (model, dataset, prompt, rewards,
-held-out evaluation), of :class:`~egpo_trl.EGPOConfig` (every ``GRPOConfig`` and ``TrainingArguments``
-field plus the ``egpo_*`` ones) and of TRL's ``ModelConfig`` (dtype, attention, LoRA). Flags on the
-command line override the file, as with TRL's own scripts. ``--help`` shows the usual ones, ``--help-all``
-every field.
-
-Ctrl-C saves a checkpoint of the last finished step (one process) and prints the command that resumes the run; the
-resumed run continues exactly as the uninterrupted one would have (README, "Resuming").
-
-A run prints the held-out accuracy before and after training and writes into ``output_dir``:
-
-* ``metrics.jsonl``: one JSON object per logged step (TRL's metrics and the ``egpo/*`` ones) and one
-  per held-out evaluation (``heldout/*`` keys),
-* ``training_curves.png``: reward, accuracy, the entropy gap (incorrect minus correct) and the
-  group-type fractions over the steps,
-* ``heldout.json``: the held-out accuracies, overall and per level,
-* the trained model and tokenizer (``save_final_model``),
-* ``replaced/<time>-from-step-N/``, on a resume from ``checkpoint-N`` of a run that had gone further: the
-  records and checkpoints of its later steps, which the resumed run trains again.
-
-``output_dir`` may contain ``{timestamp}``, replaced by the start time (``20260101-120000``, the first process's for
-every process of a launch), so that repeated runs of one recipe never write into each other's folder.
-
-The run's first line gives the optimizer step's batch over all processes, and says when it differs from the recipe's
-own (e.g. twice the processes: halve ``gradient_accumulation_steps`` to keep it).
-
-This module is the command; the pieces live in :mod:`egpo_trl.script` (arguments, data, callbacks, plots,
-output folder, the run) and :mod:`egpo_trl.launch` (``accelerate launch``, ``--dry-run``). The names below are
-re-exported from there, so ``from egpo_trl.train import parse_args, read_metrics, ...`` keeps working.
+The recipe's keys are the fields of :class:`~egpo_trl.script.args.TrainScriptArguments`, :class:`~egpo_trl.EGPOConfig`
+and TRL's ``ModelConfig``; flags override the file. A recipe naming an ``accelerate_config`` is run through
+``accelerate launch`` (:mod:`egpo_trl.launch`). A run writes ``metrics.jsonl``, ``training_curves.png``,
+``heldout.json`` and the trained model into ``output_dir``; Ctrl-C saves a checkpoint and prints the resume command.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
 
-from egpo_trl.launch import batch_summary, configure_tracking, dry_run, launch_if_requested, normalize_argv
-from egpo_trl.script.args import TrainScriptArguments, batch_shape_problem, make_parser, parse_args
-from egpo_trl.script.callbacks import CompactProgressCallback, MetricsCallback
-from egpo_trl.script.data import SYNTHETIC_DATASET_PREFIX, column_problem, load_datasets
-from egpo_trl.script.help import SHORT_HELP_FIELDS, short_help
-from egpo_trl.script.outputs import (
-    HELDOUT_FILE,
-    METRICS_FILE,
-    PLOT_FILE,
-    prepare_output_dir,
-    read_metrics,
-    remove_if_empty,
-)
-from egpo_trl.script.plots import metrics_figure, plot_metrics
-from egpo_trl.script.resolve import (
-    BUILTIN_MODEL_PREFIX,
-    check_model_exists,
-    resolve_model_path,
-    resolve_reward_funcs,
-)
-from egpo_trl.script.resume import interrupted_message
-from egpo_trl.script.run import build_trainer, run
+# Names other code imports from here, and the module each lives in (imported on first use: `--help` stays fast).
+_EXPORTS = {
+    "egpo_trl.script.args": ("TrainScriptArguments", "make_parser", "parse_args"),
+    "egpo_trl.script.callbacks": ("CompactProgressCallback", "MetricsCallback"),
+    "egpo_trl.script.data": ("load_datasets",),
+    "egpo_trl.script.outputs": ("HELDOUT_FILE", "METRICS_FILE", "PLOT_FILE", "prepare_output_dir", "read_metrics"),
+    "egpo_trl.script.plots": ("metrics_figure", "plot_metrics"),
+    "egpo_trl.script.resolve": ("resolve_model_path", "resolve_reward_funcs"),
+    "egpo_trl.script.run": ("build_trainer", "run"),
+}
+__all__ = ["HELP", "main", *(name for names in _EXPORTS.values() for name in names)]
 
-__all__ = [
-    "BUILTIN_MODEL_PREFIX",
-    "HELDOUT_FILE",
-    "METRICS_FILE",
-    "PLOT_FILE",
-    "SHORT_HELP_FIELDS",
-    "SYNTHETIC_DATASET_PREFIX",
-    "CompactProgressCallback",
-    "MetricsCallback",
-    "TrainScriptArguments",
-    "batch_shape_problem",
-    "build_trainer",
-    "check_model_exists",
-    "column_problem",
-    "load_datasets",
-    "main",
-    "make_parser",
-    "metrics_figure",
-    "parse_args",
-    "plot_metrics",
-    "prepare_output_dir",
-    "read_metrics",
-    "resolve_model_path",
-    "resolve_reward_funcs",
-    "run",
-    "short_help",
-]
+
+def __getattr__(name: str):
+    for module, names in _EXPORTS.items():
+        if name in names:
+            return getattr(importlib.import_module(module), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# Static so that `--help` imports nothing; tests check each flag and default against the parser.
+HELP = r"""usage: egpo-trl train RECIPE.yaml [--dry-run] [--FIELD VALUE ...]
+
+Train a policy with EGPO (or a baseline advantage estimator) from a YAML recipe. Every field is a YAML key
+of the recipe or a --flag; flags override the recipe.
+
+examples:
+  egpo-trl train recipes/demo_tiny_cpu.yaml                    the CPU demo (what `make demo` runs)
+  egpo-trl train recipes/demo_tiny_cpu.yaml --max_steps 20 --seed 1
+  egpo-trl train recipes/egpo_qwen15b.yaml --dry-run           check a GPU recipe, print its launch
+  egpo-trl train recipes/egpo_qwen15b.yaml                     run it (prints, then runs, accelerate launch)
+  accelerate launch recipes/egpo_qwen15b.yaml                  the same, with accelerate's own options if given
+
+arguments:
+  RECIPE.yaml, --config RECIPE.yaml
+                        the YAML recipe (see recipes/)
+  --dry-run             check the recipe, print the resolved settings and the launch command; trains nothing
+  -h, --help            this help
+  --help-all            every field (TRL's GRPOConfig, TrainingArguments, ModelConfig, the egpo_* ones)
+
+fields most runs change [default]:
+  --model_name_or_path          a Hub id, a local folder, or builtin:tiny-math-qwen2
+  --dataset_name [synthetic:arithmetic]
+                                synthetic:<task>, a local path (save_to_disk folder, .json/.jsonl/.csv/.parquet)
+                                or a Hub dataset
+  --prompt_template             format string that builds each prompt from the dataset's columns
+  --answer_column [answer]      column with the ground truth (the rewards receive it as 'answer')
+  --reward_funcs [boxed_accuracy_reward]
+                                reward functions by name or import path 'package.module:function'
+  --output_dir                  metrics, plot, checkpoints and model; '{timestamp}' is replaced by the start time
+  --max_steps [-1]              optimizer steps (overrides num_train_epochs)
+  --num_train_epochs [3.0]      epochs over the training set
+  --learning_rate [1e-06]       AdamW's learning rate
+  --per_device_train_batch_size [8]
+                                completions per process per micro-batch
+  --gradient_accumulation_steps [1]
+                                micro-batches per optimizer step
+  --num_generations [8]         completions per prompt (the group)
+  --max_completion_length [512] longest completion, in tokens
+  --temperature [1.0]           sampling temperature
+  --seed [42]                   random seed
+  --advantage_estimator [egpo]  egpo, grpo, nsr, edge_grpo (or one registered in egpo_trl.advantages)
+  --egpo_lambda_min [0.8]       lower clip bound of the EGPO entropy weight (paper Eq. 9)
+  --egpo_lambda_max [2.0]       upper clip bound of the EGPO entropy weight (paper Eq. 9)
+  --egpo_clamp [asymmetric]     asymmetric (paper), symmetric, negative_only, positive_only or none
+  --egpo_nsr [True]             all-incorrect groups get base advantage -1 (paper Sec. 3.2)
+  --eval_size [200]             held-out problems evaluated before and after training (0: none)
+  --resume_from_checkpoint      true: the last checkpoint-* in output_dir; or a checkpoint path
+  --overwrite_output_dir [False]
+                                replace an earlier run's outputs in output_dir
+  --use_cpu [False]             train on the CPU (with --bf16 false for float32)
+  --bf16                        bf16 mixed precision, on unless set false; with use_cpu it runs under the CPU's
+                                bf16 autocast
+
+launch (`accelerate launch` options; a recipe key or a flag):
+  --accelerate_config           accelerate config file, e.g. recipes/accelerate/zero2.yaml (none: this process)
+  --num_processes               processes over all machines (default: the GPUs this machine sees)
+  --num_machines                machines of the launch; run the same command on each
+  --machine_rank                this machine's rank, 0 to num_machines - 1
+  --main_process_ip             address of the machine of rank 0
+  --main_process_port           rendezvous port (default 29500)
+
+Every field, with its full help: egpo-trl train --help-all
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``egpo-trl train`` and ``python -m egpo_trl.train``."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help-all" in argv:
-        make_parser().print_help()
-        return 0
     if "-h" in argv or "--help" in argv:
-        print(short_help())
+        print(HELP, end="")
         return 0
     if not argv:
         raise SystemExit(
             "egpo-trl train: give a recipe, e.g. `egpo-trl train recipes/demo_tiny_cpu.yaml` (the CPU demo; recipes/ "
             "has the others), or see `egpo-trl train --help`."
         )
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from egpo_trl.launch import batch_summary, configure_tracking, dry_run, launch_if_requested, normalize_argv
+    from egpo_trl.script.args import make_parser, parse_args
+
+    if "--help-all" in argv:
+        make_parser().print_help()
+        return 0
     argv, is_dry_run = normalize_argv(argv)
     if is_dry_run:
         return dry_run(argv)
     returncode = launch_if_requested(argv)
     if returncode is not None:
         return returncode
+    from egpo_trl.script.outputs import remove_if_empty
+    from egpo_trl.script.resume import interrupted_message
+    from egpo_trl.script.run import run
+
     script_args, training_args, model_args = parse_args(argv)
     output_dir = Path(training_args.output_dir)
     created = not output_dir.exists()

@@ -167,9 +167,9 @@ def test_dry_run_lists_every_late_failure(tiny_model_dir, local_dataset, tmp_pat
     # Reported in the fields the user sets, with a value that works: 1 x 2 x 3 = 6
     assert (
         "per_device_train_batch_size 1 x 2 process(es) x gradient_accumulation_steps 3 = 6 completions per "
-        "generation, not a multiple of num_generations=16" in out
+        "generation, not divisible by num_generations=16" in out
     )
-    assert "--per_device_train_batch_size 8" in out
+    assert "e.g. 8." in out
     # the recipe's egpo_entropy_logps: loss_forward cannot serve groups across processes: listed with the rest
     assert "egpo_entropy_logps='loss_forward' cannot be used here" in out and "spans processes" in out
     assert "exceeds the model's context (512 tokens)" in out  # 64 + 600

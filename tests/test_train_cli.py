@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import re
@@ -277,15 +278,33 @@ def last_line(text: str) -> str:
     return text.strip().splitlines()[-1]
 
 
-def test_help_leads_with_what_users_type(capsys):
-    assert main(["--help"]) == 0
-    text = capsys.readouterr().out
+def test_help_leads_with_what_users_type_and_imports_nothing_heavy():
+    code = (
+        "import sys; from egpo_trl.cli import main; main(['train', '--help']); "
+        "assert not {'trl', 'torch', 'transformers'} & set(sys.modules), 'heavy import'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    text = result.stdout
     lines = text.splitlines()
     assert len(lines) < 120
     assert lines[0] == "usage: egpo-trl train RECIPE.yaml [--dry-run] [--FIELD VALUE ...]"
     for needle in ("--config RECIPE.yaml", "--dry-run", "--help-all", "recipes/demo_tiny_cpu.yaml", "--max_steps"):
         assert needle in text, needle
-    assert "--egpo_nsr [True]" in text  # dataclass defaults, not argparse's
+    for needle in ("--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port"):
+        assert needle in text, needle
+    # Every flag shown is a field, and every default shown is the field's own.
+    defaults = {
+        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        for cls in make_parser().dataclass_types
+        for f in dataclasses.fields(cls)
+    }
+    shown = re.findall(r"^  --(\w+)(?= |$)(?: \[([^\]]*)\])?", text, flags=re.M)
+    assert len(shown) > 25
+    for name, default in shown:
+        assert name in defaults, name
+        if default:
+            value = defaults[name]
+            assert default == (", ".join(value) if isinstance(value, list) else str(value)), name
 
 
 def test_no_recipe_says_what_to_give():
@@ -299,11 +318,16 @@ def test_bad_batch_is_reported_in_the_fields_the_user_sets():
         parse_args(["--config", str(DEMO_RECIPE), "--per_device_train_batch_size", "60"])
     message = str(error.value)
     assert "generation_batch_size" not in message
-    assert (
-        "per_device_train_batch_size 60 x 1 process(es) x gradient_accumulation_steps 1 = 60 completions per "
-        "generation, not a multiple of num_generations=8" in message
+    assert message == (
+        "egpo-trl train: per_device_train_batch_size 60 x 1 process(es) x gradient_accumulation_steps 1 = 60 "
+        "completions per generation, not divisible by num_generations=8 (every prompt needs a whole group); set "
+        "per_device_train_batch_size to a multiple of 8, e.g. 64."
     )
-    assert "--per_device_train_batch_size 64" in message
+    from egpo_trl import EGPOConfig
+
+    with pytest.raises(ValueError) as api_error:  # the Python API: the same line
+        EGPOConfig(output_dir="out", use_cpu=True, bf16=False, per_device_train_batch_size=60, num_generations=8)
+    assert message == f"egpo-trl train: {api_error.value}"
     with pytest.raises(SystemExit, match="gradient_accumulation_steps 3 = 18 completions"):
         parse_args(
             ["--config", str(DEMO_RECIPE), "--per_device_train_batch_size", "6", "--gradient_accumulation_steps", "3"]
@@ -334,6 +358,11 @@ def test_a_missing_model_is_one_line_in_train_and_eval(tmp_path):
     result = egpo_trl("train", str(DEMO_RECIPE), "--model_name_or_path", "./no-such-model", cwd=tmp_path)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert last_line(result.stderr).startswith("egpo-trl train: the model ./no-such-model does not exist; check the")
+    from egpo_trl import EGPOTrainer
+
+    with pytest.raises(ValueError) as api_error:  # the Python API: the same line
+        EGPOTrainer(model="./no-such-model", reward_funcs=boxed_accuracy_reward)
+    assert last_line(result.stderr) == f"egpo-trl train: {api_error.value}"
     result = egpo_trl("train", str(DEMO_RECIPE), "--model_name_or_path", "someone/no-such-model", cwd=tmp_path)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert last_line(result.stderr).startswith("egpo-trl train: cannot find the model someone/no-such-model: it is")

@@ -1,15 +1,9 @@
-"""The arguments of ``egpo-trl train``: :class:`TrainScriptArguments`, the model config, and the parser over them
-and :class:`~egpo_trl.EGPOConfig`.
-
-A recipe is a YAML file whose keys are the fields of the three dataclasses; flags on the command line override
-it, as with TRL's own scripts. :func:`parse_args` turns a recipe and its overrides into the three dataclasses and
-reports an unknown field, a missing file or a batch that cannot be cut into whole groups in one line naming the fix.
-"""
+"""The arguments of ``egpo-trl train``: :class:`TrainScriptArguments`, TRL's ``ModelConfig`` and the ``TrlParser`` over
+them and :class:`~egpo_trl.EGPOConfig`, with one-line errors naming the fix."""
 
 from __future__ import annotations
 
 import difflib
-import os
 import re
 import sys
 import time
@@ -35,25 +29,7 @@ __all__ = [
 
 @dataclass
 class TrainScriptArguments:
-    """Arguments of ``egpo-trl train`` that are not training hyper-parameters: data, prompt, rewards, held-out check.
-
-    Every field is a YAML key of a recipe and a ``--flag``; its ``help`` (shown by ``--help``) is the
-    reference. The main ones:
-
-    Parameters:
-        dataset_name (`str`, *optional*, defaults to ``"synthetic:arithmetic"``):
-            ``synthetic:<task>`` for a built-in synthetic task, a local path, or a Hub dataset name.
-        prompt_template (`str`, *optional*):
-            Format string that rebuilds each prompt from the dataset's columns; otherwise the ``prompt``
-            column is used as is.
-        reward_funcs (`list[str]`, *optional*, defaults to ``["boxed_accuracy_reward"]``):
-            Reward functions by name (``boxed_accuracy_reward``, ``think_format_reward``) or import path.
-        eval_size (`int`, *optional*, defaults to ``200``):
-            Held-out problems evaluated before and after training; the held-out set never overlaps the
-            training set.
-        overwrite_output_dir (`bool`, *optional*, defaults to ``False``):
-            Allow replacing an earlier run's outputs in ``output_dir``.
-    """
+    """Recipe keys that are not training hyper-parameters: data, prompt, rewards, held-out check, launch."""
 
     dataset_name: str = field(
         default="synthetic:arithmetic",
@@ -226,11 +202,7 @@ def model_config_class():
 
 
 def make_parser():
-    """The ``TrlParser`` over :class:`TrainScriptArguments`, :class:`~egpo_trl.EGPOConfig` and ``ModelConfig``.
-
-    Flags must be spelled out (no argparse abbreviations), so that a typo is reported instead of being
-    matched to a similar field.
-    """
+    """The ``TrlParser`` over the three dataclasses; no argparse abbreviations, so a typo is an error."""
     from trl import TrlParser
 
     from egpo_trl.config import EGPOConfig
@@ -274,17 +246,8 @@ def _unknown_field_error(parser, unknown: Sequence[str], where: str) -> SystemEx
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments, Any, Any]:
-    """Parse ``--config recipe.yaml`` and command-line overrides into the three argument dataclasses.
-
-    Returns:
-        ``(script_args, training_args, model_args)``: a :class:`TrainScriptArguments`, an
-        :class:`~egpo_trl.EGPOConfig` and a ``ModelConfig``, with ``{timestamp}`` in ``output_dir``
-        already replaced.
-
-    Raises:
-        SystemExit: with a message naming the fix, for a missing config file, an unknown field (with
-            close matches) or a value a config class rejects.
-    """
+    """``(script_args, training_args, model_args)`` from ``--config recipe.yaml`` and the overrides after it, with
+    ``{timestamp}`` in ``output_dir`` replaced (rank 0's time on every process); ``SystemExit`` in one line."""
 
     args = _join_negative_numbers(list(sys.argv[1:] if argv is None else argv))
     parser = make_parser()
@@ -305,10 +268,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
             args, return_remaining_strings=True, separate_remaining_strings=True
         )
     except ValueError as error:
-        if "generation_batch_size" in str(error):
-            problem = _batch_problem_from_argv(args)
-            if problem:
-                raise SystemExit(f"egpo-trl train: {problem}") from None
+        if "divisible by num_generations" in str(error):  # input_checks.batch_shape_problem's line, as the API's
+            raise SystemExit(f"egpo-trl train: {error}") from None
         hint = ""
         if "bf16" in str(error) or "use_cpu" in str(error):
             hint = (
@@ -346,8 +307,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
 
 
 def _check_correctness_reward(script_args: TrainScriptArguments, training_args: Any) -> None:
-    """Refuse, as the trainer would but before anything loads, reward functions that leave it ambiguous which one
-    decides correct versus incorrect (:func:`egpo_trl.correctness.correctness_reward_index`)."""
+    """Refuse, before anything loads, reward functions that leave ambiguous which one decides correctness."""
     from egpo_trl.correctness import correctness_reward_index, reward_func_names
     from egpo_trl.script.resolve import resolve_reward_funcs
 
@@ -386,38 +346,3 @@ def option_value(argv: Sequence[str], name: str) -> str | None:
         elif item.startswith(f"--{name}="):
             value = item.split("=", 1)[1]
     return value
-
-
-def _batch_problem_from_argv(argv: Sequence[str]) -> str | None:
-    """:func:`batch_shape_problem` for the values of the recipe and the command line (the latter wins)."""
-
-    from egpo_trl.config import EGPOConfig
-
-    recipe: dict[str, Any] = {}
-    path = option_value(argv, "config")
-    if path and Path(path).is_file():
-        try:
-            recipe = load_recipe(path)
-        except SystemExit:
-            recipe = {}
-    defaults = {f.name: f.default for f in EGPOConfig.__dataclass_fields__.values()}
-
-    def value(name: str):
-        raw = option_value(argv, name)
-        raw = recipe.get(name, defaults.get(name)) if raw is None else raw
-        try:
-            return int(raw) if raw is not None and str(raw).lower() not in ("none", "null", "") else None
-        except (TypeError, ValueError):
-            return None
-
-    per_device, accumulation, groups = (
-        value("per_device_train_batch_size"),
-        value("gradient_accumulation_steps"),
-        value("num_generations"),
-    )
-    if not per_device or not accumulation or not groups:
-        return None
-    processes = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    return batch_shape_problem(
-        per_device, processes, accumulation, groups, value("steps_per_generation"), value("generation_batch_size")
-    )

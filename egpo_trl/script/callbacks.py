@@ -25,24 +25,7 @@ def _train_accuracy(logs: dict[str, float], correctness_name: str | None) -> flo
 
 
 class MetricsCallback(TrainerCallback):
-    """Appends every log (TRL's metrics and the ``egpo/*`` ones) as one JSON line to ``path``.
-
-    Only the main process writes. Each line holds ``step``, ``epoch``, ``time_s`` (seconds of training since
-    the run started, a resumed run continuing from ``time_offset``) and the logged numbers. A training log (one with
-    ``loss``) also holds ``clock_s``: the seconds per optimizer step by the clock since the previous training log (or
-    since training started or resumed), over the steps in between. Whatever ran in between counts, as it does in
-    ``time_s``: an evaluation or a checkpoint save at a logged step (they follow its log) in the next training log's
-    ``clock_s``. TRL's ``step_time`` counts only the host's time inside ``training_step``, so it leaves out the GPU
-    work each call still had queued when it returned; ``clock_s`` does not. With a ``+1/-1`` correctness reward (the
-    paper's Eq. 1), ``accuracy`` = ``(mean reward + 1) / 2`` is added: the fraction of correct completions.
-
-    Args:
-        path: the JSON lines file (appended to, so a resumed run continues it).
-        correctness_name: name of the reward function that decides correctness (TRL logs its mean as
-            ``rewards/<name>/mean``).
-        accuracy_from_reward: whether that reward is ``+1/-1``, so that ``accuracy`` can be derived.
-        time_offset: the ``time_s`` training starts from (a resumed run: that of the step it resumes from).
-    """
+    """Appends every log (TRL's metrics and the ``egpo/*`` ones) as one JSON line to ``path``."""
 
     def __init__(
         self,
@@ -87,12 +70,7 @@ class MetricsCallback(TrainerCallback):
 
 
 class CompactProgressCallback(ProgressCallback):
-    """The Trainer's progress bar, with the key metrics as its postfix instead of a printed dict per log.
-
-    The Trainer moves the bar to step k (``on_step_end``) before it logs step k's metrics (``on_log``): the bar
-    drawn then would carry step k-1's numbers. So the postfix is dropped before that move on a step that logs,
-    and redrawn with step k's own numbers as they are logged.
-    """
+    """The Trainer's progress bar, with the key metrics as its postfix instead of a printed dict per log."""
 
     def __init__(self, correctness_name: str | None = None, accuracy_from_reward: bool = True):
         super().__init__()

@@ -1,9 +1,4 @@
-"""The training and held-out sets of a recipe: built-in synthetic tasks, local files and folders, Hub datasets.
-
-:func:`load_datasets` returns both sets with a ``prompt`` column (rebuilt from ``prompt_template`` when given)
-and an ``answer`` column (renamed from ``answer_column``); :func:`column_problem` names what a dataset lacks and
-the flags that fix it.
-"""
+"""The training and held-out sets of a recipe: built-in synthetic tasks, local files and folders, Hub datasets."""
 
 from __future__ import annotations
 
@@ -123,12 +118,7 @@ def _prepare_columns(dataset, script_args: TrainScriptArguments):
 
 
 def load_datasets(script_args: TrainScriptArguments, seed: int = 0):
-    """The training set and the held-out set (``None`` when ``eval_size`` is 0).
-
-    For a synthetic task the held-out problems come from its ``test`` split, disjoint from training
-    by construction. Otherwise they come from ``dataset_test_split`` when the dataset has it, else
-    from ``eval_size`` rows taken out of the training split.
-    """
+    """The training set and the held-out set (``None`` when ``eval_size`` is 0)."""
     from datasets import Dataset, DatasetDict
 
     from egpo_trl.data.synthetic import DEFAULT_INSTRUCTION, SYNTHETIC_TASKS

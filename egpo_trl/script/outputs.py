@@ -1,10 +1,4 @@
-"""The run's output folder: the files ``egpo-trl train`` writes there and the check that it holds no earlier run.
-
-A run writes ``metrics.jsonl`` (one JSON object per logged step and per held-out evaluation),
-``training_curves.png``, ``heldout.json`` and the trained model into ``output_dir``. Without
-``overwrite_output_dir`` a folder that holds another run's outputs is refused, unless the run resumes from one of
-that folder's own checkpoints (a checkpoint of another folder starts a new run, refused there as any new run is).
-"""
+"""The run's output folder: the files ``egpo-trl train`` writes there and the check that it holds no earlier run."""
 
 from __future__ import annotations
 
@@ -50,15 +44,7 @@ RUN_MARKERS = (
 def prepare_output_dir(
     output_dir: str, overwrite: bool, resuming: bool, start_from: str | None = None
 ) -> Callable[[], None]:
-    """Refuse an output folder holding an earlier run's checkpoints or outputs, unless ``overwrite``.
-
-    Returns the function that clears it, to call once everything else the run needs has been checked and loaded (a
-    typo in the model path, say, must not cost the earlier run): with ``overwrite``, only the earlier run's
-    checkpoints and the files this command writes are removed; without, only what a run that stopped before its
-    first step left. ``resuming`` (the run resumes from one of this folder's own checkpoints) keeps everything.
-    ``start_from``: a checkpoint of another folder that the new run starts from (the refusal names it, and does not
-    suggest resuming this folder's run).
-    """
+    """Refuse an output folder holding an earlier run's checkpoints or outputs, unless ``overwrite``."""
     path = Path(output_dir)
     if not path.is_dir() or resuming:
         return _nothing_to_clear
@@ -151,12 +137,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def put_heldout_record(path: str | Path, record: dict[str, Any]) -> None:
-    """Write a held-out evaluation's record (``heldout/stage`` ``before`` or ``after``) into ``metrics.jsonl``.
-
-    It replaces the record of the same stage where the file holds one (an evaluation run again on a resume, with
-    other settings), else goes first (``before``, the step-0 record) or last (``after``). Every other record stays
-    where it is. The file is rewritten whole, through a temporary file, so that a crash leaves the old one.
-    """
+    """Write a held-out evaluation's record (``heldout/stage`` ``before`` or ``after``) into ``metrics.jsonl``."""
     path = Path(path)
     records = read_metrics(path) if path.is_file() else []
     stage = record["heldout/stage"]

@@ -22,21 +22,7 @@ def _moving_average(values: Sequence[float], window: int) -> list[float]:
 
 
 def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
-    """Draw reward, accuracy, entropy gap and group-type fractions over the steps into a PNG file.
-
-    Per-step values are drawn faintly, with a trailing moving average on top (the per-step numbers of a
-    small batch are noisy).
-
-    Args:
-        records: ``metrics.jsonl`` records (training logs have ``reward``; held-out evaluations have
-            ``heldout/accuracy``). The entropy gap is ``egpo/entropy_gap`` (incorrect minus correct), or
-            the difference of ``egpo/entropy_incorrect`` and ``egpo/entropy_correct``.
-        path: where to write the PNG.
-        title: figure title.
-
-    Returns:
-        ``path`` as a ``Path``.
-    """
+    """Draw reward, accuracy, entropy gap and group-type fractions over the steps into a PNG file."""
     import matplotlib
 
     matplotlib.use("Agg")

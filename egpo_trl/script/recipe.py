@@ -1,26 +1,4 @@
-"""Training recipes as files that both YAML and Python read: ``accelerate launch recipes/<recipe>.yaml`` trains.
-
-A recipe is a YAML mapping of fields (see :mod:`egpo_trl.script.args`). ``accelerate launch`` and ``python`` run
-the file they are given with the Python interpreter, so a shipped recipe carries two extra lines that keep it plain
-YAML and make it a short Python program at the same time::
-
-    egpo_trl_recipe: (r'''  # this line and the last one let `python` and `accelerate launch` run this file
-    model_name_or_path: builtin:tiny-math-qwen2
-    ...
-    #'''); from egpo_trl.recipe_launch import run_as_script; raise SystemExit(run_as_script(__file__))
-
-* YAML reads the first line as one more key (``egpo_trl_recipe``, which every egpo-trl reader drops) and the last
-  line as a comment.
-* Python reads the first line as the start of a raw string in parentheses that the last line closes, so everything
-  between them, comments with ``\\x``, ``\\u``, ``\\N``, LaTeX or ``\"\"\"`` included, is text; the rest of the last line
-  trains the recipe with the command-line overrides (:func:`egpo_trl.recipe_launch.run_as_script`).
-
-A line after the last one whose value is not a Python expression (``dataset_name: synthetic:arithmetic``) stops
-Python: ``egpo-trl train --dry-run`` reports it, and ``python -m egpo_trl.script.recipe RECIPE.yaml`` moves such lines
-above the last line. A ``'''`` between the two lines ends the text early; the parenthesis makes what follows a
-syntax error rather than code that runs, and every reader of a recipe (:func:`load_recipe`) refuses such a file in
-one line naming the line, as it refuses a key written twice (YAML would keep the last one).
-"""
+"""Training recipes as files that both YAML and Python read: ``accelerate launch recipes/<recipe>.yaml`` trains."""
 
 from __future__ import annotations
 
@@ -71,13 +49,7 @@ def _safe_load_unique(text: str) -> Any:
 
 
 def load_recipe(path: str | Path, what: str = "recipe", prog: str = "egpo-trl train") -> dict[str, Any]:
-    """Read a recipe's YAML mapping, without the ``egpo_trl_recipe`` marker key.
-
-    Raises:
-        SystemExit: with a one-line message for a missing file, invalid YAML, a key written twice, a file that is
-            not a mapping, or a ``'''`` that ends the text Python skips (``python`` and ``accelerate launch`` would
-            stop reading the recipe there, and could train nothing).
-    """
+    """Read a recipe's YAML mapping, without the ``egpo_trl_recipe`` marker key."""
     import yaml
 
     path = Path(path)
@@ -109,11 +81,7 @@ def _is_footer(line: str) -> bool:
 
 
 def add_script_lines(text: str) -> str:
-    """``text`` with the two lines that let Python run it: the header first and the footer last.
-
-    Earlier header/footer lines are replaced, and lines that were added after the footer are moved above it, in
-    their order; nothing else changes.
-    """
+    """``text`` with the two lines that let Python run it: the header first and the footer last."""
     lines = text.splitlines()
     body = [line for line in lines if not _is_header(line) and not _is_footer(line)]
     while body and not body[-1].strip():
@@ -139,10 +107,7 @@ def _quotes_problem(path: str | Path, line: int) -> str:
 
 
 def script_problem(path: str | Path) -> str | None:
-    """Why ``python``/``accelerate launch`` cannot run the recipe ``path`` as written (``None`` when they can).
-
-    A recipe without the ``egpo_trl_recipe`` line is plain YAML for ``egpo-trl train`` only: that is not a problem.
-    """
+    """Why ``python``/``accelerate launch`` cannot run the recipe ``path`` as written (``None`` when they can)."""
     path = Path(path)
     text = path.read_text()
     lines = text.splitlines()

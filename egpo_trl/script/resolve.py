@@ -49,32 +49,19 @@ def is_local_path(name: str) -> bool:
 def check_model_exists(
     name_or_path: str, revision: str | None = None, trust_remote_code: bool = False, prog: str = "egpo-trl train"
 ) -> str:
-    """Fail in one line, before anything loads, when the model is neither a local folder nor on the Hub.
-
-    Local folders (and ``builtin:`` names) are checked on disk; other names are looked up as Hub ids by fetching
-    their config only (from the local cache when offline).
-
-    Returns:
-        The resolved path or Hub id.
-
-    Raises:
-        SystemExit: naming the model and what to give instead.
-    """
+    """Fail in one line, before anything loads, when the model is neither a local folder nor on the Hub."""
     try:
         path = resolve_model_path(name_or_path)
     except SystemExit as error:
         raise SystemExit(str(error).replace("egpo-trl train:", f"{prog}:", 1)) from None
-    local = Path(path).expanduser()
-    if local.exists():
-        if local.is_dir() and not any((local / name).is_file() for name in ("config.json", "adapter_config.json")):
-            raise SystemExit(
-                f"{prog}: {path} has no config.json, so it is not a saved model; give the folder that save_pretrained "
-                "wrote (a trained run's output_dir, or one of its checkpoint-* folders)."
-            )
+    from egpo_trl.input_checks import model_problem
+
+    problem = model_problem(path)
+    if problem:
+        raise SystemExit(f"{prog}: {problem}")
+    if Path(path).expanduser().exists():
         return path
     fix = "give a local model folder, a Hub id such as Qwen/Qwen2.5-Math-1.5B, or builtin:tiny-math-qwen2"
-    if is_local_path(path):
-        raise SystemExit(f"{prog}: the model {path} does not exist; check the path, or {fix}.")
     from transformers import AutoConfig
 
     hub_logger = logging.getLogger("huggingface_hub")
@@ -122,11 +109,7 @@ def _current_folder_on_path():
 
 
 def resolve_reward_funcs(names: Sequence[str]) -> list[Callable[..., list[float]]]:
-    """Reward functions from names defined in :mod:`egpo_trl.rewards` or import paths ``pkg.module:func``.
-
-    The names are those of ``egpo_trl.rewards.REWARD_FUNCS`` when that registry exists, else
-    ``boxed_accuracy_reward`` and ``think_format_reward``.
-    """
+    """Reward functions from names defined in :mod:`egpo_trl.rewards` or import paths ``pkg.module:func``."""
     from egpo_trl import rewards
 
     registry: dict[str, Callable[..., list[float]]] = dict(

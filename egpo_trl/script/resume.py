@@ -1,10 +1,5 @@
-"""Stopping and resuming a run: the checkpoint saved on Ctrl-C, the command that resumes, the records and checkpoints
-of steps after the checkpoint a run resumes from set aside, the held-out evaluation and the clock carried over, and
-the check that a resumed run has something left to train.
-
-What makes the resumed training itself exact (the generation buffer, the RNG states at the step boundary, vLLM's
-sampling seeds) lives with the trainer: :mod:`egpo_trl.resume_state`.
-"""
+"""Stopping and resuming ``egpo-trl train``: Ctrl-C's checkpoint and resume command, later steps' records and
+checkpoints set aside, the stored held-out evaluation and clock. The exact training state: :mod:`egpo_trl.resume_state`."""
 
 from __future__ import annotations
 
@@ -44,11 +39,7 @@ __all__ = [
 
 def resume_checkpoint(training_args) -> str | None:
     """The checkpoint a run resumes from: ``resume_from_checkpoint`` with ``true``/``last``/``latest`` resolved to the
-    last ``checkpoint-*`` in ``output_dir`` and ``false``/``none`` to ``None``; any other value unchanged.
-
-    Raises:
-        SystemExit: for ``true`` when ``output_dir`` holds no checkpoint.
-    """
+    last ``checkpoint-*`` in ``output_dir`` and ``false``/``none`` to ``None``; any other value unchanged."""
     from transformers.trainer_utils import get_last_checkpoint
 
     resume = training_args.resume_from_checkpoint
@@ -100,12 +91,7 @@ def checkpoint_step(checkpoint: str | Path) -> int:
 
 
 def finished_message(training_args, checkpoint: str | Path, last_step: int | None = None) -> str | None:
-    """Why resuming from ``checkpoint`` would train nothing (the run it belongs to has finished), or ``None``.
-
-    Without ``last_step``: judged by ``max_steps`` alone, before anything loads (see
-    :func:`egpo_trl.resume_state.finished_run_step`); a run sized by ``num_train_epochs`` is judged once its trainer
-    is built, by the step count the trainer will use (``last_step``, from :func:`trainer_last_step`).
-    """
+    """Why resuming from ``checkpoint`` would train nothing (the run it belongs to has finished), or ``None``."""
     if last_step is None:
         finished = finished_run_step(training_args, checkpoint)
         if finished is None:
@@ -183,15 +169,7 @@ LAST_SAVED_FILE = "training_args.bin"
 def missing_final_outputs(
     output_dir: str | Path, save_final_model: bool, heldout: bool, step: int | None = None
 ) -> list[str]:
-    """The outputs a finished run writes after its last step that ``output_dir`` lacks (empty when none is missing).
-
-    ``save_final_model``: the trained model (a weight file and ``training_args.bin``, which ``save_model`` writes
-    last, after ``trainer_state.json`` with the step it belongs to). ``heldout`` (the held-out evaluation is on): the
-    ``after`` record of ``heldout.json``, required when that file holds the ``before`` record (a run whose held-out
-    check was skipped, with sharded weights, writes neither). With ``step`` (the last checkpoint's), outputs that
-    say they belong to another step count as missing: a finished run continued with more steps that stopped after
-    its last checkpoint still holds the earlier run's model and evaluation.
-    """
+    """The outputs a finished run writes after its last step that ``output_dir`` lacks (empty when none is missing)."""
     from egpo_trl.script.outputs import HELDOUT_FILE
 
     output_dir = Path(output_dir)
@@ -268,16 +246,7 @@ def resumed_time(path: Path, step: int) -> float:
 
 
 def set_aside_later_history(output_dir: str | Path, step: int) -> Path | None:
-    """Move what ``output_dir`` holds of the steps after ``step`` out of the way of a run resumed from that step.
-
-    Resuming from ``checkpoint-N`` trains the steps after N again. Their records in ``metrics.jsonl`` (and the
-    evaluation after training) would be there twice, and the curves would run back in time; the folder's later
-    checkpoints would be taken for this run's (``--resume_from_checkpoint true`` picks the last one) and be written
-    over when it reaches their steps. Both go to ``replaced/<time>-from-step-N/`` in ``output_dir``: the records as
-    a ``metrics.jsonl`` of their own, the checkpoints as they are. ``metrics.jsonl`` is rewritten through a temporary
-    file after its records are copied there, so a crash in between loses none. Returns that folder, or ``None`` when
-    there was nothing to move (one process only: the main one).
-    """
+    """Move what ``output_dir`` holds of the steps after ``step`` out of the way of a run resumed from that step."""
     output_dir = Path(output_dir)
     metrics = output_dir / METRICS_FILE
     records = read_metrics(metrics) if metrics.is_file() else []
@@ -331,14 +300,7 @@ def later_checkpoints(output_dir: str | Path, step: int) -> list[Path]:
 
 
 def save_interrupted(trainer) -> None:
-    """On Ctrl-C, save a checkpoint of the last finished step so that the run can resume (one process only).
-
-    The weights, optimizer and scheduler are those of the last finished optimizer step (a step cut short has not
-    changed them); the trainer puts the RNG states and the generation buffer back to that step's end
-    (:meth:`egpo_trl.resume_state.ExactResumeMixin.save_interrupt_checkpoint`), so the checkpoint is the one a
-    regular save there writes and the resumed run continues exactly. With several processes nothing is saved: the
-    run resumes from its last regular checkpoint.
-    """
+    """On Ctrl-C, save a checkpoint of the last finished step so that the run can resume (one process only)."""
     step = trainer.state.global_step
     output_dir = Path(trainer.args.output_dir)
     if trainer.accelerator.num_processes != 1 or step == 0 or (output_dir / f"checkpoint-{step}").is_dir():

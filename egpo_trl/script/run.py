@@ -1,8 +1,4 @@
-"""One training run from resolved arguments: held-out accuracy, training, held-out accuracy, metrics, plot, model.
-
-:func:`run` is what ``egpo-trl train`` does once the recipe is parsed (see :mod:`egpo_trl.train` for the
-command itself: help, ``--dry-run``, ``accelerate launch`` and Ctrl-C).
-"""
+"""One training run: held-out accuracy before, training, held-out accuracy after, metrics, plot, model."""
 
 from __future__ import annotations
 
@@ -97,11 +93,7 @@ def _correctness_name(trainer) -> str | None:
 
 
 def precision_label(trainer) -> str:
-    """How the trainer computes, for the run's first line: e.g. ``float32 on cpu`` or ``bf16 autocast on cuda``.
-
-    bf16 is on unless set false, and with ``use_cpu`` it runs under the CPU's autocast: the label says so, with the
-    flag that trains in float32 instead.
-    """
+    """How the trainer computes, e.g. ``float32 on cpu`` or ``bf16 autocast on cuda``."""
     mixed = trainer.accelerator.mixed_precision
     device = trainer.accelerator.device.type
     if mixed != "no" and trainer.is_deepspeed_enabled:
@@ -114,13 +106,7 @@ def precision_label(trainer) -> str:
 
 
 def kv_cache_line(trainer, training_args, max_prompt_length: int | None = None) -> str | None:
-    """One line on how many of a generation batch's sequences the colocated vLLM engine decodes at once.
-
-    Every completion that runs to ``max_completion_length`` after a prompt of ``max_prompt_length`` tokens (the
-    script's argument; without it the completion alone) needs their sum in KV cache. The engine is sent this
-    process's share of a generation batch, times the tensor-parallel group that gathers its prompts. ``None``
-    without a colocated engine or where vLLM does not say.
-    """
+    """The colocated vLLM engine's KV cache against one generation batch's sequences (``None`` without one)."""
     tokens = trainer.vllm_kv_cache_tokens()
     if not tokens:
         return None
@@ -132,13 +118,7 @@ def kv_cache_line(trainer, training_args, max_prompt_length: int | None = None) 
 
 
 def kv_cache_message(tokens: int, sequence: int, rows: int, batch: str = "generation batch") -> str:
-    """The line for a KV cache of ``tokens``, sequences of ``sequence`` tokens and ``rows`` of them per ``batch``
-    (a generation batch, or dynamic sampling's oversampled first round).
-
-    When fewer than ``rows`` fit, the engine decodes the batch in rounds (if every completion runs to its limit),
-    and each round reads the weights once per token: a larger ``vllm_gpu_memory_utilization``, where memory
-    allows, shortens generation.
-    """
+    """How many ``sequence``-token sequences a KV cache of ``tokens`` holds at once, against ``rows`` per ``batch``."""
     at_once = tokens // sequence
     line = (
         f"vLLM's KV cache holds {tokens:,} tokens: {at_once} sequences of {sequence:,} tokens at once (prompt and "
@@ -158,8 +138,7 @@ def _eval_temperature(script_args, training_args) -> float:
 
 
 def _heldout_settings(script_args, training_args, model_args, heldout) -> dict[str, Any]:
-    """What a held-out evaluation's result depends on, stored with it in ``heldout.json``: a resumed run reuses
-    the stored evaluation before training only when all of these are the same."""
+    """What a held-out evaluation depends on; a resume reuses a stored one only when all are equal."""
     return {
         "num_problems": len(heldout),
         "num_samples": script_args.eval_num_samples,
@@ -202,14 +181,7 @@ def _heldout(trainer, script_args, training_args, heldout, label: str):
 
 
 def run(script_args: TrainScriptArguments, training_args, model_args) -> dict[str, Any]:
-    """Train with resolved arguments: held-out accuracy, training, held-out accuracy, metrics, plot, model.
-
-    ``torch_num_threads`` applies for the duration of the run; torch's thread count is restored after.
-
-    Returns:
-        A summary: ``output_dir``, ``heldout_before``/``heldout_after`` (accuracies or ``None``),
-        ``train_runtime_s``, ``wall_time_s`` and the paths of the files written.
-    """
+    """Train with resolved arguments; returns ``output_dir``, ``heldout_before``/``heldout_after`` and the files."""
     import torch
 
     threads = torch.get_num_threads()
@@ -436,8 +408,7 @@ class _UndoneOnFailure:
 def _undo_resume(
     output_dir: Path, found: dict[Path, bytes | None], set_aside: Path | None, keep_records: bool = False
 ) -> None:
-    """Put the files a resume changed back as it found them, and the checkpoints it set aside back in place (the
-    records it set aside too, unless ``keep_records``)."""
+    """Put back the files a resume changed and the checkpoints it set aside."""
     for path, content in found.items():
         _put_back(path, content)
     if set_aside is not None:
@@ -465,12 +436,7 @@ def _put_back(path: Path, content: bytes | None) -> None:
 
 
 def _refuse_to_replace_later_outputs(training_args, resume, last_step: int) -> None:
-    """Stop before a resume in ``output_dir`` replaces the final outputs of a run there that went further than this
-    one ends (at ``last_step``, or at the checkpoint's own step when that is later: then nothing trains).
-
-    Raises:
-        SystemExit: naming those outputs and the ways on.
-    """
+    """Refuse a resume whose final outputs would replace those of a later step in ``output_dir``."""
     end = max(checkpoint_step(resume), last_step)
     later = later_final_outputs(training_args.output_dir, end)
     if later:
@@ -483,10 +449,7 @@ def _refuse_to_replace_later_outputs(training_args, resume, last_step: int) -> N
 
 
 def _resume_outcome(script_args, training_args, resume, own_run: bool, last_step: int, finished: str | None) -> str:
-    """What a resume that ends at ``last_step`` does: ``"train"``, ``"finish"`` (the checkpoint is at the last step:
-    write the missing final outputs from it, without training) or ``"done"`` (nothing to write; ``finished``, the
-    reason nothing trains, is printed). In its own folder, a resume that would replace the final outputs of a later
-    step is refused first (:func:`_refuse_to_replace_later_outputs`)."""
+    """``"train"``, ``"finish"`` (at the last step with final outputs missing: write them) or ``"done"``."""
     if own_run:
         _refuse_to_replace_later_outputs(training_args, resume, last_step=last_step)
     if finished is None:
@@ -503,12 +466,7 @@ def _outputs_to_write(
     last_step: int,
     heldout: bool | None = None,
 ) -> bool:
-    """For a resume at the run's last step (``last_step``): whether outputs a finished run writes after it are
-    missing (they are then written from the checkpoint, without training; this is said), or all there
-    (``finished`` is printed). A checkpoint of another folder starts a new run in ``output_dir``, whose final
-    outputs are all missing there. A checkpoint past ``last_step`` writes nothing: its step is not this run's end.
-    The caller has refused a resume that would replace a later step's final outputs.
-    """
+    """Whether a resume at the run's last step has final outputs to write (says which, or prints ``finished``)."""
     step = checkpoint_step(resume)
     output_dir = training_args.output_dir
     main_process = os.environ.get("RANK", "0") == "0"
