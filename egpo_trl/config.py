@@ -330,7 +330,7 @@ class EGPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "DAPO's soft overlong punishment: buffer length before max_completion_length over which a length "
-            "penalty (the overlong_penalty_reward function) grows linearly from 0 to -overlong_penalty_factor. None "
+            "penalty (a reward function named overlong_penalty) grows linearly from 0 to -overlong_penalty_factor. None "
             "(default) adds no penalty."
         },
     )

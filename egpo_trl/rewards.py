@@ -1,16 +1,8 @@
-"""Outcome rewards for verifiable math (paper Eq. 1) and the answer-extraction helpers they use.
-
-The paper's reward is binary: ``+1`` when the content of the **last** ``\\boxed{...}`` of a completion
-equals the ground truth, ``-1`` otherwise (also when that last box is cut off by the length limit), ``None``
-(unscored) when math-verify gave no verdict in time. Scoring returns within a bounded time on any input, in any
-thread: see :func:`answers_match`. Equality is decided by `math-verify`_. We extract the last
-box ourselves: math-verify, given a whole text, gathers *every* box into one set, so a completion
-that writes ``\\boxed{3}`` and later ``\\boxed{5}`` would match a gold answer of ``3``.
-
-Reward functions follow TRL's signature ``f(completions, **dataset_columns) -> list[float]`` and
-accept plain strings or chat messages (``[{"role": "assistant", "content": ...}]``).
-
-.. _math-verify: https://github.com/huggingface/Math-Verify
+"""Outcome rewards for verifiable math (paper Eq. 1): ``+1`` when the last ``\\boxed{...}`` of a completion equals
+the ground truth by `math-verify <https://github.com/huggingface/Math-Verify>`_, ``-1`` otherwise (also when that box
+is cut off), ``None`` (unscored) when math-verify gave no verdict in time. We extract the last box ourselves:
+math-verify, given a whole text, would match any of its boxes. Reward functions take TRL's
+``f(completions, **dataset_columns)``, with completions as strings or chat messages.
 """
 
 from __future__ import annotations
@@ -31,20 +23,6 @@ from functools import lru_cache
 from typing import Any
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "CORRECT_REWARD",
-    "INCORRECT_REWARD",
-    "answer_template_probe",
-    "answers_match",
-    "boxed_accuracy_reward",
-    "completion_text",
-    "extract_last_boxed",
-    "make_overlong_penalty_reward",
-    "overlong_penalty",
-    "overlong_penalty_reward",
-    "think_format_reward",
-]
 
 CORRECT_REWARD = 1.0
 INCORRECT_REWARD = -1.0
@@ -95,11 +73,8 @@ def answer_template_probe(template: str) -> tuple[str, bool]:
 
 
 def extract_last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, with balanced braces.
-
-    ``\\boxed 5`` (a single token after a space, as some models write) is accepted too. Returns
-    ``None`` when the text has no box, or when its last box is not closed (cut off by the length limit):
-    the paper scores the last box, so an earlier complete box does not stand in for it.
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``, or ``\\boxed 5``) in ``text``, with balanced
+    braces; ``None`` without a box or when the last one is not closed (an earlier box does not stand in for it).
 
     >>> extract_last_boxed(r"first \\boxed{1}, then \\boxed{\\frac{1}{2}}")
     '\\\\frac{1}{2}'
@@ -307,16 +282,10 @@ def _symbolic_match(predicted: str, gold: str) -> bool:
 
 
 def answers_match(predicted: str | None, gold: Any) -> bool | None:
-    """Whether an extracted answer equals the ground truth, by string match then math-verify; ``None`` when
-    math-verify gave no verdict.
-
-    Never raises, and returns within a bounded time on any input, in any thread or process: answers that are
-    too long, too deeply nested, power towers or powers with huge exponents get the string match only (see
-    :func:`_too_costly`); math-verify runs in a worker process (:mod:`egpo_trl.verify_worker`) that is killed
-    when one comparison takes longer than ``VERIFY_TIMEOUT_S`` seconds or dies, then asked again in a fresh
-    worker. When that one fails too the result is ``None`` (no verdict, logged with its cause: neither a match
-    nor a mismatch, and not remembered, so the same answers are compared again next time). An answer
-    math-verify cannot parse is no match.
+    """Whether an extracted answer equals the ground truth (string match, then math-verify); ``None`` without a
+    verdict. Never raises and returns in bounded time in any thread: costly answers (:func:`_too_costly`) get the
+    string match only; math-verify runs in a worker process killed past ``VERIFY_TIMEOUT_S`` and asked again once
+    in a fresh one (no verdict, logged and not cached, when that fails too). An unparsable answer is no match.
     """
     if predicted is None or gold is None:
         return False
@@ -342,19 +311,8 @@ def _gold_to_text(gold: Any) -> str:
 
 
 def boxed_accuracy_reward(completions: list[Any], answer: list[Any], **kwargs: Any) -> list[float | None]:
-    """Paper Eq. 1: ``+1.0`` when the last ``\\boxed{}`` of a completion verifies against ``answer``, else ``-1.0``;
-    ``None`` (unscored) when math-verify gave no verdict (see :func:`answers_match`).
-
-    Args:
-        completions: TRL completions, plain strings or lists of chat messages.
-        answer: the ground-truth answers, one per completion (the dataset's ``answer`` column).
-        **kwargs: the other dataset columns and TRL's extra arguments, ignored.
-
-    Returns:
-        One reward per completion. A completion without a complete box scores ``-1.0``. ``None`` is TRL's
-        "unscored" (NaN, left out of this function's reward mean); EGPO counts such a completion neither correct
-        nor incorrect, and ``egpo/frac_unscored`` logs their fraction.
-    """
+    """Paper Eq. 1: ``+1.0`` when the last ``\\boxed{}`` of a completion verifies against ``answer`` (the dataset's
+    column), ``-1.0`` otherwise, ``None`` (TRL's unscored; EGPO's ``egpo/frac_unscored``) without a verdict."""
     if len(answer) != len(completions):
         raise ValueError(
             f"boxed_accuracy_reward got {len(completions)} completions but {len(answer)} answers; the dataset needs "
@@ -371,80 +329,31 @@ _THINK_RE = re.compile(r"^\s*<think>.*?</think>.*\\(?:boxed|fbox)\s*\{", re.DOTA
 
 
 def think_format_reward(completions: list[Any], **kwargs: Any) -> list[float]:
-    """``1.0`` when a completion reasons inside ``<think>...</think>`` and then gives a ``\\boxed{}`` answer, else ``0.0``.
-
-    A shaping bonus to combine with :func:`boxed_accuracy_reward`. EGPO decides correctness with the
-    reward function named by ``egpo_correctness_reward`` (``boxed_accuracy_reward`` when it is the only
-    accuracy reward among several), so a bonus never turns a wrong answer into a "correct" one.
-    """
+    """``1.0`` when a completion reasons inside ``<think>...</think>`` and then gives a ``\\boxed{}`` answer, else
+    ``0.0``: a shaping bonus beside :func:`boxed_accuracy_reward`, which still decides correctness."""
     return [1.0 if _THINK_RE.match(completion_text(c)) else 0.0 for c in completions]
 
 
-def overlong_penalty(length: int, max_length: int, buffer_length: int, penalty_factor: float = 1.0) -> float:
-    """DAPO's soft overlong punishment (Yu et al. 2025, Eq. 13) for one completion of ``length`` tokens.
+def make_overlong_penalty_reward(max_length: int, buffer_length: int, penalty_factor: float = 1.0):
+    """DAPO's soft overlong punishment (Eq. 13, TRL's ``get_soft_overlong_punishment``) times ``penalty_factor``, as a
+    reward function named ``overlong_penalty``: 0 up to ``max_length - buffer_length`` completion tokens, then
+    falling linearly to ``-penalty_factor`` at ``max_length``.
 
-    With :math:`L_{max}` = ``max_length`` and :math:`L_{cache}` = ``buffer_length``: ``0`` while
-    ``length <= max_length - buffer_length``; then :math:`((L_{max} - L_{cache}) - |y|) / L_{cache}`, falling
-    linearly to ``-1`` at ``max_length``; ``-1`` beyond. The result is multiplied by ``penalty_factor``.
-
-    >>> overlong_penalty(90, max_length=100, buffer_length=20)
-    -0.5
+    >>> make_overlong_penalty_reward(max_length=100, buffer_length=20)(["a", "b"], completion_ids=[[0] * 90, [0] * 50])
+    [-0.5, 0.0]
     """
-    if buffer_length < 1 or buffer_length > max_length:
+    from trl.rewards import get_soft_overlong_punishment
+
+    if not 1 <= buffer_length <= max_length:
         raise ValueError(
             f"buffer_length must be in [1, max_length={max_length}], got {buffer_length}; DAPO uses a buffer of a "
             "quarter of the maximum length."
         )
-    expected = max_length - buffer_length
-    if length <= expected:
-        return 0.0
-    return penalty_factor * max(-1.0, (expected - length) / buffer_length)
+    punishment = get_soft_overlong_punishment(max_length, buffer_length)
 
+    def overlong_penalty(completions: list[Any], completion_ids: list[list[int]] | None = None, **kwargs: Any):
+        if completion_ids is None:
+            raise ValueError("overlong_penalty needs the completions' token ids (`completion_ids`, which TRL passes).")
+        return [penalty_factor * value for value in punishment(completion_ids)]
 
-def overlong_penalty_reward(
-    completions: list[Any],
-    completion_ids: list[list[int]] | None = None,
-    *,
-    max_length: int,
-    buffer_length: int,
-    penalty_factor: float = 1.0,
-    **kwargs: Any,
-) -> list[float]:
-    """DAPO's length-aware reward shaping as a TRL reward function: :func:`overlong_penalty` of each completion.
-
-    The length is the number of completion tokens (TRL passes ``completion_ids``). Add it beside the outcome reward;
-    it is a shaping term, so leave the correctness decision to the outcome reward (``egpo_correctness_reward``).
-    Use :func:`make_overlong_penalty_reward` to bind the lengths, or set ``overlong_buffer_length`` in
-    :class:`~egpo_trl.EGPOConfig` to have the trainer add it.
-    """
-    if completion_ids is None:
-        raise ValueError(
-            "overlong_penalty_reward needs the completions' token ids (`completion_ids`, which TRL's trainers pass); "
-            "call it with completion_ids=..."
-        )
-    if len(completion_ids) != len(completions):
-        raise ValueError(f"Got {len(completions)} completions but {len(completion_ids)} completion_ids.")
-    return [overlong_penalty(len(ids), max_length, buffer_length, penalty_factor) for ids in completion_ids]
-
-
-def make_overlong_penalty_reward(max_length: int, buffer_length: int, penalty_factor: float = 1.0):
-    """:func:`overlong_penalty_reward` with its lengths bound, named ``overlong_penalty`` for TRL's reward logs.
-
-    >>> reward = make_overlong_penalty_reward(max_length=100, buffer_length=20)
-    >>> reward(["a", "b"], completion_ids=[[0] * 50, [0] * 100])
-    [0.0, -1.0]
-    """
-    overlong_penalty(0, max_length, buffer_length)  # validate the lengths now, not at the first step
-
-    def overlong_penalty_fn(completions: list[Any], completion_ids: list[list[int]] | None = None, **kwargs: Any):
-        return overlong_penalty_reward(
-            completions,
-            completion_ids,
-            max_length=max_length,
-            buffer_length=buffer_length,
-            penalty_factor=penalty_factor,
-        )
-
-    overlong_penalty_fn.__name__ = "overlong_penalty"
-    overlong_penalty_fn.__qualname__ = "overlong_penalty"
-    return overlong_penalty_fn
+    return overlong_penalty
