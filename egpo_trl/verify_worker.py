@@ -1,15 +1,10 @@
 """The math-verify worker process of :func:`egpo_trl.rewards.answers_match`.
 
-Symbolic comparison of model output can take unbounded time (``9^{9^{9^{9}}}`` asks sympy for an integer with
-hundreds of millions of digits, in C code that no signal interrupts), and math-verify's own timeout is a signal alarm
-that works only in the main thread. So the comparison runs here, in a separate interpreter that the caller kills
-when it overruns its deadline. That deadline is the only time limit: math-verify's own timeout is off, because it
-answers "no match" when it fires (and a parse cut short would be cached here as unparsable), so a worker held up by
-a busy machine would turn a correct answer into a wrong one.
-
-Protocol: one JSON line per request on stdin, ``[predicted, gold]``; one line per answer on stdout, ``1`` (equal) or
-``0``. The process ends when stdin closes. :mod:`egpo_trl.rewards` runs this file by its path (not as part of the
-package, whose import would pull in torch and TRL).
+Symbolic comparison can take unbounded time in C code no signal interrupts (``9^{9^{9^{9}}}``), so it runs here,
+in an interpreter the caller kills past its deadline. That deadline is the only limit: math-verify's own timeout
+answers "no match" when it fires, which would turn a correct answer wrong on a busy machine. Protocol: one JSON line
+``[predicted, gold]`` per request on stdin, ``1`` or ``0`` per answer on stdout; it ends when stdin closes. It runs
+by its path, without the package (whose import pulls in torch and TRL).
 """
 
 from __future__ import annotations
