@@ -214,9 +214,7 @@ def _dataset_problem(
     dataset: Any, reward_funcs: Sequence[Any], args: Any = None, environment: bool = False
 ) -> str | None:
     """One line naming the columns ``train_dataset`` lacks, what expects each (the trainer, a reward function's
-    parameter, ``edge_gec``) and the rename that supplies it from the dataset's own columns; ``None`` when none.
-    With an ``environment_factory`` (``environment``), TRL takes the prompt from the environment's ``reset`` when
-    the dataset has none."""
+    parameter, ``edge_gec``) and the rename that supplies it from the dataset's own columns; ``None`` when none."""
     columns = getattr(dataset, "column_names", None)
     if isinstance(columns, dict):  # a DatasetDict
         return (

@@ -53,8 +53,7 @@ def _reward_columns(reward_funcs: Sequence[str]) -> dict[str, str]:
 
 def column_problem(columns: Sequence[str], script_args: TrainScriptArguments) -> str | None:
     """One line naming what the dataset lacks (a prompt, the answer column the reward needs) and the flags that fix
-    it, from the dataset's actual columns; ``None`` when nothing is missing.
-    """
+    it, from the dataset's actual columns; ``None`` when nothing is missing."""
     columns = list(columns)
     problems, fixes = [], []
     if script_args.prompt_template is None and "prompt" not in columns:

@@ -101,8 +101,7 @@ def _nothing_to_clear() -> None:
 
 def refuse_output_dir_over_model(output_dir: str, model_name_or_path: str) -> None:
     """Refuse an ``output_dir`` that is the local model folder the run starts from: the final model (and
-    ``--overwrite_output_dir``) would write over the weights it loads. A folder inside it or around it is fine: the
-    run writes its own files there, never the model folder's."""
+    ``--overwrite_output_dir``) would write over the weights it loads."""
     model = Path(str(model_name_or_path)).expanduser()
     if not model.is_dir():
         return  # a Hub name, or a builtin model: nothing of the user's to write over

@@ -20,9 +20,6 @@ __all__ = [
 MARKER_KEY = "egpo_trl_recipe"
 HEADER = f"{MARKER_KEY}: (r'''  # this line and the last one let `python` and `accelerate launch` run this file"
 FOOTER = "#'''); from egpo_trl.recipe_launch import run_as_script; raise SystemExit(run_as_script(__file__))"
-# The lines an earlier layout of the recipes used (a `unicode_escape` coding line): recognised and replaced.
-_OLD_HEADER_STARTS = ("# coding: unicode_escape", "# \\nraise SystemExit(")
-_OLD_FOOTER_START = '# \\n"""'
 
 
 class _DuplicateKey(ValueError):
@@ -73,11 +70,11 @@ def load_recipe(path: str | Path, what: str = "recipe", prog: str = "egpo-trl tr
 
 
 def _is_header(line: str) -> bool:
-    return line.startswith(f"{MARKER_KEY}:") or line.startswith(_OLD_HEADER_STARTS)
+    return line.startswith(f"{MARKER_KEY}:")
 
 
 def _is_footer(line: str) -> bool:
-    return line.startswith("#'''") or line.startswith(_OLD_FOOTER_START)
+    return line.startswith("#'''")
 
 
 def add_script_lines(text: str) -> str:

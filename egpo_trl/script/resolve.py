@@ -90,9 +90,7 @@ def check_model_exists(
 @contextmanager
 def _current_folder_on_path():
     """Put the current folder first on ``sys.path`` while the block runs, as ``python -m`` does, so that
-    ``my_rewards:fn`` finds ./my_rewards.py. It is taken off again afterwards (a module imported meanwhile stays
-    in ``sys.modules``): a local file named like a later import (``vllm.py``, ``deepspeed.py``) must not shadow it.
-    """
+    ``my_rewards:fn`` finds ./my_rewards.py."""
     here = os.getcwd()
     if any(entry in ("", here) or (entry and os.path.abspath(entry) == here) for entry in sys.path):
         yield  # already there (``python -m``): leave sys.path as it is

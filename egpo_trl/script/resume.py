@@ -71,8 +71,7 @@ def resume_checkpoint(training_args) -> str | None:
 def resumes_own_run(checkpoint: str | Path | None, output_dir: str | Path) -> bool:
     """Whether resuming from ``checkpoint`` continues the run in ``output_dir``: the checkpoint is one of that
     folder's own ``checkpoint-<step>`` folders, directly inside it (both paths resolved; ``resume_from_checkpoint=
-    true`` names the folder's own latest one). A checkpoint of another folder, a subfolder of ``output_dir``
-    included (an earlier run kept there), starts a new run in ``output_dir`` from its weights and training state."""
+    true`` names the folder's own latest one)."""
     if checkpoint is None:
         return False
     checkpoint = Path(checkpoint).resolve()
@@ -113,8 +112,7 @@ def finished_message(training_args, checkpoint: str | Path, last_step: int | Non
 def trainer_last_step(trainer) -> int | None:
     """The step a run sized by ``num_train_epochs`` stops at, counted as ``Trainer.train`` will count it (its own
     training dataloader and ``set_initial_training_values``: this run's data, batch sizes and processes), before
-    anything is trained or written. ``max_steps`` when set; ``None`` where the count is only known inside ``train``
-    (``auto_find_batch_size``, a dataset without a length)."""
+    anything is trained or written."""
     from transformers.trainer_utils import has_length
 
     args = trainer.args
@@ -132,8 +130,7 @@ def later_final_outputs(output_dir: str | Path, step: int) -> str | None:
     """The final outputs in ``output_dir`` of a run that finished after ``step`` (its trained model, dated by the
     ``trainer_state.json`` beside it, its held-out evaluation after training, or the end-of-training record that
     Trainer logs to ``metrics.jsonl`` when a run finishes), or ``None``: what a run that ends at ``step`` in that
-    folder would replace. Training records after ``step`` alone (a run stopped after its last checkpoint) do not
-    count: a resume replays those steps anyway."""
+    folder would replace."""
     from egpo_trl.script.outputs import HELDOUT_FILE, METRICS_FILE
 
     output_dir = Path(output_dir)
@@ -272,9 +269,7 @@ def set_aside_later_history(output_dir: str | Path, step: int) -> Path | None:
 
 def put_back_later_history(output_dir: str | Path, folder: Path, keep_records: bool = False) -> None:
     """Undo :func:`set_aside_later_history` for a resume that trained nothing: its checkpoints go back (where no
-    checkpoint of that name has been made since), and ``folder`` goes once it holds nothing else. ``metrics.jsonl``
-    is the caller's to put back, from the copy it took before; with ``keep_records`` the records set aside stay in
-    ``folder`` (for a caller that writes the cut file again)."""
+    checkpoint of that name has been made since), and ``folder`` goes once it holds nothing else."""
     output_dir = Path(output_dir)
     for checkpoint in sorted(folder.glob("checkpoint-*")):
         if not (output_dir / checkpoint.name).exists():
