@@ -1,15 +1,7 @@
-"""Which reward function decides correct versus incorrect.
-
-EGPO's group types (entirely-correct, mixed, entirely-incorrect), dynamic sampling's ``correctness`` filter and
-Guided Error Correction read one binary verdict per completion: the value of one reward function, ``> 0`` meaning
-correct. With one reward function that is the one. With several, the configuration must say which
-(``egpo_correctness_reward``), because taking the first one silently lets a format or length bonus decide
-correctness. :func:`correctness_reward_index` settles it from the reward functions and the config alone, so that
-the trainer can refuse an ambiguous setting before any model loads.
-
-The names are the ones TRL 1.16's ``GRPOTrainer`` gives its reward functions (``reward_func_names``, the
-``rewards/<name>/mean`` metrics): a function's ``__name__`` (through ``functools.partial``), a callable
-object's class name, a reward model's id or path after its last ``/``.
+"""Which reward function decides correct (> 0) versus incorrect, for EGPO's group types, dynamic sampling's
+``correctness`` filter and Guided Error Correction. With several reward functions the config must name it
+(``egpo_correctness_reward``), so that a format or length bonus never decides correctness. Names are those TRL's
+``GRPOTrainer`` gives its reward functions (``rewards/<name>/mean``).
 """
 
 from __future__ import annotations
@@ -22,14 +14,6 @@ from typing import Any
 from egpo_trl.rewards import boxed_accuracy_reward
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "ACCURACY_REWARDS",
-    "binary_correctness_features",
-    "correctness_reward_index",
-    "reward_func_name",
-    "reward_func_names",
-]
 
 #: The package's own binary accuracy rewards: when exactly one of several reward functions is one of these, it is
 #: taken as the correctness reward without being named.
@@ -97,24 +81,11 @@ def correctness_reward_index(
 ) -> int | None:
     """The index of the reward function that decides correct (> 0) versus incorrect.
 
-    Args:
-        reward_funcs: the reward functions as ``GRPOTrainer`` receives them (with the trainer's own
-            ``overlong_penalty`` appended when ``overlong_buffer_length`` is set).
-        args: the :class:`~egpo_trl.EGPOConfig`.
-        names: their names when already known (``GRPOTrainer.reward_func_names``); computed otherwise.
-        complete: ``False`` when more reward functions may come later (an ``environment_factory`` whose environments
-            define ``get_reward``): a name not found yet is then left for the later call (``None``).
-        quiet: log nothing (a check ahead of the trainer, which logs the choice itself); otherwise the choice is
-            logged by the main process only.
-
-    Returns:
-        ``egpo_correctness_reward``'s index when it is set; ``0`` with one candidate; with several, the package's
-        accuracy reward when exactly one of them is one (logged); otherwise, when nothing but metrics reads the
-        verdict, the first of them (with a warning naming the metrics concerned).
-
-    Raises:
-        ValueError: ``egpo_correctness_reward`` names no reward function, or several reward functions could decide
-            correctness, none is named and a setting of :func:`binary_correctness_features` needs the verdict.
+    ``egpo_correctness_reward``'s when set; the only candidate's (the trainer's ``overlong_penalty`` never is one);
+    among several, the package's accuracy reward when exactly one is; else, when only metrics read the verdict,
+    the first (with a warning). Otherwise a ValueError naming the fix. ``names``: the names when known;
+    ``complete=False``: more reward functions may come later (an ``environment_factory``), so an unknown name gives
+    ``None``; ``quiet``: log nothing.
     """
     funcs = _as_list(reward_funcs)
     names = list(names) if names is not None else reward_func_names(funcs)

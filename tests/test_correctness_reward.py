@@ -24,8 +24,11 @@ DEMO_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo_tiny_cp
 
 
 def no_model(tmp_path) -> str:
-    """A model path that does not exist: an error about anything else was raised before the model loaded."""
-    return str(tmp_path / "no-such-model")
+    """A folder that looks like a saved model but cannot load: an error about anything else came before loading."""
+    folder = tmp_path / "unloadable-model"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text("{}")
+    return str(folder)
 
 
 @pytest.mark.parametrize("order", ["format_first", "accuracy_first"])
