@@ -272,6 +272,20 @@ def test_a_recipe_broken_for_python_is_reported_and_repaired(tmp_path, capsys):
     assert "line 2 holds ''', which ends the text Python skips" in script_problem(quoted)
 
 
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ('generation_kwargs: {stop: ["a"], stop: ["b"]}\n', "stop is written twice, on line 1, columns 21 and 34"),
+        ("generation_kwargs:\n  stop: [a]\n  stop: [b]\n", "stop is written twice, on lines 2 and 3"),
+    ],
+)
+def test_dry_run_refuses_a_key_written_twice(text, where, tmp_path, capsys):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    assert dry_run(["--config", str(path)]) == 1
+    assert f"1 problem(s) found:\n  - {path}: {where}; keep one.\n" in capsys.readouterr().out
+
+
 def test_launch_options_are_read_from_the_accelerate_command(tmp_path):
     from egpo_trl.recipe_launch import launch_parent_options
 

@@ -32,14 +32,19 @@ def _safe_load_unique(text: str) -> Any:
 
     class UniqueKeyLoader(yaml.SafeLoader):
         def construct_mapping(self, node, deep=False):
-            lines: dict[tuple[str, str], int] = {}
+            seen: dict[tuple[str, str], yaml.Mark] = {}
             for key_node, _ in node.value:
                 if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
                     continue
-                line = key_node.start_mark.line + 1
-                first = lines.setdefault((key_node.tag, key_node.value), line)
-                if first != line:
-                    raise _DuplicateKey(f"{key_node.value} is written twice, on lines {first} and {line}; keep one")
+                mark = key_node.start_mark
+                first = seen.setdefault((key_node.tag, key_node.value), mark)
+                if first is not mark:
+                    where = (
+                        f"on line {mark.line + 1}, columns {first.column + 1} and {mark.column + 1}"
+                        if first.line == mark.line
+                        else f"on lines {first.line + 1} and {mark.line + 1}"
+                    )
+                    raise _DuplicateKey(f"{key_node.value} is written twice, {where}; keep one")
             return super().construct_mapping(node, deep)
 
     return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader
