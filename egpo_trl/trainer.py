@@ -991,12 +991,16 @@ class EGPOTrainer(
     ) -> AdvantageOutput:
         """Advantages on the global batch from TRL's per-function rewards and the entropies."""
         device = rewards_per_func.device
-        rewards = weighted_reward_sum(rewards_per_func, self.reward_weights)  # exactly as GRPOTrainer forms it
         correct, incorrect_value = self._egpo_correct(rewards_per_func)
         no_verdict = torch.isnan(rewards_per_func[:, self._egpo_correctness_index])
         if no_verdict.any():
             # The correctness reward gave some rows no verdict (None): neither correct nor incorrect (NaN).
             correct = correct.float().masked_fill(no_verdict, float("nan"))
+            if getattr(self._egpo_estimator, "binary_correctness", False):
+                # Advantages built on the verdict: such a row is unscored (advantage 0, out of the group statistics)
+                # whatever the other reward functions gave it. GRPO's advantages stay TRL's.
+                rewards_per_func = rewards_per_func.masked_fill(no_verdict.unsqueeze(1), float("nan"))
+        rewards = weighted_reward_sum(rewards_per_func, self.reward_weights)  # exactly as GRPOTrainer forms it
         kwargs = self._estimator_kwargs()
         if self.args.multi_objective_aggregation == "normalize_then_sum":
             kwargs["group_advantages"] = normalize_then_sum_advantages(

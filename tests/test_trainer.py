@@ -294,6 +294,26 @@ def test_a_row_the_verifier_gives_no_verdict_is_neither_correct_nor_incorrect(tm
         assert logged["egpo/entropy_incorrect"] == pytest.approx(nll[torch.isfinite(nll)].mean().item(), rel=1e-5)
 
 
+def test_a_row_without_a_verdict_gets_no_advantage_from_the_other_reward_functions(tmp_path, tiny_model_dir):
+    """A shaping reward (an overlong penalty of 0, say) scores a row the verifier gives no verdict: the row gets
+    advantage 0 and its group's mean and std are those of the judged rows."""
+
+    def verifier(completions, **kwargs):
+        return [[1.0, -1.0, -1.0, None][i % 4] for i in range(len(completions))]
+
+    def shaping(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    args = config(tmp_path, max_steps=1, egpo_correctness_reward="verifier", egpo_clamp="none")
+    trainer = EGPOTrainer(tiny_model_dir, [verifier, shaping], args, train_dataset=make_prompt_dataset())
+    trainer.train()
+    result = trainer.egpo_last_batch["result"]
+    judged = torch.tensor([1.0, -1.0, -1.0])
+    expected = ((judged - judged.mean()) / (judged.std() + 1e-4)).tolist() + [0.0]
+    torch.testing.assert_close(result.advantages, torch.tensor(expected * 2))
+    assert result.group_type.tolist() == [1] * 8
+
+
 def test_vllm_running_out_of_memory_while_generating_names_the_fix(tmp_path, tiny_model_dir, monkeypatch):
     """An out-of-memory error while a colocated vLLM generates (PyTorch's, or the one vLLM's sleep-mode allocator
     raises on wake-up) says which setting to lower; other errors, and runs without colocated vLLM, are left alone."""
