@@ -1,8 +1,8 @@
 """Outcome rewards for verifiable math (paper Eq. 1): ``+1`` when the last ``\\boxed{...}`` of a completion equals
 the ground truth by `math-verify <https://github.com/huggingface/Math-Verify>`_, ``-1`` otherwise (also when that box
-is cut off), ``None`` (unscored) when math-verify gave no verdict in time. We extract the last box ourselves:
-math-verify, given a whole text, would match any of its boxes. Reward functions take TRL's
-``f(completions, **dataset_columns)``, with completions as strings or chat messages.
+is cut off, or when math-verify's comparison runs over its CPU time), ``None`` (unscored) when its worker stalled or
+died. We extract the last box ourselves: math-verify, given a whole text, would match any of its boxes. Reward
+functions take TRL's ``f(completions, **dataset_columns)``, with completions as strings or chat messages.
 """
 
 from __future__ import annotations
@@ -35,9 +35,12 @@ MAX_NESTING = 12
 # A power whose exponent is a power (a tower, 9^{9^{9}}) or a number of more than MAX_EXPONENT_DIGITS digits
 # (9^{387420489}) asks for an integer of millions of digits: not handed to the symbolic verifier either.
 MAX_EXPONENT_DIGITS = 4
-# Wall-clock bound of one symbolic comparison, in the worker process (see egpo_trl.verify_worker): when it runs
-# over, or the worker dies, the worker is killed and a fresh one asked once more; when that one fails too, there is
-# no verdict (the reward is None), and nothing is cached.
+# CPU time one symbolic comparison may take in the worker process (see egpo_trl.verify_worker): past it the answer
+# is no match (-1), a verdict that is cached, as with math-verify's own timeout.
+VERIFY_CPU_LIMIT_S = 3.0
+# Wall-clock bound of one symbolic comparison, for a worker that stalls (held up by a busy machine, or computing in
+# C code no signal interrupts) or dies: it is killed and a fresh one asked once more; when that one fails too, there
+# is no verdict (the reward is None), and nothing is cached.
 VERIFY_TIMEOUT_S = 8.0
 # Seconds a fresh worker may take to start (importing sympy and math-verify).
 WORKER_START_TIMEOUT_S = 120.0
@@ -249,7 +252,7 @@ class _VerifyWorker:
     def match(self, predicted: str, gold: str, timeout: float) -> bool:
         """math-verify's verdict. A worker that overruns ``timeout`` or dies is replaced, and the fresh one asked
         once more; raises :class:`_NoVerdict` when it fails too."""
-        request = (json.dumps([predicted, gold]) + "\n").encode()
+        request = (json.dumps([predicted, gold, VERIFY_CPU_LIMIT_S]) + "\n").encode()
         with self._lock:
             for attempt in (1, 2):
                 if self._proc is None or self._owner != os.getpid() or self._proc.poll() is not None:
@@ -284,8 +287,9 @@ def _symbolic_match(predicted: str, gold: str) -> bool:
 def answers_match(predicted: str | None, gold: Any) -> bool | None:
     """Whether an extracted answer equals the ground truth (string match, then math-verify); ``None`` without a
     verdict. Never raises and returns in bounded time in any thread: costly answers (:func:`_too_costly`) get the
-    string match only; math-verify runs in a worker process killed past ``VERIFY_TIMEOUT_S`` and asked again once
-    in a fresh one (no verdict, logged and not cached, when that fails too). An unparsable answer is no match.
+    string match only; math-verify runs in a worker process, where a comparison past ``VERIFY_CPU_LIMIT_S`` of CPU
+    time is no match; a worker that stalls past ``VERIFY_TIMEOUT_S`` or dies is killed and a fresh one asked once
+    (no verdict, logged and not cached, when that fails too). An unparsable answer is no match.
     """
     if predicted is None or gold is None:
         return False

@@ -1,16 +1,19 @@
 """The math-verify worker process of :func:`egpo_trl.rewards.answers_match`.
 
 Symbolic comparison can take unbounded time in C code no signal interrupts (``9^{9^{9^{9}}}``), so it runs here,
-in an interpreter the caller kills past its deadline. That deadline is the only limit: math-verify's own timeout
-answers "no match" when it fires, which would turn a correct answer wrong on a busy machine. Protocol: one JSON line
-``[predicted, gold]`` per request on stdin, ``1`` or ``0`` per answer on stdout; it ends when stdin closes. It runs
-by its path, without the package (whose import pulls in torch and TRL).
+in an interpreter the caller kills past its wall-clock deadline (a stall: asked again, then unscored). A comparison
+that keeps computing past ``cpu_seconds`` of this process's CPU time is "no match", as math-verify's own timeout
+would answer; CPU time rather than math-verify's wall-clock alarm, so that a busy machine (or a stopped worker) does
+not turn a correct answer wrong. Protocol: one JSON line ``[predicted, gold, cpu_seconds]`` per request on stdin,
+``1`` or ``0`` per answer on stdout; it ends when stdin closes. It runs by its path, without the package (whose
+import pulls in torch and TRL).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 from functools import lru_cache
 
@@ -23,7 +26,7 @@ def _parse(expression: str):
     return parse(
         "\\boxed{" + expression + "}",
         extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()],
-        parsing_timeout=None,  # the caller's deadline bounds the time (see the module docstring)
+        parsing_timeout=None,  # the CPU-time limit and the caller's deadline bound the time (see the module docstring)
     )
 
 
@@ -41,11 +44,30 @@ def symbolic_match(predicted: str, gold: str) -> bool:
         return False
 
 
+class _OutOfCpuTime(BaseException):
+    """Raised by the CPU-time timer; a BaseException, so that math-verify's ``except Exception`` lets it through."""
+
+
+def _out_of_cpu_time(signum, frame):
+    raise _OutOfCpuTime
+
+
+def bounded_match(predicted: str, gold: str, cpu_seconds: float) -> bool:
+    """:func:`symbolic_match` within ``cpu_seconds`` of CPU time; ``False`` when it runs over."""
+    signal.setitimer(signal.ITIMER_PROF, cpu_seconds)
+    try:
+        return symbolic_match(predicted, gold)
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+
+
 def main() -> int:
     logging.disable(logging.CRITICAL)  # math-verify logs every timeout and parse failure
     requests, replies = sys.stdin, sys.stdout
     sys.stdout = sys.stderr  # nothing a library prints may reach the protocol stream
     import math_verify  # noqa: F401  (import once, before the first request: a missing install fails the start)
+
+    signal.signal(signal.SIGPROF, _out_of_cpu_time)
 
     symbolic_match("1/2", "0.5")  # the parser's first use is slow: here, not within the first request's deadline
 
@@ -53,9 +75,9 @@ def main() -> int:
     replies.flush()
     for line in requests:
         try:
-            predicted, gold = json.loads(line)
-            equal = symbolic_match(str(predicted), str(gold))
-        except Exception:  # noqa: BLE001
+            predicted, gold, cpu_seconds = json.loads(line)
+            equal = bounded_match(str(predicted), str(gold), float(cpu_seconds))
+        except (Exception, _OutOfCpuTime):  # noqa: BLE001 - also a timer that fires as the comparison returns
             equal = False
         replies.write("1\n" if equal else "0\n")
         replies.flush()

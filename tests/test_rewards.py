@@ -128,6 +128,25 @@ def test_a_comparison_that_overruns_twice_is_left_unscored(monkeypatch, caplog):
     assert second.startswith("math-verify timed out after 1 s") and "left unscored (reward None, not -1)" in second
 
 
+def test_a_wrong_answer_slow_to_verify_scores_minus_one_and_is_remembered(monkeypatch, caplog):
+    """A comparison that keeps computing past its CPU time is "no match", as math-verify's own timeout answers: -1,
+    not unscored, and cached, so the same completion later costs nothing."""
+    from egpo_trl import rewards
+
+    monkeypatch.setattr(rewards, "VERIFY_CPU_LIMIT_S", 0.5)
+    monkeypatch.setattr(rewards, "VERIFY_TIMEOUT_S", 60.0)  # far beyond the CPU limit: only the latter can end it
+    rewards._symbolic_match.cache_clear()
+    answers_match("0", "1")  # the worker is up
+    slow = ([r"\boxed{\sin(x)^{999}}"], [r"\cos(x)^{999}"])  # sympy computes this for minutes
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="egpo_trl.rewards"):
+        assert boxed_accuracy_reward(*slow) == [-1.0]
+    assert time.monotonic() - start < 30 and not caplog.records  # a verdict, not a stall
+    start = time.monotonic()
+    assert boxed_accuracy_reward(*slow) == [-1.0]
+    assert time.monotonic() - start < 0.1
+
+
 @pytest.mark.parametrize("how", ["stopped", "killed"])
 def test_a_stalled_or_killed_worker_is_asked_again_not_remembered_as_wrong(monkeypatch, caplog, how):
     """A worker held up past the deadline (as a busy machine can hold it) or killed in the middle of a comparison
