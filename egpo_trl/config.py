@@ -585,14 +585,14 @@ class EGPOConfig(GRPOConfig):
         choose("edge_grpo_entropy_normalization", self.edge_grpo_entropy_normalization, ENTROPY_NORMALIZATIONS)
         choose("dynamic_sampling_metric", self.dynamic_sampling_metric, DYNAMIC_SAMPLING_METRICS)
         choose("edge_gec_scope", self.edge_gec_scope, GEC_SCOPES)
+        from egpo_trl.input_checks import generation_kwargs_problem
+
+        problem = generation_kwargs_problem(self)
+        if problem:
+            raise ValueError(problem)
         self._validate_baselines()
         self._validate_importance_sampling()
         self._validate_aggregation()
-        from egpo_trl.input_checks import generation_kwargs_problem
-
-        problem = generation_kwargs_problem(self.generation_kwargs)
-        if problem:
-            raise ValueError(problem)
 
     def _validate_aggregation(self) -> None:
         """``normalize_then_sum`` needs an estimator that takes the aggregated GRPO advantages (``group_advantages``):

@@ -88,7 +88,7 @@ def training_value_problems(args) -> list[str]:
 # vLLM sorts them by rank and the first is the most probable token's, so importance-sampling ratios and the
 # ``sampler`` entropy proxy would read another token's log-prob. ``n`` and ``num_return_sequences`` change how many
 # completions come back per prompt, ``max_tokens`` and ``max_new_tokens`` their length limit (vLLM's and
-# transformers' names).
+# transformers' names). A value equal to TRL's own changes nothing and is accepted.
 _TRL_GENERATION_KWARGS: dict[str, str | None] = {
     "logprobs": None,
     "n": "num_generations",
@@ -98,23 +98,59 @@ _TRL_GENERATION_KWARGS: dict[str, str | None] = {
 }
 
 
-def generation_kwargs_problem(generation_kwargs: Any) -> str | None:
-    """One line naming the keys of ``generation_kwargs`` that TRL sets itself (see ``_TRL_GENERATION_KWARGS``) and
-    the settings to use instead; ``None`` when it has none."""
-    keys = [key for key in _TRL_GENERATION_KWARGS if key in (generation_kwargs or {})]
-    if not keys:
-        return None
-    settings = list(dict.fromkeys(_TRL_GENERATION_KWARGS[key] for key in keys if _TRL_GENERATION_KWARGS[key]))
-    instead = f" and set {' and '.join(settings)} instead" if settings else ""
-    logprobs = (
-        " (TRL asks vLLM for the sampled token's log-prob alone; with more it would keep the most probable token's)"
-        if "logprobs" in keys
-        else ""
-    )
-    return (
-        f"generation_kwargs sets {', '.join(keys)}, which TRL sets itself on every generation{logprobs}: remove "
-        f"{'it' if len(keys) == 1 else 'them'}{instead}."
-    )
+def _trl_generation_values(args: Any) -> dict[str, Any]:
+    """The values TRL sets for ``_TRL_GENERATION_KWARGS`` under ``args``: vLLM's server returns ``n`` completions
+    per distinct prompt, colocated vLLM and transformers one per (repeated) prompt."""
+    server = getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"
+    return {
+        "logprobs": 0,
+        "n": args.num_generations if server else 1,
+        "num_return_sequences": 1,
+        "max_tokens": args.max_completion_length,
+        "max_new_tokens": args.max_completion_length,
+    }
+
+
+def generation_kwargs_problem(args: Any) -> str | None:
+    """One line naming what in ``args.generation_kwargs`` cannot work, with the fix: keys TRL sets itself (see
+    ``_TRL_GENERATION_KWARGS``) given another value, and settings that make a group's completions identical (greedy
+    or beam search, one seed for every copy of a prompt); ``None`` when there is none."""
+    kwargs = args.generation_kwargs or {}
+    trl_values = _trl_generation_values(args)
+    problems = []
+    keys = [key for key in _TRL_GENERATION_KWARGS if key in kwargs and kwargs[key] != trl_values[key]]
+    if keys:
+        settings = list(dict.fromkeys(_TRL_GENERATION_KWARGS[key] for key in keys if _TRL_GENERATION_KWARGS[key]))
+        instead = f" and set {' and '.join(settings)} instead" if settings else ""
+        logprobs = (
+            " (TRL asks vLLM for the sampled token's log-prob alone; with more it would keep the most probable "
+            "token's)"
+            if "logprobs" in keys
+            else ""
+        )
+        problems.append(
+            f"sets {', '.join(keys)}, which TRL sets itself on every generation{logprobs}: remove "
+            f"{'it' if len(keys) == 1 else 'them'}{instead}"
+        )
+    greedy = []
+    if "do_sample" in kwargs and not kwargs["do_sample"]:
+        greedy.append(f"do_sample={kwargs['do_sample']!r}")
+    if isinstance(kwargs.get("num_beams"), int) and kwargs["num_beams"] > 1:
+        greedy.append(f"num_beams={kwargs['num_beams']}")
+    if isinstance(kwargs.get("temperature"), (int, float)) and kwargs["temperature"] <= 0:
+        greedy.append(f"temperature={kwargs['temperature']}")
+    if greedy:
+        problems.append(
+            f"sets {', '.join(greedy)}, which does not sample: a group's completions would be identical and get no "
+            "advantage; remove it (the temperature field sets the sampling temperature)"
+        )
+    colocate = getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate"
+    if "seed" in kwargs and colocate:
+        problems.append(
+            "sets seed, which colocated vLLM gives every copy of a prompt, so a group's completions would be "
+            "identical: remove it (or use vllm_mode='server', which samples a prompt's group in one request)"
+        )
+    return f"generation_kwargs {'; it '.join(problems)}." if problems else None
 
 
 def batch_shape_problem(

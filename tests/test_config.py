@@ -161,7 +161,28 @@ def test_generation_kwargs_that_trl_sets_itself_are_refused_with_the_fix(tmp_pat
         with pytest.raises(ValueError, match=f"^generation_kwargs {fix}") as error:
             make(tmp_path, use_vllm=use_vllm, generation_kwargs=generation_kwargs)
         assert "\n" not in str(error.value)
-    make(tmp_path, use_vllm=True, generation_kwargs={"seed": 1, "stop": ["\n\n"]})  # keys TRL leaves alone
+    make(tmp_path, use_vllm=True, generation_kwargs={"stop": ["\n\n"], "logprobs": 0, "n": 1})  # as TRL sets them
+    make(tmp_path, use_vllm=True, vllm_mode="server", generation_kwargs={"seed": 1, "n": 8})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fix"),
+    [
+        (
+            {"use_vllm": True, "generation_kwargs": {"seed": 1}},
+            "sets seed, .*: remove it \\(or use vllm_mode='server'",
+        ),
+        ({"generation_kwargs": {"do_sample": False}}, "sets do_sample=False, which does not sample: .*; remove it"),
+        ({"generation_kwargs": {"num_beams": 4}}, "sets num_beams=4, which does not sample: .*; remove it"),
+        ({"use_vllm": True, "generation_kwargs": {"temperature": 0}}, "sets temperature=0, which does not sample"),
+    ],
+)
+def test_generation_kwargs_that_make_a_groups_completions_identical_are_refused(tmp_path, kwargs, fix):
+    """Greedy or beam search, or one vLLM seed shared by every copy of a prompt: a group of identical completions
+    has no advantage to learn from."""
+    with pytest.raises(ValueError, match=f"^generation_kwargs {fix}") as error:
+        make(tmp_path, **kwargs)
+    assert "\n" not in str(error.value)
 
 
 def test_plain_sampling_passes_with_vllm_importance_sampling(tmp_path):
