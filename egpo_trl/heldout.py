@@ -39,21 +39,24 @@ class HeldoutResult:
     """Outcome of :func:`heldout_accuracy`.
 
     Attributes:
-        accuracy: mean over problems and samples of "the completion is correct" (pass@1 averaged over
-            ``num_samples`` samples per problem).
+        accuracy: mean over the scored completions of "the completion is correct" (pass@1 averaged over
+            ``num_samples`` samples per problem); NaN when none was scored.
         num_problems: problems evaluated.
         num_samples: samples per problem.
         by_level: accuracy per value of the dataset's ``level`` column, when it has one.
+        num_unscored: completions the reward function gave no verdict on (reward ``None``), left out of the
+            accuracy.
         completions: the decoded completions, ``num_samples`` consecutive ones per problem.
-        correct: whether each completion was correct, aligned with ``completions``.
+        correct: whether each completion was correct (``None``: unscored), aligned with ``completions``.
     """
 
     accuracy: float
     num_problems: int
     num_samples: int
     by_level: dict[str, float] = field(default_factory=dict)
+    num_unscored: int = 0
     completions: list[str] = field(default_factory=list, repr=False)
-    correct: list[bool] = field(default_factory=list, repr=False)
+    correct: list[bool | None] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         """The summary numbers (without the completions), ready for JSON."""
@@ -62,6 +65,7 @@ class HeldoutResult:
             "num_problems": self.num_problems,
             "num_samples": self.num_samples,
             "by_level": self.by_level,
+            "num_unscored": self.num_unscored,
         }
 
 
@@ -124,19 +128,20 @@ def heldout_accuracy(
     top_k: int = 0,
     batch_size: int = 128,
     seed: int | None = 0,
-    reward_func: Callable[..., list[float]] = boxed_accuracy_reward,
+    reward_func: Callable[..., list[float | None]] = boxed_accuracy_reward,
 ) -> HeldoutResult:
     """Accuracy of ``model`` on ``dataset`` under sampling: ``num_samples`` completions per problem.
 
     A completion is correct when ``reward_func`` (by default the paper's Eq. 1 outcome reward) gives it
-    the "correct" reward ``+1``. When none is, a warning names the usual causes (:data:`NO_CORRECT_CAUSES`).
+    the "correct" reward ``+1``; one it gives ``None`` (no verdict) is left out of the accuracy and counted, with a
+    warning. When none is correct, a warning names the usual causes (:data:`NO_CORRECT_CAUSES`).
 
     Args:
         model, tokenizer: the policy to evaluate.
         dataset: rows with ``prompt`` and ``answer`` (and optionally ``level``), e.g. a held-out split.
         max_new_tokens, temperature, top_p, top_k, batch_size, seed: see :func:`generate_completions`.
         num_samples: completions sampled per problem.
-        reward_func: a reward function ``f(completions, answer=..., **columns) -> list[float]``.
+        reward_func: a reward function ``f(completions, answer=..., **columns) -> list[float | None]``.
 
     Returns:
         A :class:`HeldoutResult`.
@@ -157,26 +162,38 @@ def heldout_accuracy(
         seed=seed,
     )
     rewards = reward_func(completions=completions, answer=answers)
-    correct = [reward == CORRECT_REWARD for reward in rewards]
-    if not any(correct):
+    correct = [None if reward is None else reward == CORRECT_REWARD for reward in rewards]
+    scored = [ok for ok in correct if ok is not None]
+    name = getattr(reward_func, "__name__", type(reward_func).__name__)
+    if len(scored) < len(correct):
+        logger.warning(
+            "%d of %d held-out completions got no verdict (reward None, reward function %s); they are left out of "
+            "the accuracy (num_unscored).",
+            len(correct) - len(scored),
+            len(correct),
+            name,
+        )
+    if not any(scored):
         logger.warning(
             "No completion of the held-out set was correct (0 of %d, reward function %s). %s",
-            len(correct),
-            getattr(reward_func, "__name__", type(reward_func).__name__),
+            len(scored),
+            name,
             NO_CORRECT_CAUSES,
         )
     by_level: dict[str, float] = {}
     if "level" in dataset.column_names:
         buckets: dict[str, list[bool]] = defaultdict(list)
         for level, ok in zip((lvl for lvl in dataset["level"] for _ in range(num_samples)), correct):
-            buckets[str(level)].append(ok)
+            if ok is not None:
+                buckets[str(level)].append(ok)
         order = sorted(buckets, key=lambda level: (0, int(level), "") if level.isdigit() else (1, 0, level))
         by_level = {level: sum(buckets[level]) / len(buckets[level]) for level in order}
     return HeldoutResult(
-        accuracy=sum(correct) / len(correct),
+        accuracy=sum(scored) / len(scored) if scored else float("nan"),
         num_problems=len(dataset),
         num_samples=num_samples,
         by_level=by_level,
+        num_unscored=len(correct) - len(scored),
         completions=completions,
         correct=correct,
     )

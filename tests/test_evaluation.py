@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from egpo_trl.evaluation.cli import main as eval_main
 from egpo_trl.evaluation.records import RecordStore, iter_records
 from egpo_trl.evaluation.runner import evaluate
 from egpo_trl.evaluation.scoring import choice_index, score_completion
-from egpo_trl.evaluation.summary import compare_runs, pass_at_1
+from egpo_trl.evaluation.summary import benchmark_stats, compare_runs, pass_at_1
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -197,6 +198,47 @@ def test_pass_at_1_hand_computed():
     # trials: sd = sqrt(((2/3 - 1/2)^2 + (1/3 - 1/2)^2) / 1) = sqrt(2) / 6, se = sd / sqrt(2) = 1/6
     assert stats["stderr_trials"] == pytest.approx(100 / 6)
     assert stats["stderr_problems"] == pytest.approx(100 * 0.5 / 3**0.5)
+
+
+def test_a_sample_without_a_verdict_is_left_out_of_pass_at_1_and_counted(monkeypatch):
+    from egpo_trl import rewards
+
+    # Without the size guards the tower reaches sympy, which computes it in C past the deadline, twice: no verdict.
+    monkeypatch.setattr(rewards, "_too_costly", lambda answer: False)
+    monkeypatch.setattr(rewards, "VERIFY_TIMEOUT_S", 0.5)
+    stalled = r"so \boxed{9^{9^{9}}}"
+    assert score_completion(stalled, ["2"], "math") == ("9^{9^{9}}", None)
+    assert score_completion(stalled, ["9^{9^{9}}", "2"], "math") == ("9^{9^{9}}", True)  # a match decides
+
+    records = [
+        {"problem_id": "p1", "sample": 0, "correct": True},
+        {"problem_id": "p1", "sample": 1, "correct": None},
+        {"problem_id": "p2", "sample": 0, "correct": False},
+        {"problem_id": "p2", "sample": 1, "correct": True},
+    ]
+    stats = benchmark_stats(records, num_samples=2, num_problems=2)
+    assert stats["pass@1"] == pytest.approx(75.0)  # p1: 1 of 1 scored, p2: 1 of 2
+    assert stats["unscored_samples"] == 1 and stats["finished_samples"] == 4 and stats["complete"]
+
+
+def test_heldout_accuracy_leaves_unscored_completions_out(backend, caplog):
+    from datasets import Dataset
+
+    from egpo_trl.heldout import heldout_accuracy
+
+    def judge(completions, answer, **kwargs):  # no verdict on the first problem, correct on the others
+        return [None if gold == "1" else 1.0 for gold in answer]
+
+    dataset = Dataset.from_dict({"prompt": ["1+0=", "1+1=", "2+1="], "answer": ["1", "2", "3"], "level": [1, 1, 2]})
+    with caplog.at_level(logging.WARNING, logger="egpo_trl.heldout"):
+        result = heldout_accuracy(
+            backend.model, backend.tokenizer, dataset, max_new_tokens=4, num_samples=2, reward_func=judge
+        )
+    assert result.accuracy == 1.0 and result.by_level == {"1": 1.0, "2": 1.0}
+    assert result.num_unscored == 2 and result.to_dict()["num_unscored"] == 2
+    assert result.correct == [None, None, True, True, True, True]
+    (message,) = (record.getMessage() for record in caplog.records)
+    assert message.startswith("2 of 6 held-out completions got no verdict")
 
 
 def test_compare_runs_prints_deltas():

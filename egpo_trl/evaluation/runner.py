@@ -116,7 +116,7 @@ def _records_for(
                 "completion": generation.text,
                 "gold": problem.gold,
                 "extracted": extracted,
-                "correct": bool(correct),
+                "correct": correct,
                 "finish_reason": generation.finish_reason,
                 "num_prompt_tokens": len(prompt_ids),
                 "num_completion_tokens": len(generation.token_ids),
@@ -249,6 +249,12 @@ def evaluate(
         wanted = {problem.id for problem in problems}
         kept = [record for (problem_id, _), record in finished.items() if problem_id in wanted]
         stats = benchmark_stats(kept, num_samples, len(problems))
+        if stats["unscored_samples"]:
+            logger.warning(
+                "%s: math-verify gave no verdict on %d samples; they are left out of pass@1 (unscored_samples).",
+                spec.name,
+                stats["unscored_samples"],
+            )
         stats["display_name"] = spec.display_name
         results[spec.name] = stats
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from egpo_trl.rewards import answers_match, extract_last_boxed
@@ -141,11 +141,21 @@ def choice_index(prediction: str | None, choices: Sequence[str]) -> int | None:
     return equal[0] if len(equal) == 1 else None
 
 
+def _any_match(verdicts: Iterable[bool | None]) -> bool | None:
+    """``True`` at the first match; ``None`` (no verdict) when none matched and a comparison gave no verdict."""
+    unscored = False
+    for verdict in verdicts:
+        if verdict:
+            return True
+        unscored |= verdict is None
+    return None if unscored else False
+
+
 def score_completion(
     completion: str, gold: Sequence[str], answer_format: str, choices: Sequence[str] | None = None
-) -> tuple[str | None, bool]:
+) -> tuple[str | None, bool | None]:
     """``(extracted, correct)``: the content of the last ``\\boxed{}`` (for ``choice``, the letter it names, when
-    it names one) and whether it matches one of ``gold``."""
+    it names one) and whether it matches one of ``gold``; ``None`` (unscored) when math-verify gave no verdict."""
     boxed = extract_last_boxed(completion)
     if answer_format == "choice":
         if choices is None:
@@ -158,11 +168,12 @@ def score_completion(
         return None, False
     if answer_format == "gsm8k":
         prediction = boxed.replace(",", "").replace("\\!", "")
-        return boxed, any(answers_match(prediction, reference) for reference in gold)
+        return boxed, _any_match(answers_match(prediction, reference) for reference in gold)
     if answer_format == "minerva":
         prediction = normalize_minerva(boxed)
-        return boxed, any(
-            answers_match(prediction, normalize_minerva(reference)) or answers_match(boxed, reference)
-            for reference in gold
+        return boxed, _any_match(
+            answers_match(predicted, reference)
+            for given in gold
+            for predicted, reference in ((prediction, normalize_minerva(given)), (boxed, given))
         )
-    return boxed, any(answers_match(boxed, reference) for reference in gold)
+    return boxed, _any_match(answers_match(boxed, reference) for reference in gold)

@@ -46,19 +46,23 @@ def pass_at_1(correct: dict[str, dict[int, bool]], num_samples: int) -> dict[str
 
 
 def benchmark_stats(records: Iterable[dict[str, Any]], num_samples: int, num_problems: int) -> dict[str, Any]:
-    """Summary numbers of one benchmark; a prompt too long for the model counts as incorrect."""
+    """Summary numbers of one benchmark; a prompt too long for the model counts as incorrect, a sample math-verify
+    gave no verdict on (``correct`` null) is left out of pass@1 and counted in ``unscored_samples``."""
     correct: dict[str, dict[int, bool]] = defaultdict(dict)
     by_level: dict[str, dict[str, dict[int, bool]]] = defaultdict(lambda: defaultdict(dict))
     lengths: list[int] = []
-    finished = truncated = extracted = unreadable = 0
+    finished = truncated = extracted = unreadable = unscored = 0
     for record in records:
         if int(record["sample"]) >= num_samples:
             continue
         finished += 1
-        correct[str(record["problem_id"])][int(record["sample"])] = bool(record["correct"])
-        level = (record.get("meta") or {}).get("level")
-        if level is not None:
-            by_level[str(level)][str(record["problem_id"])][int(record["sample"])] = bool(record["correct"])
+        if record["correct"] is None:
+            unscored += 1
+        else:
+            correct[str(record["problem_id"])][int(record["sample"])] = bool(record["correct"])
+            level = (record.get("meta") or {}).get("level")
+            if level is not None:
+                by_level[str(level)][str(record["problem_id"])][int(record["sample"])] = bool(record["correct"])
         extracted += record.get("extracted") is not None
         if record.get("finish_reason") == "prompt_too_long":
             unreadable += 1
@@ -71,6 +75,7 @@ def benchmark_stats(records: Iterable[dict[str, Any]], num_samples: int, num_pro
             "num_problems": num_problems,
             "num_samples": num_samples,
             "finished_samples": finished,
+            "unscored_samples": unscored,
             "complete": finished == num_problems * num_samples,
             "mean_completion_tokens": _mean(lengths),
             "truncated_percent": 100 * truncated / finished if finished else float("nan"),
