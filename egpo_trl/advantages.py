@@ -100,19 +100,18 @@ def _group_type(judged: torch.Tensor, is_correct: torch.Tensor) -> torch.Tensor:
     return group_type
 
 
-def _grpo(r: torch.Tensor, scale_rewards: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO's advantages (Eq. 2) of ``r[G, N]`` op for op as TRL's GRPOTrainer (NaN left in), and the std + 1e-4 that
-    divides them (``[G, 1]`` or 0-dim; the batch std's under "none", which does not divide)."""
+def _grpo(r: torch.Tensor, scale_rewards: str) -> torch.Tensor:
+    """GRPO's advantages (Eq. 2) of ``r[G, N]`` op for op as TRL's GRPOTrainer (NaN left in)."""
     from trl.trainer.utils import nanstd
 
     centered = r - torch.nanmean(r, dim=1, keepdim=True)
+    if scale_rewards == "none":
+        return centered
     if scale_rewards == "batch":
         std = nanstd(r.reshape(-1)) if r.numel() > 1 else r.new_zeros(())
     else:
         std = nanstd(r, dim=1, keepdim=True) if r.size(1) > 1 else r.new_zeros(r.size(0), 1)
-    if scale_rewards == "none":
-        return centered, std + STD_EPS
-    return centered / (std + STD_EPS), std + STD_EPS
+    return centered / (std + STD_EPS)
 
 
 def _masked_group_mean(values: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,10 +178,9 @@ def egpo_advantages(
     "negative_only" (C2) / "positive_only" (C3) one side, "none" 1; ``renorm="after_clamp"`` (C5, Eq. 10) divides
     by the group mean; ``nsr_weighting="unit"`` (C4) sets 1 on entirely-incorrect groups.
     Base (Eq. 11): entirely-correct 0; mixed GRPO's (r - mean) / (std + 1e-4) as TRL computes it under
-    ``scale_rewards`` (or ``group_advantages``); entirely-incorrect -1 (NSR, off with ``nsr=False``), which is
-    ``-nsr_scale / (std_batch + 1e-4)`` under "batch" (-1 when the batch has no correct completion) and
-    ``-nsr_scale`` under "none". Correct is ``reward > 0`` unless ``correct`` (bool, or float with NaN for no
-    verdict) says; an unscored (NaN) reward gets 0, a row without a verdict no NSR and weight 1.
+    ``scale_rewards`` (or ``group_advantages``); entirely-incorrect -1 (NSR, off with ``nsr=False``) under "group"
+    and "batch", ``-nsr_scale`` under "none". Correct is ``reward > 0`` unless ``correct`` (bool, or float with NaN
+    for no verdict) says; an unscored (NaN) reward gets 0, a row without a verdict no NSR and weight 1.
     With ``clamp="none"`` and ``nsr=False`` this is GRPO.
     """
     _check_layout(rewards, num_generations, entropies=entropies, correct=correct, group_advantages=group_advantages)
@@ -199,14 +197,12 @@ def egpo_advantages(
     mixed, all_incorrect = group_type == GROUP_MIXED, group_type == GROUP_ALL_INCORRECT
 
     # Base advantage, Eq. 11.
-    grpo, std = _grpo(r, scale_rewards)
+    grpo = _grpo(r, scale_rewards)
     if group_advantages is not None:
         grpo = group_advantages.detach().float().view(-1, n)
     base = torch.where(mixed, grpo.nan_to_num(nan=0.0), 0.0)
     if nsr:
-        nsr_value = {"group": -1.0, "none": -float(nsr_scale)}.get(scale_rewards)
-        if nsr_value is None:  # "batch": without a correct completion the batch std measures no reward gap
-            nsr_value = torch.where(is_correct.any(), -nsr_scale / std, -1.0)
+        nsr_value = -float(nsr_scale) if scale_rewards == "none" else -1.0
         base = torch.where(all_incorrect & judged, nsr_value, base)
 
     # Raw weights, Eq. 8.
@@ -248,7 +244,7 @@ def grpo_advantages(
     _check_choice("scale_rewards", scale_rewards, SCALE_REWARDS_MODES)
     n = num_generations
     r = rewards.detach().float().view(-1, n)
-    advantages = _grpo(r, scale_rewards)[0] if group_advantages is None else group_advantages.detach().float()
+    advantages = _grpo(r, scale_rewards) if group_advantages is None else group_advantages.detach().float()
     advantages = advantages.nan_to_num(nan=0.0)
     judged, is_correct = _verdicts(r, correct)
     ones = torch.ones_like(r)

@@ -183,8 +183,12 @@ def test_scale_rewards_batch_uses_the_batch_std():
     out = egpo_advantages(rewards, torch.ones(8), 4, scale_rewards="batch", clamp="none", nsr=False)
     std = rewards.std()  # unbiased, over the whole batch
     close(out.base_advantages[:4], (t(1, -1, 1, 1) - 0.5) / (std + 1e-4))
-    # No correct completion in the batch (std 0): NSR is -1, as under "group", not -1 / 1e-4.
+    # NSR is -1, as under "group", whatever the batch std: with no correct completion (std 0) and with one in 1024.
     close(egpo_advantages(t(-1, -1, -1, -1), torch.ones(4), 2, scale_rewards="batch").base_advantages, [-1.0] * 4)
+    rewards = torch.full((1024,), -1.0)
+    rewards[0] = 1.0
+    out = egpo_advantages(rewards, torch.ones(1024), 4, scale_rewards="batch")
+    close(out.base_advantages[4:], [-1.0] * 1020)
 
 
 def test_correct_override_decides_group_type_not_reward_sign():

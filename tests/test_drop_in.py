@@ -142,9 +142,8 @@ def test_nsr_advantage_follows_the_configured_scaling(tmp_path, tiny_model_dir, 
         rows = result.group_type == GROUP_ALL_INCORRECT
         incorrect_groups += int(rows.sum())
         rewards = batch["rewards_per_func"][:, 0]
-        # 1/0 rewards: half the correct-incorrect gap is 0.5; a batch with no correct completion has no gap: -1.
-        by_batch = -0.5 / (rewards.std() + 1e-4) if (rewards > 0).any() else -1.0
-        expected = {"group": -1.0, "batch": by_batch, "none": -0.5}[scale_rewards]
+        # -1 (Eq. 11) wherever the rewards are divided by a std; unscaled, half the correct-incorrect gap of 1/0.
+        expected = {"group": -1.0, "batch": -1.0, "none": -0.5}[scale_rewards]
         torch.testing.assert_close(result.base_advantages[rows], torch.full_like(rewards[rows], float(expected)))
     assert incorrect_groups > 0
 

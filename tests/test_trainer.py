@@ -364,7 +364,7 @@ def test_nsr_stays_bounded_under_batch_scaling_when_no_completion_is_correct(tmp
     trainer = EGPOTrainer(tiny_model_dir, always_wrong, args, train_dataset=make_prompt_dataset())
     trainer.train()
     result = trainer.egpo_last_batch["result"]
-    # The batch std is 0: NSR takes the group convention, -1 times the entropy weight (at most 1 when incorrect).
+    # NSR is -1 under "batch" as under "group", times the entropy weight (at most 1 when incorrect).
     assert result.base_advantages.tolist() == [-1.0] * 8
     assert all(-1.0 <= a < 0 for a in trainer._logs["advantages"])
     assert all(abs(loss) <= 1.0 for loss in losses(trainer))
