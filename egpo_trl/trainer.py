@@ -275,6 +275,9 @@ class EGPOTrainer(
             )
         else:
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            sampled = getattr(self, "_egpo_sampled_rewards", None)
+            if sampled is not None:  # the completions as sampled, before Guided Error Correction rewrites any
+                sampled.append(rewards_per_func)
         self._egpo_rewards_per_func = rewards_per_func  # gathered over processes, [B_global, num_funcs]
         return rewards_per_func
 
@@ -451,6 +454,7 @@ class EGPOTrainer(
         if mode == "train":
             self._egpo_drop_unfinished_deferred()
         self._egpo_timings = {}
+        self._egpo_sampled_rewards = []
         start = time.perf_counter()
         if mode == "train" and self.args.dynamic_sampling:  # DynamicSamplingMixin
             output, rewards_per_func, sampling = self._dynamic_sampling(inputs, num_generations)
@@ -462,15 +466,17 @@ class EGPOTrainer(
         for name, seconds in timings.items():
             self._metrics[mode][f"timing/{name}"].append(seconds)
         self._egpo_check_importance_sampling(mode)
+        sampled, self._egpo_sampled_rewards = self._egpo_sampled_rewards, None
         if mode == "train":
-            self._egpo_check_any_correct(rewards_per_func)
+            self._egpo_check_any_correct(torch.cat(sampled))
         return output
 
     def _egpo_check_any_correct(self, rewards_per_func: torch.Tensor) -> None:
-        """Warn once when no completion generated for this run's first ``NO_CORRECT_WARNING_STEPS`` optimizer steps
-        was correct: every group is entirely incorrect, which usually means a setup problem (the causes:
-        :data:`~egpo_trl.heldout.NO_CORRECT_CAUSES`). Stops looking at the first correct completion, or at a
-        correctness reward that is not binary (a score, say: nothing to tell)."""
+        """Warn once when no completion sampled for this run's first ``NO_CORRECT_WARNING_STEPS`` optimizer steps
+        (``rewards_per_func``, before Guided Error Correction's rewrites) was correct: every group is entirely
+        incorrect, which usually means a setup problem (the causes: :data:`~egpo_trl.heldout.NO_CORRECT_CAUSES`).
+        Stops looking at the first correct completion, or at a correctness reward that is not binary (a score, say:
+        nothing to tell)."""
         seen = getattr(self, "_egpo_incorrect_seen", 0)
         if seen is None:
             return

@@ -50,6 +50,25 @@ def test_training_says_once_that_no_completion_was_correct(tmp_path, caplog):
 
 
 @pytest.mark.slow
+def test_guided_error_correction_does_not_hide_that_no_completion_was_correct(tmp_path, caplog):
+    """Guided Error Correction injects the reference answer into incorrect completions, which then score +1: the
+    check reads the completions as sampled."""
+    _, text = datasets()
+    args = config(
+        tmp_path, max_steps=NO_CORRECT_WARNING_STEPS + 1, max_completion_length=48, edge_gec=True,
+        edge_gec_reflect_prob=0.0, edge_gec_answer_prob=1.0, edge_gec_solution_prob=0.0,
+        edge_gec_answer_template=" \\boxed{{answer}}.",
+    )  # fmt: skip
+    trainer = EGPOTrainer(tiny_model_path(), boxed_accuracy_reward, args, train_dataset=text)
+    with caplog.at_level(logging.WARNING, logger="egpo_trl.trainer"):
+        trainer.train()
+    rewards = [row["rewards/boxed_accuracy_reward/mean"] for row in trainer.state.log_history if "loss" in row]
+    assert min(rewards) > -1.0  # the injected answers are correct
+    told = warnings_of(caplog, "egpo_trl.trainer", "No completion of the first")
+    assert len(told) == 1 and f"({NO_CORRECT_WARNING_STEPS * 8} completions" in told[0], told
+
+
+@pytest.mark.slow
 def test_the_heldout_check_says_when_no_completion_was_correct(caplog):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
