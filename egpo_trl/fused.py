@@ -1,37 +1,12 @@
 """The old policy's log-probs from the loss's own forward (``egpo_entropy_logps="loss_forward"``).
 
-With one optimizer step per generation batch and no importance-sampling correction, TRL computes no old-policy
-log-probs: the loss's forward runs with the weights that sampled the batch, and TRL takes its log-probs, detached,
-as pi_old's. EGPO's weights need pi_old's log-probs of every completion of a group before any of them is trained
-on, so by default (``"policy"``) the trainer runs one no-grad pass over the generation batch first: a forward of
-every row, about a quarter of the training's FLOPs with gradient checkpointing.
-
-``"loss_forward"`` takes them from the loss's own forwards instead:
-
-* the rows of the generation batch are grouped so that a *block* of consecutive micro-batches holds whole groups
-  (``lcm(per_device_train_batch_size, num_generations) / per_device_train_batch_size`` micro-batches; TRL shuffles
-  the rows first, as usual, and the groups keep the order in which they first appear);
-* the micro-batches of a block run their forwards only; the last one's step then computes EGPO's weights from their
-  log-probs and TRL's loss of each micro-batch with the weighted advantages, and runs each loss's backward as soon
-  as it is computed (every scaling is linear, so the gradient is the one of a backward per micro-batch). The
-  accumulation boundary stays at the generation batch's last micro-batch: the earlier micro-batches' backwards run
-  as accumulation steps, the last one's in the trainer's own step. One backward of the losses' sum would give the
-  same gradient, but it holds every parameter's partial gradient, a whole unsharded gradient, until the block's
-  first micro-batch reaches it, and DeepSpeed reduces nothing before then (enough to run out of memory at the 7B
-  shapes under ZeRO-2). Under DDP (not DeepSpeed), whose gradient synchronisation is armed by the forward, the
-  block still runs one backward of the sum, and so holds that extra gradient. A step stopped by an exception inside a
-  block may leave the block's earlier micro-batches' gradients accumulated (``Trainer.train`` zeroes them when it
-  starts again);
-* a block holds the forwards of all its micro-batches at once: with gradient checkpointing, each layer's input of
-  each row (``rows x tokens x hidden_size x 2`` bytes per layer in bf16);
-* with ``egpo_length_sorted_micro_batches`` and ``egpo_loss_forward_block_tokens``, a block may hold several of those
-  smallest blocks (:func:`merged_blocks`: one joins the block before it where that cuts the padding the block's
-  forwards compute, within the token budget, decided from every process's lengths so that all processes run the
-  same blocks), and its rows are sorted by length across its groups; the estimator then takes each group's rows
-  together and its weights go back to the block's order.
-
-Mixed-group base advantages (which ``scale_rewards="batch"`` computes from the whole batch) are computed when the
-batch is scored; only the weights, which depend on a group's own rows, wait for the loss's forwards.
+Where TRL computes no old-policy log-probs (one optimizer step per generation batch, no importance sampling), EGPO
+would need a no-grad pass over the batch for its weights. Instead, the shuffled rows are grouped so that a *block* of
+consecutive micro-batches holds whole groups; the block's micro-batches run their forwards only, and its last one
+computes EGPO's weights from their log-probs, then TRL's loss of each micro-batch with the weighted advantages,
+backpropagated one at a time (one backward of the sum under DDP, whose synchronisation is armed by the forward). With
+``egpo_length_sorted_micro_batches`` and ``egpo_loss_forward_block_tokens`` a block may merge several groups
+(:func:`merged_blocks`), its rows sorted by length. Base advantages are computed when the batch is scored.
 """
 
 from __future__ import annotations
@@ -42,8 +17,6 @@ import time
 from typing import Any
 
 import torch
-
-from egpo_trl.old_logps import FORWARD_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -60,43 +33,30 @@ __all__ = [
     "shuffle_then",
 ]
 
-#: Global group index of each row (0, 0, ..., 1, 1, ... in the generation batch's order before TRL shuffles it).
+# Keys the scoring adds to each row for the block's weights: its global group, weighted reward sum (NaN: unscored),
+# correctness (1/0, NaN: no verdict), the tokens the entropy proxy averages over, and its index on this process.
 GROUP_KEY = "egpo_fused_group"
-#: The weighted reward sum (NaN where no reward function scored the row).
 REWARD_KEY = "egpo_fused_reward"
-#: 1.0 correct, 0.0 incorrect, NaN without a correctness verdict.
 CORRECT_KEY = "egpo_fused_correct"
-#: The tokens EGPO's entropy proxy averages over (the completion, or its thinking/answer segment).
 MASK_KEY = "egpo_fused_mask"
-#: Each row's index among this process's rows of the generation batch.
 ROW_KEY = "egpo_fused_row"
-#: What the loss's forward must not see: the keys above.
-FUSED_KEYS = (GROUP_KEY, REWARD_KEY, CORRECT_KEY, MASK_KEY, ROW_KEY)
 
-
-#: The DeepSpeed release line ``loss_forward`` was checked with (benchmarks/loss_forward_check.py, ZeRO-2 and ZeRO-3,
-#: 0.19.8, on the CPU and on GPUs). Its ZeRO optimizers close a gradient-accumulation micro-step at the next forward
-#: (``clear_backward_seen_flag``), which the block calls itself after each of its backwards. Earlier releases were not
-#: checked: on the CPU 0.17.6 and 0.18.9 did not even run the no-grad pass's training correctly (with torch 2.13).
+#: The DeepSpeed release ``loss_forward`` was checked with (benchmarks/loss_forward_check.py): its ZeRO optimizers
+#: close a micro-step with ``clear_backward_seen_flag``, which the block calls after each of its backwards.
 DEEPSPEED_CHECKED = "0.19"
 
 
 def deepspeed_problem() -> str | None:
-    """Why the installed DeepSpeed cannot serve ``loss_forward`` (a release older than :data:`DEEPSPEED_CHECKED`), or
-    ``None`` (a checked release, or none installed: a DeepSpeed launch then fails on its own)."""
+    """Why the installed DeepSpeed (older than :data:`DEEPSPEED_CHECKED`) cannot serve ``loss_forward``, or ``None``."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from packaging.version import InvalidVersion, Version
+    from packaging.version import Version
 
     try:
         installed = version("deepspeed")
     except PackageNotFoundError:
         return None
-    try:
-        old = Version(installed) < Version(DEEPSPEED_CHECKED)
-    except InvalidVersion:  # pragma: no cover - a local build's odd version string
-        return None
-    if not old:
+    if Version(installed) >= Version(DEEPSPEED_CHECKED):
         return None
     return (
         f"it was checked under DeepSpeed {DEEPSPEED_CHECKED}, and DeepSpeed {installed} is installed (how ZeRO "
@@ -105,22 +65,12 @@ def deepspeed_problem() -> str | None:
     )
 
 
-def _is_zero_optimizer(optimizer) -> bool:
-    try:
-        from deepspeed.runtime.base_optimizer import ZeROOptimizer
-    except ImportError:  # pragma: no cover - DeepSpeed moved it
-        return True
-    return isinstance(optimizer, ZeROOptimizer)
-
-
 def block_size(per_device_batch: int, num_generations: int) -> int:
-    """Micro-batches per block: the fewest consecutive micro-batches of ``per_device_batch`` rows that hold whole
-    groups of ``num_generations`` rows."""
+    """Micro-batches per block: the fewest that hold whole groups."""
     return math.lcm(per_device_batch, num_generations) // per_device_batch
 
 
 def block_memory_note(per_device_batch: int, blocks: int) -> str:
-    """The warning for ``loss_forward`` with gradient checkpointing off, where a block's activations add up."""
     return (
         f"egpo_entropy_logps='loss_forward' holds {blocks} micro-batches ({blocks * per_device_batch} rows) of "
         "forwards until their backwards; with gradient_checkpointing off that is all their activations at once, "
@@ -130,7 +80,6 @@ def block_memory_note(per_device_batch: int, blocks: int) -> str:
 
 
 def merged_block_memory_note(tokens: int) -> str:
-    """The warning for ``egpo_loss_forward_block_tokens`` with gradient checkpointing off."""
     return (
         f"egpo_loss_forward_block_tokens={tokens} with gradient_checkpointing off: a block of merged groups holds all "
         "the activations of its forwards (up to that many padded tokens) until their backwards, which runs out of GPU "
@@ -139,8 +88,7 @@ def merged_block_memory_note(tokens: int) -> str:
 
 
 def group_first_order(groups: torch.Tensor) -> torch.Tensor:
-    """A permutation that puts the rows of each group together: groups in the order of their first row, the rows of
-    a group in their order."""
+    """A stable permutation that puts each group's rows together, groups in the order of their first row."""
     groups = groups.cpu()
     first = {}
     for position, group in enumerate(groups.tolist()):
@@ -151,8 +99,7 @@ def group_first_order(groups: torch.Tensor) -> torch.Tensor:
 
 
 def row_lengths(batch: dict[str, Any]) -> torch.Tensor:
-    """Each row's length on the CPU: its prompt tokens plus its completion up to its last scored token, the width the
-    loss's forward is cut to under ``egpo_shift_prompt_padding``."""
+    """Each row's prompt tokens plus its completion up to its last scored token, on the CPU."""
     from egpo_trl.old_logps import completion_widths
 
     lengths = completion_widths(batch["completion_mask"]).cpu()
@@ -163,8 +110,7 @@ def row_lengths(batch: dict[str, Any]) -> torch.Tensor:
 
 
 def _sorted_segments(lengths: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """A permutation that sorts each segment of ``sizes`` consecutive rows by length, longest first (ties keep their
-    order)."""
+    """A permutation sorting each segment of ``sizes`` consecutive rows by length, longest first, stably."""
     order, start = [], 0
     for size in sizes:
         segment = lengths[start : start + size]
@@ -174,9 +120,8 @@ def _sorted_segments(lengths: torch.Tensor, sizes: list[int]) -> torch.Tensor:
 
 
 def length_sorted_order(batch: dict[str, Any], window: int) -> torch.Tensor:
-    """A permutation that sorts the rows of each ``window`` consecutive rows by their length (:func:`row_lengths`),
-    longest first (ties keep their order). Rows never leave their window, so a window that is a generation batch (or,
-    under ``loss_forward``, a group) keeps exactly its rows."""
+    """A permutation sorting each ``window`` consecutive rows by :func:`row_lengths`, longest first, stably; rows
+    never leave their window."""
     if window < 1:
         raise ValueError(f"window must be at least one row, got {window}")
     lengths = row_lengths(batch)
@@ -185,8 +130,7 @@ def length_sorted_order(batch: dict[str, Any], window: int) -> torch.Tensor:
 
 
 def padded_tokens(lengths: torch.Tensor, per_device: int) -> int:
-    """The tokens the forwards of these rows compute once sorted by length, longest first, and cut into
-    micro-batches of ``per_device`` rows, each as wide as its longest row."""
+    """The padded tokens of these rows sorted by length and cut into micro-batches of ``per_device`` rows."""
     ordered = torch.sort(lengths, descending=True).values
     return int(
         sum(
@@ -197,14 +141,11 @@ def padded_tokens(lengths: torch.Tensor, per_device: int) -> int:
 
 
 def merged_blocks(lengths: torch.Tensor, unit_rows: int, per_device: int, budget: int) -> list[int]:
-    """The rows of each block of ``loss_forward``'s generation batch when blocks may hold several units of
-    ``unit_rows`` rows (the fewest micro-batches that hold whole groups; the rows in group order).
+    """The rows of each block when blocks may merge units of ``unit_rows`` rows (whole groups, in group order).
 
-    ``lengths`` is ``[processes, rows]`` (:func:`row_lengths` of every process's batch), so that every process gets
-    the same blocks. Blocks are filled in order: the next unit joins the block before it where that lowers the
-    padded tokens (:func:`padded_tokens`, summed over the processes) and no process's block then computes more than
-    ``budget`` of them; otherwise it starts a block of its own. Where every row has the same length, merging saves
-    nothing and each unit is a block."""
+    ``lengths`` is ``[processes, rows]``, so every process gets the same blocks. The next unit joins the block before
+    it where that lowers the padded tokens (:func:`padded_tokens`, summed over processes) and no process's block
+    exceeds ``budget`` of them; otherwise it starts a block."""
     if lengths.ndim == 1:
         lengths = lengths.unsqueeze(0)
     rows = lengths.size(1)
@@ -233,9 +174,8 @@ def merged_blocks(lengths: torch.Tensor, unit_rows: int, per_device: int, budget
 
 
 def shuffle_then(prepare, generation_batch, reorders):
-    """``prepare(generation_batch)`` (TRL's ``_prepare_inputs``) with each of ``reorders`` (functions of the batch
-    returning a row permutation) applied, in turn, to a new generation batch right after TRL shuffles its rows and
-    before it splits them into micro-batches."""
+    """``prepare(generation_batch)`` (TRL's ``_prepare_inputs``) with each of ``reorders`` (batch -> permutation or
+    ``None``) applied right after TRL shuffles a new generation batch."""
     from trl.trainer import grpo_trainer
 
     original = grpo_trainer.shuffle_sequence_dict
@@ -256,8 +196,7 @@ def shuffle_then(prepare, generation_batch, reorders):
 
 
 def reorder_rows(batch: dict[str, Any], permutation: torch.Tensor) -> dict[str, Any]:
-    """``batch`` with every row-indexed value (tensors with a first dimension, lists) taken in ``permutation``'s
-    order, as TRL's ``shuffle_sequence_dict`` permutes them."""
+    """``batch`` with every row-indexed value taken in ``permutation``'s order (as ``shuffle_sequence_dict``)."""
 
     def take(value):
         if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
@@ -270,9 +209,8 @@ def reorder_rows(batch: dict[str, Any], permutation: torch.Tensor) -> dict[str, 
 
 
 def reentrant_checkpointing(kwargs: dict | None) -> bool:
-    """Whether gradient checkpointing with these ``gradient_checkpointing_kwargs`` is reentrant: transformers'
-    Trainer passes no kwargs when they are empty (then non-reentrant), and PyTorch's checkpoint is reentrant when
-    ``use_reentrant`` is not given."""
+    """Whether checkpointing with these ``gradient_checkpointing_kwargs`` is reentrant (none given: it is not; given
+    without ``use_reentrant``: PyTorch's default, it is)."""
     if not kwargs:
         return False
     value = kwargs.get("use_reentrant")
@@ -282,9 +220,7 @@ def reentrant_checkpointing(kwargs: dict | None) -> bool:
 def loss_forward_problems(
     random_forward: bool, engine: str | None = None, multimodal: bool = False, router_loss: bool = False
 ) -> list[str]:
-    """Why ``egpo_entropy_logps="loss_forward"`` cannot serve a run, from what only the trainer knows (the arguments'
-    problems are ``EGPOConfig._validate_loss_forward``'s). ``engine``: "FSDP" when the run uses it
-    (DeepSpeed ZeRO-2 and ZeRO-3 are served: benchmarks/loss_forward_check.py)."""
+    """Why ``loss_forward`` cannot serve a run, from what only the trainer knows (``engine``: "FSDP" when used)."""
     problems = []
     if random_forward:
         problems.append(
@@ -303,16 +239,10 @@ def loss_forward_problems(
 
 
 class LossForwardEntropyMixin:
-    """``egpo_entropy_logps="loss_forward"`` on :class:`~egpo_trl.trainer.EGPOTrainer` (see the module's docstring).
-
-    Methods only; ``EGPOTrainer`` calls :meth:`_check_loss_forward_entropy` at init, :meth:`_fused_finish` from its
-    ``_egpo_finish``, :meth:`_fused_block_loss` from ``compute_loss`` and :meth:`_fused_cached_forward` from
-    ``_get_per_token_logps_and_entropies``, and overrides ``_prepare_inputs`` and ``training_step`` through
-    :meth:`_fused_prepare_inputs` and :meth:`_fused_training_step`.
-    """
+    """``egpo_entropy_logps="loss_forward"`` for :class:`~egpo_trl.trainer.EGPOTrainer`, which calls these methods
+    from its init, ``_prepare_inputs``, ``training_step``, scoring, ``compute_loss`` and log-prob forward."""
 
     def _check_loss_forward_entropy(self) -> None:
-        """Refuse, at init, the settings where the loss's forward cannot give pi_old's log-probs to EGPO."""
         args = self.args
         self._fused = False
         if args.egpo_entropy_logps != "loss_forward":
@@ -324,7 +254,7 @@ class LossForwardEntropyMixin:
             multimodal=bool(getattr(self, "_is_vlm", False)),
             router_loss=bool(getattr(self, "aux_loss_enabled", False)),
         )
-        # The arguments' checks again (they may have changed since they were built), with the trainer's: one error.
+        # The arguments' checks again (they may have changed), with the trainer's: one error.
         args._validate_loss_forward(problems)
         self._fused = True
         self._fused_block = block_size(args.per_device_train_batch_size, self.num_generations)
@@ -333,16 +263,14 @@ class LossForwardEntropyMixin:
         self._fused_pending: list[dict[str, Any]] = []
         self._fused_cache: list[tuple] = []
         self._fused_batch: dict[str, Any] | None = None
-        #: Micro-batches (1-based, within the generation batch) that end a block, where blocks may merge groups
-        #: (``egpo_loss_forward_block_tokens``); ``None``: every ``_fused_block`` micro-batches.
+        # Micro-batches (1-based) that end a merged block; None: every ``_fused_block`` micro-batches.
         self._fused_block_ends: set[int] | None = None
-        #: The padded tokens a merged block may hold; set by _check_length_sorting where sorting can use it.
+        # The padded tokens a merged block may hold; set by the trainer where blocks can merge.
         self._fused_block_tokens: int | None = None
 
     def _fused_active(self, mode: str) -> bool:
         return getattr(self, "_fused", False) and mode == "train"
 
-    # ------------------------------------------------------------------ scoring: base advantages only
     def _fused_finish(self, output: dict[str, Any], rewards_per_func: torch.Tensor, num_generations: int):
         """Base advantages of the generation batch now; the rows carry what the block's weights need."""
         from egpo_trl.advantages import weighted_reward_sum
@@ -383,13 +311,9 @@ class LossForwardEntropyMixin:
         }
         return result
 
-    # ------------------------------------------------------------------ micro-batches grouped in blocks
     def _fused_prepare_inputs(self, prepare, generation_batch):
-        """TRL's ``_prepare_inputs`` (``prepare``) with the shuffled rows of a new generation batch grouped so that each
-        block of micro-batches holds whole groups; with ``egpo_length_sorted_micro_batches``, each group's rows then
-        sorted by length (a group stays in place, so each block keeps its whole groups, each group's rows together,
-        as the block's loss needs them), or, with ``egpo_loss_forward_block_tokens``, the groups merged into blocks
-        (:func:`merged_blocks`) and each block's rows sorted by length together."""
+        """TRL's ``_prepare_inputs`` with a new batch's shuffled rows grouped, then each group's rows sorted by length
+        (``egpo_length_sorted_micro_batches``) or groups merged into blocks (``egpo_loss_forward_block_tokens``)."""
 
         def group(batch):
             return group_first_order(batch[GROUP_KEY]) if GROUP_KEY in batch else None
@@ -404,8 +328,7 @@ class LossForwardEntropyMixin:
         return shuffle_then(prepare, generation_batch, reorders)
 
     def _fused_merge_blocks(self, batch):
-        """The blocks of a new generation batch (rows in group order) under ``egpo_loss_forward_block_tokens``: sets
-        :attr:`_fused_block_ends` and returns the permutation that sorts each block's rows by length."""
+        """Decide a new batch's merged blocks (``_fused_block_ends``); the permutation sorting each block by length."""
         self._fused_block_ends = None  # nothing of an earlier generation batch's blocks carries over
         if GROUP_KEY not in batch:
             return None
@@ -433,11 +356,9 @@ class LossForwardEntropyMixin:
         return position + 1 in ends
 
     def _fused_training_step(self, model, inputs, step):
-        """A micro-batch that does not end its block: prepared and kept, with GRPOTrainer's step bookkeeping, and
-        no forward or backward; the block's last micro-batch runs them all (``step``: ``training_step`` of the
-        parent classes). Where blocks merge groups (``egpo_loss_forward_block_tokens``), a generation batch's first
-        micro-batch is prepared first, as preparing it generates the batch and decides its blocks; should it end a
-        block, ``step`` then takes it as prepared."""
+        """A micro-batch that does not end its block is prepared and kept, without forward or backward; the block's
+        last one runs ``step`` (the parents' ``training_step``). With merged blocks a batch's first micro-batch is
+        prepared first, as that decides the blocks."""
         position = self._step % self.args.steps_per_generation
         decided = position > 0 or not getattr(self, "_fused_block_tokens", None)
         if decided and self._fused_ends_block(position):
@@ -466,25 +387,17 @@ class LossForwardEntropyMixin:
         return torch.zeros((), device=self.accelerator.device)
 
     def _fused_cached_forward(self):
-        """The next kept forward of the block being trained on (``None`` outside one)."""
         return self._fused_cache.pop(0) if self._fused_cache else None
 
     def _fused_block_loss(self, model, inputs, loss_of):
-        """The block's loss: every micro-batch's forward, EGPO's weights from their log-probs, then TRL's loss of each
-        micro-batch (``loss_of(model, micro_batch)``, which reads the kept forwards) with the weighted advantages.
-        Each loss but the last is backpropagated here (see :meth:`_fused_backward_each`); the returned loss, the last
-        micro-batch's plus the others' detached, goes to the trainer's own backward and log."""
+        """Every micro-batch's forward, EGPO's weights from their log-probs, then ``loss_of(model, micro_batch)`` with
+        the weighted advantages. Losses but the last are backpropagated here where possible; the returned loss goes
+        to the trainer's own backward and log."""
         from egpo_trl.advantages import sequence_entropy, sequence_mean
 
         block, self._fused_pending = self._fused_pending + [inputs], []
         forwards = []
         for batch in block:
-            unsupported = [key for key in FORWARD_KEYS if batch.get(key) is not None]
-            if unsupported:
-                raise ValueError(
-                    f"egpo_entropy_logps='loss_forward' does not support multimodal inputs ({unsupported}); use "
-                    "egpo_entropy_logps='policy'."
-                )
             input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
             attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
             forwards.append(
@@ -504,12 +417,6 @@ class LossForwardEntropyMixin:
         order = group_first_order(groups).to(groups.device)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        grouped = groups[order]
-        if grouped.numel() % n or not bool((grouped.view(-1, n) == grouped.view(-1, n)[:, :1]).all()):
-            raise RuntimeError(  # pragma: no cover - _fused_prepare_inputs groups the rows
-                "egpo_entropy_logps='loss_forward': a block of micro-batches does not hold whole groups; is the TRL "
-                "version 1.16.0?"
-            )
         nll = torch.cat(
             [
                 sequence_entropy(logps.detach().float(), batch[MASK_KEY])
@@ -555,29 +462,18 @@ class LossForwardEntropyMixin:
                 else:
                     total = loss if total is None else total + loss
         finally:
-            leftover, self._fused_cache = self._fused_cache, []
-        if leftover:  # pragma: no cover - TRL 1.16's loss runs one forward per micro-batch
-            raise RuntimeError("The loss did not use every kept forward of its block; is the TRL version 1.16.0?")
+            self._fused_cache = []
         # The trainer's step backpropagates what is left (the last micro-batch's loss) and logs the block's sum.
         return total if done is None else total + done
 
     def _fused_backward_each(self, model) -> bool:
-        """Whether the block's micro-batches can each run their backward as their loss is computed: under DeepSpeed
-        and in a process that trains alone. DDP arms its gradient synchronisation in the forward (every kept forward
-        ran in the block's last step, synchronised when that step ends the generation batch), so under DDP the
-        block runs one backward of the losses' sum."""
+        """Whether each micro-batch's backward can run as its loss is computed: under DeepSpeed or alone, not DDP."""
         if self.is_deepspeed_enabled:
             return True
         return not isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.accelerator.num_processes == 1
 
     def _fused_backward_now(self, loss: torch.Tensor) -> None:
-        """The backward of one of the block's micro-batches before the last, as ``Trainer.training_step`` runs it
-        (TRL's loss is already scaled for gradient accumulation; DeepSpeed told not to scale it again), as an
-        accumulation step: no optimizer step, whatever the block's last micro-batch is."""
-        if getattr(self.args, "n_gpu", 1) > 1:  # pragma: no cover - GRPOTrainer refuses DataParallel
-            loss = loss.mean()
-        if getattr(self, "loss_is_scaled_for_ga", None) is False:  # pragma: no cover - TRL 1.16 sets it True
-            loss = loss / self.current_gradient_accumulation_steps
+        """One earlier micro-batch's backward as an accumulation step (TRL's loss is already scaled for it)."""
         kwargs = {"scale_wrt_gas": False} if self.is_deepspeed_enabled else {}
         state = self.accelerator.gradient_state
         sync = state.sync_gradients
@@ -586,24 +482,15 @@ class LossForwardEntropyMixin:
             self.accelerator.backward(loss, **kwargs)
         finally:
             state._set_sync_gradients(sync)
-        if self.is_deepspeed_enabled:
-            # DeepSpeed's ZeRO optimizers close a micro-step at the next forward (ZeRO-3 counts it there, so that the
-            # next backward adds its gradients instead of copying over them; ZeRO-1 clears its gradient
-            # accumulators): the block's forwards all ran before, so close it here, as DeepSpeed's forward does.
-            optimizer = self.accelerator.deepspeed_engine_wrapped.engine.optimizer
-            close = getattr(optimizer, "clear_backward_seen_flag", None)
+        if self.is_deepspeed_enabled:  # close the micro-step, as DeepSpeed's next forward would
+            close = getattr(
+                self.accelerator.deepspeed_engine_wrapped.engine.optimizer, "clear_backward_seen_flag", None
+            )
             if callable(close):
                 close()
-            elif _is_zero_optimizer(optimizer):  # pragma: no cover - DeepSpeed 0.19 has it (deepspeed_problem)
-                raise RuntimeError(
-                    f"egpo_entropy_logps='loss_forward': {type(optimizer).__name__} of this DeepSpeed release has no "
-                    "clear_backward_seen_flag, so a micro-batch's gradients might overwrite the previous one's; it was "
-                    f"checked with DeepSpeed {DEEPSPEED_CHECKED} and later. Use egpo_entropy_logps='policy'."
-                )
 
     def _fused_record(self, block, weights, nll, shannon=None) -> None:
-        """Keep the block's weights and entropies; once every row of the batch has been trained on, log the batch's
-        egpo/* metrics and write its final advantages where the completions table reads them."""
+        """Keep the block's weights; once every row is trained on, log the batch's egpo/* metrics and advantages."""
         state = self._fused_batch
         rows = torch.cat([batch[ROW_KEY] for batch in block]).cpu()
         state["weights"][rows] = weights.weights.detach().float().cpu()
