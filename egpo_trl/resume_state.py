@@ -34,12 +34,19 @@ RESUME_STATE_NAME = "egpo_resume_state.pt"
 _COUNTERS = ("_step", "_globalstep_last_logged", "_gec_calls")
 # With the process count, the layout of the saved buffer and micro-step counter.
 _LAYOUT_ARGS = ("per_device_train_batch_size", "steps_per_generation", "num_iterations", "gradient_accumulation_steps")
-# With every egpo_* one, what the saved generation batch was made with.
+# With every field named _BATCH_PREFIXES* (but _OPERATIONAL), what the saved generation batch was made with.
 _BATCH_ARGS = (
-    "num_generations", "advantage_estimator", "scale_rewards", "reward_weights", "multi_objective_aggregation",
+    "num_generations", "advantage_estimator", "scale_rewards", "multi_objective_aggregation",
     "nsr_positive_weight", "edge_grpo_entropy_normalization", "overlong_buffer_length", "overlong_penalty_factor",
-    "beta", "use_vllm", "vllm_importance_sampling_correction",
+    "beta", "temperature", "mask_truncated_completions", "use_vllm", "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode",
 )  # fmt: skip
+_BATCH_PREFIXES = ("egpo_", "dynamic_sampling", "edge_gec")
+# Fields of those that change speed, memory or what is logged, not the batch.
+_OPERATIONAL = {
+    "egpo_entropy_metrics", "egpo_length_sorted_micro_batches", "egpo_loss_forward_block_tokens",
+    "egpo_shift_prompt_padding",
+}  # fmt: skip
 
 
 def finished_run_step(args: Any, checkpoint: str | os.PathLike | None) -> tuple[int, int, str] | None:
@@ -235,12 +242,14 @@ class ExactResumeMixin:
     def _egpo_batch_layout(self) -> dict[str, Any]:
         """The process count, batch shape and settings the saved state belongs to."""
         args = self.args
-        settings = [*_BATCH_ARGS, *sorted(name for name in vars(args) if name.startswith("egpo_"))]
+        named = (name for name in vars(args) if name.startswith(_BATCH_PREFIXES) and name not in _OPERATIONAL)
+        settings = [*_BATCH_ARGS, *sorted(named)]
         return {
             "world_size": int(args.world_size),
             "process_index": int(args.process_index),
             **{name: int(getattr(args, name)) for name in _LAYOUT_ARGS},
             **{name: getattr(args, name, None) for name in settings},
+            "reward_weights": self.reward_weights.tolist(),  # the weights in use (unset: 1.0 per function)
         }
 
     def _egpo_layout_mismatch(self, checkpoint: str, state: dict[str, Any] | None) -> str | None:

@@ -235,11 +235,15 @@ def test_ctrl_c_under_deepspeed_after_the_update_saves_that_step(tmp_path, tiny_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("change", ["steps_per_generation", "advantage_settings", "process_count", "older_state"])
+@pytest.mark.parametrize(
+    "change",
+    ["steps_per_generation", "advantage_settings", "temperature", "process_count", "older_state", "same_weights"],
+)
 def test_a_state_saved_with_another_layout_is_ignored_with_a_warning(reference, tmp_path, caplog, change):
     """The generation buffer of checkpoint-3 belongs to its process count, batch shape and the settings its groups and
     advantages were made with: a resume with other ones (or from a state that does not record them) ignores it, says
-    so, and still trains to the end."""
+    so, and still trains to the end. The default reward weights written out are the same settings: it resumes
+    exactly."""
     import torch
 
     from egpo_trl.resume_state import RESUME_STATE_NAME
@@ -259,6 +263,12 @@ def test_a_state_saved_with_another_layout_is_ignored_with_a_warning(reference, 
     elif change == "advantage_settings":  # the buffered batch holds groups of 4 and group-scaled advantages
         run += ["--num_generations", "2", "--scale_rewards", "batch"]
         expected = "it was saved with num_generations=4 (now 2), scale_rewards=group (now batch)"
+    elif change == "temperature":  # the buffered completions were sampled at 1.0
+        run += ["--temperature", "0.7"]
+        expected = "it was saved with temperature=1.0 (now 0.7)"
+    elif change == "same_weights":  # the one reward function's default weight, written out
+        run += ["--reward_weights", "1.0"]
+        expected = None
     elif change == "process_count":  # as saved by two processes
         state_file.rename(state_file.with_name(RESUME_STATE_NAME.replace(".pt", "_0.pt")))
         shutil.copy(
@@ -272,7 +282,11 @@ def test_a_state_saved_with_another_layout_is_ignored_with_a_warning(reference, 
         expected = "does not record the process count"
     with caplog.at_level("WARNING", logger="egpo_trl.resume_state"):
         assert main(run) == 0
-    assert "cannot be resumed exactly" in caplog.text and expected in caplog.text
+    if expected is None:
+        assert "cannot be resumed exactly" not in caplog.text
+        assert _digest(out / "model.safetensors") == reference[2]
+    else:
+        assert "cannot be resumed exactly" in caplog.text and expected in caplog.text
     assert [r["step"] for r in _rows(out) if "loss" in r] == [1, 2, 3, 4]
 
 
