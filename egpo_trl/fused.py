@@ -288,8 +288,10 @@ class LossForwardEntropyMixin:
         start = self.accelerator.process_index * local
         rows = slice(start, start + local)
         device = output["advantages"].device
-        correct = self._egpo_correct(rewards_per_func)[0].float()
-        correct = correct.masked_fill(torch.isnan(rewards_per_func[:, self._egpo_correctness_index]), float("nan"))
+        no_verdict = torch.isnan(rewards_per_func[:, self._egpo_correctness_index])
+        correct = self._egpo_correct(rewards_per_func)[0].float().masked_fill(no_verdict, float("nan"))
+        if getattr(self._egpo_estimator, "binary_correctness", False):  # unscored, as in _egpo_compute
+            rewards_per_func = rewards_per_func.masked_fill(no_verdict.unsqueeze(1), float("nan"))
         rewards = weighted_reward_sum(rewards_per_func, self.reward_weights)
         output["advantages"] = result.base_advantages[rows].to(device, output["advantages"].dtype)
         output[GROUP_KEY] = (torch.arange(total, device=device) // num_generations)[rows]

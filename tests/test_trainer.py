@@ -294,7 +294,8 @@ def test_a_row_the_verifier_gives_no_verdict_is_neither_correct_nor_incorrect(tm
         assert logged["egpo/entropy_incorrect"] == pytest.approx(nll[torch.isfinite(nll)].mean().item(), rel=1e-5)
 
 
-def test_a_row_without_a_verdict_gets_no_advantage_from_the_other_reward_functions(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("logps", ["policy", "loss_forward"])
+def test_a_row_without_a_verdict_gets_no_advantage_from_the_other_reward_functions(tmp_path, tiny_model_dir, logps):
     """A shaping reward (an overlong penalty of 0, say) scores a row the verifier gives no verdict: the row gets
     advantage 0 and its group's mean and std are those of the judged rows."""
 
@@ -304,7 +305,9 @@ def test_a_row_without_a_verdict_gets_no_advantage_from_the_other_reward_functio
     def shaping(completions, **kwargs):
         return [0.0] * len(completions)
 
-    args = config(tmp_path, max_steps=1, egpo_correctness_reward="verifier", egpo_clamp="none")
+    args = config(
+        tmp_path, max_steps=1, egpo_correctness_reward="verifier", egpo_clamp="none", egpo_entropy_logps=logps
+    )
     trainer = EGPOTrainer(tiny_model_dir, [verifier, shaping], args, train_dataset=make_prompt_dataset())
     trainer.train()
     result = trainer.egpo_last_batch["result"]
