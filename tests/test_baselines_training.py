@@ -16,7 +16,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from egpo_trl import EGPOTrainer
 from egpo_trl.advantages import edge_grpo_advantages, nsr_advantages, sequence_mean
-from egpo_trl.rewards import overlong_penalty
+from egpo_trl.rewards import make_overlong_penalty_reward
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def test_dapo_recipe_settings_train_with_the_overlong_penalty(tmp_path, tiny_mod
     trainer.train()
     generated = trainer.generated[0]
     lengths = generated["completion_mask"].sum(dim=1).tolist()
-    expected = [overlong_penalty(n, 12, 4) for n in lengths]
+    expected = make_overlong_penalty_reward(12, 4)([None] * len(lengths), completion_ids=[[0] * n for n in lengths])
     torch.testing.assert_close(generated["batch"]["rewards_per_func"][:, 1], torch.tensor(expected))
     assert any(value < 0 for value in expected)
     # Dynamic sampling decides on correctness (the first reward), not on the length-shaped total.
