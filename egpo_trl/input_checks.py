@@ -99,15 +99,17 @@ _TRL_GENERATION_KWARGS: dict[str, str | None] = {
 
 
 def _trl_generation_values(args: Any) -> dict[str, Any]:
-    """The values TRL sets for ``_TRL_GENERATION_KWARGS`` under ``args``: vLLM's server returns ``n`` completions
-    per distinct prompt, colocated vLLM and transformers one per (repeated) prompt."""
+    """The values of ``_TRL_GENERATION_KWARGS`` that leave every TRL generation call as it is. TRL changes ``n``
+    per call under vLLM's server mode and the length per call for Guided Error Correction and evaluation, so no value
+    of those is safe."""
     server = getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"
+    never = object()
     return {
         "logprobs": 0,
-        "n": args.num_generations if server else 1,
+        "n": never if server else 1,
         "num_return_sequences": 1,
-        "max_tokens": args.max_completion_length,
-        "max_new_tokens": args.max_completion_length,
+        "max_tokens": never,
+        "max_new_tokens": never,
     }
 
 
@@ -133,19 +135,21 @@ def generation_kwargs_problem(args: Any) -> str | None:
             f"{'it' if len(keys) == 1 else 'them'}{instead}"
         )
     greedy = []
-    if "do_sample" in kwargs and not kwargs["do_sample"]:
+    if kwargs.get("do_sample") is False:
         greedy.append(f"do_sample={kwargs['do_sample']!r}")
     if isinstance(kwargs.get("num_beams"), int) and kwargs["num_beams"] > 1:
         greedy.append(f"num_beams={kwargs['num_beams']}")
     if isinstance(kwargs.get("temperature"), (int, float)) and kwargs["temperature"] <= 0:
         greedy.append(f"temperature={kwargs['temperature']}")
+    if kwargs.get("top_k") == 1:
+        greedy.append("top_k=1")
     if greedy:
         problems.append(
             f"sets {', '.join(greedy)}, which does not sample: a group's completions would be identical and get no "
             "advantage; remove it (the temperature field sets the sampling temperature)"
         )
     colocate = getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate"
-    if "seed" in kwargs and colocate:
+    if kwargs.get("seed") is not None and colocate:
         problems.append(
             "sets seed, which colocated vLLM gives every copy of a prompt, so a group's completions would be "
             "identical: remove it (or use vllm_mode='server', which samples a prompt's group in one request)"

@@ -39,7 +39,8 @@ _BATCH_ARGS = (
     "num_generations", "advantage_estimator", "scale_rewards", "multi_objective_aggregation",
     "nsr_positive_weight", "edge_grpo_entropy_normalization", "overlong_buffer_length", "overlong_penalty_factor",
     "beta", "temperature", "mask_truncated_completions", "use_vllm", "vllm_importance_sampling_correction",
-    "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max",
+    "top_p", "top_k", "min_p", "repetition_penalty", "generation_kwargs",
 )  # fmt: skip
 _BATCH_PREFIXES = ("egpo_", "dynamic_sampling", "edge_gec")
 # Fields of those that change speed, memory or what is logged, not the batch.

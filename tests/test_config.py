@@ -162,7 +162,9 @@ def test_generation_kwargs_that_trl_sets_itself_are_refused_with_the_fix(tmp_pat
             make(tmp_path, use_vllm=use_vllm, generation_kwargs=generation_kwargs)
         assert "\n" not in str(error.value)
     make(tmp_path, use_vllm=True, generation_kwargs={"stop": ["\n\n"], "logprobs": 0, "n": 1})  # as TRL sets them
-    make(tmp_path, use_vllm=True, vllm_mode="server", generation_kwargs={"seed": 1, "n": 8})
+    make(tmp_path, use_vllm=True, vllm_mode="server", generation_kwargs={"seed": 1})
+    with pytest.raises(ValueError, match="sets n, "):  # the server's n changes per call (one for GEC's continuations)
+        make(tmp_path, use_vllm=True, vllm_mode="server", generation_kwargs={"n": 8})
 
 
 @pytest.mark.parametrize(
@@ -175,6 +177,7 @@ def test_generation_kwargs_that_trl_sets_itself_are_refused_with_the_fix(tmp_pat
         ({"generation_kwargs": {"do_sample": False}}, "sets do_sample=False, which does not sample: .*; remove it"),
         ({"generation_kwargs": {"num_beams": 4}}, "sets num_beams=4, which does not sample: .*; remove it"),
         ({"use_vllm": True, "generation_kwargs": {"temperature": 0}}, "sets temperature=0, which does not sample"),
+        ({"generation_kwargs": {"top_k": 1}}, "sets top_k=1, which does not sample"),
     ],
 )
 def test_generation_kwargs_that_make_a_groups_completions_identical_are_refused(tmp_path, kwargs, fix):

@@ -6,6 +6,7 @@ higher entropy goes with wrong answers.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,8 +68,13 @@ def entropy_table(
     Segments come from the records' ``thinking_span``/``answer_span`` (written by ``egpo-trl eval``), or, with a
     ``tokenizer``, from their ``completion_ids`` (:func:`egpo_trl.segments.segment_masks`).
     """
-    # Samples without generated tokens (a prompt longer than the model's context) have no entropy.
+    # Samples without generated tokens (a prompt longer than the model's context) have no entropy; samples the
+    # verifier gave no verdict (correct: null) are neither correct nor incorrect.
     records = [record for record in records if record.get("logprobs")]
+    unscored = sum(record.get("correct") is None for record in records)
+    if unscored:
+        logging.getLogger(__name__).warning("%d sample(s) without a verdict (correct: null) left out.", unscored)
+        records = [record for record in records if record.get("correct") is not None]
     if not records:
         raise ValueError("No records with per-token log-probs (field 'logprobs') to analyse.")
     columns: dict[str, list[float]] = {name: [] for name in ("completion", "thinking", "answer")}
