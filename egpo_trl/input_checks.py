@@ -18,7 +18,6 @@ __all__ = [
     "generation_kwargs_problem",
     "stochastic_settings",
     "loss_forward_input_problems",
-    "model_problem",
     "required_columns",
     "resolve_model_name",
     "training_value_problems",
@@ -188,31 +187,12 @@ def batch_shape_problem(
     )
 
 
-def model_problem(name: str) -> str | None:
-    """Why the model ``name`` (after ``builtin:`` is resolved) cannot be loaded, seen without the network: a local
-    path that does not exist, or a folder that is not a saved model; ``None`` otherwise (a Hub id is not checked)."""
-    from egpo_trl.script.resolve import is_local_path
-
-    path = Path(name).expanduser()
-    if path.is_dir() and not any((path / f).is_file() for f in ("config.json", "adapter_config.json")):
-        return (
-            f"{name} has no config.json, so it is not a saved model; give the folder that save_pretrained wrote (a "
-            "trained run's output_dir, or one of its checkpoint-* folders)."
-        )
-    if not path.exists() and is_local_path(name):
-        return (
-            f"the model {name} does not exist; check the path, or give a local model folder, a Hub id such as "
-            "Qwen/Qwen2.5-Math-1.5B, or builtin:tiny-math-qwen2."
-        )
-    return None
-
-
 def resolve_model_name(model: Any) -> Any:
     """``builtin:<name>`` -> the shipped model's folder, and ``egpo_trl/assets/<name>`` -> that folder from any
     current folder; anything else (a model object, a Hub id, an existing path) unchanged."""
     if not isinstance(model, str):
         return model
-    from egpo_trl.script.resolve import resolve_model_path
+    from egpo_trl.script.resolve import model_problem, resolve_model_path
 
     try:
         model = resolve_model_path(model)

@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from egpo_trl.input_checks import model_problem
 from egpo_trl.script.args import batch_shape_problem, option_value, parse_args
 from egpo_trl.script.data import SYNTHETIC_DATASET_PREFIX, column_problem
 from egpo_trl.script.outputs import RUN_MARKERS
 from egpo_trl.script.recipe import load_recipe, script_problem
-from egpo_trl.script.resolve import resolve_model_path
+from egpo_trl.script.resolve import model_problem, resolve_model_path
 
 __all__ = [
     "DryRunReport",

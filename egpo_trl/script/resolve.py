@@ -46,6 +46,23 @@ def is_local_path(name: str) -> bool:
     )
 
 
+def model_problem(name: str) -> str | None:
+    """Why the model ``name`` (after ``builtin:`` is resolved) cannot be loaded, seen without the network: a local
+    path that does not exist, or a folder that is not a saved model; ``None`` otherwise (a Hub id is not checked)."""
+    path = Path(name).expanduser()
+    if path.is_dir() and not any((path / f).is_file() for f in ("config.json", "adapter_config.json")):
+        return (
+            f"{name} has no config.json, so it is not a saved model; give the folder that save_pretrained wrote (a "
+            "trained run's output_dir, or one of its checkpoint-* folders)."
+        )
+    if not path.exists() and is_local_path(name):
+        return (
+            f"the model {name} does not exist; check the path, or give a local model folder, a Hub id such as "
+            "Qwen/Qwen2.5-Math-1.5B, or builtin:tiny-math-qwen2."
+        )
+    return None
+
+
 def check_model_exists(
     name_or_path: str, revision: str | None = None, trust_remote_code: bool = False, prog: str = "egpo-trl train"
 ) -> str:
@@ -54,8 +71,6 @@ def check_model_exists(
         path = resolve_model_path(name_or_path)
     except SystemExit as error:
         raise SystemExit(str(error).replace("egpo-trl train:", f"{prog}:", 1)) from None
-    from egpo_trl.input_checks import model_problem
-
     problem = model_problem(path)
     if problem:
         raise SystemExit(f"{prog}: {problem}")
