@@ -17,7 +17,6 @@ from unittest import mock
 
 from egpo_trl.script.args import batch_shape_problem, option_value, parse_args
 from egpo_trl.script.data import SYNTHETIC_DATASET_PREFIX, column_problem
-from egpo_trl.script.outputs import RUN_MARKERS
 from egpo_trl.script.recipe import load_recipe, script_problem
 from egpo_trl.script.resolve import model_problem, resolve_model_path
 
@@ -275,42 +274,27 @@ def _existing(path: Path) -> Path:
     return path
 
 
-def _check_output_dir(script_args, training_args, report: DryRunReport) -> None:
-    from transformers.trainer_utils import get_last_checkpoint
+def _check_output_dir(script_args, training_args, model_args, report: DryRunReport) -> None:
+    """The run's own checks of ``output_dir`` and ``resume_from_checkpoint``."""
+    from egpo_trl.script.outputs import prepare_output_dir, refuse_output_dir_over_model
+    from egpo_trl.script.resume import checkpoint_step, later_checkpoints, resume_checkpoint, resumes_own_run
 
     path = Path(training_args.output_dir)
     if not os.access(_existing(path), os.W_OK):
-        report.problems.append(
-            f"output_dir {path} is not writable ({_existing(path)} is read-only); choose another folder."
-        )
-    resume = training_args.resume_from_checkpoint
-    if _is_none(resume):
-        found = [p.name for p in sorted(path.glob("checkpoint-*")) if p.is_dir()]
-        found += [name for name in RUN_MARKERS if (path / name).exists()]
-        if found and script_args.overwrite_output_dir:
-            report.notes.append(f"overwrite_output_dir: the earlier run's outputs in {path} will be removed.")
-        elif found:
-            report.problems.append(
-                f"output_dir {path} already holds another run ({', '.join(found[:5])}); choose a new output_dir, "
-                "resume with --resume_from_checkpoint true, or pass --overwrite_output_dir true."
-            )
-    elif str(resume).lower() in ("true", "last", "latest"):
-        last = get_last_checkpoint(str(path)) if path.is_dir() else None
-        if last is None:
-            report.problems.append(
-                f"resume_from_checkpoint={resume} but {path} has no checkpoint-* folder; give a checkpoint path or "
-                "start a new run."
-            )
-        else:
-            report.settings.append(("resumes from", last))
-    elif not Path(resume).is_dir():
-        report.problems.append(f"resume_from_checkpoint={resume} does not exist.")
-    else:
-        from egpo_trl.script.resume import checkpoint_step, later_checkpoints
-
+        report.problems.append(f"output_dir {path} is not writable ({_existing(path)} is read-only); choose another.")
+    try:
+        resume = resume_checkpoint(training_args)
+        own_run = resumes_own_run(resume, path)
+        refuse_output_dir_over_model(str(path), model_args.model_name_or_path)
+        prepare_output_dir(str(path), script_args.overwrite_output_dir, own_run, None if own_run else resume)
+    except SystemExit as error:
+        report.problems.append(str(error).removeprefix(_PROG))
+        return
+    if resume is None and script_args.overwrite_output_dir and path.is_dir() and any(path.iterdir()):
+        report.notes.append(f"overwrite_output_dir: the earlier run's outputs in {path} will be removed.")
+    if resume is not None:
         report.settings.append(("resumes from", resume))
-        own = Path(resume).resolve().parent == path.resolve()
-        later = later_checkpoints(path, checkpoint_step(resume)) if own else []
+        later = later_checkpoints(path, checkpoint_step(resume)) if own_run else []
         if later:
             report.notes.append(
                 f"{', '.join(c.name for c in later)} of {path} come after the checkpoint resumed from: the run "
@@ -318,23 +302,10 @@ def _check_output_dir(script_args, training_args, report: DryRunReport) -> None:
             )
 
 
-def _model_config(model_args, training_args):
-    """The model's config if it is available locally (``None`` otherwise); raises ``SystemExit`` for a bad path."""
+def _check_model(script_args, training_args, model_args, report: DryRunReport) -> None:
+    """The model exists, and the prompt and completion fit its context; then :func:`_check_disk`."""
     from transformers import AutoConfig
 
-    path = resolve_model_path(model_args.model_name_or_path)
-    try:
-        return AutoConfig.from_pretrained(
-            path,
-            revision=model_args.model_revision,
-            trust_remote_code=training_args.trust_remote_code,
-            local_files_only=True,
-        )
-    except Exception:  # noqa: BLE001 - not available offline
-        return None
-
-
-def _check_context(script_args, training_args, model_args, report: DryRunReport) -> None:
     prompt, vllm_length = script_args.max_prompt_length, training_args.vllm_max_model_length
     total = (prompt or 0) + training_args.max_completion_length
     vllm = training_args.use_vllm and vllm_length is not None
@@ -350,28 +321,35 @@ def _check_context(script_args, training_args, model_args, report: DryRunReport)
         return
     problem = model_problem(path)
     if problem:
-        report.problems.append(problem)
-        return
-    config = _model_config(model_args, training_args)
-    if config is None:
+        return report.problems.append(problem)
+    try:
+        config = AutoConfig.from_pretrained(
+            path,
+            revision=model_args.model_revision,
+            trust_remote_code=training_args.trust_remote_code,
+            local_files_only=True,
+        )
+    except Exception:  # noqa: BLE001 - not available offline: nothing to check against
         report.settings.append(("model context", f"not checked ({path} is not available locally)"))
+        report.settings.append(("checkpoint size", "not estimated (the model's config is not available locally)"))
         return
     context = getattr(config.get_text_config(), "max_position_embeddings", None)
     if context is None:
         report.settings.append(("model context", "not checked (the model config has no max_position_embeddings)"))
-        return
-    report.settings.append(("model context", f"{context} tokens"))
-    if total > context:
+    else:
+        report.settings.append(("model context", f"{context} tokens"))
+    if context is not None and total > context:
         what = "max_prompt_length + max_completion_length" if prompt is not None else "max_completion_length"
         report.problems.append(
             f"{what} = {total} exceeds the model's context ({context} tokens); lower max_completion_length."
         )
-    if vllm and vllm_length > context:
+    if context is not None and vllm and vllm_length > context:
         report.problems.append(f"vllm_max_model_length={vllm_length} exceeds the model's context ({context} tokens).")
-    if prompt is None:
+    if context is not None and prompt is None:
         report.notes.append(
             "max_prompt_length is not set: only max_completion_length was checked against the model's context."
         )
+    _check_disk(training_args, config, report)
 
 
 def _check_importance_sampling(training_args, report: DryRunReport) -> None:
@@ -395,20 +373,17 @@ def _check_importance_sampling(training_args, report: DryRunReport) -> None:
 _CHECKPOINT_BYTES_PER_PARAMETER = 14
 
 
-def _check_disk(training_args, model_args, report: DryRunReport) -> None:
+def _check_disk(training_args, config, report: DryRunReport) -> None:
     """How much disk the run's checkpoints take, against the free space where they go."""
     try:  # the parameter count from the config alone, on the meta device
         import torch
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(
-                _model_config(model_args, training_args), trust_remote_code=training_args.trust_remote_code
-            )
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=training_args.trust_remote_code)
         parameters = sum(p.numel() for p in model.parameters())
-    except (Exception, SystemExit):  # noqa: BLE001 - not available offline or not a causal LM: nothing to estimate
-        report.settings.append(("checkpoint size", "not estimated (the model's config is not available locally)"))
-        return
+    except Exception:  # noqa: BLE001 - not a causal LM: nothing to estimate
+        return report.settings.append(("checkpoint size", "not estimated (not a causal language model)"))
     gb, checkpoint, final = 1e9, parameters * _CHECKPOINT_BYTES_PER_PARAMETER, parameters * 2
     saves = training_args.save_strategy not in ("no", None)  # SaveStrategy is a str enum: NO == "no"
     kept = training_args.save_total_limit
@@ -670,13 +645,12 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
                 "the held-out check (eval_size > 0) generates on the main process only, which ZeRO-3's sharded "
                 "weights do not allow; set eval_size: 0 and evaluate the saved model with `egpo-trl eval`."
             )
-        _check_context(script_args, args, model_args, report)
+        _check_model(script_args, args, model_args, report)
         _check_loss_forward(args, model_args, report, plan)
         _check_dataset(script_args, report)
-        _check_output_dir(script_args, args, report)
+        _check_output_dir(script_args, args, model_args, report)
         _check_wandb(args, report)
         _check_importance_sampling(args, report)
-        _check_disk(args, model_args, report)
     if report.needs_gpu:  # first: nothing else matters on this machine
         gpus = f"{plan.world_size // plan.machines} GPUs" if plan is not None and plan.accelerate_config else "a GPU"
         report.problems.insert(
