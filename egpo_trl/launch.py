@@ -52,12 +52,9 @@ def in_distributed_launch(environ: dict[str, str] | None = None) -> bool:
 
 
 def _visible_gpus() -> int:
-    try:
-        import torch
+    import torch
 
-        return torch.cuda.device_count()
-    except Exception:  # noqa: BLE001 - a broken CUDA setup counts as no GPU here
-        return 0
+    return torch.cuda.device_count()
 
 
 @dataclass
@@ -98,8 +95,7 @@ class LaunchPlan:
 
 
 def _option(argv: Sequence[str], recipe: dict[str, Any], name: str) -> Any:
-    """``--name`` from the command line, else the recipe's ``name`` (``None`` when unset or none); the numbers
-    as integers."""
+    """``--name`` from the command line, else the recipe's ``name``; ``None`` when unset or none."""
     value = option_value(argv, name) or recipe.get(name)
     if _is_none(value):
         return None
@@ -414,14 +410,12 @@ def _check_disk(training_args, config, report: DryRunReport) -> None:
 
 
 def _check_wandb(training_args, report: DryRunReport) -> None:
+    offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun")
     if not _reports_to_wandb(training_args):
         return
-    mode = os.environ.get("WANDB_MODE", "").lower()
     if importlib.util.find_spec("wandb") is None:
         report.problems.append("report_to includes wandb but wandb is not installed: pip install wandb.")
-    elif mode in ("offline", "disabled", "dryrun"):
-        report.notes.append(f"wandb: WANDB_MODE={mode}.")
-    elif not os.environ.get("WANDB_API_KEY") and not (Path.home() / ".netrc").is_file():
+    elif not offline and not os.environ.get("WANDB_API_KEY") and not (Path.home() / ".netrc").is_file():
         report.notes.append(
             "wandb: no API key found (WANDB_API_KEY or `wandb login`); without network set WANDB_MODE=offline and "
             "upload later with `wandb sync`."
