@@ -348,23 +348,6 @@ def _check_model(script_args, training_args, model_args, report: DryRunReport) -
     _check_disk(training_args, config, report)
 
 
-def _check_importance_sampling(training_args, report: DryRunReport) -> None:
-    """Whether TRL's vLLM importance-sampling correction is on (the paper recipes turn it off)."""
-    if not training_args.use_vllm:
-        return
-    if not training_args.vllm_importance_sampling_correction:
-        report.settings.append(("vLLM importance sampling", "off (the paper's setup)"))
-        return
-    mode, length = training_args.vllm_importance_sampling_mode, training_args.max_completion_length
-    report.settings.append(("vLLM importance sampling", f"on ({mode}, ratios capped at 3)"))
-    if mode.startswith("sequence") and length >= 1024:
-        report.notes.append(
-            f"vllm_importance_sampling_mode={mode} weights the loss by a ratio summed over up to {length} tokens, "
-            "which drifts far below 1 from bf16 differences alone (docs/multi_gpu.md); prefer token_truncate, or turn "
-            "the correction off as the paper recipes do."
-        )
-
-
 # Bytes a checkpoint holds per parameter: bf16 weights plus fp32 master weights and Adam's two moments.
 _CHECKPOINT_BYTES_PER_PARAMETER = 14
 
@@ -564,6 +547,17 @@ def _check_vllm(args, world: int, report: DryRunReport) -> None:
         )
     if args.vllm_mode == "server":
         report.notes.append("vllm_mode server: a `trl vllm-serve` server must be running before the launch.")
+    mode, length = args.vllm_importance_sampling_mode, args.max_completion_length
+    correction = args.vllm_importance_sampling_correction
+    report.settings.append(
+        ("vLLM importance sampling", f"on ({mode}, ratios capped at 3)" if correction else "off (the paper's setup)")
+    )
+    if correction and mode.startswith("sequence") and length >= 1024:
+        report.notes.append(
+            f"vllm_importance_sampling_mode={mode} weights the loss by a ratio summed over up to {length} tokens, "
+            "which drifts far below 1 from bf16 differences alone (docs/multi_gpu.md); prefer token_truncate, or turn "
+            "the correction off as the paper recipes do."
+        )
 
 
 def _dynamic_sampling_setting(args: Any, world: int) -> str:
@@ -644,7 +638,6 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
         _check_dataset(script_args, report)
         _check_output_dir(script_args, args, model_args, report)
         _check_wandb(args, report)
-        _check_importance_sampling(args, report)
     if report.needs_gpu:  # first: nothing else matters on this machine
         gpus = f"{plan.world_size // plan.machines} GPUs" if plan is not None and plan.accelerate_config else "a GPU"
         report.problems.insert(
