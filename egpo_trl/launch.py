@@ -1,4 +1,4 @@
-"""``accelerate launch`` behind ``egpo-trl train <recipe>``, the ``--dry-run`` checks, and tracking."""
+"""``accelerate launch`` behind ``egpo-trl train <recipe>``, the ``--dry-run`` checks, and wandb tracking."""
 
 from __future__ import annotations
 
@@ -6,88 +6,69 @@ import importlib.util
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from egpo_trl.script.args import batch_shape_problem, option_value, parse_args
 from egpo_trl.script.data import SYNTHETIC_DATASET_PREFIX, column_problem
-from egpo_trl.script.outputs import RUN_MARKERS
 from egpo_trl.script.recipe import load_recipe, script_problem
 from egpo_trl.script.resolve import model_problem, resolve_model_path
 
-__all__ = [
-    "DryRunReport",
-    "LaunchPlan",
-    "batch_summary",
-    "check_recipe",
-    "configure_tracking",
-    "dry_run",
-    "in_distributed_launch",
-    "launch_command",
-    "launch_if_requested",
-    "normalize_argv",
-    "plan_launch",
-]
-
-# Variables set by `accelerate launch` / torchrun in the processes they start.
-_LAUNCH_ENV_VARS = (
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "ACCELERATE_USE_CPU",
-    "ACCELERATE_MIXED_PRECISION",
-    "ACCELERATE_DYNAMO_BACKEND",
-    "ACCELERATE_USE_DEEPSPEED",
-    "ACCELERATE_USE_FSDP",
-)
+# Set by `accelerate launch` / torchrun in the processes they start.
+_LAUNCH_ENV_VARS = ("LOCAL_RANK", "WORLD_SIZE", "ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION")
+_LAUNCH_ENV_VARS += ("ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP")
+# `accelerate launch` options a recipe key or a flag sets, in the order they are passed on.
+_LAUNCH_OPTIONS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port")
 _NONE_VALUES = ("", "none", "null", "false")
 _DRY_RUN_FLAGS = ("--dry-run", "--dry_run")
+_PROG = "egpo-trl train: "
+
+
+def _is_none(value: Any) -> bool:
+    return value is None or str(value).lower() in _NONE_VALUES
 
 
 def normalize_argv(argv: Sequence[str]) -> tuple[list[str], bool]:
     """``(argv, dry_run)``: a leading recipe path turned into ``--config <recipe>``, ``--dry-run`` taken out."""
-    args = list(argv)
-    is_dry_run = any(a in _DRY_RUN_FLAGS for a in args)
-    args = [a for a in args if a not in _DRY_RUN_FLAGS]
+    args = [a for a in argv if a not in _DRY_RUN_FLAGS]
     if args and not args[0].startswith("-"):
         if "--config" in args:
             raise SystemExit(
-                f"egpo-trl train: got the recipe {args[0]} and --config; give the recipe once (either form works)."
+                f"{_PROG}got the recipe {args[0]} and --config; give the recipe once (either form works)."
             )
-        args = ["--config", args[0], *args[1:]]
-    return args, is_dry_run
+        args = ["--config", *args]
+    return args, any(a in _DRY_RUN_FLAGS for a in argv)
 
 
 def in_distributed_launch(environ: dict[str, str] | None = None) -> bool:
     """Whether this process was started by ``accelerate launch``/torchrun (so it must train, not launch again)."""
-    environ = os.environ if environ is None else environ
-    return any(name in environ for name in _LAUNCH_ENV_VARS)
+    return any(name in (os.environ if environ is None else environ) for name in _LAUNCH_ENV_VARS)
 
 
 def _visible_gpus() -> int:
-    try:
-        import torch
+    import torch
 
-        return torch.cuda.device_count()
-    except Exception:  # noqa: BLE001 - a broken CUDA setup counts as no GPU here
-        return 0
+    return torch.cuda.device_count()
 
 
 @dataclass
 class LaunchPlan:
-    """How ``egpo-trl train`` runs a recipe: accelerate's launch options, ``None`` where unset."""
+    """How ``egpo-trl train`` runs a recipe: the accelerate config, its settings and the launch options."""
 
     recipe: str | None
     accelerate_config: str | None
-    accelerate_settings: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
     num_processes: int | None = None
-    main_process_port: int | None = None
     num_machines: int | None = None
     machine_rank: int | None = None
     main_process_ip: str | None = None
+    main_process_port: int | None = None
     argv: list[str] = field(default_factory=list)
 
     @property
@@ -95,38 +76,38 @@ class LaunchPlan:
         return self.num_machines or 1
 
     @property
-    def distributed_type(self) -> str | None:
-        return self.accelerate_settings.get("distributed_type") if self.accelerate_config else None
-
-    @property
-    def uses_deepspeed(self) -> bool:
-        return self.distributed_type == "DEEPSPEED" or bool(self.accelerate_settings.get("use_deepspeed"))
+    def engine(self) -> str | None:
+        """The distributed engine, as ``EGPOConfig``'s checks name it."""
+        kind = self.settings.get("distributed_type")
+        if kind == "DEEPSPEED" or self.settings.get("use_deepspeed"):
+            return "DeepSpeed"
+        return "FSDP" if kind == "FSDP" else None
 
     @property
     def zero_stage(self) -> int | None:
-        ds = self.accelerate_settings.get("deepspeed_config") or {}
-        return ds.get("zero_stage") if self.uses_deepspeed else None
+        return (self.settings.get("deepspeed_config") or {}).get("zero_stage") if self.engine == "DeepSpeed" else None
 
     @property
     def world_size(self) -> int:
         if self.accelerate_config is None:
             return 1
-        if self.num_processes is not None:
-            return self.num_processes
-        return int(self.accelerate_settings.get("num_processes") or 1)
+        return self.num_processes or int(self.settings.get("num_processes") or 1)
 
 
-def _integer_setting(argv: Sequence[str], recipe: dict[str, Any], name: str, minimum: int) -> int | None:
-    """``--name`` from the command line, else the recipe's ``name``, as an integer (``None`` when unset or none)."""
+def _option(argv: Sequence[str], recipe: dict[str, Any], name: str) -> Any:
+    """``--name`` from the command line, else the recipe's ``name``; ``None`` when unset or none."""
     value = option_value(argv, name) or recipe.get(name)
-    if value is None or str(value).lower() in _NONE_VALUES:
+    if _is_none(value):
         return None
+    if name in ("accelerate_config", "main_process_ip"):
+        return str(value)
     try:
         value = int(value)
     except ValueError:
-        raise SystemExit(f"egpo-trl train: {name} must be an integer, got {value!r}.") from None
+        raise SystemExit(f"{_PROG}{name} must be an integer, got {value!r}.") from None
+    minimum = 0 if name == "machine_rank" else 1
     if value < minimum:
-        raise SystemExit(f"egpo-trl train: {name} must be >= {minimum}, got {value}.")
+        raise SystemExit(f"{_PROG}{name} must be >= {minimum}, got {value}.")
     return value
 
 
@@ -136,58 +117,34 @@ def plan_launch(argv: Sequence[str]) -> LaunchPlan:
     argv = list(argv)
     recipe = option_value(argv, "config")
     data = load_recipe(recipe, "recipe") if recipe else {}
-    accelerate_config = option_value(argv, "accelerate_config") or data.get("accelerate_config")
-    if accelerate_config is not None and str(accelerate_config).lower() in _NONE_VALUES:
-        accelerate_config = None
-    num_processes = _integer_setting(argv, data, "num_processes", minimum=1)
-    main_process_port = _integer_setting(argv, data, "main_process_port", minimum=1)
-    num_machines = _integer_setting(argv, data, "num_machines", minimum=1)
-    machine_rank = _integer_setting(argv, data, "machine_rank", minimum=0)
-    main_process_ip = option_value(argv, "main_process_ip") or data.get("main_process_ip")
-    machines = num_machines or 1
-    if machines > 1 or machine_rank or main_process_ip:
-        if accelerate_config is None:
+    plan = LaunchPlan(recipe, _option(argv, data, "accelerate_config"), argv=argv)
+    for name in _LAUNCH_OPTIONS:
+        setattr(plan, name, _option(argv, data, name))
+    machines = plan.machines
+    if machines > 1 or plan.machine_rank or plan.main_process_ip:
+        if plan.accelerate_config is None:
             raise SystemExit(
-                "egpo-trl train: num_machines, machine_rank and main_process_ip are settings of an accelerate launch; "
-                "set accelerate_config too (e.g. --accelerate_config recipes/accelerate/ddp.yaml)."
+                f"{_PROG}num_machines, machine_rank and main_process_ip are settings of an accelerate launch; set "
+                "accelerate_config too (e.g. --accelerate_config recipes/accelerate/ddp.yaml)."
             )
-        if machine_rank is not None and machine_rank >= machines:
+        if (machines > 1 and (plan.main_process_ip is None or plan.machine_rank is None)) or (
+            plan.machine_rank or 0
+        ) >= machines:
             raise SystemExit(
-                f"egpo-trl train: machine_rank {machine_rank} is not below num_machines {machines}; number the "
-                "machines 0 to num_machines - 1."
+                f"{_PROG}a launch over {machines} machine(s) needs --main_process_ip (the address of the machine of "
+                f"rank 0, which every machine reaches) and, on each machine, its --machine_rank 0 to {machines - 1}."
             )
-        if machines > 1 and not main_process_ip:
-            raise SystemExit(
-                f"egpo-trl train: a launch over {machines} machines needs --main_process_ip (the address of the "
-                "machine of rank 0, which every machine reaches) and --machine_rank on each machine."
-            )
-        if machines > 1 and machine_rank is None:
-            raise SystemExit(
-                f"egpo-trl train: a launch over {machines} machines needs --machine_rank (0 on the machine at "
-                f"{main_process_ip}, 1 to {machines - 1} on the others)."
-            )
-    settings: dict[str, Any] = {}
-    if accelerate_config is not None:
-        settings = load_recipe(accelerate_config, "accelerate config")
-        if num_processes is None and not settings.get("use_cpu"):
-            num_processes = (_visible_gpus() * machines) or None
-    if num_processes is not None and num_processes % machines:
+    if plan.accelerate_config is not None:
+        plan.settings = load_recipe(plan.accelerate_config, "accelerate config")
+        if plan.num_processes is None and not plan.settings.get("use_cpu"):
+            plan.num_processes = (_visible_gpus() * machines) or None
+    if plan.num_processes is not None and plan.num_processes % machines:
         raise SystemExit(
-            f"egpo-trl train: num_processes {num_processes} (the total over the machines) is not a multiple of "
+            f"{_PROG}num_processes {plan.num_processes} (the total over the machines) is not a multiple of "
             f"num_machines {machines}; give every machine as many processes, e.g. --num_processes "
-            f"{machines * max(1, num_processes // machines)}."
+            f"{machines * max(1, plan.num_processes // machines)}."
         )
-    return LaunchPlan(
-        recipe=recipe,
-        accelerate_config=str(accelerate_config) if accelerate_config is not None else None,
-        accelerate_settings=settings,
-        num_processes=num_processes,
-        main_process_port=main_process_port,
-        num_machines=num_machines,
-        machine_rank=machine_rank,
-        main_process_ip=str(main_process_ip) if main_process_ip else None,
-        argv=argv,
-    )
+    return plan
 
 
 def launch_command(plan: LaunchPlan, executable: Sequence[str] = ("accelerate", "launch")) -> list[str]:
@@ -195,21 +152,10 @@ def launch_command(plan: LaunchPlan, executable: Sequence[str] = ("accelerate", 
     if plan.accelerate_config is None:
         return ["egpo-trl", "train", *plan.argv]
     command = [*executable, "--config_file", plan.accelerate_config]
-    if plan.num_processes is not None:
-        command += ["--num_processes", str(plan.num_processes)]
-    if plan.num_machines is not None:
-        command += ["--num_machines", str(plan.num_machines)]
-    if plan.machine_rank is not None:
-        command += ["--machine_rank", str(plan.machine_rank)]
-    if plan.main_process_ip is not None:
-        command += ["--main_process_ip", plan.main_process_ip]
-    if plan.main_process_port is not None:
-        command += ["--main_process_port", str(plan.main_process_port)]
+    for name in _LAUNCH_OPTIONS:
+        if getattr(plan, name) is not None:
+            command += [f"--{name}", str(getattr(plan, name))]
     return [*command, "-m", "egpo_trl.train", *plan.argv]
-
-
-def _printable(command: Sequence[str]) -> str:
-    return " ".join(shlex.quote(part) for part in command)
 
 
 def launch_if_requested(argv: Sequence[str]) -> int | None:
@@ -219,26 +165,16 @@ def launch_if_requested(argv: Sequence[str]) -> int | None:
     plan = plan_launch(argv)
     if plan.accelerate_config is None:
         return None
-    offline = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"  # the checks download nothing; the launch gets the environment as it was
-    try:
+    with mock.patch.dict(os.environ, HF_HUB_OFFLINE="1"):  # the checks download nothing
         problems = check_recipe(argv).problems
-    finally:
-        if offline is None:
-            del os.environ["HF_HUB_OFFLINE"]
-        else:
-            os.environ["HF_HUB_OFFLINE"] = offline
     if problems:
         more = f" ({len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
         recipe = f"{plan.recipe} " if plan.recipe else ""
         raise SystemExit(
-            f"egpo-trl train: {problems[0]}{more} Nothing was launched; `egpo-trl train {recipe}--dry-run` lists "
-            "every check."
+            f"{_PROG}{problems[0]}{more} Nothing was launched; `egpo-trl train {recipe}--dry-run` lists every check."
         )
-    print(f"Launching: {_printable(launch_command(plan))}", flush=True)
-    # `python -m accelerate.commands.launch` is `accelerate launch` without relying on the console script.
-    command = launch_command(plan, executable=(sys.executable, "-m", "accelerate.commands.launch"))
-    process = subprocess.Popen(command)
+    print(f"Launching: {shlex.join(launch_command(plan))}", flush=True)
+    process = subprocess.Popen(launch_command(plan, executable=(sys.executable, "-m", "accelerate.commands.launch")))
     try:
         return process.wait()
     except KeyboardInterrupt:  # the launched processes got the Ctrl-C too: let them save and say how to resume
@@ -249,17 +185,18 @@ def launch_if_requested(argv: Sequence[str]) -> int | None:
         return 130
 
 
+def _reports_to_wandb(training_args) -> bool:
+    report_to = training_args.report_to or []
+    return bool({"wandb", "all"} & set([report_to] if isinstance(report_to, str) else report_to))
+
+
 def configure_tracking(training_args) -> None:
     """``WANDB_PROJECT`` defaults to ``project`` and ``WANDB_DIR`` to ``output_dir`` (the environment wins)."""
-    report_to = training_args.report_to or []
-    if isinstance(report_to, str):
-        report_to = [report_to]
-    if "wandb" not in report_to and "all" not in report_to:
+    if not _reports_to_wandb(training_args):
         return
     if training_args.project:
         os.environ.setdefault("WANDB_PROJECT", training_args.project)
-    os.environ.setdefault("WANDB_DIR", str(training_args.output_dir))
-    Path(os.environ["WANDB_DIR"]).mkdir(parents=True, exist_ok=True)
+    Path(os.environ.setdefault("WANDB_DIR", str(training_args.output_dir))).mkdir(parents=True, exist_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------- dry run
@@ -276,59 +213,48 @@ class DryRunReport:
 
     def render(self) -> str:
         width = max((len(k) for k, _ in self.settings), default=0)
-        lines = ["Resolved settings:"]
-        lines += [f"  {key.ljust(width)}  {value}" for key, value in self.settings]
+        lines = ["Resolved settings:", *(f"  {key.ljust(width)}  {value}" for key, value in self.settings)]
         if self.command:
             lines += ["", "Launch command:", f"  {self.command}"]
         if self.notes:
-            lines += ["", "Notes:"] + [f"  - {note}" for note in self.notes]
-        lines.append("")
+            lines += ["", "Notes:", *(f"  - {note}" for note in self.notes)]
         if self.problems:
-            lines.append(f"{len(self.problems)} problem(s) found:")
-            lines += [f"  - {problem}" for problem in self.problems]
+            lines += ["", f"{len(self.problems)} problem(s) found:", *(f"  - {p}" for p in self.problems)]
         else:
-            lines.append("No problems found: the recipe is ready to run.")
+            lines += ["", "No problems found: the recipe is ready to run."]
         return "\n".join(lines)
 
 
-def _looks_local(name: str) -> bool:
-    """A dataset name that can only be a local path (a Hub id is ``name`` or ``owner/name``)."""
-    return (
-        name.startswith((".", "/", "~"))
-        or name.count("/") > 1
-        or Path(name).suffix in (".json", ".jsonl", ".csv", ".parquet")
-    )
-
-
 def _check_dataset(script_args, report: DryRunReport) -> None:
-    name = script_args.dataset_name
+    name, split = script_args.dataset_name, script_args.dataset_train_split
+    path = Path(name).expanduser()
     if name.startswith(SYNTHETIC_DATASET_PREFIX):
         report.notes.append(f"dataset: built-in synthetic task {name}.")
-        return
-    path = Path(name).expanduser()
-    if path.exists():
-        if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "dataset_info.json").is_file()):
-            from datasets import DatasetDict, load_from_disk
+    elif path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "dataset_info.json").is_file()):
+        from datasets import DatasetDict, load_from_disk
 
-            try:
-                loaded = load_from_disk(str(path))
-            except Exception as error:  # noqa: BLE001 - any failure is reported
-                report.problems.append(f"dataset {path} cannot be read with load_from_disk: {error}")
-                return
-            splits = loaded if isinstance(loaded, DatasetDict) else {script_args.dataset_train_split: loaded}
-            if script_args.dataset_train_split not in splits:
-                report.problems.append(
-                    f"dataset {path} has no split {script_args.dataset_train_split!r} (splits: {list(splits)}); set "
-                    "dataset_train_split."
-                )
-                return
-            train = splits[script_args.dataset_train_split]
-            problem = column_problem(train.column_names, script_args)
-            if problem:
-                report.problems.append(problem.replace("the dataset", f"dataset {path}", 1))
-            report.settings.append(("train rows", len(train)))
+        try:
+            loaded = load_from_disk(str(path))
+        except Exception as error:  # noqa: BLE001 - any failure is reported
+            report.problems.append(f"dataset {path} cannot be read with load_from_disk: {error}")
+            return
+        splits = loaded if isinstance(loaded, DatasetDict) else {split: loaded}
+        if split not in splits:
+            report.problems.append(
+                f"dataset {path} has no split {split!r} (splits: {list(splits)}); set dataset_train_split."
+            )
+            return
+        problem = column_problem(splits[split].column_names, script_args)
+        if problem:
+            report.problems.append(problem.replace("the dataset", f"dataset {path}", 1))
+        report.settings.append(("train rows", len(splits[split])))
+    elif path.exists():
         return
-    if _looks_local(name):
+    elif (
+        name.startswith((".", "/", "~"))
+        or name.count("/") > 1
+        or path.suffix in (".json", ".jsonl", ".csv", ".parquet")
+    ):
         report.problems.append(
             f"dataset {name} does not exist. Build OpenR1-Stable-10k with `egpo-trl data build --config "
             "recipes/data/openr1_stable_10k.yaml` (it writes outputs/data/openr1_stable_10k/dataset), or point "
@@ -338,57 +264,48 @@ def _check_dataset(script_args, report: DryRunReport) -> None:
         report.notes.append(f"dataset: {name} is loaded from the Hugging Face Hub at run time (not checked).")
 
 
-def _check_output_dir(script_args, training_args, report: DryRunReport) -> None:
-    from transformers.trainer_utils import get_last_checkpoint
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_output_dir(script_args, training_args, model_args, report: DryRunReport) -> None:
+    """The run's own checks of ``output_dir`` and ``resume_from_checkpoint``."""
+    from egpo_trl.script.outputs import prepare_output_dir, refuse_output_dir_over_model
+    from egpo_trl.script.resume import checkpoint_step, later_checkpoints, resume_checkpoint, resumes_own_run
 
     path = Path(training_args.output_dir)
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not os.access(existing, os.W_OK):
-        report.problems.append(f"output_dir {path} is not writable ({existing} is read-only); choose another folder.")
-    resume = training_args.resume_from_checkpoint
-    resuming = resume is not None and str(resume).lower() not in _NONE_VALUES
-    if resuming and str(resume).lower() in ("true", "last", "latest"):
-        if not path.is_dir() or get_last_checkpoint(str(path)) is None:
-            report.problems.append(
-                f"resume_from_checkpoint={resume} but {path} has no checkpoint-* folder; give a checkpoint path or "
-                "start a new run."
-            )
-        else:
-            report.settings.append(("resumes from", get_last_checkpoint(str(path))))
-    elif resuming:
-        if not Path(resume).is_dir():
-            report.problems.append(f"resume_from_checkpoint={resume} does not exist.")
-        else:
-            report.settings.append(("resumes from", resume))
-            from egpo_trl.script.resume import checkpoint_step, later_checkpoints
-
-            own = Path(resume).resolve().parent == path.resolve()
-            later = later_checkpoints(path, checkpoint_step(resume)) if own else []
-            if later:
-                report.notes.append(
-                    f"{', '.join(c.name for c in later)} of {path} come after the checkpoint resumed from: the run "
-                    "sets them aside, with the records of their steps, in replaced/<time>-from-step-N/."
-                )
-    if path.is_dir() and not resuming:
-        found = [p.name for p in sorted(path.glob("checkpoint-*")) if p.is_dir()]
-        found += [name for name in RUN_MARKERS if (path / name).exists()]
-        if found and script_args.overwrite_output_dir:
-            report.notes.append(f"overwrite_output_dir: the earlier run's outputs in {path} will be removed.")
-        elif found:
-            report.problems.append(
-                f"output_dir {path} already holds another run ({', '.join(found[:5])}); choose a new output_dir, "
-                "resume with --resume_from_checkpoint true, or pass --overwrite_output_dir true."
+    if not os.access(_existing(path), os.W_OK):
+        report.problems.append(f"output_dir {path} is not writable ({_existing(path)} is read-only); choose another.")
+    try:
+        resume = resume_checkpoint(training_args)
+        own_run = resumes_own_run(resume, path)
+        refuse_output_dir_over_model(str(path), model_args.model_name_or_path)
+        prepare_output_dir(str(path), script_args.overwrite_output_dir, own_run, None if own_run else resume)
+    except SystemExit as error:
+        report.problems.append(str(error).removeprefix(_PROG))
+        return
+    if resume is None and script_args.overwrite_output_dir and path.is_dir() and any(path.iterdir()):
+        report.notes.append(f"overwrite_output_dir: the earlier run's outputs in {path} will be removed.")
+    if resume is not None:
+        report.settings.append(("resumes from", resume))
+        later = later_checkpoints(path, checkpoint_step(resume)) if own_run else []
+        if later:
+            report.notes.append(
+                f"{', '.join(c.name for c in later)} of {path} come after the checkpoint resumed from: the run "
+                "sets them aside, with the records of their steps, in replaced/<time>-from-step-N/."
             )
 
 
-def _check_context(script_args, training_args, model_args, report: DryRunReport) -> None:
-    completion = training_args.max_completion_length
-    prompt = script_args.max_prompt_length
-    total = (prompt or 0) + completion
-    vllm_length = training_args.vllm_max_model_length
-    if training_args.use_vllm and vllm_length is not None and prompt is not None and vllm_length < total:
+def _check_model(script_args, training_args, model_args, report: DryRunReport) -> None:
+    """The model exists, and the prompt and completion fit its context; then :func:`_check_disk`."""
+    from transformers import AutoConfig
+
+    prompt, vllm_length = script_args.max_prompt_length, training_args.vllm_max_model_length
+    total = (prompt or 0) + training_args.max_completion_length
+    vllm = training_args.use_vllm and vllm_length is not None
+    if vllm and prompt is not None and vllm_length < total:
         report.problems.append(
             f"vllm_max_model_length={vllm_length} < max_prompt_length + max_completion_length = {total}: vLLM would "
             "cut generations short; raise vllm_max_model_length."
@@ -396,15 +313,12 @@ def _check_context(script_args, training_args, model_args, report: DryRunReport)
     try:
         path = resolve_model_path(model_args.model_name_or_path)
     except SystemExit as error:
-        report.problems.append(str(error).removeprefix("egpo-trl train: "))
+        report.problems.append(str(error).removeprefix(_PROG))
         return
     problem = model_problem(path)
     if problem:
-        report.problems.append(problem)
-        return
+        return report.problems.append(problem)
     try:
-        from transformers import AutoConfig
-
         config = AutoConfig.from_pretrained(
             path,
             revision=model_args.model_revision,
@@ -413,84 +327,48 @@ def _check_context(script_args, training_args, model_args, report: DryRunReport)
         )
     except Exception:  # noqa: BLE001 - not available offline: nothing to check against
         report.settings.append(("model context", f"not checked ({path} is not available locally)"))
+        report.settings.append(("checkpoint size", "not estimated (the model's config is not available locally)"))
         return
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    context = getattr(text_config, "max_position_embeddings", None)
+    context = getattr(config.get_text_config(), "max_position_embeddings", None)
     if context is None:
         report.settings.append(("model context", "not checked (the model config has no max_position_embeddings)"))
-        return
-    report.settings.append(("model context", f"{context} tokens"))
-    if total > context:
+    else:
+        report.settings.append(("model context", f"{context} tokens"))
+    if context is not None and total > context:
         what = "max_prompt_length + max_completion_length" if prompt is not None else "max_completion_length"
         report.problems.append(
             f"{what} = {total} exceeds the model's context ({context} tokens); lower max_completion_length."
         )
-    if training_args.use_vllm and vllm_length is not None and vllm_length > context:
+    if context is not None and vllm and vllm_length > context:
         report.problems.append(f"vllm_max_model_length={vllm_length} exceeds the model's context ({context} tokens).")
-    if prompt is None:
+    if context is not None and prompt is None:
         report.notes.append(
             "max_prompt_length is not set: only max_completion_length was checked against the model's context."
         )
-
-
-def _check_importance_sampling(training_args, report: DryRunReport) -> None:
-    """Say whether TRL's vLLM importance-sampling correction is on (the paper recipes turn it off)."""
-    if not training_args.use_vllm:
-        return
-    if training_args.vllm_importance_sampling_correction:
-        mode = training_args.vllm_importance_sampling_mode
-        report.settings.append(("vLLM importance sampling", f"on ({mode}, ratios capped at 3)"))
-        if mode.startswith("sequence") and training_args.max_completion_length >= 1024:
-            report.notes.append(
-                f"vllm_importance_sampling_mode={mode} weights the loss by a ratio summed over up to "
-                f"{training_args.max_completion_length} tokens, which drifts far below 1 from bf16 differences alone "
-                "(docs/multi_gpu.md); prefer token_truncate, or turn the correction off as the paper recipes do."
-            )
-    else:
-        report.settings.append(("vLLM importance sampling", "off (the paper's setup)"))
+    _check_disk(training_args, config, report)
 
 
 # Bytes a checkpoint holds per parameter: bf16 weights plus fp32 master weights and Adam's two moments.
 _CHECKPOINT_BYTES_PER_PARAMETER = 14
 
 
-def _model_parameters(name_or_path: str, model_args, training_args) -> int | None:
-    """Parameter count of a locally available model, from its config alone (no weights are read)."""
-    try:
+def _check_disk(training_args, config, report: DryRunReport) -> None:
+    """How much disk the run's checkpoints take, against the free space where they go."""
+    try:  # the parameter count from the config alone, on the meta device
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        config = AutoConfig.from_pretrained(
-            resolve_model_path(name_or_path),
-            revision=model_args.model_revision,
-            trust_remote_code=training_args.trust_remote_code,
-            local_files_only=True,
-        )
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=training_args.trust_remote_code)
-        return sum(p.numel() for p in model.parameters())
-    except (Exception, SystemExit):  # noqa: BLE001 - not available offline or not a causal LM: nothing to estimate
-        return None
-
-
-def _check_disk(training_args, model_args, report: DryRunReport) -> None:
-    """How much disk the run's checkpoints take, against the free space where they go."""
-    import shutil
-
-    parameters = _model_parameters(model_args.model_name_or_path, model_args, training_args)
-    if parameters is None:
-        report.settings.append(("checkpoint size", "not estimated (the model's config is not available locally)"))
-        return
-    checkpoint = parameters * _CHECKPOINT_BYTES_PER_PARAMETER
-    final = parameters * 2
+        parameters = sum(p.numel() for p in model.parameters())
+    except Exception:  # noqa: BLE001 - not a causal LM: nothing to estimate
+        return report.settings.append(("checkpoint size", "not estimated (not a causal language model)"))
+    gb, checkpoint, final = 1e9, parameters * _CHECKPOINT_BYTES_PER_PARAMETER, parameters * 2
     saves = training_args.save_strategy not in ("no", None)  # SaveStrategy is a str enum: NO == "no"
     kept = training_args.save_total_limit
     needed = final + (checkpoint * ((kept or 1) + 1) if saves else 0)  # one more while the oldest is rotated out
-    folder = Path(training_args.output_dir).resolve()
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
+    folder = _existing(Path(training_args.output_dir).resolve())
     free = shutil.disk_usage(folder).free
-    gb = 1e9
     kept_text = (
         f"save_total_limit {kept} keeps" if kept else "every checkpoint is kept (no save_total_limit), at least"
     )
@@ -515,23 +393,19 @@ def _check_disk(training_args, model_args, report: DryRunReport) -> None:
 
 
 def _check_wandb(training_args, report: DryRunReport) -> None:
-    report_to = training_args.report_to or []
-    if "wandb" not in report_to and "all" not in report_to:
+    offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun")
+    if not _reports_to_wandb(training_args):
         return
     if importlib.util.find_spec("wandb") is None:
         report.problems.append("report_to includes wandb but wandb is not installed: pip install wandb.")
-        return
-    mode = os.environ.get("WANDB_MODE", "").lower()
-    if mode in ("offline", "disabled", "dryrun"):
-        report.notes.append(f"wandb: WANDB_MODE={mode}.")
-    elif not os.environ.get("WANDB_API_KEY") and not (Path.home() / ".netrc").is_file():
+    elif not offline and not os.environ.get("WANDB_API_KEY") and not (Path.home() / ".netrc").is_file():
         report.notes.append(
             "wandb: no API key found (WANDB_API_KEY or `wandb login`); without network set WANDB_MODE=offline and "
             "upload later with `wandb sync`."
         )
 
 
-def _check_loss_forward(args, model_args, report: DryRunReport, plan: LaunchPlan | None = None) -> None:
+def _check_loss_forward(args, model_args, report: DryRunReport, plan: LaunchPlan | None) -> None:
     """``loss_forward``'s checks made before the model loads, and its memory notes."""
     if getattr(args, "egpo_entropy_logps", None) != "loss_forward":
         return
@@ -555,27 +429,14 @@ def _check_loss_forward(args, model_args, report: DryRunReport, plan: LaunchPlan
         report.problems.append(loss_forward_error(problems))
 
 
-def _launch_engine(plan: LaunchPlan | None) -> str | None:
-    """The distributed engine of a launch, as ``EGPOConfig``'s checks name it."""
-    if plan is None:
-        return None
-    if plan.uses_deepspeed:
-        return "DeepSpeed"
-    return "FSDP" if plan.distributed_type == "FSDP" else None
-
-
-def _parse_for_dry_run(argv: list[str], report: DryRunReport, plan: LaunchPlan | None = None):
-    """``parse_args`` for the launch's process count and engine (``plan``) rather than this process's, and
-    without a GPU for bf16; problems go to ``report``."""
-    from unittest import mock
-
+def _parse_for_dry_run(argv: list[str], report: DryRunReport, plan: LaunchPlan | None):
+    """``parse_args`` for the launch's process count and engine rather than this process's, and without a GPU for
+    bf16; problems go to ``report``."""
     from egpo_trl.config import EGPOConfig
 
-    any_group = math.lcm(*range(1, 65))
+    launch = (plan.world_size, plan.engine) if plan is not None else (1, None)
 
-    launch = (plan.world_size if plan is not None else 1, _launch_engine(plan))
-
-    def parse(args, world: int = any_group):
+    def parse(args, world: int = math.lcm(*range(1, 65))):  # a stand-in count every group size divides
         try:
             with (
                 mock.patch.object(EGPOConfig, "world_size", property(lambda self: world)),
@@ -592,23 +453,22 @@ def _parse_for_dry_run(argv: list[str], report: DryRunReport, plan: LaunchPlan |
         return parse(argv)
     except SystemExit as error:
         message = str(error)
-        if ("bf16" in message or "fp16" in message) and _visible_gpus() == 0:
-            report.needs_gpu.append("bf16" if "bf16" in message else "fp16")
-            report.precision = "bf16" if "--bf16" not in argv and "bf16" in message else None
-            report.precision = f"{report.precision or 'bf16/fp16'} (as the recipe says; not checked without a GPU)"
-            try:
-                return parse([*argv, "--bf16", "false", "--fp16", "false"])
-            except SystemExit as second:
-                message = str(second)
-                argv = [*argv, "--bf16", "false", "--fp16", "false"]
-        report.problems.append(message.removeprefix("egpo-trl train: "))
-        if "egpo_entropy_logps='loss_forward' cannot be used here" in message:
-            # Listed; the other checks still run, on the settings with the no-grad pass instead.
-            try:
-                return parse([*argv, "--egpo_entropy_logps", "policy"])
-            except SystemExit as second:
-                report.problems.append(str(second).removeprefix("egpo-trl train: "))
-        return None
+    if ("bf16" in message or "fp16" in message) and _visible_gpus() == 0:
+        report.needs_gpu.append("bf16" if "bf16" in message else "fp16")
+        precision = "bf16" if "--bf16" not in argv and "bf16" in message else "bf16/fp16"
+        report.precision = f"{precision} (as the recipe says; not checked without a GPU)"
+        argv = [*argv, "--bf16", "false", "--fp16", "false"]
+        try:
+            return parse(argv)
+        except SystemExit as second:
+            message = str(second)
+    report.problems.append(message.removeprefix(_PROG))
+    if "egpo_entropy_logps='loss_forward' cannot be used here" in message:
+        try:  # the other checks still run, on the settings with the no-grad pass instead
+            return parse([*argv, "--egpo_entropy_logps", "policy"])
+        except SystemExit as second:
+            report.problems.append(str(second).removeprefix(_PROG))
+    return None
 
 
 def dry_run(argv: Sequence[str]) -> int:
@@ -619,78 +479,115 @@ def dry_run(argv: Sequence[str]) -> int:
     return 1 if report.problems else 0
 
 
+def _check_launch(plan: LaunchPlan, report: DryRunReport) -> None:
+    """The recipe's launch: its accelerate config, processes, machines and GPUs."""
+    report.settings.append(("recipe", plan.recipe))
+    script = script_problem(plan.recipe) if plan.recipe else None
+    if script:
+        report.notes.append(script)
+    report.command = shlex.join(launch_command(plan))
+    if plan.accelerate_config is None:
+        report.settings.append(("launch", "in this process (no accelerate_config)"))
+        return
+    kind = plan.settings.get("distributed_type") or "no distributed_type"
+    report.settings += [("accelerate config", f"{plan.accelerate_config} ({kind})"), ("processes", plan.world_size)]
+    per_machine = plan.world_size // plan.machines
+    if plan.machines > 1:
+        port = plan.main_process_port or 29500
+        report.settings.append(
+            (
+                "machines",
+                f"{plan.machines} x {per_machine} processes; this one is rank {plan.machine_rank}, rendezvous at "
+                f"{plan.main_process_ip}:{port}",
+            )
+        )
+    if plan.engine == "DeepSpeed":
+        report.settings.append(("DeepSpeed ZeRO stage", plan.zero_stage))
+        if importlib.util.find_spec("deepspeed") is None:
+            report.problems.append(
+                f"{plan.accelerate_config} uses DeepSpeed, which is not installed: pip install deepspeed (or use "
+                "recipes/accelerate/ddp.yaml)."
+            )
+    gpus = _visible_gpus()
+    if plan.settings.get("use_cpu"):
+        return
+    if gpus == 0 and not report.needs_gpu:  # with them, a problem
+        each = f" on each of {plan.machines} machine(s)" if plan.machines > 1 else ""
+        report.notes.append(f"this machine sees no GPU; the launch needs {per_machine}{each}.")
+    elif 0 < gpus < per_machine:
+        report.problems.append(
+            f"the launch needs {per_machine} GPUs on this machine but it sees {gpus}; set num_processes (the total "
+            "over the machines)."
+        )
+
+
+def _check_vllm(args, world: int, report: DryRunReport) -> None:
+    engine = ""
+    if args.vllm_mode == "colocate":  # each engine decodes its tensor-parallel group's prompts together
+        from egpo_trl.sampling.dynamic import colocated_engine_sequences
+
+        rows, oversampled = colocated_engine_sequences(args, world)
+        engine = f", max_num_seqs {rows} per engine" + (" (the oversampled first round)" if oversampled else "")
+    report.settings.append(
+        (
+            "vLLM",
+            f"mode {args.vllm_mode}, gpu_memory_utilization {args.vllm_gpu_memory_utilization}, sleep mode "
+            f"{args.vllm_enable_sleep_mode}, max_model_length {args.vllm_max_model_length}, tensor_parallel_size "
+            f"{args.vllm_tensor_parallel_size}{engine}",
+        )
+    )
+    if importlib.util.find_spec("vllm") is None:
+        report.problems.append(
+            "use_vllm is true but vLLM is not installed: pip install vllm (or pass --use_vllm false to generate with "
+            "transformers)."
+        )
+    if args.vllm_mode == "colocate" and world % args.vllm_tensor_parallel_size != 0:
+        report.problems.append(
+            f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size} does not divide the {world} processes."
+        )
+    if args.vllm_mode == "server":
+        report.notes.append("vllm_mode server: a `trl vllm-serve` server must be running before the launch.")
+    mode, length = args.vllm_importance_sampling_mode, args.max_completion_length
+    correction = args.vllm_importance_sampling_correction
+    report.settings.append(
+        ("vLLM importance sampling", f"on ({mode}, ratios capped at 3)" if correction else "off (the paper's setup)")
+    )
+    if correction and mode.startswith("sequence") and length >= 1024:
+        report.notes.append(
+            f"vllm_importance_sampling_mode={mode} weights the loss by a ratio summed over up to {length} tokens, "
+            "which drifts far below 1 from bf16 differences alone (docs/multi_gpu.md); prefer token_truncate, or turn "
+            "the correction off as the paper recipes do."
+        )
+
+
 def _dynamic_sampling_setting(args: Any, world: int) -> str:
     """Dynamic sampling's rounds, and its oversampled first round's size."""
     from egpo_trl.sampling.dynamic import first_round_groups
 
     line = f"up to {args.dynamic_sampling_max_rounds} rounds per generation batch ({args.dynamic_sampling_metric})"
     target, extra = first_round_groups(args, world)
-    if extra:
-        sequences = (target + extra) * args.num_generations
-        line += (
-            f"; first round {target} + {extra} groups ({(target + extra) / target:.3g}x), {sequences} completions, "
-            f"{sequences // world} per process"
-        )
-    return line
+    if not extra:
+        return line
+    sequences = (target + extra) * args.num_generations
+    return (
+        f"{line}; first round {target} + {extra} groups ({(target + extra) / target:.3g}x), {sequences} completions, "
+        f"{sequences // world} per process"
+    )
 
 
 def check_recipe(argv: Sequence[str]) -> DryRunReport:
     """The checks of ``--dry-run``, without printing: the resolved settings, problems and notes."""
-    report = DryRunReport()
-    argv = list(argv)
-    plan = None
+    report, argv, plan = DryRunReport(), list(argv), None
     try:
         plan = plan_launch(argv)
     except SystemExit as error:
-        report.problems.append(str(error).removeprefix("egpo-trl train: "))
+        report.problems.append(str(error).removeprefix(_PROG))
     parsed = _parse_for_dry_run(argv, report, plan)
-    on_cpu = plan is not None and plan.accelerate_settings.get("use_cpu")
+    on_cpu = plan is not None and plan.settings.get("use_cpu")
     if parsed is not None and parsed[1].use_vllm and not (parsed[1].use_cpu or on_cpu) and _visible_gpus() == 0:
         report.needs_gpu.insert(0, "use_vllm")
-
     if plan is not None:
-        report.settings.append(("recipe", plan.recipe))
-        script = script_problem(plan.recipe) if plan.recipe else None
-        if script:
-            report.notes.append(script)
-        if plan.accelerate_config is None:
-            report.settings.append(("launch", "in this process (no accelerate_config)"))
-        else:
-            report.settings.append(
-                ("accelerate config", f"{plan.accelerate_config} ({plan.distributed_type or 'no distributed_type'})")
-            )
-            report.settings.append(("processes", plan.world_size))
-            if plan.machines > 1:
-                report.settings.append(
-                    (
-                        "machines",
-                        f"{plan.machines} x {plan.world_size // plan.machines} processes; this one is rank "
-                        f"{plan.machine_rank}, rendezvous at {plan.main_process_ip}:{plan.main_process_port or 29500}",
-                    )
-                )
-            if plan.uses_deepspeed:
-                report.settings.append(("DeepSpeed ZeRO stage", plan.zero_stage))
-                if importlib.util.find_spec("deepspeed") is None:
-                    report.problems.append(
-                        f"{plan.accelerate_config} uses DeepSpeed, which is not installed: pip install deepspeed (or "
-                        "use recipes/accelerate/ddp.yaml)."
-                    )
-            gpus = _visible_gpus()
-            if not plan.accelerate_settings.get("use_cpu"):
-                if gpus == 0 and not report.needs_gpu:  # with them, a problem below
-                    report.notes.append(
-                        f"this machine sees no GPU; the launch needs {plan.world_size // plan.machines} on each of "
-                        f"{plan.machines} machine(s)."
-                        if plan.machines > 1
-                        else f"this machine sees no GPU; the launch needs {plan.world_size}."
-                    )
-                elif 0 < gpus < plan.world_size // plan.machines:
-                    report.problems.append(
-                        f"the launch needs {plan.world_size // plan.machines} GPUs on this machine but it sees {gpus}; "
-                        "set num_processes (the total over the machines)."
-                    )
-        report.command = _printable(launch_command(plan))
-
+        _check_launch(plan, report)
     if parsed is not None:
         script_args, args, model_args = parsed
         world = plan.world_size if plan is not None else 1
@@ -699,6 +596,8 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
         batch, batch_note = batch_summary(argv, args, world)
         if batch_note:
             report.notes.append(batch_note)
+        precision = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
+        length = f"epochs {args.num_train_epochs:g}" if args.max_steps <= 0 else f"max_steps {args.max_steps}"
         report.settings += [
             ("model", model_args.model_name_or_path),
             ("dataset", f"{script_args.dataset_name} (split {script_args.dataset_train_split})"),
@@ -708,11 +607,11 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
             ("batch", batch),
             ("generation batch", f"{generation_batch} completions every {steps_per_generation} step(s)"),
             ("learning rate", args.learning_rate),
-            ("length", f"epochs {args.num_train_epochs:g}" if args.max_steps <= 0 else f"max_steps {args.max_steps}"),
+            ("length", length),
             ("max_prompt_length", script_args.max_prompt_length),
             ("max_completion_length", args.max_completion_length),
             ("sampling", f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"),
-            ("precision", report.precision or ("bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32"))),
+            ("precision", report.precision or precision),
             ("gradient checkpointing", args.gradient_checkpointing),
             ("report_to", ", ".join(args.report_to or []) or "none"),
             ("project / run_name", f"{args.project} / {args.run_name}"),
@@ -721,62 +620,29 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
             report.settings.append(("egpo lambda min / max", f"{args.egpo_lambda_min} / {args.egpo_lambda_max}"))
         if args.dynamic_sampling:
             report.settings.append(("dynamic sampling", _dynamic_sampling_setting(args, world)))
+        own_steps = steps_per_generation if steps_per_generation != args.gradient_accumulation_steps else None
         batch_problem = batch_shape_problem(
-            args.per_device_train_batch_size,
-            world,
-            args.gradient_accumulation_steps,
-            args.num_generations,
-            steps_per_generation if steps_per_generation != args.gradient_accumulation_steps else None,
+            args.per_device_train_batch_size, world, args.gradient_accumulation_steps, args.num_generations, own_steps
         )
         if batch_problem:
             report.problems.append(batch_problem)
         if args.use_vllm:
-            engine = ""
-            if args.vllm_mode == "colocate":  # each engine decodes its tensor-parallel group's prompts together
-                from egpo_trl.sampling.dynamic import colocated_engine_sequences
-
-                rows, oversampled = colocated_engine_sequences(args, world)
-                engine = f", max_num_seqs {rows} per engine" + (
-                    " (the oversampled first round)" if oversampled else ""
-                )
-            report.settings.append(
-                (
-                    "vLLM",
-                    f"mode {args.vllm_mode}, gpu_memory_utilization {args.vllm_gpu_memory_utilization}, "
-                    f"sleep mode {args.vllm_enable_sleep_mode}, max_model_length {args.vllm_max_model_length}, "
-                    f"tensor_parallel_size {args.vllm_tensor_parallel_size}{engine}",
-                )
-            )
-            if importlib.util.find_spec("vllm") is None:
-                report.problems.append(
-                    "use_vllm is true but vLLM is not installed: pip install vllm (or pass --use_vllm false to "
-                    "generate with transformers)."
-                )
-            if args.vllm_mode == "colocate" and world % args.vllm_tensor_parallel_size != 0:
-                report.problems.append(
-                    f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size} does not divide the {world} processes."
-                )
-            if args.vllm_mode == "server":
-                report.notes.append("vllm_mode server: a `trl vllm-serve` server must be running before the launch.")
+            _check_vllm(args, world, report)
         if plan is not None and plan.zero_stage == 3 and script_args.eval_size > 0:
             report.problems.append(
                 "the held-out check (eval_size > 0) generates on the main process only, which ZeRO-3's sharded "
                 "weights do not allow; set eval_size: 0 and evaluate the saved model with `egpo-trl eval`."
             )
-        _check_context(script_args, args, model_args, report)
+        _check_model(script_args, args, model_args, report)
         _check_loss_forward(args, model_args, report, plan)
         _check_dataset(script_args, report)
-        _check_output_dir(script_args, args, report)
+        _check_output_dir(script_args, args, model_args, report)
         _check_wandb(args, report)
-        _check_importance_sampling(args, report)
-        _check_disk(args, model_args, report)
     if report.needs_gpu:  # first: nothing else matters on this machine
-        processes = (
-            f"{plan.world_size // plan.machines} GPUs" if plan is not None and plan.accelerate_config else "a GPU"
-        )
+        gpus = f"{plan.world_size // plan.machines} GPUs" if plan is not None and plan.accelerate_config else "a GPU"
         report.problems.insert(
             0,
-            f"this machine sees no GPU, but the recipe needs {processes} ({', '.join(report.needs_gpu)}): run it on a "
+            f"this machine sees no GPU, but the recipe needs {gpus} ({', '.join(report.needs_gpu)}): run it on a "
             "machine with GPUs (recipes/demo_tiny_cpu.yaml trains on CPU).",
         )
     report.problems = list(dict.fromkeys(report.problems))  # a recipe that cannot be read is reported once
@@ -814,14 +680,12 @@ def _recipe_batch(recipe: str | None) -> tuple[int, int] | None:
 
     if recipe is None:
         return None
-    data = load_recipe(recipe)
-    defaults = EGPOConfig.__dataclass_fields__
+    data, defaults = load_recipe(recipe), EGPOConfig.__dataclass_fields__
     try:
         per_device = int(data.get("per_device_train_batch_size", defaults["per_device_train_batch_size"].default))
         accumulation = int(data.get("gradient_accumulation_steps", defaults["gradient_accumulation_steps"].default))
-        processes = data.get("num_processes")
-        config = data.get("accelerate_config")
-        if processes is None and config is not None and str(config).lower() not in _NONE_VALUES:
+        processes, config = data.get("num_processes"), data.get("accelerate_config")
+        if processes is None and not _is_none(config):
             processes = load_recipe(config, "accelerate config").get("num_processes")
         processes = int(processes or 1)
     except (TypeError, ValueError, SystemExit):
