@@ -1,7 +1,7 @@
 """``egpo-trl diagnose RUN``: entropy of correct vs incorrect completions in ``egpo-trl eval`` records.
 
-Writes ``diagnostics.md``/``.json`` (per scope: ROC-AUC for predicting an incorrect answer, paper Table 3, and
-the entropy gap, Sec. 5.4, with bootstrap intervals over problems), ``entropies.csv`` and four figures.
+Writes ``diagnostics.md``/``.json`` (per scope: ROC-AUC for predicting an incorrect answer, paper Table 3, and the
+entropy gap, Sec. 5.4, with bootstrap intervals over problems), ``entropies.csv`` and four figures.
 """
 
 from __future__ import annotations
@@ -22,17 +22,8 @@ from egpo_trl.diagnostics.metrics import SCOPES, EntropyTable, entropy_table, na
 from egpo_trl.evaluation.records import iter_records
 from egpo_trl.segments import DEFAULT_THINK_END, DEFAULT_THINK_START
 
-logger = logging.getLogger(__name__)
-
-OUTPUT_FILES = (
-    "diagnostics.md",
-    "diagnostics.json",
-    "entropies.csv",
-    "entropy_density.png",
-    "roc_thinking_vs_answer.png",
-    "answer_length_vs_entropy.png",
-    "thinking_vs_answer_entropy.png",
-)
+FIGURES = ("entropy_density", "roc_thinking_vs_answer", "answer_length_vs_entropy", "thinking_vs_answer_entropy")
+OUTPUT_FILES = ("diagnostics.md", "diagnostics.json", "entropies.csv", *(f"{name}.png" for name in FIGURES))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,12 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", help="where to write (default: <run>/diagnostics for a single run folder)")
     parser.add_argument("--benchmarks", help="comma-separated benchmark names to keep (default: all)")
     parser.add_argument("--tokenizer", help="recompute the thinking/answer split from token ids with this tokenizer")
-    parser.add_argument(
-        "--think-start", default=DEFAULT_THINK_START, help="opening tag (with --tokenizer; default <think>)"
-    )
-    parser.add_argument(
-        "--think-end", default=DEFAULT_THINK_END, help="closing tag (with --tokenizer; default </think>)"
-    )
+    parser.add_argument("--think-start", default=DEFAULT_THINK_START, help="opening tag (with --tokenizer)")
+    parser.add_argument("--think-end", default=DEFAULT_THINK_END, help="closing tag (with --tokenizer)")
     parser.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of problems (default: 1000)")
     parser.add_argument("--level", type=float, default=0.95, help="confidence level of the intervals (default: 0.95)")
     parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: 0)")
@@ -63,9 +50,7 @@ def _record_files(paths: list[str]) -> tuple[list[str], str | None]:
     files, label = [], None
     for path in paths:
         if os.path.isdir(path):
-            found = sorted(glob.glob(os.path.join(path, "records", "*.jsonl"))) or sorted(
-                glob.glob(os.path.join(path, "*.jsonl"))
-            )
+            found = sorted(glob.glob(os.path.join(path, "records", "*.jsonl")) or glob.glob(f"{path}/*.jsonl"))
             if not found:
                 raise FileNotFoundError(
                     f"{path} has no records (records/*.jsonl); give an `egpo-trl eval` run folder."
@@ -87,9 +72,7 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 
 
 def _interval(bounds: list[float | None], digits: int = 3) -> str:
-    if bounds[0] is None:
-        return ""
-    return f" [{bounds[0]:.{digits}f}, {bounds[1]:.{digits}f}]"
+    return "" if bounds[0] is None else f" [{bounds[0]:.{digits}f}, {bounds[1]:.{digits}f}]"
 
 
 def format_markdown(report: dict[str, Any]) -> str:
@@ -202,9 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     existing = [name for name in OUTPUT_FILES if os.path.exists(os.path.join(output_dir, name))]
     if existing and not args.overwrite:
         print(
-            f"egpo-trl diagnose: {output_dir} already holds diagnostics ({', '.join(existing)}); choose another "
-            "--output-dir or pass --overwrite to replace them.",
-            file=sys.stderr,
+            f"egpo-trl diagnose: {output_dir} already holds {', '.join(existing)}; pass --overwrite.", file=sys.stderr
         )
         return 2
 
@@ -218,11 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     if not records:
         print(f"egpo-trl diagnose: no records found in {', '.join(files)}.", file=sys.stderr)
         return 2
-    tokenizer = None
-    if args.tokenizer:
-        from transformers import AutoTokenizer
+    from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else None
     try:
         table = entropy_table(records, tokenizer, args.think_start, args.think_end)
     except ValueError as error:
@@ -232,9 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     label = args.label or run_label or "model"
     report = diagnose(table, label, args.bootstrap, args.seed, args.level)
     os.makedirs(output_dir, exist_ok=True)
+    markdown = format_markdown(report)
     with open(os.path.join(output_dir, "diagnostics.json"), "w", encoding="utf-8") as handle:
         json.dump(report, handle, indent=2)
-    markdown = format_markdown(report)
     with open(os.path.join(output_dir, "diagnostics.md"), "w", encoding="utf-8") as handle:
         handle.write(markdown)
     _write_csv(table, os.path.join(output_dir, "entropies.csv"))
