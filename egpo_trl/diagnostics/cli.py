@@ -23,6 +23,8 @@ from egpo_trl.evaluation.records import iter_records
 from egpo_trl.segments import DEFAULT_THINK_END, DEFAULT_THINK_START
 
 FIGURES = ("entropy_density", "roc_thinking_vs_answer", "answer_length_vs_entropy", "thinking_vs_answer_entropy")
+CSV_COLUMNS = "benchmark problem_id sample correct entropy_completion entropy_thinking entropy_answer thinking_tokens"
+CSV_COLUMNS += " answer_tokens"
 OUTPUT_FILES = ("diagnostics.md", "diagnostics.json", "entropies.csv", *(f"{name}.png" for name in FIGURES))
 
 
@@ -153,16 +155,34 @@ def diagnose(
 def _write_csv(table: EntropyTable, path: str) -> None:
     with open(path, "w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
-        writer.writerow(
-            ["benchmark", "problem_id", "sample", "correct", "entropy_completion", "entropy_thinking"]
-            + ["entropy_answer", "thinking_tokens", "answer_tokens"]
+        writer.writerow(CSV_COLUMNS.split())
+        writer.writerows(
+            [table.benchmark[i], table.problem_id[i], table.sample[i], int(table.correct[i])]
+            + [_fmt(float(getattr(table, scope)[i]), 6) for scope in SCOPES]
+            + [int(table.thinking_tokens[i]), int(table.answer_tokens[i])]
+            for i in range(len(table))
         )
-        for i in range(len(table)):
-            writer.writerow(
-                [table.benchmark[i], table.problem_id[i], table.sample[i], int(table.correct[i])]
-                + [_fmt(float(getattr(table, scope)[i]), 6) for scope in SCOPES]
-                + [int(table.thinking_tokens[i]), int(table.answer_tokens[i])]
-            )
+
+
+def _load(args, parser) -> tuple[EntropyTable, str, str]:
+    files, run_label = _record_files(args.records)
+    output_dir = args.output_dir
+    if output_dir is None:
+        if len(args.records) != 1 or not os.path.isdir(args.records[0]):
+            parser.error("--output-dir is required unless a single run folder is given.")
+        output_dir = os.path.join(args.records[0], "diagnostics")
+    existing = [name for name in OUTPUT_FILES if os.path.exists(os.path.join(output_dir, name))]
+    if existing and not args.overwrite:
+        raise ValueError(f"{output_dir} already holds {', '.join(existing)}; pass --overwrite.")
+    wanted = {name.strip() for name in args.benchmarks.split(",")} if args.benchmarks else None
+    records = [r for path in files for r in iter_records(path) if wanted is None or r.get("benchmark") in wanted]
+    if not records:
+        raise ValueError(f"no records found in {', '.join(files)}.")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else None
+    table = entropy_table(records, tokenizer, args.think_start, args.think_end)
+    return table, args.label or run_label or "model", output_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,43 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.level < 1:
         parser.error(f"--level must be between 0 and 1, got {args.level}.")
     try:
-        files, run_label = _record_files(args.records)
-    except FileNotFoundError as error:
+        table, label, output_dir = _load(args, parser)
+    except (FileNotFoundError, ValueError) as error:
         print(f"egpo-trl diagnose: {error}", file=sys.stderr)
         return 2
-    output_dir = args.output_dir
-    if output_dir is None:
-        if len(args.records) == 1 and os.path.isdir(args.records[0]):
-            output_dir = os.path.join(args.records[0], "diagnostics")
-        else:
-            parser.error("--output-dir is required unless a single run folder is given.")
-    existing = [name for name in OUTPUT_FILES if os.path.exists(os.path.join(output_dir, name))]
-    if existing and not args.overwrite:
-        print(
-            f"egpo-trl diagnose: {output_dir} already holds {', '.join(existing)}; pass --overwrite.", file=sys.stderr
-        )
-        return 2
-
-    wanted = {name.strip() for name in args.benchmarks.split(",")} if args.benchmarks else None
-    records = [
-        record
-        for path in files
-        for record in iter_records(path)
-        if wanted is None or record.get("benchmark") in wanted
-    ]
-    if not records:
-        print(f"egpo-trl diagnose: no records found in {', '.join(files)}.", file=sys.stderr)
-        return 2
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else None
-    try:
-        table = entropy_table(records, tokenizer, args.think_start, args.think_end)
-    except ValueError as error:
-        print(f"egpo-trl diagnose: {error}", file=sys.stderr)
-        return 2
-
-    label = args.label or run_label or "model"
     report = diagnose(table, label, args.bootstrap, args.seed, args.level)
     os.makedirs(output_dir, exist_ok=True)
     markdown = format_markdown(report)
@@ -217,7 +204,6 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(output_dir, "diagnostics.md"), "w", encoding="utf-8") as handle:
         handle.write(markdown)
     _write_csv(table, os.path.join(output_dir, "entropies.csv"))
-
     from egpo_trl.diagnostics.plots import plot_all
 
     plot_all(table, output_dir, title=label, note=args.note)
