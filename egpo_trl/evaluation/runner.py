@@ -89,8 +89,7 @@ def _check_or_write_run(path: str, run: dict[str, Any]) -> dict[str, Any]:
 
 
 def _records_for(
-    problems_by_key: dict[tuple[str, int], Problem],
-    keys: Sequence[tuple[str, int]],
+    chunk: Sequence[tuple[Problem, int]],
     prompts: dict[str, tuple[str, list[int]]],
     generations: Sequence[Generation],
     spec: BenchmarkSpec,
@@ -103,8 +102,8 @@ def _records_for(
     spans = segment_spans(ids, mask, tokenizer)
 
     records = []
-    for row, (key, generation, seed) in enumerate(zip(keys, generations, seeds)):
-        problem, logprobs = problems_by_key[key], generation.logprobs
+    for row, ((problem, sample), generation, seed) in enumerate(zip(chunk, generations, seeds)):
+        logprobs = generation.logprobs
         extracted, correct = score_completion(generation.text, problem.gold, spec.answer_format, problem.choices)
         prompt_text, prompt_ids = prompts[problem.id]
         records.append(
@@ -112,7 +111,7 @@ def _records_for(
                 "benchmark": spec.name,
                 "problem_id": problem.id,
                 "problem_index": problem.index,
-                "sample": key[1],
+                "sample": sample,
                 "prompt": prompt_text,
                 "completion": generation.text,
                 "gold": problem.gold,
@@ -171,10 +170,8 @@ def evaluate(
     label = label or os.path.basename(os.path.normpath(model_name)) or model_name
 
     loaded = [load_problems(spec, limit) for spec in benchmarks]
-    names = [spec.name for spec, _ in loaded]
-    duplicates = {name for name in names if names.count(name) > 1}
-    if duplicates:
-        raise ValueError(f"Benchmarks {sorted(duplicates)} given twice; each needs its own name.")
+    if len({spec.name for spec, _ in loaded}) < len(loaded):
+        raise ValueError(f"A benchmark is given twice ({[spec.name for spec, _ in loaded]}); each needs its own name.")
     run = {
         "model": model_name,
         "label": label,
@@ -211,52 +208,38 @@ def evaluate(
         pending.sort(key=lambda item: (-len(prompts[item[0].id][1]), item[0].index, item[1]))
         context = getattr(backend, "max_context", None)
         too_long = [item for item in pending if context and len(prompts[item[0].id][1]) >= context]
-        if too_long:
-            # The model cannot read these questions: they are scored as unanswered, and recorded as such.
+        if too_long:  # recorded as unanswered
             logger.warning(
                 "%s: %d of %d problems have prompts of at least the model's context (%d tokens); their samples "
                 "are recorded with finish_reason='prompt_too_long' and count as incorrect.",
-                spec.name,
-                len({problem.id for problem, _ in too_long}),
-                len(problems),
-                context,
+                *(spec.name, len({problem.id for problem, _ in too_long}), len(problems), context),
             )
             pending = pending[len(too_long) :]
         if finished:
             logger.info("%s: %d samples already finished, %d to go.", spec.name, len(finished), len(pending))
         total = len(problems) * num_samples
-        bar = tqdm(
-            total=total, initial=total - len(pending), desc=spec.display_name, unit="sample", disable=not progress
-        )
         chunks = [too_long] if too_long else []
         chunks += [pending[start : start + chunk_size] for start in range(0, len(pending), chunk_size)]
-        try:
+        with tqdm(total=total, initial=total - len(pending), desc=spec.display_name, disable=not progress) as bar:
             for chunk in chunks:
-                keys = [(problem.id, sample) for problem, sample in chunk]
-                seeds = [request_seed(seed, spec.name, problem_id, sample) for problem_id, sample in keys]
-                if chunk is too_long:  # nothing to generate: recorded as unanswered
+                seeds = [request_seed(seed, spec.name, problem.id, sample) for problem, sample in chunk]
+                if chunk is too_long:
                     generations = [Generation([], [], "", "prompt_too_long") for _ in chunk]
                 else:
                     generations = backend.generate([prompts[problem.id][1] for problem, _ in chunk], settings, seeds)
-                by_key = {(problem.id, sample): problem for problem, sample in chunk}
-                records = _records_for(by_key, keys, prompts, generations, spec, tokenizer, backend.name, seeds)
+                records = _records_for(chunk, prompts, generations, spec, tokenizer, backend.name, seeds)
                 store.append(records)
                 for record in records:
                     finished.setdefault((record["problem_id"], record["sample"]), record)
                 bar.update(len(chunk))
-        finally:
-            bar.close()
         wanted = {problem.id for problem in problems}
         kept = [record for (problem_id, _), record in finished.items() if problem_id in wanted]
         stats = benchmark_stats(kept, num_samples, len(problems))
         if stats["unscored_samples"]:
             logger.warning(
-                "%s: math-verify gave no verdict on %d samples; they are left out of pass@1 (unscored_samples).",
-                spec.name,
-                stats["unscored_samples"],
+                "%s: %d samples without a verdict, left out of pass@1.", spec.name, stats["unscored_samples"]
             )
-        stats["display_name"] = spec.display_name
-        results[spec.name] = stats
+        results[spec.name] = {**stats, "display_name": spec.display_name}
 
     return _write_summary(output_dir, run, results, label)
 
