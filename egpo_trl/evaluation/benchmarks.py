@@ -44,38 +44,21 @@ class BenchmarkSpec:
         return asdict(self)
 
 
+_MMLU = {"question_field": "question", "answer_format": "choice", "choices_field": "choices"}
+_MINERVA = {"answer_field": "solution", "answer_format": "minerva", "id_field": "idx"}
 BENCHMARKS: dict[str, BenchmarkSpec] = {
-    "math500": BenchmarkSpec("math500", "MATH-500", "package:math500/test.jsonl", id_field="unique_id"),
-    "aime24": BenchmarkSpec("aime24", "AIME24", "package:aime24/test.jsonl", id_field="id"),
-    "amc23": BenchmarkSpec("amc23", "AMC23", "package:amc23/test.jsonl", id_field="id"),
-    "mmlu_stem": BenchmarkSpec(
-        "mmlu_stem",
-        "MMLU-STEM",
-        "package:mmlu_stem/test.jsonl",
-        question_field="question",
-        answer_format="choice",
-        choices_field="choices",
-        instruction=CHOICE_INSTRUCTION,
-    ),
-    "minerva": BenchmarkSpec(
-        "minerva",
-        "Minerva",
-        "package:minerva_math/test.jsonl",
-        answer_field="solution",
-        answer_format="minerva",
-        id_field="idx",
-    ),
-    "gsm8k": BenchmarkSpec(
-        "gsm8k", "GSM8K", "package:gsm8k/test.jsonl", question_field="question", answer_format="gsm8k"
-    ),
-    "synthetic": BenchmarkSpec(
-        "synthetic",
-        "Synthetic",
-        "synthetic:arithmetic",
-        question_field="prompt",
-        id_field="id",
-        instruction=None,
-    ),
+    spec.name: spec
+    for spec in (
+        BenchmarkSpec("math500", "MATH-500", "package:math500/test.jsonl", id_field="unique_id"),
+        BenchmarkSpec("aime24", "AIME24", "package:aime24/test.jsonl", id_field="id"),
+        BenchmarkSpec("amc23", "AMC23", "package:amc23/test.jsonl", id_field="id"),
+        BenchmarkSpec(
+            "mmlu_stem", "MMLU-STEM", "package:mmlu_stem/test.jsonl", **_MMLU, instruction=CHOICE_INSTRUCTION
+        ),
+        BenchmarkSpec("minerva", "Minerva", "package:minerva_math/test.jsonl", **_MINERVA),
+        BenchmarkSpec("gsm8k", "GSM8K", "package:gsm8k/test.jsonl", "question", answer_format="gsm8k"),
+        BenchmarkSpec("synthetic", "Synthetic", "synthetic:arithmetic", "prompt", id_field="id", instruction=None),
+    )
 }
 
 # Column order of the paper's Table 1, then the other built-ins.
