@@ -169,20 +169,20 @@ def test_model_family_budgets():
     assert default_max_new_tokens("/models/my-model")[0] == 3072
 
 
-def test_budget_of_a_checkpoint_comes_from_its_chat_template_not_its_name(tmp_path):
-    from tiny_qwen2 import CHAT_TEMPLATE, build_tiny_model
+def test_budget_of_a_checkpoint_comes_from_its_chat_template_not_its_name(tiny_model_dir, tmp_path):
+    from tiny_qwen2 import CHAT_TEMPLATE
     from transformers import AutoTokenizer
 
     # An R1-style checkpoint saved under a name that says nothing: its template opens the thinking segment.
-    reasoning = build_tiny_model(str(tmp_path / "outputs" / "run1"))
-    tokenizer = AutoTokenizer.from_pretrained(reasoning)
+    reasoning, plain = str(tmp_path / "outputs" / "run1"), str(tmp_path / "outputs" / "run2")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.save_pretrained(plain)
     tokenizer.chat_template = CHAT_TEMPLATE.replace("assistant\n{% endif %}", "assistant\n<think>\n{% endif %}")
     tokenizer.save_pretrained(reasoning)
     tokens, reason = default_max_new_tokens(reasoning)
     assert tokens == 16384 and "chat template" in reason
     assert default_max_new_tokens("outputs/run1", tokenizer)[0] == 16384
     # A Qwen2.5-Math-style template has no tags: 3072, and the reason says what was looked at.
-    plain = build_tiny_model(str(tmp_path / "outputs" / "run2"))
     tokens, reason = default_max_new_tokens(plain)
     assert tokens == 3072 and "chat template" in reason
 
@@ -336,13 +336,13 @@ def test_evaluate_writes_records_with_model_logprobs(backend, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_after_kill(tmp_path):
+def test_resume_after_kill(tiny_model_dir, tmp_path):
     """Kill an evaluation after a few batches, rerun it: nothing lost, nothing duplicated."""
-    model = build_tiny_model(str(tmp_path / "model"))
+    model = tiny_model_dir
     out = tmp_path / "run"
     records_path = out / "records" / "synthetic.jsonl"
     command = [sys.executable, "-m", "egpo_trl.cli", "eval", "--model", model, "--benchmarks", "synthetic"]
-    command += ["--limit", "6", "-k", "8", "--max-new-tokens", "32", "--batch-size", "2", "--output-dir", str(out)]
+    command += ["--limit", "4", "-k", "4", "--max-new-tokens", "32", "--batch-size", "2", "--output-dir", str(out)]
     command += ["--backend", "transformers", "--no-progress"]
     env = {**os.environ, "PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "first-run.log", "w")
@@ -357,13 +357,13 @@ def test_resume_after_kill(tmp_path):
     log.close()
     first = records_path.read_bytes()
     finished_before = len(list(iter_records(str(records_path))))
-    assert 4 <= finished_before < 48, "the run must be interrupted part way"
+    assert 4 <= finished_before < 16, "the run must be interrupted part way"
 
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     records = list(iter_records(str(records_path)))
     keys = [(r["problem_id"], r["sample"]) for r in records]
-    assert len(keys) == len(set(keys)) == 48
+    assert len(keys) == len(set(keys)) == 16
     assert records_path.read_bytes().startswith(first)  # finished samples are never rewritten
     summary = json.loads((out / "summary.json").read_text())
     assert summary["benchmarks"]["synthetic"]["complete"]

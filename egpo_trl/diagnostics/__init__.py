@@ -10,12 +10,5 @@ from egpo_trl.diagnostics.metrics import (
     scope_report,
 )
 
-__all__ = [
-    "SCOPES",
-    "EntropyTable",
-    "bootstrap_gap_and_auc",
-    "entropy_table",
-    "roc_auc",
-    "roc_curve",
-    "scope_report",
-]
+__all__ = ["SCOPES", "EntropyTable", "bootstrap_gap_and_auc", "entropy_table", "roc_auc", "roc_curve"]
+__all__ += ["scope_report"]

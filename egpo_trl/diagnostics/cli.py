@@ -1,7 +1,7 @@
 """``egpo-trl diagnose RUN``: entropy of correct vs incorrect completions in ``egpo-trl eval`` records.
 
-Writes ``diagnostics.md``/``.json`` (per scope: ROC-AUC for predicting an incorrect answer, paper Table 3, and
-the entropy gap, Sec. 5.4, with bootstrap intervals over problems), ``entropies.csv`` and four figures.
+Writes ``diagnostics.md``/``.json`` (per scope: ROC-AUC for predicting an incorrect answer, paper Table 3, and the
+entropy gap, Sec. 5.4, with bootstrap intervals over problems), ``entropies.csv`` and four figures.
 """
 
 from __future__ import annotations
@@ -22,17 +22,10 @@ from egpo_trl.diagnostics.metrics import SCOPES, EntropyTable, entropy_table, na
 from egpo_trl.evaluation.records import iter_records
 from egpo_trl.segments import DEFAULT_THINK_END, DEFAULT_THINK_START
 
-logger = logging.getLogger(__name__)
-
-OUTPUT_FILES = (
-    "diagnostics.md",
-    "diagnostics.json",
-    "entropies.csv",
-    "entropy_density.png",
-    "roc_thinking_vs_answer.png",
-    "answer_length_vs_entropy.png",
-    "thinking_vs_answer_entropy.png",
-)
+FIGURES = ("entropy_density", "roc_thinking_vs_answer", "answer_length_vs_entropy", "thinking_vs_answer_entropy")
+CSV_COLUMNS = "benchmark problem_id sample correct entropy_completion entropy_thinking entropy_answer thinking_tokens"
+CSV_COLUMNS += " answer_tokens"
+OUTPUT_FILES = ("diagnostics.md", "diagnostics.json", "entropies.csv", *(f"{name}.png" for name in FIGURES))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,12 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", help="where to write (default: <run>/diagnostics for a single run folder)")
     parser.add_argument("--benchmarks", help="comma-separated benchmark names to keep (default: all)")
     parser.add_argument("--tokenizer", help="recompute the thinking/answer split from token ids with this tokenizer")
-    parser.add_argument(
-        "--think-start", default=DEFAULT_THINK_START, help="opening tag (with --tokenizer; default <think>)"
-    )
-    parser.add_argument(
-        "--think-end", default=DEFAULT_THINK_END, help="closing tag (with --tokenizer; default </think>)"
-    )
+    parser.add_argument("--think-start", default=DEFAULT_THINK_START, help="opening tag (with --tokenizer)")
+    parser.add_argument("--think-end", default=DEFAULT_THINK_END, help="closing tag (with --tokenizer)")
     parser.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of problems (default: 1000)")
     parser.add_argument("--level", type=float, default=0.95, help="confidence level of the intervals (default: 0.95)")
     parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default: 0)")
@@ -63,9 +52,7 @@ def _record_files(paths: list[str]) -> tuple[list[str], str | None]:
     files, label = [], None
     for path in paths:
         if os.path.isdir(path):
-            found = sorted(glob.glob(os.path.join(path, "records", "*.jsonl"))) or sorted(
-                glob.glob(os.path.join(path, "*.jsonl"))
-            )
+            found = sorted(glob.glob(os.path.join(path, "records", "*.jsonl")) or glob.glob(f"{path}/*.jsonl"))
             if not found:
                 raise FileNotFoundError(
                     f"{path} has no records (records/*.jsonl); give an `egpo-trl eval` run folder."
@@ -87,9 +74,7 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 
 
 def _interval(bounds: list[float | None], digits: int = 3) -> str:
-    if bounds[0] is None:
-        return ""
-    return f" [{bounds[0]:.{digits}f}, {bounds[1]:.{digits}f}]"
+    return "" if bounds[0] is None else f" [{bounds[0]:.{digits}f}, {bounds[1]:.{digits}f}]"
 
 
 def format_markdown(report: dict[str, Any]) -> str:
@@ -170,16 +155,34 @@ def diagnose(
 def _write_csv(table: EntropyTable, path: str) -> None:
     with open(path, "w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
-        writer.writerow(
-            ["benchmark", "problem_id", "sample", "correct", "entropy_completion", "entropy_thinking"]
-            + ["entropy_answer", "thinking_tokens", "answer_tokens"]
+        writer.writerow(CSV_COLUMNS.split())
+        writer.writerows(
+            [table.benchmark[i], table.problem_id[i], table.sample[i], int(table.correct[i])]
+            + [_fmt(float(getattr(table, scope)[i]), 6) for scope in SCOPES]
+            + [int(table.thinking_tokens[i]), int(table.answer_tokens[i])]
+            for i in range(len(table))
         )
-        for i in range(len(table)):
-            writer.writerow(
-                [table.benchmark[i], table.problem_id[i], table.sample[i], int(table.correct[i])]
-                + [_fmt(float(getattr(table, scope)[i]), 6) for scope in SCOPES]
-                + [int(table.thinking_tokens[i]), int(table.answer_tokens[i])]
-            )
+
+
+def _load(args, parser) -> tuple[EntropyTable, str, str]:
+    files, run_label = _record_files(args.records)
+    output_dir = args.output_dir
+    if output_dir is None:
+        if len(args.records) != 1 or not os.path.isdir(args.records[0]):
+            parser.error("--output-dir is required unless a single run folder is given.")
+        output_dir = os.path.join(args.records[0], "diagnostics")
+    existing = [name for name in OUTPUT_FILES if os.path.exists(os.path.join(output_dir, name))]
+    if existing and not args.overwrite:
+        raise ValueError(f"{output_dir} already holds {', '.join(existing)}; pass --overwrite.")
+    wanted = {name.strip() for name in args.benchmarks.split(",")} if args.benchmarks else None
+    records = [r for path in files for r in iter_records(path) if wanted is None or r.get("benchmark") in wanted]
+    if not records:
+        raise ValueError(f"no records found in {', '.join(files)}.")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else None
+    table = entropy_table(records, tokenizer, args.think_start, args.think_end)
+    return table, args.label or run_label or "model", output_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,56 +192,18 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.level < 1:
         parser.error(f"--level must be between 0 and 1, got {args.level}.")
     try:
-        files, run_label = _record_files(args.records)
-    except FileNotFoundError as error:
+        table, label, output_dir = _load(args, parser)
+    except (FileNotFoundError, ValueError) as error:
         print(f"egpo-trl diagnose: {error}", file=sys.stderr)
         return 2
-    output_dir = args.output_dir
-    if output_dir is None:
-        if len(args.records) == 1 and os.path.isdir(args.records[0]):
-            output_dir = os.path.join(args.records[0], "diagnostics")
-        else:
-            parser.error("--output-dir is required unless a single run folder is given.")
-    existing = [name for name in OUTPUT_FILES if os.path.exists(os.path.join(output_dir, name))]
-    if existing and not args.overwrite:
-        print(
-            f"egpo-trl diagnose: {output_dir} already holds diagnostics ({', '.join(existing)}); choose another "
-            "--output-dir or pass --overwrite to replace them.",
-            file=sys.stderr,
-        )
-        return 2
-
-    wanted = {name.strip() for name in args.benchmarks.split(",")} if args.benchmarks else None
-    records = [
-        record
-        for path in files
-        for record in iter_records(path)
-        if wanted is None or record.get("benchmark") in wanted
-    ]
-    if not records:
-        print(f"egpo-trl diagnose: no records found in {', '.join(files)}.", file=sys.stderr)
-        return 2
-    tokenizer = None
-    if args.tokenizer:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    try:
-        table = entropy_table(records, tokenizer, args.think_start, args.think_end)
-    except ValueError as error:
-        print(f"egpo-trl diagnose: {error}", file=sys.stderr)
-        return 2
-
-    label = args.label or run_label or "model"
     report = diagnose(table, label, args.bootstrap, args.seed, args.level)
     os.makedirs(output_dir, exist_ok=True)
+    markdown = format_markdown(report)
     with open(os.path.join(output_dir, "diagnostics.json"), "w", encoding="utf-8") as handle:
         json.dump(report, handle, indent=2)
-    markdown = format_markdown(report)
     with open(os.path.join(output_dir, "diagnostics.md"), "w", encoding="utf-8") as handle:
         handle.write(markdown)
     _write_csv(table, os.path.join(output_dir, "entropies.csv"))
-
     from egpo_trl.diagnostics.plots import plot_all
 
     plot_all(table, output_dir, title=label, note=args.note)

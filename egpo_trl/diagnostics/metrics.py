@@ -1,7 +1,7 @@
 """Entropy of evaluation records per segment (paper Eq. 5), ROC-AUC for predicting incorrect answers, bootstrap.
 
-"Positive" in the ROC analysis is an incorrect answer, as in the paper's Table 3: an AUC above 0.5 means that
-higher entropy goes with wrong answers.
+"Positive" is an incorrect answer, as in the paper's Table 3: an AUC above 0.5 means higher entropy goes with
+wrong answers.
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ def _padded(rows: Sequence[Sequence[float]], dtype: torch.dtype) -> tuple[torch.
     return values, mask
 
 
-def _span_mask(spans: Sequence[Sequence[int]], width: int) -> torch.Tensor:
+def _span_mask(spans: Sequence[Sequence[int]], mask: torch.Tensor) -> torch.Tensor:
     bounds = torch.tensor([list(span) for span in spans], dtype=torch.long).reshape(-1, 2)
-    positions = torch.arange(width).expand(len(spans), width)
-    return ((positions >= bounds[:, :1]) & (positions < bounds[:, 1:])).long()
+    positions = torch.arange(mask.shape[1]).expand(len(spans), -1)
+    return ((positions >= bounds[:, :1]) & (positions < bounds[:, 1:])).long() * mask
 
 
 def entropy_table(
@@ -65,11 +65,9 @@ def entropy_table(
 ) -> EntropyTable:
     """Per-completion entropy over the whole completion and each segment.
 
-    Segments come from the records' ``thinking_span``/``answer_span`` (written by ``egpo-trl eval``), or, with a
-    ``tokenizer``, from their ``completion_ids`` (:func:`egpo_trl.segments.segment_masks`).
+    Segments come from the records' ``thinking_span``/``answer_span``, or, with a ``tokenizer``, from their
+    ``completion_ids``. Records without tokens or without a verdict (``correct`` null) are left out.
     """
-    # Samples without generated tokens (a prompt longer than the model's context) have no entropy; samples the
-    # verifier gave no verdict (correct: null) are neither correct nor incorrect.
     records = [record for record in records if record.get("logprobs")]
     unscored = sum(record.get("correct") is None for record in records)
     if unscored:
@@ -77,42 +75,33 @@ def entropy_table(
         records = [record for record in records if record.get("correct") is not None]
     if not records:
         raise ValueError("No records with per-token log-probs (field 'logprobs') to analyse.")
-    columns: dict[str, list[float]] = {name: [] for name in ("completion", "thinking", "answer")}
-    lengths: dict[str, list[int]] = {"thinking": [], "answer": []}
+    columns: dict[str, list] = {name: [] for name in (*SCOPES, "thinking_tokens", "answer_tokens")}
     for start in range(0, len(records), batch_size):
         batch = records[start : start + batch_size]
         logps, mask = _padded([record["logprobs"] for record in batch], torch.float64)
         if tokenizer is not None:
-            missing = [index for index, record in enumerate(batch) if "completion_ids" not in record]
-            if missing:
+            if any("completion_ids" not in record for record in batch):
                 raise ValueError("Recomputing segments with --tokenizer needs the records' 'completion_ids'.")
             ids, _ = _padded([record["completion_ids"] for record in batch], torch.long)
             thinking, answer = segment_masks(ids, mask, tokenizer, think_start, think_end)
+        elif any("thinking_span" not in record or "answer_span" not in record for record in batch):
+            raise ValueError(
+                "These records carry no thinking/answer spans; pass --tokenizer MODEL to compute them from "
+                "their 'completion_ids'."
+            )
         else:
-            if any("thinking_span" not in record or "answer_span" not in record for record in batch):
-                raise ValueError(
-                    "These records carry no thinking/answer spans; pass --tokenizer MODEL to compute them from "
-                    "their 'completion_ids'."
-                )
-            thinking = _span_mask([record["thinking_span"] for record in batch], mask.shape[1]) * mask
-            answer = _span_mask([record["answer_span"] for record in batch], mask.shape[1]) * mask
-        columns["completion"] += segment_entropy(logps, mask).tolist()
-        columns["thinking"] += segment_entropy(logps, thinking).tolist()
-        columns["answer"] += segment_entropy(logps, answer).tolist()
-        lengths["thinking"] += thinking.sum(dim=1).tolist()
-        lengths["answer"] += answer.sum(dim=1).tolist()
-
-    keys = [
-        (str(record.get("benchmark", "")), str(record.get("problem_id", index)))
-        for index, record in enumerate(records)
-    ]
+            thinking = _span_mask([record["thinking_span"] for record in batch], mask)
+            answer = _span_mask([record["answer_span"] for record in batch], mask)
+        for name, segment in (("completion", mask), ("thinking", thinking), ("answer", answer)):
+            columns[name] += segment_entropy(logps, segment).tolist()
+        columns["thinking_tokens"] += thinking.sum(dim=1).tolist()
+        columns["answer_tokens"] += answer.sum(dim=1).tolist()
+    keys = [(str(record.get("benchmark", "")), str(record.get("problem_id", i))) for i, record in enumerate(records)]
     groups = {key: number for number, key in enumerate(dict.fromkeys(keys))}
     return EntropyTable(
-        completion=np.asarray(columns["completion"], dtype=float),
-        thinking=np.asarray(columns["thinking"], dtype=float),
-        answer=np.asarray(columns["answer"], dtype=float),
-        thinking_tokens=np.asarray(lengths["thinking"], dtype=int),
-        answer_tokens=np.asarray(lengths["answer"], dtype=int),
+        **{name: np.asarray(columns[name], dtype=float) for name in SCOPES},
+        thinking_tokens=np.asarray(columns["thinking_tokens"], dtype=int),
+        answer_tokens=np.asarray(columns["answer_tokens"], dtype=int),
         correct=np.asarray([bool(record["correct"]) for record in records]),
         group=np.asarray([groups[key] for key in keys], dtype=int),
         benchmark=[key[0] for key in keys],
@@ -136,46 +125,36 @@ def _weighted_auc(scores: np.ndarray, positive: np.ndarray, weights: np.ndarray)
         return np.where(denominator > 0, numerator / denominator, np.nan)
 
 
+def _defined(scores: Sequence[float], positive: Sequence[bool]) -> tuple[np.ndarray, np.ndarray]:
+    scores, positive = np.asarray(scores, dtype=float), np.asarray(positive, dtype=bool)
+    keep = ~np.isnan(scores)
+    return scores[keep], positive[keep]
+
+
 def roc_auc(scores: Sequence[float], positive: Sequence[bool]) -> float:
     """ROC-AUC of ``scores`` for the ``positive`` class (ties count one half, ``NaN`` scores left out)."""
-    scores = np.asarray(scores, dtype=float)
-    positive = np.asarray(positive, dtype=bool)
-    keep = ~np.isnan(scores)
-    if not keep.any():
-        return float("nan")
-    return float(_weighted_auc(scores[keep], positive[keep], np.ones((1, int(keep.sum()))))[0])
+    scores, positive = _defined(scores, positive)
+    return float(_weighted_auc(scores, positive, np.ones((1, len(scores))))[0]) if len(scores) else float("nan")
 
 
 def roc_curve(scores: Sequence[float], positive: Sequence[bool]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(fpr, tpr, thresholds)``, positive when ``score >= threshold``, from ``(0, 0)`` to ``(1, 1)``; ``NaN`` left out."""
-    scores = np.asarray(scores, dtype=float)
-    positive = np.asarray(positive, dtype=bool)
-    keep = ~np.isnan(scores)
-    scores, positive = scores[keep], positive[keep]
+    """``(fpr, tpr, thresholds)``, positive when ``score >= threshold``, from ``(0, 0)`` to ``(1, 1)``."""
+    scores, positive = _defined(scores, positive)
     order = np.argsort(-scores, kind="mergesort")
     scores, positive = scores[order], positive[order]
     last_of_group = np.r_[scores[1:] != scores[:-1], True] if len(scores) else np.array([], dtype=bool)
     true_positives = np.cumsum(positive)[last_of_group]
     false_positives = np.cumsum(~positive)[last_of_group]
-    num_positive, num_negative = positive.sum(), (~positive).sum()
-    tpr = np.r_[0.0, true_positives / num_positive] if num_positive else np.r_[0.0, np.zeros(len(true_positives))]
-    fpr = np.r_[0.0, false_positives / num_negative] if num_negative else np.r_[0.0, np.zeros(len(false_positives))]
-    return fpr, tpr, np.r_[np.inf, scores[last_of_group]]
+    tpr = true_positives / max(positive.sum(), 1)
+    fpr = false_positives / max((~positive).sum(), 1)
+    return np.r_[0.0, fpr], np.r_[0.0, tpr], np.r_[np.inf, scores[last_of_group]]
 
 
 def bootstrap_gap_and_auc(
-    scores: np.ndarray,
-    correct: np.ndarray,
-    group: np.ndarray,
-    num_resamples: int = 1000,
-    seed: int = 0,
-    chunk: int = 200,
+    scores: np.ndarray, correct: np.ndarray, group: np.ndarray, num_resamples: int = 1000, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Bootstrap replicates ``(gaps, aucs)`` of the entropy gap (incorrect minus correct mean) and of the AUC.
-
-    Problems are resampled with all their completions (a cluster bootstrap: a problem's ``k`` samples are
-    not independent).
-    """
+    """Bootstrap replicates ``(gaps, aucs)`` of the entropy gap (incorrect minus correct mean) and of the AUC,
+    resampling problems with all their completions (a cluster bootstrap)."""
     keep = ~np.isnan(scores)
     scores, correct, group = scores[keep], correct[keep].astype(bool), group[keep]
     if len(scores) == 0 or num_resamples < 1:
@@ -185,8 +164,8 @@ def bootstrap_gap_and_auc(
     rng = np.random.default_rng(seed)
     gaps, aucs = [], []
     incorrect = ~correct
-    for start in range(0, num_resamples, chunk):
-        size = min(chunk, num_resamples - start)
+    for start in range(0, num_resamples, 200):
+        size = min(200, num_resamples - start)
         counts = rng.multinomial(num_groups, np.full(num_groups, 1.0 / num_groups), size=size).astype(float)
         weights = counts[:, group]  # [size, N]
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -212,11 +191,10 @@ def nan_to_none(value: float) -> float | None:
 def scope_report(
     table: EntropyTable, scope: str, num_resamples: int = 1000, seed: int = 0, level: float = 0.95
 ) -> dict[str, Any]:
-    """Table 3 and Sec. 5.4 numbers for one scope: AUC for predicting incorrect answers, mean entropy of
-    correct and incorrect completions and their gap, with bootstrap intervals."""
-    scores = table.scope(scope)
+    """For one scope: AUC for predicting incorrect answers (Table 3), mean entropy of correct and incorrect
+    completions and their gap (Sec. 5.4), with bootstrap intervals."""
+    scores, correct = table.scope(scope), table.correct
     defined = ~np.isnan(scores)
-    correct = table.correct
     gaps, aucs = bootstrap_gap_and_auc(scores, correct, table.group, num_resamples, seed)
     mean_correct = scores[defined & correct].mean() if (defined & correct).any() else np.nan
     mean_incorrect = scores[defined & ~correct].mean() if (defined & ~correct).any() else np.nan

@@ -14,22 +14,6 @@ from egpo_trl.evaluation.runner import evaluate
 from egpo_trl.evaluation.scoring import score_completion
 from egpo_trl.evaluation.summary import compare_runs, pass_at_1
 
-__all__ = [
-    "BENCHMARKS",
-    "BenchmarkSpec",
-    "Generation",
-    "Problem",
-    "RecordStore",
-    "SamplingSettings",
-    "TransformersBackend",
-    "VLLMBackend",
-    "compare_runs",
-    "default_max_new_tokens",
-    "evaluate",
-    "iter_records",
-    "load_backend",
-    "load_problems",
-    "pass_at_1",
-    "resolve_benchmark",
-    "score_completion",
-]
+__all__ = ["BENCHMARKS", "BenchmarkSpec", "Generation", "Problem", "RecordStore", "SamplingSettings"]
+__all__ += ["TransformersBackend", "VLLMBackend", "compare_runs", "default_max_new_tokens", "evaluate"]
+__all__ += ["iter_records", "load_backend", "load_problems", "pass_at_1", "resolve_benchmark", "score_completion"]

@@ -1,8 +1,5 @@
-"""Benchmark registry: where each benchmark's rows come from, how its prompt reads, how its answer is scored.
-
-Built-ins read the files vendored in ``egpo_trl/data/benchmarks/`` (offline); any other benchmark is a local
-``.jsonl``/``.json``/``.parquet`` file or a Hub dataset, with configurable fields.
-"""
+"""Benchmarks: built-ins vendored in ``egpo_trl/data/benchmarks/``, or a local ``.jsonl``/``.json``/``.parquet``
+file or a Hub dataset with configurable fields."""
 
 from __future__ import annotations
 
@@ -28,12 +25,8 @@ CHOICE_INSTRUCTION = (
 
 @dataclass(frozen=True)
 class BenchmarkSpec:
-    """How to load and score one benchmark.
-
-    ``source`` is ``package:<path>`` (vendored), ``synthetic:<task>`` (:mod:`egpo_trl.data.synthetic`), a local
-    file or ``hub:<dataset>``; ``question_field`` may hold chat messages, used verbatim; ``instruction`` is
-    appended to a text question (``None``: none); ``id_field`` defaults to the row index.
-    """
+    """How to load and score one benchmark: ``source`` is ``package:<path>``, ``synthetic:<task>``, a local file or
+    ``hub:<dataset>``; ``question_field`` may hold chat messages; ``instruction`` is appended to a text question."""
 
     name: str
     display_name: str
@@ -51,56 +44,29 @@ class BenchmarkSpec:
         return asdict(self)
 
 
+_MMLU = {"question_field": "question", "answer_format": "choice", "choices_field": "choices"}
+_MINERVA = {"answer_field": "solution", "answer_format": "minerva", "id_field": "idx"}
 BENCHMARKS: dict[str, BenchmarkSpec] = {
-    "math500": BenchmarkSpec("math500", "MATH-500", "package:math500/test.jsonl", id_field="unique_id"),
-    "aime24": BenchmarkSpec("aime24", "AIME24", "package:aime24/test.jsonl", id_field="id"),
-    "amc23": BenchmarkSpec("amc23", "AMC23", "package:amc23/test.jsonl", id_field="id"),
-    "mmlu_stem": BenchmarkSpec(
-        "mmlu_stem",
-        "MMLU-STEM",
-        "package:mmlu_stem/test.jsonl",
-        question_field="question",
-        answer_format="choice",
-        choices_field="choices",
-        instruction=CHOICE_INSTRUCTION,
-    ),
-    "minerva": BenchmarkSpec(
-        "minerva",
-        "Minerva",
-        "package:minerva_math/test.jsonl",
-        answer_field="solution",
-        answer_format="minerva",
-        id_field="idx",
-    ),
-    "gsm8k": BenchmarkSpec(
-        "gsm8k", "GSM8K", "package:gsm8k/test.jsonl", question_field="question", answer_format="gsm8k"
-    ),
-    "synthetic": BenchmarkSpec(
-        "synthetic",
-        "Synthetic",
-        "synthetic:arithmetic",
-        question_field="prompt",
-        id_field="id",
-        instruction=None,
-    ),
+    spec.name: spec
+    for spec in (
+        BenchmarkSpec("math500", "MATH-500", "package:math500/test.jsonl", id_field="unique_id"),
+        BenchmarkSpec("aime24", "AIME24", "package:aime24/test.jsonl", id_field="id"),
+        BenchmarkSpec("amc23", "AMC23", "package:amc23/test.jsonl", id_field="id"),
+        BenchmarkSpec(
+            "mmlu_stem", "MMLU-STEM", "package:mmlu_stem/test.jsonl", **_MMLU, instruction=CHOICE_INSTRUCTION
+        ),
+        BenchmarkSpec("minerva", "Minerva", "package:minerva_math/test.jsonl", **_MINERVA),
+        BenchmarkSpec("gsm8k", "GSM8K", "package:gsm8k/test.jsonl", "question", answer_format="gsm8k"),
+        BenchmarkSpec("synthetic", "Synthetic", "synthetic:arithmetic", "prompt", id_field="id", instruction=None),
+    )
 }
 
 # Column order of the paper's Table 1, then the other built-ins.
 PAPER_ORDER = ("math500", "aime24", "mmlu_stem", "minerva", "gsm8k", "amc23", "synthetic")
 
-_ALIASES = {
-    "math-500": "math500",
-    "math_500": "math500",
-    "aime": "aime24",
-    "aime2024": "aime24",
-    "aime_2024": "aime24",
-    "amc": "amc23",
-    "amc2023": "amc23",
-    "mmlu-stem": "mmlu_stem",
-    "mmlustem": "mmlu_stem",
-    "minerva_math": "minerva",
-    "minerva-math": "minerva",
-}
+_ALIASES = {"math-500": "math500", "math_500": "math500", "aime": "aime24", "aime2024": "aime24"}
+_ALIASES |= {"aime_2024": "aime24", "amc": "amc23", "amc2023": "amc23", "mmlu-stem": "mmlu_stem"}
+_ALIASES |= {"mmlustem": "mmlu_stem", "minerva_math": "minerva", "minerva-math": "minerva"}
 
 _MINERVA_ALTERNATIVES = "package:minerva_math/test_with_answers.json"
 _QUESTION_CANDIDATES = ("problem", "question", "prompt", "query", "input")
@@ -130,35 +96,13 @@ def is_builtin(name: str) -> bool:
     return _ALIASES.get(name.lower(), name.lower()) in BENCHMARKS
 
 
-def resolve_benchmark(
-    name_or_path: str,
-    question_field: str | None = None,
-    answer_field: str | None = None,
-    answer_format: str | None = None,
-    choices_field: str | None = None,
-    id_field: str | None = None,
-    split: str | None = None,
-    subset: str | None = None,
-    instruction: str | None = None,
-) -> BenchmarkSpec:
-    """The :class:`BenchmarkSpec` of a built-in name, a local file or a Hub dataset; given fields override.
-
-    Fields left unset for a file or a Hub dataset are detected from its first row when loaded.
-    """
-    if answer_format is not None and answer_format not in ANSWER_FORMATS:
-        raise ValueError(f"Unknown answer format {answer_format!r}; choose one of {ANSWER_FORMATS}.")
+def resolve_benchmark(name_or_path: str, **fields: str | None) -> BenchmarkSpec:
+    """The :class:`BenchmarkSpec` of a built-in name, a local file or a Hub dataset; ``fields`` that are not
+    ``None`` (``question_field``, ``split``, ...) override. Unset fields of a file are detected from its first row."""
+    if fields.get("answer_format") not in (None, *ANSWER_FORMATS):
+        raise ValueError(f"Unknown answer format {fields['answer_format']!r}; choose one of {ANSWER_FORMATS}.")
     key = _ALIASES.get(name_or_path.lower(), name_or_path.lower())
-    overrides = {
-        "question_field": question_field,
-        "answer_field": answer_field,
-        "answer_format": answer_format,
-        "choices_field": choices_field,
-        "id_field": id_field,
-        "split": split,
-        "subset": subset,
-        "instruction": instruction,
-    }
-    overrides = {name: value for name, value in overrides.items() if value is not None}
+    overrides = {name: value for name, value in fields.items() if value is not None}
     if key in BENCHMARKS:
         return replace(BENCHMARKS[key], **overrides)
     if name_or_path.startswith("synthetic:"):
@@ -186,16 +130,14 @@ def _read_package_file(relative: str) -> list[dict[str, Any]]:
 
 
 def _parse_rows(text: str, origin: str) -> list[dict[str, Any]]:
-    if origin.endswith(".jsonl"):
-        rows = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{origin}, line {number}: not valid JSON ({error}).") from None
-        return rows
-    data = json.loads(text)
+    try:
+        data = (
+            [json.loads(line) for line in text.splitlines() if line.strip()]
+            if origin.endswith(".jsonl")
+            else json.loads(text)
+        )
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{origin}: not valid JSON ({error}).") from None
     if not isinstance(data, list):
         raise ValueError(f"{origin}: expected a JSON list of objects (or a .jsonl file).")
     return data
@@ -320,8 +262,8 @@ def load_problems(spec: BenchmarkSpec, limit: int | None = None) -> tuple[Benchm
 
 
 def build_messages(problem: Problem, spec: BenchmarkSpec, system_prompt: str | None = None) -> list[dict[str, str]]:
-    """The chat messages of a problem's prompt: the question, lettered choices and instruction (chat messages
-    stored in the data as they are), after ``system_prompt`` unless the messages have a system message."""
+    """The chat messages of a problem: the question, lettered choices and instruction (stored chat messages as they
+    are), after ``system_prompt`` unless they have a system message."""
     if isinstance(problem.question, list):
         messages = [dict(message) for message in problem.question]
     else:

@@ -14,19 +14,11 @@ import logging
 import os
 import sys
 
-from egpo_trl.evaluation.backends import (
-    BACKENDS,
-    FALLBACK_MAX_NEW_TOKENS,
-    SamplingSettings,
-    default_max_new_tokens,
-    load_backend,
-)
+from egpo_trl.evaluation.backends import BACKENDS, SamplingSettings, default_max_new_tokens, load_backend
 from egpo_trl.evaluation.benchmarks import BENCHMARKS, is_builtin, resolve_benchmark
 from egpo_trl.evaluation.runner import evaluate
 from egpo_trl.evaluation.scoring import ANSWER_FORMATS
 from egpo_trl.evaluation.summary import compare_runs, format_summary_markdown, load_summary
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_BENCHMARKS = "math500,aime24,mmlu_stem,minerva,gsm8k"
 
@@ -115,55 +107,33 @@ def main(argv: list[str] | None = None) -> int:
 
     model = check_model_exists(args.model, trust_remote_code=args.trust_remote_code, prog="egpo-trl eval")
     model = os.path.abspath(model) if os.path.isdir(model) else model
+    # Field options describe custom data; built-ins keep their own fields (only a non-vendored split can change).
+    fields = ("question_field", "answer_field", "answer_format", "choices_field", "id_field", "subset")
     try:
-        # The budget is settled once the tokenizer is loaded (its chat template tells a reasoning model).
-        settings = SamplingSettings(
-            args.temperature,
-            args.top_p,
-            args.top_k,
-            args.max_new_tokens if args.max_new_tokens is not None else FALLBACK_MAX_NEW_TOKENS,
-        )
-        # Field options describe custom data; built-ins keep their own fields (only the split can change).
-        fields = {
-            "question_field": args.question_field,
-            "answer_field": args.answer_field,
-            "answer_format": args.answer_format,
-            "choices_field": args.choices_field,
-            "id_field": args.id_field,
-            "subset": args.subset,
-        }
-        names = [name.strip() for name in args.benchmarks.split(",") if name.strip()]
         specs = []
-        for name in names:
-            options = {} if is_builtin(name) else dict(fields)
+        for name in filter(None, (name.strip() for name in args.benchmarks.split(","))):
+            options = {} if is_builtin(name) else {field: getattr(args, field) for field in fields}
             spec = resolve_benchmark(name, **options)
-            if args.split and not spec.source.startswith("package:"):  # vendored files have a single split
+            if args.split and not spec.source.startswith("package:"):
                 spec = resolve_benchmark(name, split=args.split, **options)
             specs.append(spec)
+        settings = SamplingSettings(
+            args.temperature, args.top_p, args.top_k, 1 if args.max_new_tokens is None else args.max_new_tokens
+        )
     except ValueError as error:
         print(f"egpo-trl eval: {error}", file=sys.stderr)
         return 2
     if not specs:
         parser.error("--benchmarks is empty.")
-
     backend = load_backend(
         args.backend,
         model,
-        device=args.device,
-        dtype=args.dtype,
-        batch_size=args.batch_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        tensor_parallel_size=args.tensor_parallel_size,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        trust_remote_code=args.trust_remote_code,
+        **{k: getattr(args, k) for k in ("device", "dtype", "batch_size", "gpu_memory_utilization", "seed")},
+        **{k: getattr(args, k) for k in ("tensor_parallel_size", "max_model_len", "trust_remote_code")},
     )
     if args.max_new_tokens is None:
         max_new_tokens, reason = default_max_new_tokens(model, getattr(backend, "tokenizer", None))
-        print(
-            f"egpo-trl eval: max_new_tokens={max_new_tokens} ({reason}); set --max-new-tokens to change it.",
-            file=sys.stderr,
-        )
+        print(f"egpo-trl eval: max_new_tokens={max_new_tokens} ({reason}); set --max-new-tokens.", file=sys.stderr)
         settings = dataclasses.replace(settings, max_new_tokens=max_new_tokens)
     try:
         summary = evaluate(

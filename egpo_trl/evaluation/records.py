@@ -1,9 +1,6 @@
-"""Per-sample evaluation records in JSON lines, appended as they finish, so that runs resume.
+"""Per-sample evaluation records, one JSON line per finished ``(problem, sample)``, appended as they finish.
 
-One line per finished ``(problem, sample)``: the prompt and completion, ``gold``/``extracted``/``correct``, the
-sampled ``completion_ids`` and their ``logprobs``, ``finish_reason`` (``stop``, ``length`` or
-``prompt_too_long``), the ``thinking_span``/``answer_span`` token ranges (:mod:`egpo_trl.segments`) and the
-whole-completion ``entropy`` (paper Eq. 5). A line torn by a crash is skipped on reading and never overwritten.
+A line torn by a crash is skipped on reading and never overwritten.
 """
 
 from __future__ import annotations
@@ -15,11 +12,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
-
-
-def record_key(record: dict[str, Any]) -> tuple[str, int]:
-    """The identity of a record: ``(problem_id, sample)``."""
-    return str(record["problem_id"]), int(record["sample"])
 
 
 def iter_records(path: str) -> Iterator[dict[str, Any]]:
@@ -55,10 +47,9 @@ class RecordStore:
             return records
         for record in iter_records(self.path):
             try:
-                key = record_key(record)
+                records.setdefault((str(record["problem_id"]), int(record["sample"])), record)
             except (KeyError, TypeError, ValueError):
                 continue
-            records.setdefault(key, record)
         return records
 
     def append(self, records: Iterable[dict[str, Any]]) -> int:

@@ -1,8 +1,4 @@
-"""Run an evaluation: sample ``k`` completions per problem, score them, append records, write the summary.
-
-The run folder holds ``run.json`` (model, protocol and benchmarks, checked on resume), ``records/<name>.jsonl``,
-``summary.json`` and ``summary.md``.
-"""
+"""An evaluation run: ``run.json`` (protocol, checked on resume), ``records/<name>.jsonl``, ``summary.json``/``.md``."""
 
 from __future__ import annotations
 
@@ -29,8 +25,16 @@ logger = logging.getLogger(__name__)
 
 # Settings that change what a sample is: a resumed run must use the same ones.
 PROTOCOL_KEYS = ("model", "temperature", "top_p", "top_k", "max_new_tokens", "chat_template", "system_prompt")
-_SPEC_KEYS = ("source", "question_field", "answer_field", "answer_format", "choices_field", "split", "subset")
-_SPEC_KEYS += ("instruction",)
+_SPEC_KEYS = (
+    "source",
+    "question_field",
+    "answer_field",
+    "answer_format",
+    "choices_field",
+    "split",
+    "subset",
+    "instruction",
+)
 LOGPROB_DIGITS = 6
 
 
@@ -49,12 +53,16 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2)
+
+
 def _check_or_write_run(path: str, run: dict[str, Any]) -> dict[str, Any]:
     """Create ``run.json``, or check that an existing one has the same protocol; returns the merged run."""
     if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as handle:
-            json.dump(run, handle, indent=2)
+        _write_json(path, run)
         return run
     with open(path, encoding="utf-8") as handle:
         existing = json.load(handle)
@@ -67,27 +75,21 @@ def _check_or_write_run(path: str, run: dict[str, Any]) -> dict[str, Any]:
                 "the same settings to continue that run."
             )
     for name, spec in run["benchmarks"].items():
-        previous = existing.get("benchmarks", {}).get(name)
-        if previous is None:
-            continue
-        for key in _SPEC_KEYS:
-            if previous.get(key) != spec.get(key):
-                raise ValueError(
-                    f"{folder}: benchmark {name!r} was evaluated with {key}={previous.get(key)!r}, now "
-                    f"{key}={spec.get(key)!r}. Use another --output-dir for a different benchmark definition."
-                )
-    merged = dict(existing)
-    merged["benchmarks"] = {**existing.get("benchmarks", {}), **run["benchmarks"]}
+        previous = existing.get("benchmarks", {}).get(name) or spec
+        for key in (key for key in _SPEC_KEYS if previous.get(key) != spec.get(key)):
+            raise ValueError(
+                f"{folder}: benchmark {name!r} was evaluated with {key}={previous.get(key)!r}, now "
+                f"{key}={spec.get(key)!r}. Use another --output-dir for a different benchmark definition."
+            )
+    merged = {**existing, "benchmarks": {**existing.get("benchmarks", {}), **run["benchmarks"]}}
     merged["protocol"] = {**existing.get("protocol", {}), "num_samples": run["protocol"]["num_samples"]}
     merged.setdefault("resumed", []).append({"at": _now(), "backend": run["backend"]})
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(merged, handle, indent=2)
+    _write_json(path, merged)
     return merged
 
 
 def _records_for(
-    problems_by_key: dict[tuple[str, int], Problem],
-    keys: Sequence[tuple[str, int]],
+    chunk: Sequence[tuple[Problem, int]],
     prompts: dict[str, tuple[str, list[int]]],
     generations: Sequence[Generation],
     spec: BenchmarkSpec,
@@ -100,11 +102,9 @@ def _records_for(
     spans = segment_spans(ids, mask, tokenizer)
 
     records = []
-    for row, ((problem_id, sample), generation, seed) in enumerate(zip(keys, generations, seeds)):
-        problem = problems_by_key[(problem_id, sample)]
+    for row, ((problem, sample), generation, seed) in enumerate(zip(chunk, generations, seeds)):
+        logprobs = generation.logprobs
         extracted, correct = score_completion(generation.text, problem.gold, spec.answer_format, problem.choices)
-        logprobs = [round(value, LOGPROB_DIGITS) for value in generation.logprobs]
-        entropy = -sum(generation.logprobs) / len(generation.logprobs) if generation.logprobs else None
         prompt_text, prompt_ids = prompts[problem.id]
         records.append(
             {
@@ -120,11 +120,11 @@ def _records_for(
                 "finish_reason": generation.finish_reason,
                 "num_prompt_tokens": len(prompt_ids),
                 "num_completion_tokens": len(generation.token_ids),
-                "entropy": entropy,
+                "entropy": -sum(logprobs) / len(logprobs) if logprobs else None,
                 "thinking_span": [int(spans.thinking_start[row]), int(spans.thinking_end[row])],
                 "answer_span": [int(spans.answer_start[row]), int(spans.answer_end[row])],
                 "completion_ids": generation.token_ids,
-                "logprobs": logprobs,
+                "logprobs": [round(value, LOGPROB_DIGITS) for value in logprobs],
                 "backend": backend_name,
                 "seed": seed,
                 "meta": problem.meta,
@@ -148,12 +148,11 @@ def evaluate(
     label: str | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Evaluate ``model_name`` (loaded in ``backend``) on ``benchmarks`` with ``num_samples`` samples per problem.
+    """Evaluate ``model_name`` (loaded in ``backend``) on ``benchmarks``, ``num_samples`` samples per problem.
 
-    An existing run in ``output_dir`` is continued: finished ``(problem, sample)`` pairs are skipped and the
-    protocol must match. Each request's seed derives from ``seed`` and its key. ``chat_template`` is ``auto``
-    (the tokenizer's, when it has one), ``on`` or ``off``; ``chunk_size`` sequences are generated between two
-    writes of records. Returns the summary, also written to ``summary.json`` and ``summary.md``.
+    A run in ``output_dir`` is continued (same protocol; finished samples skipped). Each request's seed derives from
+    ``seed`` and its key; ``chat_template`` is ``auto`` (when the tokenizer has one), ``on`` or ``off``; records are
+    written every ``chunk_size`` sequences. Returns the summary, also written to ``summary.json``/``summary.md``.
     """
     from tqdm.auto import tqdm
 
@@ -171,10 +170,8 @@ def evaluate(
     label = label or os.path.basename(os.path.normpath(model_name)) or model_name
 
     loaded = [load_problems(spec, limit) for spec in benchmarks]
-    names = [spec.name for spec, _ in loaded]
-    duplicates = {name for name in names if names.count(name) > 1}
-    if duplicates:
-        raise ValueError(f"Benchmarks {sorted(duplicates)} given twice; each needs its own name.")
+    if len({spec.name for spec, _ in loaded}) < len(loaded):
+        raise ValueError(f"A benchmark is given twice ({[spec.name for spec, _ in loaded]}); each needs its own name.")
     run = {
         "model": model_name,
         "label": label,
@@ -211,55 +208,40 @@ def evaluate(
         pending.sort(key=lambda item: (-len(prompts[item[0].id][1]), item[0].index, item[1]))
         context = getattr(backend, "max_context", None)
         too_long = [item for item in pending if context and len(prompts[item[0].id][1]) >= context]
-        if too_long:
-            # The model cannot read these questions: they are scored as unanswered, and recorded as such.
+        if too_long:  # recorded as unanswered
             logger.warning(
                 "%s: %d of %d problems have prompts of at least the model's context (%d tokens); their samples "
                 "are recorded with finish_reason='prompt_too_long' and count as incorrect.",
-                spec.name,
-                len({problem.id for problem, _ in too_long}),
-                len(problems),
-                context,
+                *(spec.name, len({problem.id for problem, _ in too_long}), len(problems), context),
             )
             pending = pending[len(too_long) :]
         if finished:
             logger.info("%s: %d samples already finished, %d to go.", spec.name, len(finished), len(pending))
         total = len(problems) * num_samples
-        bar = tqdm(
-            total=total, initial=total - len(pending), desc=spec.display_name, unit="sample", disable=not progress
-        )
         chunks = [too_long] if too_long else []
         chunks += [pending[start : start + chunk_size] for start in range(0, len(pending), chunk_size)]
-        try:
+        with tqdm(total=total, initial=total - len(pending), desc=spec.display_name, disable=not progress) as bar:
             for chunk in chunks:
-                keys = [(problem.id, sample) for problem, sample in chunk]
-                seeds = [request_seed(seed, spec.name, problem_id, sample) for problem_id, sample in keys]
-                if chunk is too_long:  # nothing to generate: recorded as unanswered
+                seeds = [request_seed(seed, spec.name, problem.id, sample) for problem, sample in chunk]
+                if chunk is too_long:
                     generations = [Generation([], [], "", "prompt_too_long") for _ in chunk]
                 else:
                     generations = backend.generate([prompts[problem.id][1] for problem, _ in chunk], settings, seeds)
-                by_key = {(problem.id, sample): problem for problem, sample in chunk}
-                records = _records_for(by_key, keys, prompts, generations, spec, tokenizer, backend.name, seeds)
+                records = _records_for(chunk, prompts, generations, spec, tokenizer, backend.name, seeds)
                 store.append(records)
                 for record in records:
                     finished.setdefault((record["problem_id"], record["sample"]), record)
                 bar.update(len(chunk))
-        finally:
-            bar.close()
         wanted = {problem.id for problem in problems}
         kept = [record for (problem_id, _), record in finished.items() if problem_id in wanted]
         stats = benchmark_stats(kept, num_samples, len(problems))
         if stats["unscored_samples"]:
             logger.warning(
-                "%s: math-verify gave no verdict on %d samples; they are left out of pass@1 (unscored_samples).",
-                spec.name,
-                stats["unscored_samples"],
+                "%s: %d samples without a verdict, left out of pass@1.", spec.name, stats["unscored_samples"]
             )
-        stats["display_name"] = spec.display_name
-        results[spec.name] = stats
+        results[spec.name] = {**stats, "display_name": spec.display_name}
 
-    summary = _write_summary(output_dir, run, results, label)
-    return summary
+    return _write_summary(output_dir, run, results, label)
 
 
 def _write_summary(output_dir: str, run: dict[str, Any], results: dict[str, Any], label: str) -> dict[str, Any]:
@@ -274,11 +256,9 @@ def _write_summary(output_dir: str, run: dict[str, Any], results: dict[str, Any]
         "backend": run["backend"] if "resumed" not in run else run["resumed"][-1]["backend"],
         "protocol": run["protocol"],
         "updated": _now(),
-        # Benchmarks of earlier invocations of this run stay in its summary.
-        "benchmarks": {**previous, **results},
+        "benchmarks": {**previous, **results},  # earlier benchmarks of this run stay
     }
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(summary, handle, indent=2)
+    _write_json(path, summary)
     with open(os.path.join(output_dir, "summary.md"), "w", encoding="utf-8") as handle:
         handle.write(format_summary_markdown(summary))
     return summary

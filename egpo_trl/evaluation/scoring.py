@@ -1,10 +1,7 @@
-"""Reference answers and scoring of completions, per answer format.
+"""Reference answers and scoring: the last ``\\boxed{}`` compared with :func:`egpo_trl.rewards.answers_match`.
 
-Every format reads the prediction from the last ``\\boxed{}`` and compares with
-:func:`egpo_trl.rewards.answers_match`, as the training reward does. ``math``: the reference as given (floats
-such as ``27.0`` read ``27``); ``gsm8k``: the number after the last ``####``, commas dropped; ``minerva``: the
-last box of the solution, units, primes and degrees dropped on both sides and ``1.2e-8`` read as
-``1.2 \\times 10^{-8}``; ``choice``: the index of the correct choice, named in the box by letter or by text.
+``math``: the reference as given; ``gsm8k``: the number after ``####``; ``minerva``: units and degrees dropped,
+``1.2e-8`` read as ``1.2 \\times 10^{-8}``; ``choice``: the correct choice, named by letter or by text.
 """
 
 from __future__ import annotations
@@ -42,12 +39,7 @@ _TRAILING_SYMBOLS += (r"\%", "%", r"\AA", r"\mathring{A}", r"\;", r"\,", r"\!", 
 
 
 def normalize_minerva(answer: str) -> str:
-    """Normalise a Minerva Math answer: drop trailing units, degrees, primes and ``$``; ``4.46e19`` becomes
-    ``4.46 \\times 10^{19}``.
-
-    >>> normalize_minerva(r"1.6 \\mathrm{~cm}")
-    '1.6'
-    """
+    """A Minerva Math answer without trailing units, degrees, primes and ``$``, in ``a \\times 10^{b}`` notation."""
     text = answer.replace("$", "").strip()
     text = re.sub(r"^[a-zA-Z_]\w*\s*=\s*", "", text) if text.count("=") == 1 else text
     previous = None
@@ -142,7 +134,7 @@ def choice_index(prediction: str | None, choices: Sequence[str]) -> int | None:
 
 
 def _any_match(verdicts: Iterable[bool | None]) -> bool | None:
-    """``True`` at the first match; ``None`` (no verdict) when none matched and a comparison gave no verdict."""
+    """``True`` at a match; else ``None`` when a comparison gave no verdict."""
     unscored = False
     for verdict in verdicts:
         if verdict:

@@ -13,6 +13,10 @@ from typing import Any
 from egpo_trl.evaluation.benchmarks import BENCHMARKS, PAPER_ORDER
 
 
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def _mean(values: Sequence[float | None]) -> float:
     values = [value for value in values if not _missing(value)]
     return statistics.fmean(values) if values else float("nan")
@@ -23,11 +27,8 @@ def _stderr(values: Sequence[float]) -> float:
 
 
 def pass_at_1(correct: dict[str, dict[int, bool]], num_samples: int) -> dict[str, float]:
-    """Mean pass@1 (%) from ``{problem_id: {sample: correct}}`` (samples ``>= num_samples`` ignored).
-
-    ``pass@1`` is the mean over problems of the fraction of correct samples (the paper's mean pass@1 over ``k``
-    trials); ``stderr_trials`` is its standard error over the ``k`` trials, ``stderr_problems`` over problems.
-    """
+    """Mean pass@1 (%) over problems from ``{problem_id: {sample: correct}}`` (samples ``>= num_samples`` ignored),
+    with its standard error over the ``k`` trials and over problems."""
     per_problem = []
     per_trial: dict[int, list[float]] = defaultdict(list)
     for samples in correct.values():
@@ -46,23 +47,21 @@ def pass_at_1(correct: dict[str, dict[int, bool]], num_samples: int) -> dict[str
 
 
 def benchmark_stats(records: Iterable[dict[str, Any]], num_samples: int, num_problems: int) -> dict[str, Any]:
-    """Summary numbers of one benchmark; a prompt too long for the model counts as incorrect, a sample math-verify
-    gave no verdict on (``correct`` null) is left out of pass@1 and counted in ``unscored_samples``."""
+    """Summary numbers of one benchmark; a sample without a verdict (``correct`` null) is left out of pass@1 and
+    counted in ``unscored_samples``."""
     correct: dict[str, dict[int, bool]] = defaultdict(dict)
     by_level: dict[str, dict[str, dict[int, bool]]] = defaultdict(lambda: defaultdict(dict))
     lengths: list[int] = []
     finished = truncated = extracted = unreadable = unscored = 0
     for record in records:
-        if int(record["sample"]) >= num_samples:
+        problem, sample, verdict = str(record["problem_id"]), int(record["sample"]), record["correct"]
+        if sample >= num_samples:
             continue
         finished += 1
-        if record["correct"] is None:
-            unscored += 1
-        else:
-            correct[str(record["problem_id"])][int(record["sample"])] = bool(record["correct"])
-            level = (record.get("meta") or {}).get("level")
-            if level is not None:
-                by_level[str(level)][str(record["problem_id"])][int(record["sample"])] = bool(record["correct"])
+        unscored += verdict is None
+        level = (record.get("meta") or {}).get("level")
+        for table in (correct, by_level[str(level)] if level is not None else {}) if verdict is not None else ():
+            table.setdefault(problem, {})[sample] = bool(verdict)
         extracted += record.get("extracted") is not None
         if record.get("finish_reason") == "prompt_too_long":
             unreadable += 1
@@ -83,7 +82,7 @@ def benchmark_stats(records: Iterable[dict[str, Any]], num_samples: int, num_pro
             "prompt_too_long_percent": 100 * unreadable / finished if finished else float("nan"),
         }
     )
-    if by_level:  # benchmarks with difficulty levels (MATH-500, the synthetic task)
+    if by_level:
         stats["pass@1_by_level"] = {
             level: pass_at_1(by_level[level], num_samples)["pass@1"]
             for level in sorted(by_level, key=lambda text: (len(text), text))
@@ -99,10 +98,6 @@ def _ordered(names: Iterable[str]) -> list[str]:
     names = list(dict.fromkeys(names))
     known = [name for name in PAPER_ORDER if name in names]
     return known + [name for name in names if name not in known]
-
-
-def _missing(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def _cell(value: float | None, digits: int = 2) -> str:
@@ -165,8 +160,8 @@ def load_summary(run: str) -> dict[str, Any]:
 
 
 def compare_runs(summaries: Sequence[dict[str, Any]], labels: Sequence[str] | None = None) -> str:
-    """Two or more runs side by side in Markdown, each pass@1 with its delta to the first run (``74.00 (+50.60)``);
-    the average is over the benchmarks that every run has."""
+    """Two or more runs side by side in Markdown, each pass@1 with its delta to the first run; the average is over
+    the benchmarks that every run has."""
     if len(summaries) < 2:
         raise ValueError("--compare needs at least two runs.")
     labels = list(
