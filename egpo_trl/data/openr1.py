@@ -28,12 +28,7 @@ from typing import Any
 
 import yaml
 
-from egpo_trl.data.dedup import (
-    DECONTAMINATION_BENCHMARKS,
-    NearDuplicateIndex,
-    load_benchmark_problems,
-    minhashes,
-)
+from egpo_trl.data.dedup import DECONTAMINATION_BENCHMARKS, NearDuplicateIndex, benchmark_index, minhashes
 from egpo_trl.rewards import answers_match, extract_last_boxed
 
 logger = logging.getLogger(__name__)
@@ -417,32 +412,8 @@ def sample_pool(candidates: Sequence[Any], config: OpenR1DataConfig) -> tuple[li
     return pool, summary
 
 
-@dataclass
-class StageStats:
-    name: str
-    enabled: bool
-    setting: str
-    rows_in: Counter = field(default_factory=Counter)
-    rows_out: Counter = field(default_factory=Counter)
-    reasons: Counter = field(default_factory=Counter)
-    examples: list[dict[str, Any]] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        removed = sum(self.rows_in.values()) - sum(self.rows_out.values())
-        return {
-            "name": self.name,
-            "description": STAGES[self.name],
-            "enabled": self.enabled,
-            "setting": self.setting,
-            "rows_in": dict(self.rows_in),
-            "rows_out": dict(self.rows_out),
-            "removed": removed,
-            "reasons": dict(self.reasons),
-            "examples": self.examples,
-        }
-
-
-def _stage_stats(c: OpenR1DataConfig) -> dict[str, StageStats]:
+def _stage_stats(c: OpenR1DataConfig) -> dict[str, dict[str, Any]]:
+    """Each stage's switch, setting and counts, in the order ``stats.json`` lists them."""
     minhash = f"num_perm={c.minhash_num_perm}, threshold={c.minhash_threshold}"
     stages = {
         "answer": (
@@ -464,7 +435,11 @@ def _stage_stats(c: OpenR1DataConfig) -> dict[str, StageStats]:
             f"prompt <= {c.final_max_prompt_tokens} tokens",
         ),
     }
-    return {name: StageStats(name, enabled, setting) for name, (enabled, setting) in stages.items()}
+    return {
+        name: {"name": name, "description": STAGES[name], "enabled": on, "setting": setting, "rows_in": Counter()}
+        | {"rows_out": Counter(), "removed": 0, "reasons": Counter(), "examples": []}
+        for name, (on, setting) in stages.items()
+    }
 
 
 @dataclass
@@ -488,11 +463,12 @@ class _Builder:
         self.pool_index = NearDuplicateIndex(config.minhash_threshold, config.minhash_num_perm)
         self.pool_members: list[tuple[str, str]] = []  # (id, problem) of the rows in `pool_index`, by position
         if config.decontaminate:
-            self.benchmark_problems = load_benchmark_problems(config.decontamination_benchmarks)
-            self.benchmark_index = NearDuplicateIndex(config.minhash_threshold, config.minhash_num_perm)
-            texts = [problem.text for problem in self.benchmark_problems]
-            for signature in minhashes(texts, config.minhash_num_perm, config.shingle_size):
-                self.benchmark_index.add(signature)
+            self.benchmark_problems, self.benchmark_index = benchmark_index(
+                config.decontamination_benchmarks,
+                config.minhash_threshold,
+                config.minhash_num_perm,
+                config.shingle_size,
+            )
 
     @functools.cached_property
     def tokenizer(self):
@@ -531,7 +507,7 @@ class _Builder:
             return []
         return [len(ids) for ids in self.tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]]
 
-    def drop(self, stage: str, rows: list[dict], verdicts: Sequence[tuple | None]) -> list[dict]:
+    def drop(self, stage: str, rows: list[dict], verdicts) -> list[dict]:
         """Keep the rows whose verdict is ``None``; log the others' ``(reason, details)`` as removed by ``stage``."""
         kept = []
         for row, verdict in zip(rows, verdicts):
@@ -539,126 +515,99 @@ class _Builder:
                 kept.append(row)
                 continue
             stats = self.stages[stage]
-            stats.reasons[verdict[0]] += 1
+            stats["reasons"][verdict[0]] += 1
             record = {"stage": stage, "reason": verdict[0], "id": row["_id"], "subset": row["_subset"]}
             record.update(index=row["_index"], **verdict[1])
             self.removal_log.write(json.dumps(record, ensure_ascii=False) + "\n")
-            if len(stats.examples) < self.config.report_examples:
+            if len(stats["examples"]) < self.config.report_examples:
                 example = {**record, "problem": _snippet(row.get("problem", ""))}
                 if "answer" in row:
                     example["answer"] = _snippet(_answer_text(row["answer"]), 80)
-                stats.examples.append(example)
+                stats["examples"].append(example)
         return kept
 
-    def run_stage(self, name: str, rows: list[dict], filter_rows) -> list[dict]:
-        """Apply ``filter_rows(rows) -> kept rows`` when the stage is on, and count the rows in and out."""
+    def run_stage(self, name: str, rows: list[dict], *checks) -> list[dict]:
+        """Drop the rows each ``check(rows) -> verdicts`` rejects in turn when the stage is on; count rows in and out."""
         stats = self.stages[name]
-        stats.rows_in.update(row["_subset"] for row in rows)
-        if stats.enabled and rows:
-            rows = filter_rows(rows)
-        stats.rows_out.update(row["_subset"] for row in rows)
+        stats["rows_in"].update(row["_subset"] for row in rows)
+        for check in checks if stats["enabled"] else ():
+            rows = self.drop(name, rows, check(rows))
+        stats["rows_out"].update(row["_subset"] for row in rows)
         return rows
 
-    def filter_answer(self, rows):
-        c = self.config
+    def answer_verdict(self, row):
+        if self.config.drop_empty_answers and is_empty_answer(row.get("answer")):
+            return "empty", {}
+        if self.config.require_single_value_answer and not is_single_value_answer(row.get("answer")):
+            return "multi_value", {}
+        return None
 
-        def verdict(answer):
-            if c.drop_empty_answers and is_empty_answer(answer):
-                return "empty", {}
-            if c.require_single_value_answer and not is_single_value_answer(answer):
-                return "multi_value", {}
+    def generations_verdict(self, row):
+        count = len(_generations(row))
+        return ("too_few_generations", {"generations": count}) if count < self.config.min_generations else None
+
+    def prompt_verdicts(self, rows, limit, **details):
+        counts = self.prompt_token_counts([row["problem"] for row in rows])
+        return [("prompt_too_long", {"tokens": n, **details}) if n > limit else None for n in counts]
+
+    def response_verdicts(self, rows):
+        source = self.config.response_length_source
+        if source == "solution":
+            lengths = self.token_counts([row.get("solution") or "" for row in rows])
+        else:
+            texts = [_generations(row) or [""] for row in rows]
+            counts = iter(self.token_counts([text for group in texts for text in group]))
+            pick = min if source == "shortest_generation" else max
+            lengths = [pick(next(counts) for _ in group) for group in texts]
+        limit = self.config.max_response_tokens
+        return [("response_too_long", {"tokens": n}) if n > limit else None for n in lengths]
+
+    def boxed_verdict(self, row):
+        gold = _answer_text(row.get("answer"))
+        solution_box = extract_last_boxed(row.get("solution") or "")
+        if answers_match(solution_box, gold):
+            self.boxed_match_via["solution"] += 1
+        elif any(answers_match(extract_last_boxed(text), gold) for text in _generations(row)):
+            self.boxed_match_via["generation"] += 1
+        else:
+            return "no_matching_box", {"solution_box": solution_box}
+        return None
+
+    def contamination_verdict(self, row):
+        match = self.benchmark_index.best_match(row["_minhash"])
+        if match is None:
             return None
+        benchmark, index, text = self.benchmark_problems[match[0]]
+        self.contamination[benchmark] += 1
+        details = {"benchmark": benchmark, "benchmark_index": index, "similarity": round(match[1], 4)}
+        return "benchmark_near_duplicate", details | {"benchmark_problem": _snippet(text)}
 
-        return self.drop("answer", rows, [verdict(row.get("answer")) for row in rows])
-
-    def filter_min_generations(self, rows):
-        counts = [len(_generations(row)) for row in rows]
-        verdicts = [
-            None if n >= self.config.min_generations else ("too_few_generations", {"generations": n}) for n in counts
-        ]
-        return self.drop("min_generations", rows, verdicts)
-
-    def filter_length(self, rows):
-        c = self.config
-        if c.max_prompt_tokens is not None:
-            counts = self.prompt_token_counts([row["problem"] for row in rows])
-            verdicts = [("prompt_too_long", {"tokens": n}) if n > c.max_prompt_tokens else None for n in counts]
-            rows = self.drop("length", rows, verdicts)
-        if c.max_response_tokens is not None:
-            if c.response_length_source == "solution":
-                lengths = self.token_counts([row.get("solution") or "" for row in rows])
-            else:
-                texts = [_generations(row) or [""] for row in rows]
-                counts = iter(self.token_counts([text for group in texts for text in group]))
-                pick = min if c.response_length_source == "shortest_generation" else max
-                lengths = [pick(next(counts) for _ in group) for group in texts]
-            verdicts = [("response_too_long", {"tokens": n}) if n > c.max_response_tokens else None for n in lengths]
-            rows = self.drop("length", rows, verdicts)
-        return rows
-
-    def filter_boxed_match(self, rows):
-        verdicts = []
-        for row in rows:
-            gold = _answer_text(row.get("answer"))
-            solution_box = extract_last_boxed(row.get("solution") or "")
-            if answers_match(solution_box, gold):
-                self.boxed_match_via["solution"] += 1
-                verdicts.append(None)
-            elif any(answers_match(extract_last_boxed(text), gold) for text in _generations(row)):
-                self.boxed_match_via["generation"] += 1
-                verdicts.append(None)
-            else:
-                verdicts.append(("no_matching_box", {"solution_box": solution_box}))
-        return self.drop("boxed_match", rows, verdicts)
-
-    def filter_contaminated(self, rows):
-        verdicts = []
-        for row in rows:
-            match = self.benchmark_index.best_match(row["_minhash"])
-            verdicts.append(None)
-            if match is not None:
-                problem = self.benchmark_problems[match[0]]
-                self.contamination[problem.benchmark] += 1
-                verdicts[-1] = (
-                    "benchmark_near_duplicate",
-                    {
-                        "benchmark": problem.benchmark,
-                        "benchmark_index": problem.index,
-                        "similarity": round(match[1], 4),
-                        "benchmark_problem": _snippet(problem.text),
-                    },
-                )
-        return self.drop("decontamination", rows, verdicts)
-
-    def filter_duplicates(self, rows):
-        verdicts = []
-        for row in rows:
-            match = self.pool_index.best_match(row["_minhash"])
-            verdicts.append(None)
-            if match is None:
-                self.pool_index.add(row["_minhash"])
-                self.pool_members.append((row["_id"], row["problem"].strip()))
-            else:
-                kept_id, kept_problem = self.pool_members[match[0]]
-                verdicts[-1] = (
-                    "pool_near_duplicate",
-                    {"kept_id": kept_id, "similarity": round(match[1], 4), "kept_problem": _snippet(kept_problem)},
-                )
-        return self.drop("deduplication", rows, verdicts)
+    def duplicate_verdict(self, row):
+        match = self.pool_index.best_match(row["_minhash"])
+        if match is None:
+            self.pool_index.add(row["_minhash"])
+            self.pool_members.append((row["_id"], row["problem"].strip()))
+            return None
+        kept_id, kept_problem = self.pool_members[match[0]]
+        details = {"kept_id": kept_id, "similarity": round(match[1], 4), "kept_problem": _snippet(kept_problem)}
+        return "pool_near_duplicate", details
 
     def process_chunk(self, rows: list[dict[str, Any]]) -> list[_Candidate]:
         c = self.config
-        rows = self.run_stage("answer", rows, self.filter_answer)
-        rows = self.run_stage("min_generations", rows, self.filter_min_generations)
-        rows = self.run_stage("length", rows, self.filter_length)
-        rows = self.run_stage("boxed_match", rows, self.filter_boxed_match)
-        if (c.decontaminate or c.deduplicate) and rows:
-            for row, signature in zip(
-                rows, minhashes([r["problem"] for r in rows], c.minhash_num_perm, c.shingle_size)
-            ):
+        length_checks = [lambda rows: self.prompt_verdicts(rows, c.max_prompt_tokens)] if c.max_prompt_tokens else []
+        length_checks += [self.response_verdicts] if c.max_response_tokens else []
+        rows = self.run_stage("answer", rows, lambda rows: map(self.answer_verdict, rows))
+        rows = self.run_stage("min_generations", rows, lambda rows: map(self.generations_verdict, rows))
+        rows = self.run_stage("length", rows, *length_checks)
+        rows = self.run_stage("boxed_match", rows, lambda rows: map(self.boxed_verdict, rows))
+        if c.decontaminate or c.deduplicate:
+            signatures = (
+                minhashes([row["problem"] for row in rows], c.minhash_num_perm, c.shingle_size) if rows else []
+            )
+            for row, signature in zip(rows, signatures):
                 row["_minhash"] = signature
-        rows = self.run_stage("decontamination", rows, self.filter_contaminated)
-        rows = self.run_stage("deduplication", rows, self.filter_duplicates)
+        rows = self.run_stage("decontamination", rows, lambda rows: map(self.contamination_verdict, rows))
+        rows = self.run_stage("deduplication", rows, lambda rows: map(self.duplicate_verdict, rows))
         return [
             _Candidate(
                 id=row["_id"],
@@ -704,18 +653,15 @@ class _Builder:
 
     def final_filter(self, splits: dict[str, list[_Candidate]]) -> dict[str, list[_Candidate]]:
         """Stage 9: drop the prompts longer than ``final_max_prompt_tokens`` from both splits."""
-        stats, limit = self.stages["final_prompt_length"], self.config.final_max_prompt_tokens
+        limit = self.config.final_max_prompt_tokens
         for name, members in splits.items():
-            stats.rows_in.update(cand.subset for cand in members)
-            if stats.enabled and members:
-                rows = [
-                    {"_id": m.id, "_subset": m.subset, "_index": m.index, "problem": m.problem, "_c": m}
-                    for m in members
-                ]
-                counts = self.prompt_token_counts([cand.problem for cand in members])
-                verdicts = [("prompt_too_long", {"tokens": n, "split": name}) if n > limit else None for n in counts]
-                splits[name] = [row["_c"] for row in self.drop("final_prompt_length", rows, verdicts)]
-            stats.rows_out.update(cand.subset for cand in splits[name])
+            rows = [
+                {"_id": m.id, "_subset": m.subset, "_index": m.index, "problem": m.problem, "_c": m} for m in members
+            ]
+            rows = self.run_stage(
+                "final_prompt_length", rows, lambda rows, split=name: self.prompt_verdicts(rows, limit, split=split)
+            )
+            splits[name] = [row["_c"] for row in rows]
         return splits
 
     def record(self, cand: _Candidate) -> dict[str, Any]:
@@ -746,17 +692,17 @@ class _Builder:
                 )
         candidate_buckets = Counter((cand.subset, cand.bucket) for cand in candidates)
 
-        self.stages["sampling"].rows_in.update(cand.subset for cand in candidates)
+        self.stages["sampling"]["rows_in"].update(cand.subset for cand in candidates)
         pool, sampling = sample_pool(candidates, c)
-        self.stages["sampling"].rows_out.update(cand.subset for cand in pool)
+        self.stages["sampling"]["rows_out"].update(cand.subset for cand in pool)
         if len(pool) < c.pool_size:
             logger.warning("The pool has %d problems, fewer than pool_size=%d.", len(pool), c.pool_size)
 
-        self.stages["validation_split"].rows_in.update(cand.subset for cand in pool)
+        self.stages["validation_split"]["rows_in"].update(cand.subset for cand in pool)
         order = list(pool)
         random.Random(f"{c.seed}:validation").shuffle(order)
         splits = {"train": order[c.val_size :], "validation": order[: c.val_size]}
-        self.stages["validation_split"].rows_out.update(cand.subset for cand in splits["train"])
+        self.stages["validation_split"]["rows_out"].update(cand.subset for cand in splits["train"])
         splits = self.final_filter(splits)
 
         dataset = DatasetDict(
@@ -780,7 +726,11 @@ class _Builder:
                 {"subset": spec.subset, "source": spec.describe(), "rows": rows_read[spec.subset]} for spec in c.inputs
             ],
             "rows_read": sum(rows_read.values()),
-            "stages": [self.stages[name].to_dict() for name in STAGES],
+            "stages": [
+                {k: dict(v) if isinstance(v, Counter) else v for k, v in stage.items()}
+                | {"removed": sum(stage["rows_in"].values()) - sum(stage["rows_out"].values())}
+                for stage in self.stages.values()
+            ],
             "boxed_match_via": dict(self.boxed_match_via),
             "contamination_by_benchmark": dict(self.contamination),
             "candidates": [
