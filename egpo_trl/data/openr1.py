@@ -18,7 +18,6 @@ import os
 import random
 import re
 import shutil
-import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -610,13 +609,13 @@ class _Builder:
         rows = self.run_stage("deduplication", rows, lambda rows: map(self.duplicate_verdict, rows))
         return [
             _Candidate(
-                id=row["_id"],
-                subset=sys.intern(row["_subset"]),
-                index=row["_index"],
-                problem=row["problem"].strip(),
-                answer=_single_answer(row["answer"]),
-                source=sys.intern(str(row.get("source") or "unknown")),
-                bucket=correctness_bucket(row, c.correctness_source),
+                row["_id"],
+                row["_subset"],
+                row["_index"],
+                row["problem"].strip(),
+                _single_answer(row["answer"]),
+                str(row.get("source") or "unknown"),
+                correctness_bucket(row, c.correctness_source),
             )
             for row in rows
         ]
@@ -665,15 +664,7 @@ class _Builder:
         return splits
 
     def record(self, cand: _Candidate) -> dict[str, Any]:
-        return {
-            "prompt": self.prompt_messages(cand.problem),
-            "answer": cand.answer,
-            "problem": cand.problem,
-            "id": cand.id,
-            "subset": cand.subset,
-            "bucket": cand.bucket,
-            "source": cand.source,
-        }
+        return {"prompt": self.prompt_messages(cand.problem)} | {key: getattr(cand, key) for key in RECORD_COLUMNS[1:]}
 
     def build(self, started: float) -> tuple[Any, dict[str, Any]]:
         """Run the stages; the splits as a ``DatasetDict`` and the statistics of the build."""
