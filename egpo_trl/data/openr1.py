@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import hashlib
 import itertools
 import json
@@ -91,6 +92,8 @@ class InputSpec:
         columns = {"columns": self.columns} if self.columns else {}
         if self.data_files:
             files = [os.path.expanduser(name) for name in self.data_files]
+            if not all(map(glob.glob, files)):
+                raise FileNotFoundError(f"input {self.subset!r}: no file matches one of {files} (cwd {os.getcwd()}).")
             kinds = {"parquet" if n.endswith(".parquet") else "json" if ".json" in n else None for n in files}
             if len(kinds) != 1 or None in kinds:
                 raise ValueError(f"input {self.subset!r}: data_files must all be parquet or all be jsonl/json.")
