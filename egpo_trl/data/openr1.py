@@ -361,21 +361,19 @@ def sample_pool(candidates: Sequence[Any], config: OpenR1DataConfig) -> tuple[li
     for (subset, bucket), members in cells.items():
         random.Random(f"{config.seed}:{subset}:{bucket}").shuffle(members)
 
-    cap = math.inf
+    cap = None
     if config.max_source_fraction is not None:
         cap = max(1, math.floor(config.max_source_fraction * min(config.pool_size, len(candidates))))
     per_source: Counter = Counter()
     subset_quota = apportion(config.pool_size, config.subset_ratios)
-    summary: dict[str, Any] = {"cells": [], "filled": [], "requested": config.pool_size, "source_cap": None}
-    if cap != math.inf:
-        summary["source_cap"] = cap
+    summary: dict[str, Any] = {"cells": [], "filled": [], "requested": config.pool_size, "source_cap": cap}
     pool: list[Any] = []
     taken: Counter = Counter()
 
     def take(cell: tuple[str, str], count: int) -> list[Any]:
         chosen, rest = [], []
         for candidate in cells[cell]:
-            if len(chosen) < count and per_source[candidate.source] < cap:
+            if len(chosen) < count and (cap is None or per_source[candidate.source] < cap):
                 chosen.append(candidate)
                 per_source[candidate.source] += 1
             else:
@@ -388,17 +386,13 @@ def sample_pool(candidates: Sequence[Any], config: OpenR1DataConfig) -> tuple[li
     for subset in subsets:
         quota = apportion(subset_quota[subset], {b: config.bucket_ratios.get(b, 0.0) for b in buckets})
         for bucket in buckets:
-            available = len(cells[(subset, bucket)])
-            chosen = take((subset, bucket), quota[bucket])
-            summary["cells"].append(
-                {
-                    "subset": subset,
-                    "bucket": bucket,
-                    "quota": quota[bucket],
-                    "available": available,
-                    "taken": len(chosen),
-                }
-            )
+            cell = {
+                "subset": subset,
+                "bucket": bucket,
+                "quota": quota[bucket],
+                "available": len(cells[subset, bucket]),
+            }
+            summary["cells"].append(cell | {"taken": len(take((subset, bucket), quota[bucket]))})
     if config.fill_shortfall:
         # First each subset fills its own quota, then the remaining gap is filled from any subset.
         for subset in subsets + [None]:
@@ -638,15 +632,16 @@ class _Builder:
 
     def check_columns(self, spec: InputSpec, columns: set[str]) -> None:
         c = self.config
-        needed = {"problem", "answer"}
-        if c.min_generations > 0 or c.boxed_match_filter or c.response_length_source != "solution":
-            needed.add("generations")
-        if c.correctness_source in ("math_verify", "either"):
-            needed.add("correctness_math_verify")
-        if c.correctness_source in ("llama", "either"):
-            needed.add("correctness_llama")
-        if c.max_response_tokens is not None and c.response_length_source == "solution":
-            needed.add("solution")
+        needed = {"problem", "answer"} | {
+            name
+            for name, used in {
+                "generations": c.min_generations > 0 or c.boxed_match_filter or c.response_length_source != "solution",
+                "correctness_math_verify": c.correctness_source in ("math_verify", "either"),
+                "correctness_llama": c.correctness_source in ("llama", "either"),
+                "solution": c.max_response_tokens is not None and c.response_length_source == "solution",
+            }.items()
+            if used
+        }
         if needed - columns:
             raise ValueError(
                 f"input {spec.subset!r} ({spec.describe()}) lacks the column(s) {sorted(needed - columns)} of "
