@@ -403,7 +403,7 @@ def test_refuses_to_overwrite_unless_asked(built, tmp_path):
         spec["limit"] = 50  # only the first 50 rows of each input
     first = build_openr1_dataset(fixture_config(target, seed=3, decontaminate=False, inputs=inputs))
     assert [entry["rows"] for entry in first.stats["inputs"]] == [50, 50]
-    result = build_openr1_dataset(fixture_config(target, seed=4, decontaminate=False, overwrite=True))
+    result = build_openr1_dataset(fixture_config(target, seed=4, decontaminate=False, overwrite=True, inputs=inputs))
     assert json.loads((target / "stats.json").read_text())["seed"] == 4 == result.stats["seed"]
     assert not list(tmp_path.glob(".rebuild.*"))
 
@@ -450,6 +450,10 @@ def test_missing_columns_and_bad_cli_values(tmp_path, capsys):
     with pytest.raises(ValueError, match="lacks the column"):
         build_openr1_dataset(fixture_config(tmp_path / "out", inputs=inputs, decontaminate=False))
     assert not (tmp_path / "out").exists()  # nothing half-written
+    for spec in inputs:
+        spec["data_files"] = [str(tmp_path / "none-*.parquet")]
+    with pytest.raises(FileNotFoundError, match="no file matches"):
+        build_openr1_dataset(fixture_config(tmp_path / "out", inputs=inputs, decontaminate=False))
     assert data_main(["build", "--config", str(RECIPE), "--pool_size", "many"]) == 2
     assert "--pool_size expects an integer" in capsys.readouterr().err
     with pytest.raises(SystemExit):

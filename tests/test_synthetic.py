@@ -110,7 +110,7 @@ def test_registry_of_synthetic_tasks():
         load_synthetic_task("geometry")
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(level=st.sampled_from(sorted(LEVELS)), seed=st.integers(0, 10**6))
 def test_problems_follow_their_level_and_their_solution_is_right(level, seed):
     problem = sample_problem(level, random.Random(seed))

@@ -30,23 +30,16 @@ def _build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     build.add_argument("--config", help="YAML recipe, e.g. recipes/data/openr1_stable_10k.yaml")
-    for config_field in dataclasses.fields(OpenR1DataConfig):
-        default = config_field.default
-        if default is dataclasses.MISSING:
-            default = (
-                config_field.default_factory() if config_field.default_factory is not dataclasses.MISSING else None
-            )
-        if dataclasses.is_dataclass(default) or (
-            isinstance(default, list) and default and dataclasses.is_dataclass(default[0])
-        ):
-            default = "(see the recipe)"
-        bool_field = config_field.type == "bool"
+    for setting in dataclasses.fields(OpenR1DataConfig):
+        default = setting.default if setting.default_factory is dataclasses.MISSING else setting.default_factory()
+        default = "(see the recipe)" if setting.name == "inputs" else default
+        flag = setting.type == "bool"
         build.add_argument(
-            f"--{config_field.name}",
-            metavar="BOOL" if bool_field else "VALUE",
-            nargs="?" if bool_field else None,
-            const="true" if bool_field else None,
-            help=f"{config_field.metadata.get('help', '')} (default: {default})".replace("%", "%%"),
+            f"--{setting.name}",
+            metavar="BOOL" if flag else "VALUE",
+            nargs="?" if flag else None,
+            const="true" if flag else None,
+            help=f"{setting.metadata['help']} (default: {default})".replace("%", "%%"),
         )
     return parser
 
@@ -58,72 +51,58 @@ def parse_overrides(values: dict[str, str]) -> dict[str, Any]:
     types = {f.name: str(f.type) for f in dataclasses.fields(OpenR1DataConfig)}
     parsed: dict[str, Any] = {}
     for name, text in values.items():
-        kind = types[name]
-        optional = "None" in kind
-        if kind.startswith("str"):
+        base, optional = types[name].split(" |")[0], "None" in types[name]
+        if base == "str":
             parsed[name] = None if optional and text.lower() in ("null", "none", "~") else text
             continue
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError as error:
             raise ValueError(f"--{name} {text!r} is not valid YAML: {error}") from None
-        base = kind.split(" |")[0]
-        expected = {"bool": bool, "int": int, "float": (int, float)}.get(base)
-        if value is None and optional:
-            parsed[name] = None
-        elif expected is not None and (
-            not isinstance(value, expected) or (base != "bool" and isinstance(value, bool))
-        ):
-            wanted = {"bool": "true or false", "int": "an integer", "float": "a number"}[base]
-            raise ValueError(f"--{name} expects {wanted}, got {text!r}.")
-        else:
-            parsed[name] = float(value) if kind.startswith("float") and value is not None else value
+        expected = {"bool": (bool,), "int": (int,), "float": (int, float)}.get(base)
+        if expected and not (value is None and optional):
+            if not isinstance(value, expected) or (base != "bool" and isinstance(value, bool)):
+                wanted = {"bool": "true or false", "int": "an integer", "float": "a number"}[base]
+                raise ValueError(f"--{name} expects {wanted}, got {text!r}.")
+            value = float(value) if base == "float" else value
+        parsed[name] = value
     return parsed
-
-
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def hub_reachable(timeout: float = 3.0) -> str | None:
-    """``None`` when the Hugging Face Hub endpoint answers within ``timeout`` seconds, else why not (one line)."""
-    import urllib.error
-    import urllib.request
-
-    from huggingface_hub import constants
-
-    endpoint = constants.ENDPOINT.rstrip("/")
-    try:
-        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/api/whoami-v2", method="HEAD"), timeout=timeout)
-    except urllib.error.HTTPError:
-        return None  # it answered (401 without a token): reachable
-    except (urllib.error.URLError, OSError) as error:
-        reason = getattr(error, "reason", error)
-        return f"{endpoint} cannot be reached from this machine ({reason})"
-    return None
 
 
 def hub_problem(config) -> str | None:
     """Why the build cannot read its Hub inputs or tokenizer here, in one line naming the fix (``None``: it can)."""
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
     remote = [spec.path for spec in config.inputs if spec.path and not os.path.exists(os.path.expanduser(spec.path))]
     tokenizer = config.tokenizer
-    if tokenizer and not os.path.exists(os.path.expanduser(tokenizer)):
-        from huggingface_hub import try_to_load_from_cache
-
+    if not os.path.exists(os.path.expanduser(tokenizer)):
         if not isinstance(try_to_load_from_cache(tokenizer, "tokenizer_config.json"), str):
             remote.append(f"the tokenizer {tokenizer}")
     if not remote:
         return None
-    names = ", ".join(dict.fromkeys(remote))
+    names = ", ".join(dict.fromkeys(remote)) + " come(s) from the Hugging Face Hub, but"
     fix = (
         "build where the Hub can be reached and copy the output folder here, or read local copies (an input's "
         "`data_files: [/data/openr1/data/train-*.parquet]`, `tokenizer: /path/to/model`)"
     )
-    if _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(os.environ.get("HF_DATASETS_OFFLINE")):
-        return f"{names} come(s) from the Hugging Face Hub, but HF_HUB_OFFLINE is set; unset it, or {fix}."
-    unreachable = hub_reachable()
-    if unreachable:
-        return f"{names} come(s) from the Hugging Face Hub, but {unreachable}; {fix} (HF_ENDPOINT names a mirror)."
+    if any(
+        os.environ.get(key, "").strip().lower() in ("1", "true", "yes", "on")
+        for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    ):
+        return f"{names} HF_HUB_OFFLINE is set; unset it, or {fix}."
+    endpoint = constants.ENDPOINT.rstrip("/")
+    try:
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/api/whoami-v2", method="HEAD"), timeout=3.0)
+    except urllib.error.HTTPError:
+        return None  # it answered (401 without a token): reachable
+    except OSError as error:
+        reason = getattr(error, "reason", error)
+        return (
+            f"{names} {endpoint} cannot be reached from this machine ({reason}); {fix} (HF_ENDPOINT names a mirror)."
+        )
     return None
 
 
@@ -141,10 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     config_path = args.pop("config", None)
     try:
         overrides = parse_overrides(args)
-        if config_path is not None:
-            config = OpenR1DataConfig.from_yaml(config_path, overrides)
-        else:
-            config = OpenR1DataConfig.from_dict(overrides)
+        config = OpenR1DataConfig.from_yaml(config_path, overrides) if config_path else OpenR1DataConfig(**overrides)
         problem = hub_problem(config)
         if problem:
             print(f"egpo-trl data {command}: {problem}", file=sys.stderr)

@@ -6,13 +6,15 @@ checked against the estimated Jaccard similarity, so near duplicates are exactly
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 import re
 import unicodedata
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from datasketch import MinHash, MinHashLSH
@@ -42,12 +44,8 @@ def normalize_problem(text: str) -> str:
 
 def shingles(text: str, size: int = 3) -> set[bytes]:
     """The word ``size``-gram shingles of a problem (a text shorter than ``size`` units is one shingle)."""
-    if size < 1:
-        raise ValueError(f"shingle size must be >= 1, got {size}.")
     tokens = _TOKEN_RE.findall(normalize_problem(text))
-    if len(tokens) < size:
-        return {" ".join(tokens).encode("utf-8")}
-    return {" ".join(tokens[i : i + size]).encode("utf-8") for i in range(len(tokens) - size + 1)}
+    return {" ".join(tokens[i : i + size]).encode("utf-8") for i in range(max(len(tokens) - size, 0) + 1)}
 
 
 def minhashes(texts: Sequence[str], num_perm: int = 128, shingle_size: int = 3) -> list[MinHash]:
@@ -59,16 +57,10 @@ class NearDuplicateIndex:
     """An LSH index of MinHash signatures, items identified by insertion position; matches verified against ``threshold``."""
 
     def __init__(self, threshold: float = 0.8, num_perm: int = 128) -> None:
-        if not 0.0 < threshold <= 1.0:
-            raise ValueError(f"minhash threshold must be in (0, 1], got {threshold}.")
         self.threshold = threshold
-        self.num_perm = num_perm
-        # Band keys are compressed to 8 bytes (saves memory); any extra LSH candidate is rejected by the check below.
+        # Band keys hashed to 8 bytes; an extra LSH candidate from a key collision fails the check in best_match.
         self._lsh = MinHashLSH(threshold=threshold, num_perm=num_perm, hashfunc=_band_key)
         self._signatures: list[np.ndarray] = []
-
-    def __len__(self) -> int:
-        return len(self._signatures)
 
     def add(self, minhash: MinHash) -> int:
         key = len(self._signatures)
@@ -79,9 +71,8 @@ class NearDuplicateIndex:
     def best_match(self, minhash: MinHash) -> tuple[int, float] | None:
         """``(position, estimated Jaccard)`` of the most similar stored item at or above the threshold (earliest on ties), or ``None``."""
         best: tuple[int, float] | None = None
-        hashvalues = minhash.hashvalues
         for key in sorted(self._lsh.query(minhash)):
-            similarity = float(np.count_nonzero(self._signatures[key] == hashvalues)) / len(hashvalues)
+            similarity = float(np.count_nonzero(self._signatures[key] == minhash.hashvalues)) / len(minhash.hashvalues)
             if similarity >= self.threshold and (best is None or similarity > best[1]):
                 best = (key, similarity)
         return best
@@ -91,8 +82,7 @@ def _band_key(band: bytes) -> bytes:
     return hashlib.blake2b(band, digest_size=8).digest()
 
 
-@dataclass(frozen=True)
-class BenchmarkProblem:
+class BenchmarkProblem(NamedTuple):
     """One evaluation problem used for decontamination."""
 
     benchmark: str
@@ -100,34 +90,44 @@ class BenchmarkProblem:
     text: str
 
 
-def load_benchmark_problems(names: Iterable[str]) -> list[BenchmarkProblem]:
+def load_benchmark_problems(names: Sequence[str]) -> list[BenchmarkProblem]:
     """Problem texts of evaluation sets, by vendored name or path of a .jsonl/.json/.parquet file with a ``problem`` or ``question`` field."""
     problems: list[BenchmarkProblem] = []
     for name in names:
-        if name in DECONTAMINATION_BENCHMARKS:
-            relative, field = DECONTAMINATION_BENCHMARKS[name]
-            rows = _read_rows(BENCHMARK_DIR / relative)
+        relative, field = DECONTAMINATION_BENCHMARKS.get(name, (name, None))
+        path = BENCHMARK_DIR / relative if field else Path(name)
+        if not path.is_file():
+            raise ValueError(
+                f"decontamination benchmark {name!r} is neither a vendored set "
+                f"({', '.join(DECONTAMINATION_BENCHMARKS)}) nor an existing .jsonl/.json/.parquet file."
+            )
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            rows = pq.read_table(path).to_pylist()
+        elif path.suffix == ".json":
+            rows = json.loads(path.read_text(encoding="utf-8"))
         else:
-            path = Path(name)
-            if not path.is_file():
-                raise ValueError(
-                    f"decontamination benchmark {name!r} is neither a vendored set "
-                    f"({', '.join(DECONTAMINATION_BENCHMARKS)}) nor an existing .jsonl/.json/.parquet file."
-                )
-            rows = _read_rows(path)
-            field = next((key for key in ("problem", "question") if rows and key in rows[0]), None)
-            if field is None:
-                raise ValueError(f"decontamination file {path} needs a `problem` or `question` field in every row.")
+            rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        field = field or next((key for key in ("problem", "question") if rows and key in rows[0]), None)
+        if field is None:
+            raise ValueError(f"decontamination file {path} needs a `problem` or `question` field in every row.")
         problems += [BenchmarkProblem(name, index, str(row[field])) for index, row in enumerate(rows)]
     return problems
 
 
-def _read_rows(path: Path) -> list[dict]:
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+def benchmark_index(
+    names: Sequence[str], threshold: float, num_perm: int, shingle_size: int
+) -> tuple[list[BenchmarkProblem], NearDuplicateIndex]:
+    """The problems of ``names`` and a read-only index of their signatures, reused while no file of them changes."""
+    stamps = tuple((name, os.stat(name).st_mtime_ns if os.path.isfile(name) else 0) for name in names)
+    return _benchmark_index(stamps, threshold, num_perm, shingle_size)
 
-        return pq.read_table(path).to_pylist()
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
-        return json.loads(text)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+@functools.lru_cache(maxsize=4)
+def _benchmark_index(stamps, threshold, num_perm, shingle_size):
+    problems = load_benchmark_problems([name for name, _ in stamps])
+    index = NearDuplicateIndex(threshold, num_perm)
+    for signature in minhashes([problem.text for problem in problems], num_perm, shingle_size):
+        index.add(signature)
+    return problems, index

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import glob
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -18,22 +19,16 @@ import os
 import random
 import re
 import shutil
-import sys
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from egpo_trl.data.dedup import (
-    DECONTAMINATION_BENCHMARKS,
-    NearDuplicateIndex,
-    load_benchmark_problems,
-    minhashes,
-)
+from egpo_trl.data.dedup import DECONTAMINATION_BENCHMARKS, NearDuplicateIndex, benchmark_index, minhashes
 from egpo_trl.rewards import answers_match, extract_last_boxed
 
 logger = logging.getLogger(__name__)
@@ -51,19 +46,13 @@ STAGES = {
     "validation_split": "validation problems held out of the pool",
     "final_prompt_length": "prompts longer than `final_max_prompt_tokens` dropped",
 }
-_RESPONSE_SOURCES = ("solution", "shortest_generation", "all_generations")
-_CORRECTNESS_SOURCES = ("math_verify", "llama", "either")
+_CHOICES = {
+    "response_length_source": ("solution", "shortest_generation", "all_generations"),
+    "correctness_source": ("math_verify", "llama", "either"),
+}
 _MARKER = "build_config.yaml"
-_OPENR1_COLUMNS = [
-    "problem",
-    "solution",
-    "answer",
-    "source",
-    "uuid",
-    "generations",
-    "correctness_math_verify",
-    "correctness_llama",
-]
+_OPENR1_COLUMNS = "problem solution answer source uuid generations correctness_math_verify correctness_llama".split()
+RECORD_COLUMNS = ["prompt", "answer", "problem", "id", "subset", "bucket", "source"]
 
 
 @dataclass
@@ -96,57 +85,26 @@ class InputSpec:
         where = f"{self.path} (config {self.name or 'default'}, split {self.split}"
         return where + (f", revision {self.revision})" if self.revision else ")")
 
-    def resolved_files(self) -> list[str]:
-        """The local files of ``data_files``, globs expanded and sorted (an error if none exist)."""
-        files: list[str] = []
-        for pattern in self.data_files or []:
-            matches = sorted(glob.glob(os.path.expanduser(pattern)))
-            if not matches:
-                raise FileNotFoundError(
-                    f"input {self.subset!r}: no file matches {pattern!r} (relative paths are read from the current "
-                    f"directory, {os.getcwd()})."
-                )
-            files += matches
-        return files
-
-    def iter_batches(self, batch_size: int) -> Iterator[dict[str, list]]:
-        """Stream the input as column batches of at most ``batch_size`` rows (``limit`` rows in all at most)."""
+    def stream(self):
+        """The input as a streamed ``datasets.IterableDataset`` (``limit`` rows at most)."""
         from datasets import load_dataset
 
+        columns = {"columns": self.columns} if self.columns else {}
         if self.data_files:
-            files = self.resolved_files()
-            kinds = {_file_kind(name) for name in files}
+            files = [os.path.expanduser(name) for name in self.data_files]
+            if not all(map(glob.glob, files)):
+                raise FileNotFoundError(f"input {self.subset!r}: no file matches one of {files} (cwd {os.getcwd()}).")
+            kinds = {"parquet" if n.endswith(".parquet") else "json" if ".json" in n else None for n in files}
             if len(kinds) != 1 or None in kinds:
-                raise ValueError(
-                    f"input {self.subset!r}: data_files must all be parquet or all be jsonl/json, got {files}."
-                )
+                raise ValueError(f"input {self.subset!r}: data_files must all be parquet or all be jsonl/json.")
             kind = kinds.pop()
-            kwargs = {"columns": self.columns} if kind == "parquet" and self.columns else {}
-            stream = load_dataset(kind, data_files=files, split="train", streaming=True, **kwargs)
+            columns = columns if kind == "parquet" else {}
+            stream = load_dataset(kind, data_files=files, split="train", streaming=True, **columns)
         else:
-            kwargs = {"columns": self.columns} if self.columns else {}
             stream = load_dataset(
-                self.path, self.name, split=self.split, revision=self.revision, streaming=True, **kwargs
+                self.path, self.name, split=self.split, revision=self.revision, streaming=True, **columns
             )
-        if self.limit is not None:
-            stream = stream.take(self.limit)
-        yield from stream.iter(batch_size=batch_size)
-
-
-def _file_kind(name: str) -> str | None:
-    lowered = name.lower()
-    if lowered.endswith(".parquet"):
-        return "parquet"
-    if lowered.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
-        return "json"
-    return None
-
-
-def _default_inputs() -> list[InputSpec]:
-    return [
-        InputSpec(subset=subset, path="open-r1/OpenR1-Math-220k", name=subset, columns=list(_OPENR1_COLUMNS))
-        for subset in ("default", "extended")
-    ]
+        return stream if self.limit is None else stream.take(self.limit)
 
 
 def _setting(default: Any, help: str) -> Any:
@@ -161,7 +119,10 @@ class OpenR1DataConfig:
 
     # Inputs and outputs
     inputs: list[InputSpec] = _setting(
-        _default_inputs,
+        lambda: [
+            InputSpec(subset=name, path="open-r1/OpenR1-Math-220k", name=name, columns=list(_OPENR1_COLUMNS))
+            for name in ("default", "extended")
+        ],
         "The pools to read, each {subset, path | data_files, name, split, revision, columns, limit}; `subset` labels "
         "the rows for `subset_ratios`. Default: OpenR1-Math-220k `default` and `extended` from the Hub, streamed.",
     )
@@ -229,40 +190,28 @@ class OpenR1DataConfig:
 
     def __post_init__(self) -> None:
         self.inputs = [spec if isinstance(spec, InputSpec) else _input_from_dict(spec) for spec in self.inputs]
-        if not self.inputs:
-            raise ValueError("`inputs` is empty: give at least one pool to read.")
         subsets = [spec.subset for spec in self.inputs]
-        if len(set(subsets)) != len(subsets):
-            raise ValueError(f"input subsets must be distinct labels, got {subsets}.")
-        if self.response_length_source not in _RESPONSE_SOURCES:
-            raise ValueError(
-                f"response_length_source={self.response_length_source!r}: choose one of {', '.join(_RESPONSE_SOURCES)}."
-            )
-        if self.correctness_source not in _CORRECTNESS_SOURCES:
-            raise ValueError(
-                f"correctness_source={self.correctness_source!r}: choose one of {', '.join(_CORRECTNESS_SOURCES)}."
-            )
+        if not subsets or len(set(subsets)) != len(subsets):
+            raise ValueError(f"`inputs` must hold at least one pool, with distinct subset labels; got {subsets}.")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}.")
         self.subset_ratios = _check_ratios("subset_ratios", self.subset_ratios)
         self.bucket_ratios = _check_ratios("bucket_ratios", self.bucket_ratios)
-        unknown_buckets = sorted(set(self.bucket_ratios) - set(BUCKETS))
-        if unknown_buckets:
-            raise ValueError(f"bucket_ratios has unknown buckets {unknown_buckets}; buckets are {', '.join(BUCKETS)}.")
+        if set(self.bucket_ratios) - set(BUCKETS):
+            raise ValueError(f"bucket_ratios has unknown buckets {sorted(set(self.bucket_ratios) - set(BUCKETS))}.")
         if set(self.subset_ratios) != set(subsets):
-            raise ValueError(
-                f"subset_ratios keys {sorted(self.subset_ratios)} must be the input subsets {sorted(subsets)}."
-            )
+            raise ValueError(f"subset_ratios keys {sorted(self.subset_ratios)} must be the input subsets {subsets}.")
         for name in ("pool_size", "chunk_size", "minhash_num_perm", "shingle_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        if not 0 <= self.val_size < self.pool_size:
-            raise ValueError(
-                f"val_size must be >= 0 and smaller than pool_size ({self.pool_size}), got {self.val_size}."
-            )
-        if self.min_generations < 0:
-            raise ValueError(f"min_generations must be >= 0, got {self.min_generations}.")
         for name in ("max_prompt_tokens", "max_response_tokens", "final_max_prompt_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or null (disabled), got {getattr(self, name)}.")
+        if not 0 <= self.val_size < self.pool_size:
+            raise ValueError(f"val_size must be >= 0 and smaller than pool_size ({self.pool_size}): {self.val_size}.")
+        if self.min_generations < 0:
+            raise ValueError(f"min_generations must be >= 0, got {self.min_generations}.")
         if not 0.0 < self.minhash_threshold <= 1.0:
             raise ValueError(f"minhash_threshold must be in (0, 1], got {self.minhash_threshold}.")
         if self.max_source_fraction is not None and not 0.0 < self.max_source_fraction <= 1.0:
@@ -271,48 +220,35 @@ class OpenR1DataConfig:
             raise ValueError("decontaminate is true but decontamination_benchmarks is empty.")
 
     @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
-
-    @classmethod
     def from_dict(cls, values: dict[str, Any]) -> OpenR1DataConfig:
         """A config from a mapping such as a parsed YAML recipe; unknown keys are an error."""
-        unknown = sorted(set(values) - set(cls.field_names()))
-        if unknown:
-            raise ValueError(f"unknown setting(s) {unknown}. Known settings: {', '.join(cls.field_names())}.")
+        known = [f.name for f in dataclasses.fields(cls)]
+        if set(values) - set(known):
+            raise ValueError(f"unknown setting(s) {sorted(set(values) - set(known))}. Known: {', '.join(known)}.")
         return cls(**values)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: dict[str, Any] | None = None) -> OpenR1DataConfig:
         """Load a YAML recipe, then apply ``overrides`` (setting name -> value) on top."""
-        with open(path, encoding="utf-8") as handle:
-            values = yaml.safe_load(handle) or {}
+        values = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
         if not isinstance(values, dict):
             raise ValueError(f"{path}: a recipe must be a YAML mapping of settings, got {type(values).__name__}.")
-        values.update(overrides or {})
-        return cls.from_dict(values)
+        return cls.from_dict({**values, **(overrides or {})})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 def _input_from_dict(values: Any) -> InputSpec:
-    if not isinstance(values, dict):
-        raise ValueError(
-            f"each entry of `inputs` must be a mapping such as {{subset: default, path: ...}}, got {values!r}."
-        )
     known = {f.name for f in dataclasses.fields(InputSpec)}
-    unknown = sorted(set(values) - known)
-    if unknown or "subset" not in values:
-        raise ValueError(f"input {values!r}: needs `subset`, may hold {sorted(known)}; unknown keys {unknown}.")
+    if not isinstance(values, dict) or set(values) - known or "subset" not in values:
+        raise ValueError(f"each input is a mapping with `subset` and some of {sorted(known)}, got {values!r}.")
     return InputSpec(**values)
 
 
 def _check_ratios(name: str, ratios: Any) -> dict[str, float]:
     if not isinstance(ratios, dict) or not ratios:
-        raise ValueError(
-            f"{name} must be a non-empty mapping such as {{default: 0.85, extended: 0.15}}, got {ratios!r}."
-        )
+        raise ValueError(f"{name} must be a non-empty mapping such as {{default: 0.85, extended: 0.15}}: {ratios!r}.")
     ratios = {str(key): float(value) for key, value in ratios.items()}
     if any(value < 0 for value in ratios.values()) or not math.isclose(sum(ratios.values()), 1.0, abs_tol=1e-6):
         raise ValueError(f"{name} must be non-negative and sum to 1, got {ratios} (sum {sum(ratios.values()):g}).")
@@ -353,9 +289,8 @@ def is_single_value_answer(answer: Any) -> bool:
     text = _answer_text(answer)
     if _MULTI_WORD_RE.search(text):
         return False
-    text = _LATEX_SPACE_RE.sub(" ", _THOUSANDS_RE.sub("", text))
     depth = 0
-    for char in text:
+    for char in _LATEX_SPACE_RE.sub(" ", _THOUSANDS_RE.sub("", text)):
         if char in "([{":
             depth += 1
         elif char in ")]}":
@@ -367,24 +302,15 @@ def is_single_value_answer(answer: Any) -> bool:
 
 def correctness_bucket(row: dict[str, Any], source: str = "math_verify") -> str:
     """``mixed``, ``entirely_correct``, ``entirely_incorrect`` or ``unknown`` from the recorded correctness flags."""
-    verify_flags = list(row.get("correctness_math_verify") or [])
-    llama_flags = list(row.get("correctness_llama") or [])
-    if source == "math_verify":
-        flags = [bool(flag) for flag in verify_flags]
-    elif source == "llama":
-        flags = [bool(flag) for flag in llama_flags]
+    verify = row.get("correctness_math_verify") or []
+    llama = row.get("correctness_llama") or []
+    if source == "either":
+        flags = [bool(a) or bool(b) for a, b in itertools.zip_longest(verify, llama, fillvalue=False)]
     else:
-        size = max(len(verify_flags), len(llama_flags))
-        verify_flags += [False] * (size - len(verify_flags))
-        llama_flags += [False] * (size - len(llama_flags))
-        flags = [bool(a) or bool(b) for a, b in zip(verify_flags, llama_flags)]
+        flags = [bool(flag) for flag in (verify if source == "math_verify" else llama)]
     if not flags:
         return "unknown"
-    if all(flags):
-        return "entirely_correct"
-    if not any(flags):
-        return "entirely_incorrect"
-    return "mixed"
+    return "entirely_correct" if all(flags) else "entirely_incorrect" if not any(flags) else "mixed"
 
 
 def _generations(row: dict[str, Any]) -> list[str]:
@@ -435,62 +361,46 @@ def sample_pool(candidates: Sequence[Any], config: OpenR1DataConfig) -> tuple[li
     for (subset, bucket), members in cells.items():
         random.Random(f"{config.seed}:{subset}:{bucket}").shuffle(members)
 
-    pool_size = min(config.pool_size, len(candidates))
-    cap = (
-        math.inf if config.max_source_fraction is None else max(1, math.floor(config.max_source_fraction * pool_size))
-    )
+    cap = None
+    if config.max_source_fraction is not None:
+        cap = max(1, math.floor(config.max_source_fraction * min(config.pool_size, len(candidates))))
     per_source: Counter = Counter()
     subset_quota = apportion(config.pool_size, config.subset_ratios)
-    summary: dict[str, Any] = {"cells": [], "filled": [], "requested": config.pool_size, "source_cap": None}
-    if cap != math.inf:
-        summary["source_cap"] = cap
+    summary: dict[str, Any] = {"cells": [], "filled": [], "requested": config.pool_size, "source_cap": cap}
     pool: list[Any] = []
-    taken_per_subset: Counter = Counter()
+    taken: Counter = Counter()
 
-    def take(members: list[Any], count: int) -> list[Any]:
+    def take(cell: tuple[str, str], count: int) -> list[Any]:
         chosen, rest = [], []
-        for candidate in members:
-            if len(chosen) < count and per_source[candidate.source] < cap:
+        for candidate in cells[cell]:
+            if len(chosen) < count and (cap is None or per_source[candidate.source] < cap):
                 chosen.append(candidate)
                 per_source[candidate.source] += 1
             else:
                 rest.append(candidate)
-        members[:] = rest
+        cells[cell] = rest
+        pool.extend(chosen)
+        taken[cell[0]] += len(chosen)
         return chosen
 
     for subset in subsets:
         quota = apportion(subset_quota[subset], {b: config.bucket_ratios.get(b, 0.0) for b in buckets})
         for bucket in buckets:
-            available = len(cells[(subset, bucket)])
-            chosen = take(cells[(subset, bucket)], quota[bucket])
-            pool += chosen
-            taken_per_subset[subset] += len(chosen)
-            summary["cells"].append(
-                {
-                    "subset": subset,
-                    "bucket": bucket,
-                    "quota": quota[bucket],
-                    "available": available,
-                    "taken": len(chosen),
-                }
-            )
+            cell = {
+                "subset": subset,
+                "bucket": bucket,
+                "quota": quota[bucket],
+                "available": len(cells[subset, bucket]),
+            }
+            summary["cells"].append(cell | {"taken": len(take((subset, bucket), quota[bucket]))})
     if config.fill_shortfall:
-        order = [(s, b) for s in subsets for b in buckets]
+        # First each subset fills its own quota, then the remaining gap is filled from any subset.
         for subset in subsets + [None]:
-            # First each subset fills its own quota, then the remaining gap is filled from any subset.
-            wanted = (
-                subset_quota[subset] - taken_per_subset[subset] if subset is not None else config.pool_size - len(pool)
-            )
-            for cell in order:
-                if wanted <= 0:
-                    break
-                if subset is not None and cell[0] != subset:
-                    continue
-                chosen = take(cells[cell], wanted)
+            wanted = subset_quota[subset] - taken[subset] if subset is not None else config.pool_size - len(pool)
+            for cell in [(s, b) for s in subsets for b in buckets if subset in (None, s)]:
+                chosen = take(cell, wanted) if wanted > 0 else []
+                wanted -= len(chosen)
                 if chosen:
-                    pool += chosen
-                    taken_per_subset[cell[0]] += len(chosen)
-                    wanted -= len(chosen)
                     summary["filled"].append(
                         {"subset": cell[0], "bucket": cell[1], "count": len(chosen), "for": subset or "any subset"}
                     )
@@ -498,32 +408,34 @@ def sample_pool(candidates: Sequence[Any], config: OpenR1DataConfig) -> tuple[li
     return pool, summary
 
 
-@dataclass
-class StageStats:
-    name: str
-    enabled: bool = True
-    setting: str = ""
-    rows_in: Counter = field(default_factory=Counter)
-    rows_out: Counter = field(default_factory=Counter)
-    reasons: Counter = field(default_factory=Counter)
-    examples: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def removed(self) -> int:
-        return sum(self.rows_in.values()) - sum(self.rows_out.values())
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "description": STAGES[self.name],
-            "enabled": self.enabled,
-            "setting": self.setting,
-            "rows_in": dict(self.rows_in),
-            "rows_out": dict(self.rows_out),
-            "removed": self.removed,
-            "reasons": dict(self.reasons),
-            "examples": self.examples,
-        }
+def _stage_stats(c: OpenR1DataConfig) -> dict[str, dict[str, Any]]:
+    """Each stage's switch, setting and counts, in the order ``stats.json`` lists them."""
+    minhash = f"num_perm={c.minhash_num_perm}, threshold={c.minhash_threshold}"
+    stages = {
+        "answer": (
+            c.require_single_value_answer or c.drop_empty_answers,
+            f"single value: {c.require_single_value_answer}; drop empty: {c.drop_empty_answers}",
+        ),
+        "min_generations": (c.min_generations > 0, f">= {c.min_generations} generations"),
+        "length": (
+            c.max_prompt_tokens is not None or c.max_response_tokens is not None,
+            f"prompt <= {c.max_prompt_tokens}; {c.response_length_source} <= {c.max_response_tokens} tokens",
+        ),
+        "boxed_match": (c.boxed_match_filter, "solution or any generation"),
+        "decontamination": (c.decontaminate, f"{', '.join(c.decontamination_benchmarks)}; {minhash}"),
+        "deduplication": (c.deduplicate, minhash),
+        "sampling": (True, f"pool {c.pool_size}; subsets {c.subset_ratios}; buckets {c.bucket_ratios}"),
+        "validation_split": (c.val_size > 0, f"{c.val_size} held out"),
+        "final_prompt_length": (
+            c.final_max_prompt_tokens is not None,
+            f"prompt <= {c.final_max_prompt_tokens} tokens",
+        ),
+    }
+    return {
+        name: {"name": name, "description": STAGES[name], "enabled": on, "setting": setting, "rows_in": Counter()}
+        | {"rows_out": Counter(), "removed": 0, "reasons": Counter(), "examples": []}
+        for name, (on, setting) in stages.items()
+    }
 
 
 @dataclass
@@ -537,49 +449,37 @@ class BuildResult:
 
 
 class _Builder:
-    def __init__(self, config: OpenR1DataConfig, command: str | None) -> None:
+    def __init__(self, config: OpenR1DataConfig, command: str | None, removal_log) -> None:
         self.config = config
         self.command = command
-        self.stages = {name: StageStats(name) for name in STAGES}
-        self._describe_stages()
-        self._warned_no_template = False
-        self.removal_log = None
-        self.extra: dict[str, Any] = {"boxed_match_via": Counter(), "contamination_by_benchmark": Counter()}
-
-    def _describe_stages(self) -> None:
-        c = self.config
-        s = self.stages
-        s["answer"].enabled = c.require_single_value_answer or c.drop_empty_answers
-        s["answer"].setting = f"single value: {c.require_single_value_answer}; drop empty: {c.drop_empty_answers}"
-        s["min_generations"].enabled = c.min_generations > 0
-        s["min_generations"].setting = f">= {c.min_generations} generations"
-        s["length"].enabled = c.max_prompt_tokens is not None or c.max_response_tokens is not None
-        limits = f"prompt <= {c.max_prompt_tokens}; {c.response_length_source} <= {c.max_response_tokens} tokens"
-        s["length"].setting = limits
-        s["boxed_match"].enabled = c.boxed_match_filter
-        s["boxed_match"].setting = "solution or any generation"
-        s["decontamination"].enabled = c.decontaminate
-        minhash = f"num_perm={c.minhash_num_perm}, threshold={c.minhash_threshold}"
-        s["decontamination"].setting = f"{', '.join(c.decontamination_benchmarks)}; {minhash}"
-        s["deduplication"].enabled = c.deduplicate
-        s["deduplication"].setting = minhash
-        s["sampling"].setting = f"pool {c.pool_size}; subsets {c.subset_ratios}; buckets {c.bucket_ratios}"
-        s["validation_split"].enabled = c.val_size > 0
-        s["validation_split"].setting = f"{c.val_size} held out"
-        s["final_prompt_length"].enabled = c.final_max_prompt_tokens is not None
-        s["final_prompt_length"].setting = f"prompt <= {c.final_max_prompt_tokens} tokens"
+        self.removal_log = removal_log
+        self.stages = _stage_stats(config)
+        self.boxed_match_via: Counter = Counter()
+        self.contamination: Counter = Counter()
+        self.pool_index = NearDuplicateIndex(config.minhash_threshold, config.minhash_num_perm)
+        self.pool_members: list[tuple[str, str]] = []  # (id, problem) of the rows in `pool_index`, by position
+        if config.decontaminate:
+            self.benchmark_problems, self.benchmark_index = benchmark_index(
+                config.decontamination_benchmarks,
+                config.minhash_threshold,
+                config.minhash_num_perm,
+                config.shingle_size,
+            )
 
     @functools.cached_property
     def tokenizer(self):
         from transformers import AutoTokenizer
 
         try:
-            return AutoTokenizer.from_pretrained(self.config.tokenizer)
+            tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer)
         except Exception as error:
             raise ValueError(
                 f"could not load the tokenizer {self.config.tokenizer!r} ({error}). Set `tokenizer` to a hub name "
                 "or a local folder holding tokenizer files."
             ) from error
+        if not tokenizer.chat_template:
+            logger.warning("Tokenizer %s has no chat template: counting the messages' text only.", tokenizer)
+        return tokenizer
 
     def prompt_messages(self, problem: str) -> list[dict[str, str]]:
         content = problem.strip()
@@ -589,356 +489,225 @@ class _Builder:
         return messages + [{"role": "user", "content": content}]
 
     def prompt_token_counts(self, problems: Sequence[str]) -> list[int]:
-        if not problems:
-            return []
-        tokenizer = self.tokenizer
         conversations = [self.prompt_messages(problem) for problem in problems]
-        if getattr(tokenizer, "chat_template", None):
-            texts = tokenizer.apply_chat_template(conversations, tokenize=False, add_generation_prompt=True)
+        if not conversations:
+            return []
+        if self.tokenizer.chat_template:
+            texts = self.tokenizer.apply_chat_template(conversations, tokenize=False, add_generation_prompt=True)
         else:
-            if not self._warned_no_template:
-                logger.warning(
-                    "Tokenizer %s has no chat template: counting the messages' text only.", self.config.tokenizer
-                )
-                self._warned_no_template = True
             texts = ["\n\n".join(message["content"] for message in messages) for messages in conversations]
         return self.token_counts(texts)
 
     def token_counts(self, texts: Sequence[str]) -> list[int]:
         if not texts:
             return []
-        encoded = self.tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
-        return [len(ids) for ids in encoded]
+        return [len(ids) for ids in self.tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]]
 
-    def remove(self, stage: str, row: dict[str, Any], reason: str, **details: Any) -> None:
-        stats = self.stages[stage]
-        stats.reasons[reason] += 1
-        record = {"stage": stage, "reason": reason, "id": row["_id"], "subset": row["_subset"], "index": row["_index"]}
-        record.update(details)
-        self.removal_log.write(json.dumps(record, ensure_ascii=False) + "\n")
-        if len(stats.examples) < self.config.report_examples:
-            example = {**record, "problem": _snippet(row.get("problem", ""))}
-            if "answer" in row:
-                example["answer"] = _snippet(_answer_text(row["answer"]), 80)
-            stats.examples.append(example)
+    def drop(self, stage: str, rows: list[dict], verdicts) -> list[dict]:
+        """Keep the rows whose verdict is ``None``; log the others' ``(reason, details)`` as removed by ``stage``."""
+        kept = []
+        for row, verdict in zip(rows, verdicts):
+            if verdict is None:
+                kept.append(row)
+                continue
+            stats = self.stages[stage]
+            stats["reasons"][verdict[0]] += 1
+            record = {"stage": stage, "reason": verdict[0], "id": row["_id"], "subset": row["_subset"]}
+            record.update(index=row["_index"], **verdict[1])
+            self.removal_log.write(json.dumps(record, ensure_ascii=False) + "\n")
+            if len(stats["examples"]) < self.config.report_examples:
+                example = {**record, "problem": _snippet(row.get("problem", ""))}
+                if "answer" in row:
+                    example["answer"] = _snippet(_answer_text(row["answer"]), 80)
+                stats["examples"].append(example)
+        return kept
 
-    def run_stage(self, name: str, rows: list[dict[str, Any]], keep) -> list[dict[str, Any]]:
-        """Apply a row filter ``keep(rows) -> list[bool]`` (which records its removals) and count rows in/out."""
+    def run_stage(self, name: str, rows: list[dict], *checks) -> list[dict]:
+        """Drop the rows each ``check(rows) -> verdicts`` rejects in turn when the stage is on; count rows in and out."""
         stats = self.stages[name]
-        stats.rows_in.update(row["_subset"] for row in rows)
-        if stats.enabled and rows:
-            rows = [row for row, kept in zip(rows, keep(rows)) if kept]
-        stats.rows_out.update(row["_subset"] for row in rows)
+        stats["rows_in"].update(row["_subset"] for row in rows)
+        for check in checks if stats["enabled"] else ():
+            rows = self.drop(name, rows, check(rows))
+        stats["rows_out"].update(row["_subset"] for row in rows)
         return rows
 
-    def keep_answer(self, rows):
-        flags = []
-        for row in rows:
-            answer = row.get("answer")
-            if self.config.drop_empty_answers and is_empty_answer(answer):
-                self.remove("answer", row, "empty")
-                flags.append(False)
-            elif self.config.require_single_value_answer and not is_single_value_answer(answer):
-                self.remove("answer", row, "multi_value")
-                flags.append(False)
-            else:
-                flags.append(True)
-        return flags
+    def answer_verdict(self, row):
+        if self.config.drop_empty_answers and is_empty_answer(row.get("answer")):
+            return "empty", {}
+        if self.config.require_single_value_answer and not is_single_value_answer(row.get("answer")):
+            return "multi_value", {}
+        return None
 
-    def keep_min_generations(self, rows):
-        flags = []
-        for row in rows:
-            count = len(_generations(row))
-            flags.append(count >= self.config.min_generations)
-            if not flags[-1]:
-                self.remove("min_generations", row, "too_few_generations", generations=count)
-        return flags
+    def generations_verdict(self, row):
+        count = len(_generations(row))
+        return ("too_few_generations", {"generations": count}) if count < self.config.min_generations else None
 
-    def keep_length(self, rows):
-        c = self.config
-        flags = [True] * len(rows)
-        if c.max_prompt_tokens is not None:
-            for i, tokens in enumerate(self.prompt_token_counts([row["problem"] for row in rows])):
-                if tokens > c.max_prompt_tokens:
-                    flags[i] = False
-                    self.remove("length", rows[i], "prompt_too_long", tokens=tokens)
-        if c.max_response_tokens is not None:
-            pending = [i for i in range(len(rows)) if flags[i]]
-            if c.response_length_source == "solution":
-                counts = self.token_counts([rows[i].get("solution") or "" for i in pending])
-                lengths = dict(zip(pending, counts))
-            else:
-                texts, owners = [], []
-                for i in pending:
-                    generations = _generations(rows[i]) or [""]
-                    texts += generations
-                    owners += [i] * len(generations)
-                lengths = {}
-                pick = min if c.response_length_source == "shortest_generation" else max
-                for owner, count in zip(owners, self.token_counts(texts)):
-                    lengths[owner] = pick(lengths.get(owner, count), count)
-            for i in pending:
-                if lengths[i] > c.max_response_tokens:
-                    flags[i] = False
-                    self.remove("length", rows[i], "response_too_long", tokens=lengths[i])
-        return flags
+    def prompt_verdicts(self, rows, limit, **details):
+        counts = self.prompt_token_counts([row["problem"] for row in rows])
+        return [("prompt_too_long", {"tokens": n, **details}) if n > limit else None for n in counts]
 
-    def keep_boxed_match(self, rows):
-        flags = []
-        for row in rows:
-            gold = _answer_text(row.get("answer"))
-            via = None
-            if answers_match(extract_last_boxed(row.get("solution") or ""), gold):
-                via = "solution"
-            else:
-                for text in _generations(row):
-                    if answers_match(extract_last_boxed(text), gold):
-                        via = "generation"
-                        break
-            flags.append(via is not None)
-            if via is None:
-                self.remove(
-                    "boxed_match", row, "no_matching_box", solution_box=extract_last_boxed(row.get("solution") or "")
-                )
-            else:
-                self.extra["boxed_match_via"][via] += 1
-        return flags
+    def response_verdicts(self, rows):
+        source = self.config.response_length_source
+        if source == "solution":
+            lengths = self.token_counts([row.get("solution") or "" for row in rows])
+        else:
+            texts = [_generations(row) or [""] for row in rows]
+            counts = iter(self.token_counts([text for group in texts for text in group]))
+            pick = min if source == "shortest_generation" else max
+            lengths = [pick(next(counts) for _ in group) for group in texts]
+        limit = self.config.max_response_tokens
+        return [("response_too_long", {"tokens": n}) if n > limit else None for n in lengths]
 
-    def keep_decontaminated(self, rows, signatures):
-        flags = []
-        for row, signature in zip(rows, signatures):
-            match = self.benchmark_index.best_match(signature)
-            flags.append(match is None)
-            if match is not None:
-                problem = self.benchmark_problems[match[0]]
-                self.extra["contamination_by_benchmark"][problem.benchmark] += 1
-                self.remove(
-                    "decontamination",
-                    row,
-                    "benchmark_near_duplicate",
-                    benchmark=problem.benchmark,
-                    benchmark_index=problem.index,
-                    similarity=round(match[1], 4),
-                    benchmark_problem=_snippet(problem.text),
-                )
-        return flags
+    def boxed_verdict(self, row):
+        gold = _answer_text(row.get("answer"))
+        solution_box = extract_last_boxed(row.get("solution") or "")
+        if answers_match(solution_box, gold):
+            self.boxed_match_via["solution"] += 1
+        elif any(answers_match(extract_last_boxed(text), gold) for text in _generations(row)):
+            self.boxed_match_via["generation"] += 1
+        else:
+            return "no_matching_box", {"solution_box": solution_box}
+        return None
 
-    def keep_unique(self, rows, signatures):
-        flags = []
-        for row, signature in zip(rows, signatures):
-            match = self.pool_index.best_match(signature)
-            flags.append(match is None)
-            if match is None:
-                self.pool_index.add(signature)
-                self.pool_members.append(row["_candidate"])
-            else:
-                kept = self.pool_members[match[0]]
-                self.remove(
-                    "deduplication",
-                    row,
-                    "pool_near_duplicate",
-                    kept_id=kept.id,
-                    similarity=round(match[1], 4),
-                    kept_problem=_snippet(kept.problem),
-                )
-        return flags
+    def contamination_verdict(self, row):
+        match = self.benchmark_index.best_match(row["_minhash"])
+        if match is None:
+            return None
+        benchmark, index, text = self.benchmark_problems[match[0]]
+        self.contamination[benchmark] += 1
+        details = {"benchmark": benchmark, "benchmark_index": index, "similarity": round(match[1], 4)}
+        return "benchmark_near_duplicate", details | {"benchmark_problem": _snippet(text)}
+
+    def duplicate_verdict(self, row):
+        match = self.pool_index.best_match(row["_minhash"])
+        if match is None:
+            self.pool_index.add(row["_minhash"])
+            self.pool_members.append((row["_id"], row["problem"].strip()))
+            return None
+        kept_id, kept_problem = self.pool_members[match[0]]
+        details = {"kept_id": kept_id, "similarity": round(match[1], 4), "kept_problem": _snippet(kept_problem)}
+        return "pool_near_duplicate", details
 
     def process_chunk(self, rows: list[dict[str, Any]]) -> list[_Candidate]:
         c = self.config
-        rows = self.run_stage("answer", rows, self.keep_answer)
-        rows = self.run_stage("min_generations", rows, self.keep_min_generations)
-        rows = self.run_stage("length", rows, self.keep_length)
-        rows = self.run_stage("boxed_match", rows, self.keep_boxed_match)
-        if (c.decontaminate or c.deduplicate) and rows:
-            computed = minhashes([row["problem"] for row in rows], c.minhash_num_perm, c.shingle_size)
-            for row, signature in zip(rows, computed):
-                row["_minhash"] = signature
-
-        def signatures(selected):
-            return [row["_minhash"] for row in selected]
-
-        rows = self.run_stage(
-            "decontamination", rows, lambda selected: self.keep_decontaminated(selected, signatures(selected))
-        )
-        for row in rows:
-            row["_candidate"] = _Candidate(
-                id=row["_id"],
-                subset=sys.intern(row["_subset"]),
-                index=row["_index"],
-                problem=row["problem"].strip(),
-                answer=_single_answer(row["answer"]),
-                source=sys.intern(str(row.get("source") or "unknown")),
-                bucket=correctness_bucket(row, c.correctness_source),
+        length_checks = [lambda rows: self.prompt_verdicts(rows, c.max_prompt_tokens)] if c.max_prompt_tokens else []
+        length_checks += [self.response_verdicts] if c.max_response_tokens else []
+        rows = self.run_stage("answer", rows, lambda rows: map(self.answer_verdict, rows))
+        rows = self.run_stage("min_generations", rows, lambda rows: map(self.generations_verdict, rows))
+        rows = self.run_stage("length", rows, *length_checks)
+        rows = self.run_stage("boxed_match", rows, lambda rows: map(self.boxed_verdict, rows))
+        if c.decontaminate or c.deduplicate:
+            signatures = (
+                minhashes([row["problem"] for row in rows], c.minhash_num_perm, c.shingle_size) if rows else []
             )
-        rows = self.run_stage("deduplication", rows, lambda selected: self.keep_unique(selected, signatures(selected)))
-        return [row["_candidate"] for row in rows]
+            for row, signature in zip(rows, signatures):
+                row["_minhash"] = signature
+        rows = self.run_stage("decontamination", rows, lambda rows: map(self.contamination_verdict, rows))
+        rows = self.run_stage("deduplication", rows, lambda rows: map(self.duplicate_verdict, rows))
+        return [
+            _Candidate(
+                row["_id"],
+                row["_subset"],
+                row["_index"],
+                row["problem"].strip(),
+                _single_answer(row["answer"]),
+                str(row.get("source") or "unknown"),
+                correctness_bucket(row, c.correctness_source),
+            )
+            for row in rows
+        ]
 
-    def read_rows(self, spec: InputSpec) -> Iterator[list[dict[str, Any]]]:
+    def read_chunks(self, spec: InputSpec):
+        """The rows of ``spec`` in chunks of ``chunk_size``, each tagged with its ``_id``, ``_subset`` and ``_index``."""
         index = 0
-        checked = False
-        for batch in spec.iter_batches(self.config.chunk_size):
-            if not checked:
+        for batch in spec.stream().iter(batch_size=self.config.chunk_size):
+            if index == 0:
                 self.check_columns(spec, set(batch))
-                checked = True
-            size = len(next(iter(batch.values())))
-            rows = []
-            for i in range(size):
-                row = {key: values[i] for key, values in batch.items()}
-                uuid = row.get("uuid")
-                row["_id"] = str(uuid) if uuid else f"{spec.subset}-{index:07d}"
-                row["_subset"] = spec.subset
-                row["_index"] = index
+            rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+            for row in rows:
+                row.update(_id=str(row.get("uuid") or f"{spec.subset}-{index:07d}"), _subset=spec.subset, _index=index)
                 row["problem"] = str(row.get("problem") or "")
-                rows.append(row)
                 index += 1
             yield rows
 
     def check_columns(self, spec: InputSpec, columns: set[str]) -> None:
         c = self.config
-        needed = {"problem", "answer"}
-        if c.min_generations > 0 or c.boxed_match_filter or c.response_length_source != "solution":
-            needed.add("generations")
-        if c.correctness_source in ("math_verify", "either"):
-            needed.add("correctness_math_verify")
-        if c.correctness_source in ("llama", "either"):
-            needed.add("correctness_llama")
-        if c.max_response_tokens is not None and c.response_length_source == "solution":
-            needed.add("solution")
-        missing = sorted(needed - columns)
-        if missing:
+        needed = {"problem", "answer"} | {
+            name
+            for name, used in {
+                "generations": c.min_generations > 0 or c.boxed_match_filter or c.response_length_source != "solution",
+                "correctness_math_verify": c.correctness_source in ("math_verify", "either"),
+                "correctness_llama": c.correctness_source in ("llama", "either"),
+                "solution": c.max_response_tokens is not None and c.response_length_source == "solution",
+            }.items()
+            if used
+        }
+        if needed - columns:
             raise ValueError(
-                f"input {spec.subset!r} ({spec.describe()}) lacks the column(s) {missing} of OpenR1-Math-220k's schema; "
-                f"it has {sorted(columns)}. Add them, or disable the stages that need them."
+                f"input {spec.subset!r} ({spec.describe()}) lacks the column(s) {sorted(needed - columns)} of "
+                f"OpenR1-Math-220k's schema; it has {sorted(columns)}. Add them, or disable the stages that need them."
             )
 
-    def build(self) -> BuildResult:
+    def final_filter(self, splits: dict[str, list[_Candidate]]) -> dict[str, list[_Candidate]]:
+        """Stage 9: drop the prompts longer than ``final_max_prompt_tokens`` from both splits."""
+        limit = self.config.final_max_prompt_tokens
+        for name, members in splits.items():
+            rows = [
+                {"_id": m.id, "_subset": m.subset, "_index": m.index, "problem": m.problem, "_c": m} for m in members
+            ]
+            rows = self.run_stage(
+                "final_prompt_length", rows, lambda rows, split=name: self.prompt_verdicts(rows, limit, split=split)
+            )
+            splits[name] = [row["_c"] for row in rows]
+        return splits
+
+    def record(self, cand: _Candidate) -> dict[str, Any]:
+        return {"prompt": self.prompt_messages(cand.problem)} | {key: getattr(cand, key) for key in RECORD_COLUMNS[1:]}
+
+    def build(self, started: float) -> tuple[Any, dict[str, Any]]:
+        """Run the stages; the splits as a ``DatasetDict`` and the statistics of the build."""
         from datasets import Dataset, DatasetDict
 
         c = self.config
-        started = time.time()
-        output_dir = Path(c.output_dir).expanduser().resolve()
-        _check_output_dir(output_dir, c.overwrite)
-        staging = output_dir.parent / f".{output_dir.name}.partial-{os.getpid()}"
-        if staging.exists():
-            shutil.rmtree(staging)
-        staging.mkdir(parents=True)
-        try:
-            if c.decontaminate:
-                self.benchmark_problems = load_benchmark_problems(c.decontamination_benchmarks)
-                self.benchmark_index = NearDuplicateIndex(c.minhash_threshold, c.minhash_num_perm)
-                for signature in minhashes(
-                    [problem.text for problem in self.benchmark_problems], c.minhash_num_perm, c.shingle_size
-                ):
-                    self.benchmark_index.add(signature)
-            self.pool_index = NearDuplicateIndex(c.minhash_threshold, c.minhash_num_perm)
-            self.pool_members: list[_Candidate] = []  # the rows in `pool_index`, by position
-            candidates: list[_Candidate] = []
-            rows_read: Counter = Counter()
-            with open(staging / "removed.jsonl", "w", encoding="utf-8") as self.removal_log:
-                for spec in c.inputs:
-                    logger.info("Reading %s: %s", spec.subset, spec.describe())
-                    for rows in self.read_rows(spec):
-                        rows_read[spec.subset] += len(rows)
-                        candidates += self.process_chunk(rows)
-                        logger.info(
-                            "%s: %d rows read, %d candidates so far (%.0f s)",
-                            spec.subset,
-                            rows_read[spec.subset],
-                            len(candidates),
-                            time.time() - started,
-                        )
-                candidate_buckets = Counter((cand.subset, cand.bucket) for cand in candidates)
+        candidates: list[_Candidate] = []
+        rows_read: Counter = Counter()
+        for spec in c.inputs:
+            logger.info("Reading %s: %s", spec.subset, spec.describe())
+            for rows in self.read_chunks(spec):
+                rows_read[spec.subset] += len(rows)
+                candidates += self.process_chunk(rows)
+                logger.info(
+                    "%s: %d rows read, %d candidates so far", spec.subset, rows_read[spec.subset], len(candidates)
+                )
+        candidate_buckets = Counter((cand.subset, cand.bucket) for cand in candidates)
 
-                # Stage 7: sampling.
-                sampling = self.stages["sampling"]
-                sampling.rows_in.update(cand.subset for cand in candidates)
-                pool, sampling_summary = sample_pool(candidates, c)
-                sampling.rows_out.update(cand.subset for cand in pool)
-                del candidates
-                if sampling_summary["size"] < c.pool_size:
-                    logger.warning("The pool has %d problems, fewer than pool_size=%d.", len(pool), c.pool_size)
+        self.stages["sampling"]["rows_in"].update(cand.subset for cand in candidates)
+        pool, sampling = sample_pool(candidates, c)
+        self.stages["sampling"]["rows_out"].update(cand.subset for cand in pool)
+        if len(pool) < c.pool_size:
+            logger.warning("The pool has %d problems, fewer than pool_size=%d.", len(pool), c.pool_size)
 
-                # Stage 8: validation split.
-                split = self.stages["validation_split"]
-                split.rows_in.update(cand.subset for cand in pool)
-                order = list(pool)
-                random.Random(f"{c.seed}:validation").shuffle(order)
-                validation, train = order[: c.val_size], order[c.val_size :]
-                split.rows_out.update(cand.subset for cand in train)
+        self.stages["validation_split"]["rows_in"].update(cand.subset for cand in pool)
+        order = list(pool)
+        random.Random(f"{c.seed}:validation").shuffle(order)
+        splits = {"train": order[c.val_size :], "validation": order[: c.val_size]}
+        self.stages["validation_split"]["rows_out"].update(cand.subset for cand in splits["train"])
+        splits = self.final_filter(splits)
 
-                # Stage 9: final prompt filter on both splits.
-                final = self.stages["final_prompt_length"]
-                splits = {"train": train, "validation": validation}
-                for name in splits:
-                    final.rows_in.update(cand.subset for cand in splits[name])
-                    if final.enabled and splits[name]:
-                        counts = self.prompt_token_counts([cand.problem for cand in splits[name]])
-                        kept = []
-                        for cand, tokens in zip(splits[name], counts):
-                            if tokens > c.final_max_prompt_tokens:
-                                row = {
-                                    "_id": cand.id,
-                                    "_subset": cand.subset,
-                                    "_index": cand.index,
-                                    "problem": cand.problem,
-                                }
-                                self.remove("final_prompt_length", row, "prompt_too_long", tokens=tokens, split=name)
-                            else:
-                                kept.append(cand)
-                        splits[name] = kept
-                    final.rows_out.update(cand.subset for cand in splits[name])
-
-            dataset = DatasetDict(
-                {name: Dataset.from_list([self.record(cand) for cand in rows]) for name, rows in splits.items()}
-            )
-            for name in dataset:
-                if len(dataset[name]) == 0:
-                    dataset[name] = Dataset.from_dict({key: [] for key in self.record_columns()})
-            dataset.save_to_disk(str(staging / "dataset"))
-            if c.save_parquet:
-                for name, split_dataset in dataset.items():
-                    split_dataset.to_parquet(str(staging / f"{name}.parquet"))
-            stats = self.collect_stats(rows_read, candidate_buckets, sampling_summary, pool, splits, dataset, started)
-            (staging / "stats.json").write_text(
-                json.dumps(stats, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
-            )
-            from egpo_trl.data.report import render_report
-
-            (staging / "report.md").write_text(render_report(stats), encoding="utf-8")
-            with open(staging / _MARKER, "w", encoding="utf-8") as handle:
-                yaml.safe_dump(c.to_dict(), handle, sort_keys=False, allow_unicode=True)
-            _publish(staging, output_dir)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        logger.info(
-            "Wrote %s (train %d, validation %d).", output_dir, len(dataset["train"]), len(dataset["validation"])
+        dataset = DatasetDict(
+            {
+                name: Dataset.from_list([self.record(cand) for cand in members])
+                if members
+                else Dataset.from_dict({key: [] for key in RECORD_COLUMNS})
+                for name, members in splits.items()
+            }
         )
-        return BuildResult(dataset=dataset, stats=stats, output_dir=output_dir, report_path=output_dir / "report.md")
-
-    @staticmethod
-    def record_columns() -> list[str]:
-        return ["prompt", "answer", "problem", "id", "subset", "bucket", "source"]
-
-    def record(self, cand: _Candidate) -> dict[str, Any]:
-        return {
-            "prompt": self.prompt_messages(cand.problem),
-            "answer": cand.answer,
-            "problem": cand.problem,
-            "id": cand.id,
-            "subset": cand.subset,
-            "bucket": cand.bucket,
-            "source": cand.source,
-        }
-
-    def collect_stats(self, rows_read, candidate_buckets, sampling_summary, pool, splits, dataset, started):
-        c = self.config
 
         def shares(rows, key):
             counts = Counter(getattr(row, key) for row in rows)
             return {name: counts[name] for name in sorted(counts)}
 
-        return {
+        stats = {
             "command": self.command,
             "seed": c.seed,
             "tokenizer": c.tokenizer,
@@ -946,14 +715,18 @@ class _Builder:
                 {"subset": spec.subset, "source": spec.describe(), "rows": rows_read[spec.subset]} for spec in c.inputs
             ],
             "rows_read": sum(rows_read.values()),
-            "stages": [self.stages[name].to_dict() for name in STAGES],
-            "boxed_match_via": dict(self.extra["boxed_match_via"]),
-            "contamination_by_benchmark": dict(self.extra["contamination_by_benchmark"]),
+            "stages": [
+                {k: dict(v) if isinstance(v, Counter) else v for k, v in stage.items()}
+                | {"removed": sum(stage["rows_in"].values()) - sum(stage["rows_out"].values())}
+                for stage in self.stages.values()
+            ],
+            "boxed_match_via": dict(self.boxed_match_via),
+            "contamination_by_benchmark": dict(self.contamination),
             "candidates": [
                 {"subset": subset, "bucket": bucket, "count": count}
                 for (subset, bucket), count in sorted(candidate_buckets.items())
             ],
-            "sampling": sampling_summary,
+            "sampling": sampling,
             "pool": {
                 "size": len(pool),
                 "subsets": shares(pool, "subset"),
@@ -968,13 +741,13 @@ class _Builder:
             "config": c.to_dict(),
             "elapsed_s": round(time.time() - started, 1),
         }
+        return dataset, stats
 
 
 def _content_hash(dataset) -> str:
     digest = hashlib.sha256()
     for row in dataset:
-        digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False).encode("utf-8"))
-        digest.update(b"\n")
+        digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False).encode("utf-8") + b"\n")
     return digest.hexdigest()
 
 
@@ -995,22 +768,40 @@ def _check_output_dir(output_dir: Path, overwrite: bool) -> None:
         )
 
 
-def _publish(staging: Path, output_dir: Path) -> None:
-    """Move the finished build into place; an earlier build is removed only once the new one is complete."""
-    backup = None
-    if output_dir.exists():
-        backup = output_dir.parent / f".{output_dir.name}.previous-{os.getpid()}"
-        output_dir.rename(backup)
-    staging.rename(output_dir)
-    if backup is not None:
-        shutil.rmtree(backup)
-
-
 def build_openr1_dataset(config: OpenR1DataConfig, command: str | None = None) -> BuildResult:
     """Run the recipe of ``config`` and write ``config.output_dir`` atomically.
 
     Writes ``dataset/`` (``save_to_disk``: ``train`` and ``validation`` with columns ``prompt``, ``answer``,
     ``problem``, ``id``, ``subset``, ``bucket``, ``source``), the parquet files, ``report.md``, ``stats.json``,
-    ``removed.jsonl`` and ``build_config.yaml``.
+    ``removed.jsonl`` and ``build_config.yaml``. An earlier build is replaced only once the new one is complete.
     """
-    return _Builder(config, command).build()
+    from egpo_trl.data.report import render_report
+
+    started = time.time()
+    output_dir = Path(config.output_dir).expanduser().resolve()
+    _check_output_dir(output_dir, config.overwrite)
+    staging = output_dir.parent / f".{output_dir.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        with open(staging / "removed.jsonl", "w", encoding="utf-8") as removal_log:
+            dataset, stats = _Builder(config, command, removal_log).build(started)
+        dataset.save_to_disk(str(staging / "dataset"))
+        if config.save_parquet:
+            for name, split in dataset.items():
+                split.to_parquet(str(staging / f"{name}.parquet"))
+        (staging / "stats.json").write_text(json.dumps(stats, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        (staging / "report.md").write_text(render_report(stats), encoding="utf-8")
+        (staging / _MARKER).write_text(
+            yaml.safe_dump(config.to_dict(), sort_keys=False, allow_unicode=True), encoding="utf-8"
+        )
+        backup = output_dir.parent / f".{output_dir.name}.previous-{os.getpid()}"
+        if output_dir.exists():
+            output_dir.rename(backup)
+        staging.rename(output_dir)
+        shutil.rmtree(backup, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("Wrote %s (train %d, validation %d).", output_dir, len(dataset["train"]), len(dataset["validation"]))
+    return BuildResult(dataset=dataset, stats=stats, output_dir=output_dir, report_path=output_dir / "report.md")

@@ -63,8 +63,7 @@ class ArithmeticProblem:
 
     @property
     def answer(self) -> int:
-        steps = self.steps()
-        return steps[-1][3] if steps else self.operands[0]
+        return ([self.operands[0]] + [result for *_, result in self.steps()])[-1]
 
     @property
     def uid(self) -> str:
@@ -78,10 +77,7 @@ class ArithmeticProblem:
 def split_of(problem: ArithmeticProblem) -> str:
     """The split (``train``, ``validation`` or ``test``) a problem belongs to, from a stable hash of its expression."""
     bucket = int.from_bytes(hashlib.sha256(problem.expression.encode()).digest()[:8], "big") % 100
-    for name, buckets in SPLITS.items():
-        if bucket in buckets:
-            return name
-    raise AssertionError("the split buckets cover 0-99")
+    return next(name for name, buckets in SPLITS.items() if bucket in buckets)
 
 
 def sample_problem(level: int, rng: random.Random) -> ArithmeticProblem:
@@ -115,14 +111,10 @@ def format_prompt(
 
 
 def _parse_levels(levels: int | str | Iterable[int]) -> list[int]:
-    if isinstance(levels, int):
-        levels = [levels]
-    elif isinstance(levels, str):
-        try:
-            levels = [int(part) for part in levels.replace(" ", "").split(",") if part]
-        except ValueError:
-            raise ValueError(f"levels={levels!r}: give comma-separated integers such as '1,2,3'.") from None
-    levels = sorted(set(int(level) for level in levels))
+    if isinstance(levels, str) and not levels.replace(" ", "").replace(",", "").isdigit():
+        raise ValueError(f"levels={levels!r}: give comma-separated integers such as '1,2,3'.")
+    levels = [levels] if isinstance(levels, int) else levels.split(",") if isinstance(levels, str) else levels
+    levels = sorted(set(int(level) for level in levels if str(level).strip()))
     unknown = [level for level in levels if level not in LEVELS]
     if not levels or unknown:
         raise ValueError(f"levels={levels}: choose among {sorted(LEVELS)}.")
