@@ -12,19 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from egpo_trl.input_checks import batch_shape_problem, training_value_problems
+from egpo_trl.input_checks import batch_shape_problem, training_value_problems  # noqa: F401 - launch imports it here
 from egpo_trl.script.outputs import PLOT_FILE
 from egpo_trl.script.recipe import MARKER_KEY, load_recipe
-
-__all__ = [
-    "TrainScriptArguments",
-    "batch_shape_problem",
-    "known_fields",
-    "make_parser",
-    "model_config_class",
-    "option_value",
-    "parse_args",
-]
 
 
 @dataclass
@@ -120,8 +110,7 @@ class TrainScriptArguments:
         default=None,
         metadata={
             "help": "Threads torch uses for CPU work (torch.set_num_threads). Unset or 0 keeps torch's default (one "
-            "per core). On a small CPU model 1 is about as fast and does not slow to a crawl when other programs "
-            "compete for the cores."
+            "per core)."
         },
     )
     save_final_model: bool = field(
@@ -175,30 +164,9 @@ class TrainScriptArguments:
         default=None,
         metadata={
             "help": "Longest prompt of the dataset, in tokens (prompts are not truncated). Only used by --dry-run to "
-            "check that max_prompt_length + max_completion_length fits the model's context; the OpenR1-Stable-10k "
-            "builder drops prompts over 1024 tokens."
+            "check that max_prompt_length + max_completion_length fits the model's context."
         },
     )
-
-
-def model_config_class():
-    """TRL's ``ModelConfig`` with ``builtin:<name>`` in the help of ``model_name_or_path``."""
-    from trl import ModelConfig
-
-    @dataclass
-    class EGPOModelConfig(ModelConfig):
-        """TRL's ``ModelConfig`` whose ``model_name_or_path`` also accepts the shipped models (``builtin:<name>``)."""
-
-        model_name_or_path: str | None = field(
-            default=None,
-            metadata={
-                "help": "Model to train: a Hub id, a local folder, or 'builtin:tiny-math-qwen2' for the tiny math "
-                "model shipped with egpo_trl."
-            },
-        )
-
-    EGPOModelConfig.__name__ = "ModelConfig"
-    return EGPOModelConfig
 
 
 def make_parser():
@@ -215,8 +183,10 @@ def make_parser():
         def error(self, message: str):  # argparse's error prints the whole (very long) usage first
             raise SystemExit(f"egpo-trl train: {message}. Run `egpo-trl train --help-all` for the list of fields.")
 
-    return _TrainParser(
-        (TrainScriptArguments, EGPOConfig, model_config_class()),
+    from trl import ModelConfig
+
+    parser = _TrainParser(
+        (TrainScriptArguments, EGPOConfig, ModelConfig),
         prog="egpo-trl train",
         usage="egpo-trl train RECIPE.yaml [--dry-run] [--FIELD VALUE ...]",
         description="Train a policy with EGPO (or a baseline advantage estimator) from a YAML recipe. Fields are "
@@ -224,21 +194,22 @@ def make_parser():
         epilog="Example: egpo-trl train --config recipes/demo_tiny_cpu.yaml --seed 1 --max_steps 20",
         allow_abbrev=False,
     )
+    for action in parser._actions:
+        if action.dest == "model_name_or_path":
+            action.help = "Model to train: a Hub id, a local folder, or 'builtin:tiny-math-qwen2' (shipped)."
+    return parser
 
 
-def known_fields(parser) -> list[str]:
-    """The field names (flags without ``--``) that ``parser`` accepts."""
+def _known_fields(parser) -> list[str]:
     return sorted({action.dest for action in parser._actions if action.dest not in ("help", None)})
 
 
 def _unknown_field_error(parser, unknown: Sequence[str], where: str) -> SystemExit:
     names = [item[2:].split("=", 1)[0] for item in unknown if item.startswith("--")] or list(unknown)
-    known = known_fields(parser)
     lines = []
     for name in names:
-        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        lines.append(f"  {name}{hint}")
+        close = difflib.get_close_matches(name, _known_fields(parser), n=3, cutoff=0.6)
+        lines.append(f"  {name}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
     return SystemExit(
         f"egpo-trl train: unknown field(s) {where}:\n" + "\n".join(lines) + "\nRun `egpo-trl train --help-all` for "
         "the list of fields."
@@ -259,7 +230,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
             )
         recipe = load_recipe(args[index + 1])
         config_path = Path(args[index + 1])
-        known = set(known_fields(parser)) | {"env"}
+        known = set(_known_fields(parser)) | {"env"}
         unknown = [f"--{key}" for key in recipe if key not in known]
         if unknown:
             raise _unknown_field_error(parser, unknown, f"in {config_path}")

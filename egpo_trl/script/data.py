@@ -13,7 +13,6 @@ from egpo_trl.script.resolve import resolve_reward_funcs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SYNTHETIC_DATASET_PREFIX", "column_problem", "load_datasets"]
 
 SYNTHETIC_DATASET_PREFIX = "synthetic:"
 

@@ -9,12 +9,9 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 
-from egpo_trl.input_checks import builtin_model_path, model_problem, resolve_model_name
-
-__all__ = ["BUILTIN_MODEL_PREFIX", "check_model_exists", "model_problem", "resolve_model_path", "resolve_reward_funcs"]
+from egpo_trl.input_checks import builtin_model_path, model_problem, resolve_model_name  # noqa: F401 - launch imports it here
 
 BUILTIN_MODEL_PREFIX = "builtin:"
 
@@ -63,33 +60,26 @@ def check_model_exists(
     return path
 
 
-@contextmanager
-def _current_folder_on_path():
-    """Put the current folder first on ``sys.path`` while the block runs, as ``python -m`` does, so that
-    ``my_rewards:fn`` finds ./my_rewards.py."""
+def _import(module_name: str):
+    """Import ``module_name`` with the current folder first on ``sys.path`` (as ``python -m`` has it) during the
+    import only, so that ``my_rewards:fn`` finds ./my_rewards.py."""
     here = os.getcwd()
     if any(entry in ("", here) or (entry and os.path.abspath(entry) == here) for entry in sys.path):
-        yield  # already there (``python -m``): leave sys.path as it is
-        return
+        return importlib.import_module(module_name)
     sys.path.insert(0, here)
     importlib.invalidate_caches()
     try:
-        yield
+        return importlib.import_module(module_name)
     finally:
-        try:
+        if here in sys.path:  # the imported module may have taken it off itself
             sys.path.remove(here)
-        except ValueError:  # the imported module took it off itself
-            pass
 
 
 def resolve_reward_funcs(names: Sequence[str]) -> list[Callable[..., list[float]]]:
     """Reward functions from names defined in :mod:`egpo_trl.rewards` or import paths ``pkg.module:func``."""
     from egpo_trl import rewards
 
-    registry: dict[str, Callable[..., list[float]]] = dict(
-        getattr(rewards, "REWARD_FUNCS", None)
-        or {name: getattr(rewards, name) for name in ("boxed_accuracy_reward", "think_format_reward")}
-    )
+    registry = {name: getattr(rewards, name) for name in ("boxed_accuracy_reward", "think_format_reward")}
     funcs = []
     for name in names:
         if name in registry:
@@ -102,9 +92,7 @@ def resolve_reward_funcs(names: Sequence[str]) -> list[Callable[..., list[float]
                 "such as 'my_package.rewards:my_reward'."
             )
         try:
-            with _current_folder_on_path():
-                module = importlib.import_module(module_name)
-            func = getattr(module, attribute)
+            func = getattr(_import(module_name), attribute)
         except (ImportError, AttributeError) as error:
             raise SystemExit(
                 f"egpo-trl train: cannot import reward function {name!r}: {error} (modules are looked for in the "

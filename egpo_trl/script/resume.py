@@ -15,22 +15,6 @@ from pathlib import Path
 
 from egpo_trl.script.outputs import HELDOUT_FILE, METRICS_FILE, REPLACED_DIR, read_metrics, write_metrics
 
-__all__ = [
-    "checkpoint_step",
-    "finished_message",
-    "heldout_fingerprint",
-    "interrupted_message",
-    "later_checkpoints",
-    "later_final_outputs",
-    "resume_checkpoint",
-    "resumed_time",
-    "resumes_own_run",
-    "save_interrupted",
-    "set_aside_later_history",
-    "stored_heldout_before",
-    "trainer_last_step",
-]
-
 
 def resume_checkpoint(training_args) -> str | None:
     """The checkpoint a run resumes from: ``true``/``last``/``latest`` is the last ``checkpoint-*`` in ``output_dir``,

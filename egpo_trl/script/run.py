@@ -41,8 +41,6 @@ from egpo_trl.script.resume import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_trainer", "precision_label", "run"]
-
 
 def build_trainer(script_args: TrainScriptArguments, training_args, model_args, train_dataset):
     """An :class:`~egpo_trl.EGPOTrainer` for the resolved arguments (the model is loaded here)."""
