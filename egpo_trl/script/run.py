@@ -126,51 +126,47 @@ def kv_cache_message(tokens: int, sequence: int, rows: int, batch: str = "genera
     return line + "."
 
 
-def _eval_temperature(script_args, training_args) -> float:
-    return training_args.temperature if script_args.eval_temperature is None else script_args.eval_temperature
-
-
 def _heldout_settings(script_args, training_args, model_args, heldout) -> dict[str, Any]:
     """What a held-out evaluation depends on; a resume reuses a stored one only when all are equal."""
+    temperature = script_args.eval_temperature
     return {
         "num_problems": len(heldout),
         "num_samples": script_args.eval_num_samples,
-        "temperature": _eval_temperature(script_args, training_args),
+        "temperature": training_args.temperature if temperature is None else temperature,
         "heldout_sha256": heldout_fingerprint(heldout),
         "model": str(model_args.model_name_or_path),
         "model_revision": model_args.model_revision,
         "max_new_tokens": training_args.max_completion_length,
         "top_p": training_args.top_p,
-        "top_k": max(training_args.top_k or 0, 0),
+        "top_k": max(training_args.top_k or 0, 0),  # -1 is vLLM's "off", 0 transformers'
         "seed": training_args.seed,
     }
 
 
-def _heldout(trainer, script_args, training_args, heldout, label: str):
+def _heldout(trainer, heldout, settings: dict[str, Any], batch_size: int, stage: str) -> dict[str, Any]:
+    """Evaluate the model on the held-out problems, print the result, write its record into ``metrics.jsonl`` and
+    return the one kept in ``heldout.json``."""
     from egpo_trl.heldout import heldout_accuracy
 
-    temperature = _eval_temperature(script_args, training_args)
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    start = time.time()
+    start, step = time.time(), trainer.state.global_step
+    options = ("max_new_tokens", "num_samples", "temperature", "top_p", "top_k", "seed")
     result = heldout_accuracy(
-        model,
+        trainer.accelerator.unwrap_model(trainer.model),
         trainer.processing_class,
         heldout,
-        max_new_tokens=training_args.max_completion_length,
-        num_samples=script_args.eval_num_samples,
-        temperature=temperature,
-        top_p=training_args.top_p,
-        top_k=max(training_args.top_k or 0, 0),  # -1 is vLLM's "off", 0 transformers'
-        batch_size=script_args.eval_batch_size,
-        seed=training_args.seed,
+        batch_size=batch_size,
+        **{key: settings[key] for key in options},
     )
     levels = "  ".join(f"L{level} {acc:.0%}" for level, acc in result.by_level.items())
     print(
-        f"Held-out accuracy {label}: {result.accuracy:.1%} ({result.num_problems} problems x {result.num_samples} "
-        f"samples, T={temperature:g}, {time.time() - start:.0f}s){'   ' + levels if levels else ''}",
+        f"Held-out accuracy {stage} training: {result.accuracy:.1%} ({result.num_problems} problems x "
+        f"{result.num_samples} samples, T={settings['temperature']:g}, {time.time() - start:.0f}s)"
+        f"{'   ' + levels if levels else ''}",
         flush=True,
     )
-    return result, temperature
+    metrics = Path(trainer.args.output_dir) / METRICS_FILE
+    put_heldout_record(metrics, {"step": step, "heldout/accuracy": result.accuracy, "heldout/stage": stage})
+    return {**result.to_dict(), **settings, "step": step}
 
 
 def run(script_args: TrainScriptArguments, training_args, model_args) -> dict[str, Any]:
@@ -242,24 +238,17 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         capacity = kv_cache_line(trainer, training_args, script_args.max_prompt_length)
         if capacity:
             print(capacity, flush=True)
-    heldout_records: dict[str, Any] = {}
+    records: dict[str, Any] = {}  # what heldout.json holds
     if heldout is not None and is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         stored = stored_heldout_before(output_dir, settings) if own_run else None
         if stored is not None:  # a resumed run: the evaluation before training was made by the run it continues
-            print(
-                f"Held-out accuracy before training: {stored['accuracy']:.1%} (stored by the run resumed)", flush=True
-            )
-            summary["heldout_before"] = stored["accuracy"]
-            heldout_records["before"] = stored
+            print(f"Held-out accuracy before training: {stored['accuracy']:.1%} (stored by the run resumed)")
+            records["before"] = stored
         else:
-            result, temperature = _heldout(trainer, script_args, training_args, heldout, "before training")
-            summary["heldout_before"] = result.accuracy
-            heldout_records["before"] = {**result.to_dict(), **settings, "temperature": temperature, "step": 0}
-            heldout_path.write_text(json.dumps(heldout_records, indent=2) + "\n")  # kept for a resumed run
-            put_heldout_record(
-                metrics_path, {"step": 0, "heldout/accuracy": result.accuracy, "heldout/stage": "before"}
-            )
+            records["before"] = _heldout(trainer, heldout, settings, script_args.eval_batch_size, "before")
+            heldout_path.write_text(json.dumps(records, indent=2) + "\n")  # kept for a resumed run
+        summary["heldout_before"] = records["before"]["accuracy"]
     trainer.accelerator.wait_for_everyone()
     if own_run:
         trainer.add_callback(_SetAsideLaterHistory(trainer.accelerator, output_dir, resume_step))
@@ -270,7 +259,7 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         raise
     summary["train_runtime_s"] = train_output.metrics.get("train_runtime")
     try:
-        return _finish(trainer, script_args, training_args, summary, heldout, heldout_records, settings, wall_start)
+        return _finish(trainer, script_args, summary, heldout, records, settings, wall_start)
     except KeyboardInterrupt:
         # Stopped during the evaluation after training or the final save: the last step is kept in a checkpoint.
         save_interrupted(trainer)
@@ -310,33 +299,29 @@ def _nothing_to_train(training_args, resume, own_run: bool, trainer=None) -> boo
     return False
 
 
-def _finish(trainer, script_args, training_args, summary, heldout, heldout_records, settings, wall_start):
+def _finish(trainer, script_args, summary, heldout, records, settings, wall_start):
     """After training: the held-out evaluation, the final model, ``heldout.json``, the plot and the summary."""
     is_main = trainer.accelerator.is_main_process
-    output_dir = Path(training_args.output_dir)
+    args = trainer.args
+    output_dir = Path(args.output_dir)
     metrics_path, plot_path, heldout_path = (
         output_dir / METRICS_FILE,
         output_dir / PLOT_FILE,
         output_dir / HELDOUT_FILE,
     )
     if heldout is not None and is_main:
-        result, temperature = _heldout(trainer, script_args, training_args, heldout, "after training")
-        summary["heldout_after"] = result.accuracy
-        step = trainer.state.global_step
-        heldout_records["after"] = {**result.to_dict(), **settings, "temperature": temperature, "step": step}
-        put_heldout_record(metrics_path, {"step": step, "heldout/accuracy": result.accuracy, "heldout/stage": "after"})
+        records["after"] = _heldout(trainer, heldout, settings, script_args.eval_batch_size, "after")
+        summary["heldout_after"] = records["after"]["accuracy"]
     if script_args.save_final_model:
         trainer.save_state()  # trainer_state.json dates the final model (a later resume reads it)
         trainer.save_model(str(output_dir))
     if is_main:
         files = [metrics_path]
-        if heldout_records:
-            heldout_path.write_text(json.dumps(heldout_records, indent=2) + "\n")
+        if records:
+            heldout_path.write_text(json.dumps(records, indent=2) + "\n")
             files.append(heldout_path)
         if script_args.plot and metrics_path.exists():
-            title = (
-                f"{trainer.args.advantage_estimator.upper()} on {script_args.dataset_name}, seed {training_args.seed}"
-            )
+            title = f"{args.advantage_estimator.upper()} on {script_args.dataset_name}, seed {args.seed}"
             plot_metrics(read_metrics(metrics_path), plot_path, title=title)
             files.append(plot_path)
         summary["files"] = [str(f) for f in files]
