@@ -13,11 +13,13 @@ __all__ = [
     "ANSWER_COLUMNS",
     "QUESTION_COLUMNS",
     "batch_shape_problem",
+    "builtin_model_path",
     "check_trainer_inputs",
     "config_makes_forward_random",
     "generation_kwargs_problem",
     "stochastic_settings",
     "loss_forward_input_problems",
+    "model_problem",
     "required_columns",
     "resolve_model_name",
     "training_value_problems",
@@ -187,17 +189,46 @@ def batch_shape_problem(
     )
 
 
+def builtin_model_path(name_or_path: str) -> str:
+    """``builtin:<name>`` -> the folder of a model shipped in ``egpo_trl/assets``; anything else unchanged."""
+    if not name_or_path.startswith("builtin:"):
+        return name_or_path
+    name = name_or_path.removeprefix("builtin:")
+    if not (_ASSETS / name / "config.json").is_file():
+        shipped = sorted(p.name for p in _ASSETS.glob("*") if (p / "config.json").is_file())
+        raise ValueError(
+            f"no shipped model {name!r}; shipped models: {shipped or 'none'}. Rebuild the tiny model with `make "
+            "tiny-model` if its files are missing."
+        )
+    return str(_ASSETS / name)
+
+
+def model_problem(name: str) -> str | None:
+    """Why the model ``name`` (``builtin:`` resolved) cannot be loaded, seen without the network: a local path that
+    does not exist, or a folder that is not a saved model; ``None`` otherwise (a Hub id is not checked)."""
+    path = Path(name).expanduser()
+    if path.is_dir() and not any((path / f).is_file() for f in ("config.json", "adapter_config.json")):
+        return (
+            f"{name} has no config.json, so it is not a saved model; give the folder that save_pretrained wrote (a "
+            "trained run's output_dir, or one of its checkpoint-* folders)."
+        )
+    # A Hub id is ``owner/name``; anything else (or a path under an existing folder) can only be a local folder.
+    local = name.startswith((".", "/", "~")) or name.count("/") != 1 or name.endswith("/") or "\\" in name
+    if not path.exists() and (local or Path(name.split("/", 1)[0]).is_dir()):
+        return (
+            f"the model {name} does not exist; check the path, or give a local model folder, a Hub id such as "
+            "Qwen/Qwen2.5-Math-1.5B, or builtin:tiny-math-qwen2."
+        )
+    return None
+
+
 def resolve_model_name(model: Any) -> Any:
     """``builtin:<name>`` -> the shipped model's folder, and ``egpo_trl/assets/<name>`` -> that folder from any
-    current folder; anything else (a model object, a Hub id, an existing path) unchanged."""
+    current folder; anything else (a model object, a Hub id, an existing path) unchanged. ``ValueError`` in one line
+    (:func:`model_problem`): what the Python API and ``egpo-trl train`` both say."""
     if not isinstance(model, str):
         return model
-    from egpo_trl.script.resolve import model_problem, resolve_model_path
-
-    try:
-        model = resolve_model_path(model)
-    except SystemExit as error:
-        raise ValueError(str(error).replace("egpo-trl train: ", "", 1)) from None
+    model = builtin_model_path(model)
     parts = Path(model).parts
     if not Path(model).exists() and parts[-2:-1] == ("assets",) and (_ASSETS / parts[-1]).is_dir():
         return str(_ASSETS / parts[-1])

@@ -12,24 +12,12 @@ from egpo_trl.launch import in_distributed_launch
 from egpo_trl.script.args import option_value
 from egpo_trl.script.recipe import load_recipe
 
-__all__ = ["launch_parent_options", "run_as_script"]
-
 # Variables `accelerate launch`/torchrun set in the processes they start; cleared before a launch of our own.
 _LAUNCH_VARIABLES_PREFIXES = ("ACCELERATE_", "TORCHELASTIC_", "FSDP_")
 _LAUNCH_VARIABLES = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_NAME",
-    "ROLE_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-)
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME",
+    "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+)  # fmt: skip
 
 
 def launch_parent_options(ppid: int | None = None, script: str | None = None) -> list[str] | None:
@@ -64,9 +52,7 @@ def run_as_script(path: str, argv: Sequence[str] | None = None) -> int:
     from egpo_trl.train import main
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help", "--help-all", "--dry-run", "--dry_run") for a in argv):
-        return main([path, *argv])
-    if not in_distributed_launch():
+    if not in_distributed_launch() or any(a in ("-h", "--help", "--help-all", "--dry-run", "--dry_run") for a in argv):
         return main([path, *argv])
     rank = int(os.environ.get("RANK", "0") or 0)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -99,9 +85,9 @@ def run_as_script(path: str, argv: Sequence[str] | None = None) -> int:
         source = (
             shlex.join(given)
             if given
-            else (
-                f"accelerate's default config {default_config}" if default_config else "accelerate launch's settings"
-            )
+            else f"accelerate's default config {default_config}"
+            if default_config
+            else ("accelerate launch's settings")
         )
         print(
             f"Training with the launch's own settings ({source}; {world} process(es)), not the recipe's "

@@ -12,7 +12,6 @@ update so that it never lands in a half-applied one. vLLM colocate samples each 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import random
@@ -27,7 +26,7 @@ from transformers.trainer_callback import TrainerCallback
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RESUME_STATE_NAME", "ExactResumeMixin", "finished_run_step", "generation_seed"]
+__all__ = ["RESUME_STATE_NAME", "ExactResumeMixin", "generation_seed"]
 
 # ``_<process index>`` before ``.pt`` with several processes.
 RESUME_STATE_NAME = "egpo_resume_state.pt"
@@ -50,34 +49,16 @@ _OPERATIONAL = {
 }  # fmt: skip
 
 
-def finished_run_step(args: Any, checkpoint: str | os.PathLike | None) -> tuple[int, int, str] | None:
-    """``(step, last step, setting)`` when resuming from ``checkpoint`` would train nothing (its step reached
-    ``max_steps``), else ``None``. A run sized by ``num_train_epochs`` is judged by the trainer once loaded."""
-    if not checkpoint or args.max_steps <= 0:
-        return None
-    path = os.path.join(os.fspath(checkpoint), "trainer_state.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as handle:
-        state = json.load(handle)
-    step = int(state.get("global_step", 0))
-    total = int(args.max_steps)
-    return (step, total, f"max_steps={args.max_steps}") if step >= total else None
-
-
 class _FinishedRun(Exception):
     pass
 
 
 class _StopWhenFinished(TrainerCallback):
     """Ends ``Trainer.train`` at ``on_train_begin`` (the checkpoint loaded, ``state.max_steps`` this run's) when the
-    run has nothing left to train, or ``always``."""
-
-    def __init__(self, always: bool = False):
-        self.always = always
+    run has nothing left to train."""
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if self.always or (state.max_steps > 0 and state.global_step >= state.max_steps):
+        if state.max_steps > 0 and state.global_step >= state.max_steps:
             raise _FinishedRun
 
 
@@ -177,40 +158,31 @@ class ExactResumeMixin:
         self._egpo_seed_vllm_sampling()
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
-        """``Trainer.train``; resumed at the run's last step it loads the checkpoint, ends as a finished run does and
-        trains nothing (``egpo_trained_nothing``); with ``egpo_load_only`` it stops so whatever the step."""
-        try:
-            return self._egpo_train(resume_from_checkpoint, *args, **kwargs)
-        finally:
-            self._egpo_sigint.stop(raise_held=False)  # an error inside a held span: the handler must not outlive it
-            self._egpo_sigint.pending = False  # the error, or the interruption, ends the run
-
-    def _egpo_train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
-        self.egpo_trained_nothing = False
-        if not resume_from_checkpoint:
-            return super().train(resume_from_checkpoint, *args, **kwargs)
-        load_only = getattr(self, "egpo_load_only", False)
-        stop = _StopWhenFinished(always=load_only)
-        self.callback_handler.callbacks.insert(0, stop)
+        """``Trainer.train``; resumed at the run's last step it loads the checkpoint, says there is nothing to train
+        and ends as a finished run does, without a step."""
+        stop = _StopWhenFinished()
+        if resume_from_checkpoint:
+            self.callback_handler.callbacks.insert(0, stop)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         except _FinishedRun:
             pass
         finally:
-            self.callback_handler.callbacks.remove(stop)
-        state = self.state
-        if not load_only:
-            by_steps = self.args.max_steps > 0
-            logger.warning(
-                "Nothing to train: the checkpoint is at step %d and this run stops at step %d (%s). The checkpoint "
-                "is loaded and no step runs; raise %s to train further.",
-                state.global_step,
-                state.max_steps,
-                f"max_steps={self.args.max_steps}"
-                if by_steps
-                else f"num_train_epochs={self.args.num_train_epochs:g} over this run's data and batch sizes",
-                "max_steps" if by_steps else "num_train_epochs (or set max_steps)",
-            )
+            self._egpo_sigint.stop(raise_held=False)  # an error inside a held span: the handler must not outlive it
+            self._egpo_sigint.pending = False  # the error, or the interruption, ends the run
+            if stop in self.callback_handler.callbacks:
+                self.callback_handler.callbacks.remove(stop)
+        state, by_steps = self.state, self.args.max_steps > 0
+        logger.warning(
+            "Nothing to train: the checkpoint is at step %d and this run stops at step %d (%s); raise %s to train "
+            "further.",
+            state.global_step,
+            state.max_steps,
+            f"max_steps={self.args.max_steps}"
+            if by_steps
+            else f"num_train_epochs={self.args.num_train_epochs:g} over this run's data and batch sizes",
+            "max_steps" if by_steps else "num_train_epochs (or set max_steps)",
+        )
         # Trainer's end of a run, less its logs, callbacks and checkpoint deletions.
         if self.args.load_best_model_at_end and state.best_model_checkpoint is not None:
             self._load_best_model()
@@ -220,7 +192,6 @@ class ExactResumeMixin:
 
             deactivate_neftune(self.model, self.neftune_hook_handle, self.accelerator)
         self.is_in_train = False
-        self.egpo_trained_nothing = True
         from transformers.trainer_utils import TrainOutput
 
         return TrainOutput(state.global_step, 0.0, {})

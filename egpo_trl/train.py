@@ -141,16 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configure_tracking(training_args)
         run(script_args, training_args, model_args)
-    except KeyboardInterrupt:
+    except BaseException as error:
         if created:
-            remove_if_empty(output_dir)
+            remove_if_empty(output_dir)  # what a run that failed early leaves
+        if not isinstance(error, KeyboardInterrupt):
+            raise
         if main_process:
             print(f"\n{interrupted_message(argv, training_args)}", file=sys.stderr, flush=True)
         return 130
-    except BaseException:
-        if created:
-            remove_if_empty(output_dir)
-        raise
     return 0
 
 

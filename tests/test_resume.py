@@ -171,44 +171,6 @@ def test_a_second_ctrl_c_inside_the_update_saves_no_checkpoint(tmp_path, monkeyp
     assert "Checkpoint not saved: a second Ctrl-C stopped step 2 before it had finished." in capsys.readouterr().err
 
 
-def test_ctrl_c_is_held_back_only_where_pythons_own_handler_is_in_place():
-    from egpo_trl.resume_state import _SigintHold
-
-    default = signal.getsignal(signal.SIGINT)
-    assert default is signal.default_int_handler
-    try:
-        for handler in (signal.SIG_IGN, lambda signum, frame: None):  # a background job; a handler of the program
-            signal.signal(signal.SIGINT, handler)
-            hold = _SigintHold()
-            hold.start()
-            assert not hold.active and signal.getsignal(signal.SIGINT) is handler
-            os.kill(os.getpid(), signal.SIGINT)  # ignored or handled as the program wants, not raised later
-            hold.stop()
-        signal.signal(signal.SIGINT, default)
-        off = _SigintHold(enabled=False)  # several processes
-        off.start()
-        assert not off.active and signal.getsignal(signal.SIGINT) is default
-        hold = _SigintHold()
-        hold.start()
-        os.kill(os.getpid(), signal.SIGINT)
-        with pytest.raises(KeyboardInterrupt):
-            hold.stop()
-        assert signal.getsignal(signal.SIGINT) is default and not hold.forced and not hold.pending
-        hold.start()  # an error ends the span: the Ctrl-C it held is kept pending, not lost
-        os.kill(os.getpid(), signal.SIGINT)
-        hold.stop(raise_held=False)
-        assert hold.pending and signal.getsignal(signal.SIGINT) is default
-        hold.pending = False
-        hold.start()
-        os.kill(os.getpid(), signal.SIGINT)
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-        assert hold.forced
-        hold.stop(raise_held=False)
-    finally:
-        signal.signal(signal.SIGINT, default)
-
-
 @pytest.mark.slow
 def test_ctrl_c_under_deepspeed_after_the_update_saves_that_step(tmp_path, tiny_model_dir):
     """DeepSpeed applies the update inside the last micro-batch's backward, before the optimizer hooks: a Ctrl-C
@@ -237,12 +199,11 @@ def test_ctrl_c_under_deepspeed_after_the_update_saves_that_step(tmp_path, tiny_
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "change",
-    ["steps_per_generation", "advantage_settings", "temperature", "process_count", "older_state", "same_weights"],
+    ["advantage_settings", "process_count", "same_weights"],
 )
 def test_a_state_saved_with_another_layout_is_ignored_with_a_warning(reference, tmp_path, caplog, change):
     """The generation buffer of checkpoint-3 belongs to its process count, batch shape and the settings its groups and
-    advantages were made with: a resume with other ones (or from a state that does not record them) ignores it, says
-    so, and still trains to the end. The default reward weights written out are the same settings: it resumes
+    advantages were made with: a resume with other ones ignores it, says so, and still trains to the end. The default reward weights written out are the same settings: it resumes
     exactly."""
     import torch
 
@@ -257,29 +218,19 @@ def test_a_state_saved_with_another_layout_is_ignored_with_a_warning(reference, 
     assert saved["layout"]["steps_per_generation"] == 2 and saved["layout"]["world_size"] == 1
     assert saved["buffered_inputs"] is not None  # a batch in progress, which an exact resume would train on
     run = [*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true", "--eval_size", "0"]
-    if change == "steps_per_generation":
-        run += ["--steps_per_generation", "1"]
-        expected = "steps_per_generation=2 (now 1)"
-    elif change == "advantage_settings":  # the buffered batch holds groups of 4 and group-scaled advantages
+    if change == "advantage_settings":  # the buffered batch holds groups of 4 and group-scaled advantages
         run += ["--num_generations", "2", "--scale_rewards", "batch"]
         expected = "it was saved with num_generations=4 (now 2), scale_rewards=group (now batch)"
-    elif change == "temperature":  # the buffered completions were sampled at 1.0
-        run += ["--temperature", "0.7"]
-        expected = "it was saved with temperature=1.0 (now 0.7)"
     elif change == "same_weights":  # the one reward function's default weight, written out
         run += ["--reward_weights", "1.0"]
         expected = None
-    elif change == "process_count":  # as saved by two processes
+    else:  # as saved by two processes
         state_file.rename(state_file.with_name(RESUME_STATE_NAME.replace(".pt", "_0.pt")))
         shutil.copy(
             state_file.with_name(RESUME_STATE_NAME.replace(".pt", "_0.pt")),
             state_file.with_name(RESUME_STATE_NAME.replace(".pt", "_1.pt")),
         )
         expected = "egpo_resume_state_0.pt, egpo_resume_state_1.pt but not egpo_resume_state.pt"
-    else:
-        del saved["layout"]
-        torch.save(saved, state_file)
-        expected = "does not record the process count"
     with caplog.at_level("WARNING", logger="egpo_trl.resume_state"):
         assert main(run) == 0
     if expected is None:
@@ -333,7 +284,6 @@ def test_resuming_a_finished_run_from_python_trains_nothing(tmp_path, tiny_model
         )
         caplog.clear()
         assert result.global_step == 2 and resumed.state.global_step == 2 and not resumed.is_in_train
-        assert resumed.egpo_trained_nothing
         for name, value in resumed.model.state_dict().items():  # the checkpoint's weights, no step trained
             torch.testing.assert_close(value, trained[name], rtol=0, atol=0)
         assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
@@ -409,43 +359,6 @@ def test_a_finished_epochs_run_is_judged_by_the_trainers_own_step_count(tmp_path
             torch.testing.assert_close(value, best[name], rtol=0, atol=0)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("crashed_in", ["heldout_after", "save_model"])
-def test_a_run_stopped_after_its_last_checkpoint_gets_its_final_outputs(reference, tmp_path, capsys, crashed_in):
-    """Trained to the end and checkpointed, then stopped during the held-out evaluation after training (or while
-    saving the model): the resume writes what is missing from the last checkpoint, trains no step, and a further
-    resume has nothing left to do."""
-    import json
-
-    ref_out, ref_rows, ref_weights = reference
-    out = tmp_path / "run"
-    shutil.copytree(ref_out, out)
-    for name in ("model.safetensors", "config.json", "training_args.bin"):
-        (out / name).unlink()
-    if crashed_in == "heldout_after":
-        heldout = json.loads((out / "heldout.json").read_text())
-        del heldout["after"]
-        (out / "heldout.json").write_text(json.dumps(heldout))
-        lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
-        (out / "metrics.jsonl").write_text("".join(line for line in lines if '"after"' not in line))
-    kept = _digest(out / "metrics.jsonl") if crashed_in == "save_model" else None
-    capsys.readouterr()
-    assert main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
-    printed = capsys.readouterr().out
-    assert "is at the run's last step" in printed and "the trained model" in printed
-    assert ("the held-out evaluation after training" in printed) == (crashed_in == "heldout_after")
-    assert _digest(out / "model.safetensors") == ref_weights  # checkpoint-4's weights, no step trained
-    assert _rows(out) == ref_rows  # the same records, the evaluation after training included, nothing added
-    assert json.loads((out / "heldout.json").read_text())["after"]["step"] == 4
-    if kept is not None:
-        assert _digest(out / "metrics.jsonl") == kept  # the stored evaluation after training is not run again
-    assert not (out / "checkpoint-5").exists()
-    before = {p: _digest(p) for p in out.rglob("*") if p.is_file()}
-    assert main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 0
-    assert "nothing to train" in capsys.readouterr().out
-    assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
-
-
 # Epoch-sized runs through the command: one prompt of 4 completions a step.
 EPOCH_RUN = [
     "--config", str(DEMO_RECIPE), "--per_device_train_batch_size", "4", "--num_generations", "4",
@@ -456,36 +369,24 @@ EPOCH_RUN = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("counted", ["by_the_command", "by_the_trainer_only"])
-def test_finished_epoch_runs_resumed_by_the_command_train_and_write_nothing(tmp_path, capsys, monkeypatch, counted):
+def test_finished_epoch_runs_resumed_by_the_command_train_and_write_nothing(tmp_path, capsys):
     """A run sized by num_train_epochs is judged by the trainer's own step count, before anything is written: a
-    fractional count (stored rounded up in trainer_state.json) trains nothing and leaves every file as it was, with
-    the held-out evaluation off or under other settings too; a run given more data since trains on, as Trainer
-    does, and so does a run sized by max_steps resumed with epochs. Where the command could not count the steps before
-    training (the count made unavailable here), the trainer stops at its own count and the files go back as they
-    were."""
+    fractional count (stored rounded up in trainer_state.json) trains nothing and leaves every file as it was; a run
+    given more data since trains on, as Trainer does, and so does a run sized by max_steps resumed with epochs."""
     import json
 
-    import egpo_trl.script.run as run_module
-
-    if counted == "by_the_trainer_only":
-        monkeypatch.setattr(run_module, "trainer_last_step", lambda trainer: None)
     out = tmp_path / "fraction"
     run = [*EPOCH_RUN, "--synthetic_train_size", "8", "--num_train_epochs", "1.5", "--output_dir", str(out)]
     assert main(run) == 0
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 12  # 8 steps an epoch
     before = {p: _digest(p) for p in out.rglob("*") if p.is_file()}
-    for other in ([], ["--eval_size", "0"], ["--eval_num_samples", "2"]):
-        capsys.readouterr()
-        assert main([*run, *other, "--resume_from_checkpoint", "true"]) == 0
-        printed = capsys.readouterr().out.strip().splitlines()
-        assert printed[-1].startswith("egpo-trl train: nothing to train: "), printed
-        if counted == "by_the_command":
-            assert "stops at step 12 (num_train_epochs=1.5 over this run's data and batch sizes)" in printed[-1]
-            assert not any("Held-out accuracy" in line for line in printed), printed  # nothing evaluated
-        else:
-            assert "at this run's last step (12)" in printed[-1], printed
-        assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before, other
+    capsys.readouterr()
+    assert main([*run, "--eval_num_samples", "2", "--resume_from_checkpoint", "true"]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-1].startswith("egpo-trl train: nothing to train: "), printed
+    assert "stops at step 12 (num_train_epochs=1.5 over this run's data and batch sizes)" in printed[-1]
+    assert not any("Held-out accuracy" in line for line in printed), printed  # nothing evaluated
+    assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
 
     out = tmp_path / "grown"
     run = [*EPOCH_RUN, "--num_train_epochs", "1", "--output_dir", str(out)]
@@ -507,13 +408,10 @@ def test_finished_epoch_runs_resumed_by_the_command_train_and_write_nothing(tmp_
 @pytest.mark.slow
 def test_ctrl_c_after_the_last_step_keeps_the_trained_run(reference, tmp_path, monkeypatch, capsys):
     """Without regular checkpoints, a Ctrl-C during the held-out evaluation after training saves a checkpoint of the
-    last step; the resume writes the final outputs from it without training: the weights, metrics and evaluation of
-    the run never stopped."""
-    import json
-
+    last step, with the weights of the run never stopped; a resume from it has nothing to train and says so."""
     import egpo_trl.heldout as heldout_module
 
-    ref_out, ref_rows, ref_weights = reference
+    ref_weights = reference[2]
     out = tmp_path / "run"
     run = [*RUN, "--save_strategy", "no", "--output_dir", str(out)]
     evaluate, calls = heldout_module.heldout_accuracy, []
@@ -531,30 +429,27 @@ def test_ctrl_c_after_the_last_step_keeps_the_trained_run(reference, tmp_path, m
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4"]
     assert not (out / "model.safetensors").exists()
     monkeypatch.undo()
+    assert _digest(out / "checkpoint-4" / "model.safetensors") == ref_weights
     assert main([*run, "--resume_from_checkpoint", "true"]) == 0
-    assert "is at the run's last step" in capsys.readouterr().out
-    assert _digest(out / "model.safetensors") == ref_weights
-    assert _rows(out) == ref_rows
-    assert json.loads((out / "heldout.json").read_text()) == json.loads((ref_out / "heldout.json").read_text())
+    assert "nothing to train: " in capsys.readouterr().out
+    assert not (out / "model.safetensors").exists()
 
 
 @pytest.mark.slow
 def test_an_earlier_checkpoint_never_replaces_the_outputs_of_a_later_step(reference, tmp_path):
-    """A run that finished at step 4, resumed from an earlier checkpoint to end at step 3 (at the checkpoint's own
-    step, or training to it): its final outputs would replace step 4's; the command stops, names them, and changes
-    nothing. Past them (--max_steps 5) it trains on."""
+    """A run that finished at step 4, resumed from checkpoint-2 to end at step 3: its final outputs would replace step
+    4's; the command stops, names them, and changes nothing. Past them (--max_steps 5) it trains on."""
     out = tmp_path / "run"
     assert main([*RUN, "--save_steps", "1", "--output_dir", str(out)]) == 0
     before = {p: _digest(p) for p in out.rglob("*") if p.is_file()}
-    for checkpoint in ("checkpoint-3", "checkpoint-2"):
-        with pytest.raises(SystemExit) as stopped:
-            main(
-                [*RUN, "--output_dir", str(out), "--max_steps", "3", "--resume_from_checkpoint", str(out / checkpoint)]
-            )
-        message = str(stopped.value)
-        assert "the trained model of step 4 and the held-out evaluation after training at step 4" in message, message
-        assert "this run ends at step 3" in message and "another --output_dir" in message
-        assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
+    with pytest.raises(SystemExit) as stopped:
+        main(
+            [*RUN, "--output_dir", str(out), "--max_steps", "3", "--resume_from_checkpoint", str(out / "checkpoint-2")]
+        )
+    message = str(stopped.value)
+    assert "the trained model of step 4 and the held-out evaluation after training at step 4" in message, message
+    assert "this run ends at step 3" in message and "another --output_dir" in message
+    assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
     assert (
         main(
             [*RUN, "--output_dir", str(out), "--max_steps", "5", "--resume_from_checkpoint", str(out / "checkpoint-2")]
@@ -562,115 +457,6 @@ def test_an_earlier_checkpoint_never_replaces_the_outputs_of_a_later_step(refere
         == 0
     )
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4, 5]
-
-
-@pytest.mark.slow
-def test_finished_runs_without_dated_outputs_and_checkpoints_past_the_end_are_left_alone(reference, tmp_path, capsys):
-    """A finished run that saved no model and ran no evaluation is still known finished (Trainer's end-of-training
-    record in metrics.jsonl): an earlier end is refused. A checkpoint past the run's last step writes nothing, even
-    where final outputs are missing (they would be another step's). A checkpoint that does not exist is named before
-    anything is touched."""
-    out = tmp_path / "bare"
-    bare = [*RUN, "--save_steps", "1", "--save_final_model", "false", "--eval_size", "0", "--output_dir", str(out)]
-    assert main(bare) == 0
-    before = {p: _digest(p) for p in out.rglob("*") if p.is_file()}
-    with pytest.raises(SystemExit) as stopped:
-        main([*bare, "--max_steps", "3", "--resume_from_checkpoint", str(out / "checkpoint-2")])
-    assert "the end-of-training record of step 4 in metrics.jsonl" in str(stopped.value), stopped.value
-    with pytest.raises(SystemExit) as stopped:
-        main([*bare, "--resume_from_checkpoint", str(out / "checkpoint-9")])
-    assert "checkpoint-9 is not a folder" in str(stopped.value), stopped.value
-    assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
-
-    out = tmp_path / "past"
-    shutil.copytree(reference[0], out)
-    for name in ("model.safetensors", "config.json", "training_args.bin"):
-        (out / name).unlink()
-    before = {p: _digest(p) for p in out.rglob("*") if p.is_file()}
-    capsys.readouterr()
-    assert main([*RUN, "--output_dir", str(out), "--max_steps", "3", "--resume_from_checkpoint", "true"]) == 0
-    assert "nothing to train" in capsys.readouterr().out
-    assert {p: _digest(p) for p in out.rglob("*") if p.is_file()} == before
-
-
-@pytest.mark.slow
-def test_a_run_stopped_after_a_checkpoint_can_end_there(reference, tmp_path, capsys):
-    """Stopped (killed) after step 4 was logged, with checkpoint-3 its last: resumed with --max_steps 3, the run ends
-    at checkpoint-3 and gets its final outputs; the records of the unfinished step 4 are cut, as a resume does."""
-    import json
-
-    ref_out = reference[0]
-    out = tmp_path / "run"
-    shutil.copytree(ref_out, out)
-    shutil.rmtree(out / "checkpoint-4", ignore_errors=True)
-    for name in ("model.safetensors", "config.json", "training_args.bin", "trainer_state.json", "heldout.json"):
-        (out / name).unlink()
-    killed = [r for r in read_metrics(out / "metrics.jsonl") if "train_runtime" not in r and "heldout/stage" not in r]
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in killed))  # no end-of-training record
-    capsys.readouterr()
-    assert main([*RUN, "--output_dir", str(out), "--max_steps", "3", "--resume_from_checkpoint", "true"]) == 0
-    assert "is at the run's last step" in capsys.readouterr().out
-    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 3
-    assert _digest(out / "model.safetensors") == _digest(out / "checkpoint-3" / "model.safetensors")
-    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1, 2, 3]
-
-
-@pytest.mark.slow
-def test_a_finished_checkpoint_of_another_folder_gives_output_dir_its_outputs(reference, tmp_path, capsys):
-    """checkpoint-4 of another folder, at its run's last step, starts a run in output_dir that trains nothing: its
-    final outputs are written there (over the folder's earlier run with --overwrite_output_dir), never mistaken for
-    that earlier run's."""
-    import json
-
-    ref_out = reference[0]
-    other = tmp_path / "other"
-    shutil.copytree(ref_out / "checkpoint-3", other / "checkpoint-3")
-    out = tmp_path / "run"
-    shutil.copytree(ref_out, out)  # a run that finished at step 4
-    capsys.readouterr()
-    argv = [*RUN, "--output_dir", str(out), "--max_steps", "3", "--overwrite_output_dir", "true"]
-    assert main([*argv, "--resume_from_checkpoint", str(other / "checkpoint-3")]) == 0
-    assert "is at the run's last step" in capsys.readouterr().out
-    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 3
-    assert _digest(out / "model.safetensors") == _digest(other / "checkpoint-3" / "model.safetensors")
-    assert json.loads((out / "heldout.json").read_text())["after"]["step"] == 3
-    assert not list(out.glob("checkpoint-*"))  # the earlier run's folder was cleared, as --overwrite_output_dir says
-
-
-def test_the_stored_heldout_evaluation_is_reused_only_for_the_same_problems_model_and_settings(tmp_path):
-    import json
-
-    from datasets import Dataset
-
-    from egpo_trl.script.outputs import HELDOUT_FILE, METRICS_FILE
-    from egpo_trl.script.resume import heldout_fingerprint, stored_heldout_before
-
-    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": str(i + 1)} for i in range(3)]
-    heldout = Dataset.from_list(rows)
-    settings = {
-        "num_problems": 3,
-        "num_samples": 1,
-        "temperature": 1.0,
-        "heldout_sha256": heldout_fingerprint(heldout),
-        "model": "some/model",
-        "max_new_tokens": 16,
-    }
-    # Only metrics.jsonl (no heldout.json): its record says nothing of the settings, so it is not used.
-    (tmp_path / METRICS_FILE).write_text(json.dumps({"step": 0, "heldout/accuracy": 0.5, "heldout/stage": "before"}))
-    assert stored_heldout_before(tmp_path, settings) is None
-    before = {"accuracy": 0.5, **settings, "step": 0}
-    (tmp_path / HELDOUT_FILE).write_text(json.dumps({"before": before}))
-    assert stored_heldout_before(tmp_path, settings) == before
-    # Another answer, the same problems in another order, another model or another length: evaluated again.
-    changed = Dataset.from_list([*rows[:2], {**rows[2], "answer": "5"}])
-    assert heldout_fingerprint(changed) != settings["heldout_sha256"]
-    assert heldout_fingerprint(Dataset.from_list(rows[::-1])) != settings["heldout_sha256"]
-    assert heldout_fingerprint(Dataset.from_list(rows)) == settings["heldout_sha256"]
-    for key, value in [("heldout_sha256", heldout_fingerprint(changed)), ("model", "other"), ("max_new_tokens", 8)]:
-        assert stored_heldout_before(tmp_path, {**settings, key: value}) is None
-    # A record written before these settings were stored is not trusted either.
-    (tmp_path / HELDOUT_FILE).write_text(json.dumps({"before": {"accuracy": 0.5, "num_problems": 3}}))
-    assert stored_heldout_before(tmp_path, settings) is None
 
 
 def test_generation_seeds_depend_on_the_place_in_the_run_only():
@@ -727,21 +513,6 @@ def _heldout_records(out: Path) -> dict[str, float]:
     return {r["heldout/stage"]: r["heldout/accuracy"] for r in records}
 
 
-def _set_stored_accuracy(out: Path, stage: str, accuracy: float) -> None:
-    """Write ``accuracy`` as the stored held-out result of ``stage`` in both ``heldout.json`` and ``metrics.jsonl``:
-    a value no evaluation of 3 problems can give, so a stale record shows."""
-    import json
-
-    heldout = json.loads((out / "heldout.json").read_text())
-    heldout[stage]["accuracy"] = accuracy
-    (out / "heldout.json").write_text(json.dumps(heldout))
-    records = read_metrics(out / "metrics.jsonl")
-    for record in records:
-        if record.get("heldout/stage") == stage:
-            record["heldout/accuracy"] = accuracy
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-
-
 @pytest.mark.slow
 def test_a_checkpoint_of_another_folder_does_not_resume_the_run_in_output_dir(short_run, tmp_path):
     """Resuming from a checkpoint of run A into a folder that holds run B is refused, as a new run there is: B's
@@ -769,25 +540,6 @@ def test_a_checkpoint_of_another_folder_does_not_resume_the_run_in_output_dir(sh
     assert sorted(p.name for p in new.glob("checkpoint-*")) == ["checkpoint-2"]
 
 
-def test_only_a_checkpoint_inside_output_dir_resumes_its_run(tmp_path, monkeypatch):
-    from egpo_trl.script.resume import resumes_own_run
-
-    run = tmp_path / "run"
-    (run / "checkpoint-1").mkdir(parents=True)
-    (tmp_path / "elsewhere" / "checkpoint-1").mkdir(parents=True)
-    (tmp_path / "link").symlink_to(run)
-    monkeypatch.chdir(tmp_path)
-    assert resumes_own_run(str(run / "checkpoint-1"), str(run))
-    assert resumes_own_run("run/checkpoint-1", str(run))  # relative paths are resolved
-    assert resumes_own_run(str(run / "checkpoint-1"), "link")  # and links
-    assert resumes_own_run("run/../run/checkpoint-1/", "run")
-    assert not resumes_own_run("elsewhere/checkpoint-1", "run")
-    assert not resumes_own_run("run/checkpoint-1", "run/checkpoint-1/sub")
-    assert not resumes_own_run("run/old_run/checkpoint-1", "run")  # another run kept inside the folder
-    assert not resumes_own_run("run/my-weights", "run")  # not one of the folder's checkpoint-<step> folders
-    assert not resumes_own_run(None, "run")
-
-
 @pytest.mark.slow
 def test_a_recomputed_heldout_evaluation_before_training_replaces_the_stored_one_in_metrics(short_run, tmp_path):
     """Resumed with other evaluation settings, the evaluation before training runs again: ``metrics.jsonl`` (and
@@ -798,111 +550,14 @@ def test_a_recomputed_heldout_evaluation_before_training_replaces_the_stored_one
     shutil.copytree(short_run / "checkpoint-1", out / "checkpoint-1")
     for name in ("metrics.jsonl", "heldout.json"):
         shutil.copy(short_run / name, out / name)
-    _set_stored_accuracy(out, "before", 0.123)
     assert main([*SHORT, "--output_dir", str(out), "--resume_from_checkpoint", "true", *NEW_EVAL]) == 0
     heldout = json.loads((out / "heldout.json").read_text())
     assert (heldout["before"]["num_samples"], heldout["before"]["temperature"]) == (3, 0.3)
-    assert heldout["before"]["accuracy"] != 0.123
     assert _heldout_records(out) == {"before": heldout["before"]["accuracy"], "after": heldout["after"]["accuracy"]}
     records = read_metrics(out / "metrics.jsonl")
     assert records[0] == {"step": 0, "heldout/accuracy": heldout["before"]["accuracy"], "heldout/stage": "before"}
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
     assert [r for r in _rows(out) if r.get("step") == 1] == [r for r in _rows(short_run) if r.get("step") == 1]
-
-
-def test_a_heldout_record_replaces_the_one_of_its_stage_in_place(tmp_path):
-    import json
-
-    from egpo_trl.script.outputs import put_heldout_record
-
-    path = tmp_path / "metrics.jsonl"
-    before = {"step": 0, "heldout/accuracy": 0.0, "heldout/stage": "before"}
-    steps = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}]
-    after = {"step": 2, "heldout/accuracy": 0.5, "heldout/stage": "after"}
-    put_heldout_record(path, before)  # a new file
-    assert read_metrics(path) == [before]
-    path.write_text("".join(json.dumps(r) + "\n" for r in [*steps, after]))
-    put_heldout_record(path, before)  # none stored: the step-0 record goes first
-    assert read_metrics(path) == [before, *steps, after]
-    new_before = {**before, "heldout/accuracy": 0.25}
-    put_heldout_record(path, new_before)
-    assert read_metrics(path) == [new_before, *steps, after]
-    new_after = {**after, "heldout/accuracy": 0.75}
-    put_heldout_record(path, new_after)
-    assert read_metrics(path) == [new_before, *steps, new_after]
-    path.write_text("".join(json.dumps(r) + "\n" for r in steps))
-    put_heldout_record(path, after)  # none stored: the final record goes last
-    assert read_metrics(path) == [*steps, after]
-    assert not list(tmp_path.glob("*.tmp"))
-
-
-@pytest.mark.slow
-def test_a_stored_heldout_evaluation_after_training_is_reused_only_with_the_same_settings(short_run, tmp_path):
-    """A finished run that lacks its model, resumed with other evaluation settings: both evaluations run again
-    with the new settings, and ``heldout.json`` and ``metrics.jsonl`` agree."""
-    import json
-
-    out = tmp_path / "run"
-    shutil.copytree(short_run, out)
-    (out / "model.safetensors").unlink()
-    _set_stored_accuracy(out, "after", 0.123)
-    assert main([*SHORT, "--output_dir", str(out), "--resume_from_checkpoint", "true", *NEW_EVAL]) == 0
-    heldout = json.loads((out / "heldout.json").read_text())
-    for stage in ("before", "after"):
-        assert (heldout[stage]["num_samples"], heldout[stage]["temperature"]) == (3, 0.3), stage
-    assert heldout["after"]["accuracy"] != 0.123 and heldout["after"]["step"] == 2
-    assert _heldout_records(out) == {"before": heldout["before"]["accuracy"], "after": heldout["after"]["accuracy"]}
-    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r] == [1, 2]
-    assert _digest(out / "model.safetensors") == _digest(short_run / "model.safetensors")
-
-
-def test_stored_heldout_evaluations_are_reused_only_with_the_same_settings(tmp_path):
-    import json
-
-    from egpo_trl.script.outputs import HELDOUT_FILE
-    from egpo_trl.script.resume import stored_heldout_after
-
-    settings = {"num_samples": 1, "temperature": 1.0, "model": "some/model"}
-    assert stored_heldout_after(tmp_path, settings) is None
-    after = {"accuracy": 0.5, **settings, "step": 2}
-    (tmp_path / HELDOUT_FILE).write_text(json.dumps({"before": {**after, "step": 0}, "after": after}))
-    assert stored_heldout_after(tmp_path, settings) == after
-    assert stored_heldout_after(tmp_path, {**settings, "step": 2}) == after
-    assert stored_heldout_after(tmp_path, {**settings, "step": 3}) is None  # made at another step
-    assert stored_heldout_after(tmp_path, {**settings, "num_samples": 3}) is None
-    assert stored_heldout_after(tmp_path, {**settings, "temperature": 0.3}) is None
-
-
-def test_a_finished_run_continued_and_stopped_after_its_last_checkpoint_writes_that_steps_outputs(
-    short_run, tmp_path, capsys
-):
-    """A finished 2-step run continued to 3 steps that stopped after saving checkpoint-3, before its final outputs:
-    the folder still holds the step-2 model and evaluation, which must not pass for step 3's."""
-    import json
-
-    short3 = [*SHORT, "--max_steps", "3"]
-    continued = tmp_path / "continued"  # the same continuation, uninterrupted
-    shutil.copytree(short_run, continued)
-    assert main([*short3, "--output_dir", str(continued), "--resume_from_checkpoint", "true"]) == 0
-    assert json.loads((continued / "trainer_state.json").read_text())["global_step"] == 3
-    stopped = tmp_path / "stopped"
-    shutil.copytree(short_run, stopped)
-    shutil.copytree(continued / "checkpoint-3", stopped / "checkpoint-3")
-    capsys.readouterr()
-    assert main([*short3, "--output_dir", str(stopped), "--resume_from_checkpoint", "true"]) == 0
-    out = capsys.readouterr().out
-    assert "the trained model and the held-out evaluation after training are missing" in out
-    assert _digest(stopped / "model.safetensors") == _digest(continued / "model.safetensors")
-    assert _digest(stopped / "model.safetensors") != _digest(short_run / "model.safetensors")
-    heldout = json.loads((stopped / "heldout.json").read_text())
-    assert (
-        heldout["after"]["step"] == 3
-        and heldout["after"] == json.loads((continued / "heldout.json").read_text())["after"]
-    )
-    # Run again: now everything is there, and nothing is trained or written.
-    before = _files(stopped)
-    assert main([*short3, "--output_dir", str(stopped), "--resume_from_checkpoint", "true"]) == 0
-    assert _files(stopped) == before
 
 
 @pytest.mark.slow
@@ -933,7 +588,7 @@ def _contents(folder: Path) -> dict[str, str]:
 def test_a_resume_from_an_earlier_checkpoint_sets_the_later_steps_aside(reference, tmp_path, capsys):
     """Resuming a run from checkpoint-3 while checkpoint-4 and its records exist moves those to
     replaced/<time>-from-step-3/ (the resumed run trains step 4 again, exactly); a resume that fails before its first
-    step puts everything back; repeated resumes keep each its own folder; --overwrite_output_dir removes them."""
+    step leaves the folder as it was; repeated resumes keep each its own folder; --overwrite_output_dir removes them."""
     ref_out, ref_rows, ref_weights = reference
     out = tmp_path / "run"
     shutil.copytree(ref_out, out)
@@ -967,28 +622,6 @@ def test_a_resume_from_an_earlier_checkpoint_sets_the_later_steps_aside(referenc
 
     assert main([*RUN, "--output_dir", str(out), "--overwrite_output_dir", "true", "--max_steps", "1"]) == 0
     assert not (out / "replaced").exists() and not (out / "checkpoint-3").exists()
-
-
-@pytest.mark.slow
-def test_the_trainers_own_finish_with_outputs_to_write_keeps_the_records_it_set_aside(tmp_path, capsys, monkeypatch):
-    """Where only the trainer can tell that the checkpoint is at the run's end (the command's count made unavailable
-    here) and a final output is missing, the resume writes it, and the records it set aside (the evaluation after
-    training and the end-of-training record, both made again) stay in replaced/."""
-    import egpo_trl.script.run as run_module
-
-    monkeypatch.setattr(run_module, "trainer_last_step", lambda trainer: None)
-    out = tmp_path / "run"
-    run = [*EPOCH_RUN, "--synthetic_train_size", "4", "--num_train_epochs", "1", "--output_dir", str(out)]
-    assert main(run) == 0
-    records = read_metrics(out / "metrics.jsonl")
-    (out / "model.safetensors").unlink()
-    assert main([*run, "--resume_from_checkpoint", "true"]) == 0
-    assert (out / "model.safetensors").is_file()
-    (aside,) = (out / "replaced").iterdir()
-    moved = read_metrics(aside / "metrics.jsonl")
-    assert moved == [r for r in records if r.get("step", 0) > 4 or r.get("heldout/stage") == "after"] and moved
-    assert [r for r in read_metrics(out / "metrics.jsonl") if r.get("heldout/stage") == "after"]  # made again
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{step}" for step in range(1, 5)]
 
 
 def test_a_run_started_from_a_checkpoint_inside_output_dir_is_not_cleared_away(reference, tmp_path):

@@ -674,13 +674,11 @@ def test_resume_true_into_a_missing_folder_or_one_without_checkpoints_says_what_
 
     from egpo_trl.script.resume import resume_checkpoint
 
-    missing = SimpleNamespace(resume_from_checkpoint="true", output_dir=str(tmp_path / "outputs" / "run-20261126"))
-    with pytest.raises(SystemExit, match="does not exist. Give the earlier run's folder with --output_dir"):
-        resume_checkpoint(missing)
     (tmp_path / "finished").mkdir()
-    empty = SimpleNamespace(resume_from_checkpoint="true", output_dir=str(tmp_path / "finished"))
-    with pytest.raises(SystemExit, match="has no checkpoint-. folder .a run saves them with --save_strategy"):
-        resume_checkpoint(empty)
+    for folder in (tmp_path / "outputs" / "run-20261126", tmp_path / "finished"):
+        args = SimpleNamespace(resume_from_checkpoint="true", output_dir=str(folder))
+        with pytest.raises(SystemExit, match="has no checkpoint-. folder; give the earlier run"):
+            resume_checkpoint(args)
 
 
 def test_bf16_on_cpu_is_named_in_the_help_and_the_run_says_its_precision(tmp_path, capsys):

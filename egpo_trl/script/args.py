@@ -12,193 +12,115 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from egpo_trl.input_checks import batch_shape_problem, training_value_problems
+from egpo_trl.input_checks import batch_shape_problem, training_value_problems  # noqa: F401 - launch imports it here
 from egpo_trl.script.outputs import PLOT_FILE
 from egpo_trl.script.recipe import MARKER_KEY, load_recipe
 
-__all__ = [
-    "TrainScriptArguments",
-    "batch_shape_problem",
-    "known_fields",
-    "make_parser",
-    "model_config_class",
-    "option_value",
-    "parse_args",
-]
+
+def _field(default: Any = None, help: str = "", default_factory: Any = None) -> Any:
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class TrainScriptArguments:
     """Recipe keys that are not training hyper-parameters: data, prompt, rewards, held-out check, launch."""
 
-    dataset_name: str = field(
-        default="synthetic:arithmetic",
-        metadata={
-            "help": "What to train on: 'synthetic:<task>' for a built-in synthetic task ('synthetic:arithmetic'), a "
-            "local path (a Dataset.save_to_disk folder, a .json/.jsonl/.csv/.parquet file or a folder of them), or a "
-            "dataset name on the Hugging Face Hub."
-        },
+    dataset_name: str = _field(
+        "synthetic:arithmetic",
+        "What to train on: 'synthetic:<task>' for a built-in synthetic task ('synthetic:arithmetic'), a local "
+        "path (a Dataset.save_to_disk folder, a .json/.jsonl/.csv/.parquet file or a folder of them), or a "
+        "dataset name on the Hugging Face Hub.",
     )
-    dataset_config: str | None = field(
-        default=None, metadata={"help": "Configuration name of a Hub dataset (load_dataset(name, config))."}
+    dataset_config: str | None = _field(None, "Configuration name of a Hub dataset (load_dataset(name, config)).")
+    dataset_train_split: str = _field("train", "Split to train on.")
+    dataset_test_split: str = _field(
+        "test",
+        "Split the held-out problems come from. When the dataset has no such split, eval_size problems are held "
+        "out of the training split (and removed from it).",
     )
-    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
-    dataset_test_split: str = field(
-        default="test",
-        metadata={
-            "help": "Split the held-out problems come from. When the dataset has no such split, eval_size problems "
-            "are held out of the training split (and removed from it)."
-        },
+    synthetic_train_size: int = _field(2000, "Number of training problems generated for a synthetic task.")
+    synthetic_levels: str = _field("1,2,3,4,5", "Difficulty levels of a synthetic task, comma-separated.")
+    synthetic_seed: int = _field(
+        0,
+        "Seed of the synthetic problem generator. The held-out split never overlaps the training split, whatever "
+        "the seed.",
     )
-    synthetic_train_size: int = field(
-        default=2000, metadata={"help": "Number of training problems generated for a synthetic task."}
+    prompt_template: str | None = _field(
+        None,
+        "Python format string that rebuilds each prompt from the dataset's columns, e.g. '{problem} Put the final"
+        " answer in \\boxed{{}}.' (double the braces of literal ones). Without it the 'prompt' column is used as "
+        "is.",
     )
-    synthetic_levels: str = field(
-        default="1,2,3,4,5", metadata={"help": "Difficulty levels of a synthetic task, comma-separated."}
-    )
-    synthetic_seed: int = field(
-        default=0,
-        metadata={
-            "help": "Seed of the synthetic problem generator. The held-out split never overlaps the training split, "
-            "whatever the seed."
-        },
-    )
-    prompt_template: str | None = field(
-        default=None,
-        metadata={
-            "help": "Python format string that rebuilds each prompt from the dataset's columns, e.g. '{problem} Put "
-            "the final answer in \\boxed{{}}.' (double the braces of literal ones). Without it the 'prompt' column is "
-            "used as is."
-        },
-    )
-    system_prompt: str | None = field(
-        default=None, metadata={"help": "System message put before every conversational prompt."}
-    )
-    answer_column: str = field(
-        default="answer",
-        metadata={"help": "Column with the ground truth; the reward functions receive it as 'answer'."},
-    )
-    reward_funcs: list[str] = field(
+    system_prompt: str | None = _field(None, "System message put before every conversational prompt.")
+    answer_column: str = _field("answer", "Column with the ground truth; the reward functions receive it as 'answer'.")
+    reward_funcs: list[str] = _field(
+        help="Reward functions, by name (boxed_accuracy_reward: +1/-1 on the last \\boxed{}, paper Eq. 1; "
+        "think_format_reward) or import path 'package.module:function' ('my_rewards:my_reward' for "
+        "./my_rewards.py: the current folder is searched first, as `python -m` does). With several, "
+        "egpo_correctness_reward names the one that decides correctness (boxed_accuracy_reward when it is the "
+        "only accuracy reward).",
         default_factory=lambda: ["boxed_accuracy_reward"],
-        metadata={
-            "help": "Reward functions, by name (boxed_accuracy_reward: +1/-1 on the last \\boxed{}, paper Eq. 1; "
-            "think_format_reward) or import path 'package.module:function' ('my_rewards:my_reward' for "
-            "./my_rewards.py: the current folder is searched first, as `python -m` does). With several, "
-            "egpo_correctness_reward names the one that decides correctness (boxed_accuracy_reward when it is the "
-            "only accuracy reward)."
-        },
     )
-    eval_size: int = field(
-        default=200,
-        metadata={
-            "help": "Held-out problems evaluated before and after training (0 skips the evaluation). The evaluation "
-            "samples from its own seed and leaves the random state as it found it, so it does not change the "
-            "training run; a dataset without a test split gives up these rows from its training split."
-        },
+    eval_size: int = _field(
+        200,
+        "Held-out problems evaluated before and after training (0 skips the evaluation). The evaluation samples "
+        "from its own seed and leaves the random state as it found it, so it does not change the training run; a "
+        "dataset without a test split gives up these rows from its training split.",
     )
-    eval_num_samples: int = field(
-        default=4, metadata={"help": "Completions sampled per held-out problem; accuracy is their mean."}
+    eval_num_samples: int = _field(4, "Completions sampled per held-out problem; accuracy is their mean.")
+    eval_temperature: float | None = _field(
+        None,
+        "Sampling temperature of the held-out evaluation (0 for greedy). Defaults to the training 'temperature', "
+        "so the numbers measure the policy that training samples from.",
     )
-    eval_temperature: float | None = field(
-        default=None,
-        metadata={
-            "help": "Sampling temperature of the held-out evaluation (0 for greedy). Defaults to the training "
-            "'temperature', so the numbers measure the policy that training samples from."
-        },
+    eval_batch_size: int = _field(128, "Prompts per generate call in the held-out evaluation.")
+    overwrite_output_dir: bool = _field(
+        False,
+        "Replace the outputs of an earlier run in output_dir (its checkpoints, metrics and model). Without it, a "
+        "run refuses an output_dir that holds them, unless it resumes from a checkpoint.",
     )
-    eval_batch_size: int = field(
-        default=128, metadata={"help": "Prompts per generate call in the held-out evaluation."}
+    torch_num_threads: int | None = _field(
+        None,
+        "Threads torch uses for CPU work (torch.set_num_threads). Unset or 0 keeps torch's default (one per core).",
     )
-    overwrite_output_dir: bool = field(
-        default=False,
-        metadata={
-            "help": "Replace the outputs of an earlier run in output_dir (its checkpoints, metrics and model). "
-            "Without it, a run refuses an output_dir that holds them, unless it resumes from a checkpoint."
-        },
+    save_final_model: bool = _field(True, "Save the trained model and tokenizer into output_dir at the end.")
+    plot: bool = _field(True, f"Draw {PLOT_FILE} in output_dir at the end of training.")
+    accelerate_config: str | None = _field(
+        None,
+        "Accelerate config file (e.g. recipes/accelerate/zero2.yaml). When set, `egpo-trl train <recipe>` runs "
+        "`accelerate launch --config_file <it> --num_processes <num_processes> -m egpo_trl.train --config "
+        "<recipe>` (and prints that command) instead of training in its own process. Ignored inside a launch.",
     )
-    torch_num_threads: int | None = field(
-        default=None,
-        metadata={
-            "help": "Threads torch uses for CPU work (torch.set_num_threads). Unset or 0 keeps torch's default (one "
-            "per core). On a small CPU model 1 is about as fast and does not slow to a crawl when other programs "
-            "compete for the cores."
-        },
+    num_processes: int | None = _field(
+        None,
+        "Processes (GPUs) of that launch. Defaults to the GPUs this machine sees, else the accelerate config's "
+        "num_processes.",
     )
-    save_final_model: bool = field(
-        default=True, metadata={"help": "Save the trained model and tokenizer into output_dir at the end."}
+    main_process_port: int | None = _field(
+        None,
+        "Port of that launch's rendezvous (accelerate's --main_process_port; default 29500). Give each of several"
+        " launches on one machine its own, e.g. two 4-GPU runs on an 8-GPU node.",
     )
-    plot: bool = field(default=True, metadata={"help": f"Draw {PLOT_FILE} in output_dir at the end of training."})
-    accelerate_config: str | None = field(
-        default=None,
-        metadata={
-            "help": "Accelerate config file (e.g. recipes/accelerate/zero2.yaml). When set, `egpo-trl train <recipe>` "
-            "runs `accelerate launch --config_file <it> --num_processes <num_processes> -m egpo_trl.train --config "
-            "<recipe>` (and prints that command) instead of training in its own process. Ignored inside a launch."
-        },
+    num_machines: int | None = _field(
+        None,
+        "Machines (nodes) of that launch (accelerate's --num_machines; default 1). Run the same command on every "
+        "machine with its own --machine_rank; num_processes is then the total over the machines.",
     )
-    num_processes: int | None = field(
-        default=None,
-        metadata={
-            "help": "Processes (GPUs) of that launch. Defaults to the GPUs this machine sees, else the accelerate "
-            "config's num_processes."
-        },
+    machine_rank: int | None = _field(
+        None, "This machine's rank in a launch over several machines, 0 to num_machines - 1 (0 runs the rendezvous)."
     )
-    main_process_port: int | None = field(
-        default=None,
-        metadata={
-            "help": "Port of that launch's rendezvous (accelerate's --main_process_port; default 29500). Give each of "
-            "several launches on one machine its own, e.g. two 4-GPU runs on an 8-GPU node."
-        },
+    main_process_ip: str | None = _field(
+        None,
+        "Address of the machine of rank 0, which every machine of a launch over several machines reaches "
+        "(accelerate's --main_process_ip); its port is main_process_port.",
     )
-    num_machines: int | None = field(
-        default=None,
-        metadata={
-            "help": "Machines (nodes) of that launch (accelerate's --num_machines; default 1). Run the same command on "
-            "every machine with its own --machine_rank; num_processes is then the total over the machines."
-        },
+    max_prompt_length: int | None = _field(
+        None,
+        "Longest prompt of the dataset, in tokens (prompts are not truncated). Only used by --dry-run to check "
+        "that max_prompt_length + max_completion_length fits the model's context.",
     )
-    machine_rank: int | None = field(
-        default=None,
-        metadata={
-            "help": "This machine's rank in a launch over several machines, 0 to num_machines - 1 (0 runs the "
-            "rendezvous)."
-        },
-    )
-    main_process_ip: str | None = field(
-        default=None,
-        metadata={
-            "help": "Address of the machine of rank 0, which every machine of a launch over several machines reaches "
-            "(accelerate's --main_process_ip); its port is main_process_port."
-        },
-    )
-    max_prompt_length: int | None = field(
-        default=None,
-        metadata={
-            "help": "Longest prompt of the dataset, in tokens (prompts are not truncated). Only used by --dry-run to "
-            "check that max_prompt_length + max_completion_length fits the model's context; the OpenR1-Stable-10k "
-            "builder drops prompts over 1024 tokens."
-        },
-    )
-
-
-def model_config_class():
-    """TRL's ``ModelConfig`` with ``builtin:<name>`` in the help of ``model_name_or_path``."""
-    from trl import ModelConfig
-
-    @dataclass
-    class EGPOModelConfig(ModelConfig):
-        """TRL's ``ModelConfig`` whose ``model_name_or_path`` also accepts the shipped models (``builtin:<name>``)."""
-
-        model_name_or_path: str | None = field(
-            default=None,
-            metadata={
-                "help": "Model to train: a Hub id, a local folder, or 'builtin:tiny-math-qwen2' for the tiny math "
-                "model shipped with egpo_trl."
-            },
-        )
-
-    EGPOModelConfig.__name__ = "ModelConfig"
-    return EGPOModelConfig
 
 
 def make_parser():
@@ -215,8 +137,10 @@ def make_parser():
         def error(self, message: str):  # argparse's error prints the whole (very long) usage first
             raise SystemExit(f"egpo-trl train: {message}. Run `egpo-trl train --help-all` for the list of fields.")
 
-    return _TrainParser(
-        (TrainScriptArguments, EGPOConfig, model_config_class()),
+    from trl import ModelConfig
+
+    parser = _TrainParser(
+        (TrainScriptArguments, EGPOConfig, ModelConfig),
         prog="egpo-trl train",
         usage="egpo-trl train RECIPE.yaml [--dry-run] [--FIELD VALUE ...]",
         description="Train a policy with EGPO (or a baseline advantage estimator) from a YAML recipe. Fields are "
@@ -224,21 +148,22 @@ def make_parser():
         epilog="Example: egpo-trl train --config recipes/demo_tiny_cpu.yaml --seed 1 --max_steps 20",
         allow_abbrev=False,
     )
+    for action in parser._actions:
+        if action.dest == "model_name_or_path":
+            action.help = "Model to train: a Hub id, a local folder, or 'builtin:tiny-math-qwen2' (shipped)."
+    return parser
 
 
-def known_fields(parser) -> list[str]:
-    """The field names (flags without ``--``) that ``parser`` accepts."""
+def _known_fields(parser) -> list[str]:
     return sorted({action.dest for action in parser._actions if action.dest not in ("help", None)})
 
 
 def _unknown_field_error(parser, unknown: Sequence[str], where: str) -> SystemExit:
     names = [item[2:].split("=", 1)[0] for item in unknown if item.startswith("--")] or list(unknown)
-    known = known_fields(parser)
     lines = []
     for name in names:
-        close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        lines.append(f"  {name}{hint}")
+        close = difflib.get_close_matches(name, _known_fields(parser), n=3, cutoff=0.6)
+        lines.append(f"  {name}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
     return SystemExit(
         f"egpo-trl train: unknown field(s) {where}:\n" + "\n".join(lines) + "\nRun `egpo-trl train --help-all` for "
         "the list of fields."
@@ -259,7 +184,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
             )
         recipe = load_recipe(args[index + 1])
         config_path = Path(args[index + 1])
-        known = set(known_fields(parser)) | {"env"}
+        known = set(_known_fields(parser)) | {"env"}
         unknown = [f"--{key}" for key in recipe if key not in known]
         if unknown:
             raise _unknown_field_error(parser, unknown, f"in {config_path}")

@@ -10,8 +10,6 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
-__all__ = ["CompactProgressCallback", "MetricsCallback", "PLUS_MINUS_ONE"]
-
 # Reward functions whose values are +1 (correct) / -1 (incorrect): accuracy = (mean + 1) / 2.
 PLUS_MINUS_ONE = ("boxed_accuracy_reward",)
 

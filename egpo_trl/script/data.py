@@ -8,12 +8,12 @@ from pathlib import Path
 
 from egpo_trl.input_checks import ANSWER_COLUMNS as _ANSWER_COLUMNS
 from egpo_trl.input_checks import QUESTION_COLUMNS as _QUESTION_COLUMNS
+from egpo_trl.input_checks import required_columns
 from egpo_trl.script.args import TrainScriptArguments
 from egpo_trl.script.resolve import resolve_reward_funcs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SYNTHETIC_DATASET_PREFIX", "column_problem", "load_datasets"]
 
 SYNTHETIC_DATASET_PREFIX = "synthetic:"
 
@@ -39,18 +39,6 @@ def _load_any(script_args: TrainScriptArguments):
     return load_dataset(name, name=script_args.dataset_config)
 
 
-def _reward_columns(reward_funcs: Sequence[str]) -> dict[str, str]:
-    """Dataset columns the reward functions require (:func:`egpo_trl.input_checks.required_columns`), mapped to a
-    function name."""
-    from egpo_trl.input_checks import required_columns
-
-    try:
-        funcs = resolve_reward_funcs(reward_funcs)
-    except SystemExit:
-        return {}  # reported where the reward functions are built
-    return required_columns(funcs)
-
-
 def column_problem(columns: Sequence[str], script_args: TrainScriptArguments) -> str | None:
     """One line naming what the dataset lacks (a prompt, the answer column the reward needs) and the flags that fix
     it, from the dataset's actual columns; ``None`` when nothing is missing."""
@@ -64,14 +52,14 @@ def column_problem(columns: Sequence[str], script_args: TrainScriptArguments) ->
         problems.append("no 'prompt' column")
         fixes.append(f"--prompt_template '{{{question}}} Put the final answer in \\boxed{{{{}}}}.'")
     answer = script_args.answer_column
-    renamed = answer != "answer"
-    needs_answer = "answer" in _reward_columns(script_args.reward_funcs)
-    if (renamed or needs_answer) and answer not in columns:
+    try:
+        needs = required_columns(resolve_reward_funcs(script_args.reward_funcs)).get("answer")
+    except SystemExit:
+        needs = None  # reported where the reward functions are built
+    if (answer != "answer" or needs) and answer not in columns:
         candidates = [c for c in _ANSWER_COLUMNS if c in columns and c != answer]
-        what = f"no {answer!r} column" + (
-            "" if renamed else f" (the ground truth that {_reward_columns(script_args.reward_funcs)['answer']} needs)"
-        )
-        problems.append(what)
+        what = f" (the ground truth that {needs} needs)" if answer == "answer" else ""
+        problems.append(f"no {answer!r} column{what}")
         fixes.append(f"--answer_column {candidates[0] if candidates else '<the column with the final answers>'}")
     if not problems:
         return None

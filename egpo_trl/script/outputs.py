@@ -11,19 +11,6 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "HELDOUT_FILE",
-    "METRICS_FILE",
-    "PLOT_FILE",
-    "REPLACED_DIR",
-    "RUN_MARKERS",
-    "prepare_output_dir",
-    "refuse_output_dir_over_model",
-    "put_heldout_record",
-    "read_metrics",
-    "remove_if_empty",
-    "write_metrics",
-]
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "training_curves.png"
@@ -44,89 +31,60 @@ RUN_MARKERS = (
 def prepare_output_dir(
     output_dir: str, overwrite: bool, resuming: bool, start_from: str | None = None
 ) -> Callable[[], None]:
-    """Refuse an output folder holding an earlier run's checkpoints or outputs, unless ``overwrite``."""
+    """Refuse an output folder holding an earlier run's checkpoints or outputs, unless ``overwrite``; returns what
+    clears it, called once the run has loaded (what a start that failed before its first step left is cleared too)."""
     path = Path(output_dir)
     if not path.is_dir() or resuming:
-        return _nothing_to_clear
+        return lambda: None
     checkpoints = sorted(p for p in path.glob("checkpoint-*") if p.is_dir())
     markers = [path / name for name in RUN_MARKERS if (path / name).exists()]
     if not checkpoints and not markers:
-        return _nothing_to_clear
-    if not checkpoints and _never_trained(path, markers):
-
-        def clear_failed_start() -> None:
-            for marker in markers:
-                marker.unlink(missing_ok=True)
-            logger.warning(
-                "%s held what a run that stopped before its first step left (%s): removed.",
-                path,
-                ", ".join(m.name for m in markers),
-            )
-
-        return clear_failed_start
+        return lambda: None
     found = ", ".join(p.name for p in (checkpoints + markers)[:5])
-    if overwrite and start_from is not None and path.resolve() in Path(start_from).resolve().parents:
+    metrics = path / METRICS_FILE
+    never_trained = not checkpoints and {m.name for m in markers} <= {METRICS_FILE, HELDOUT_FILE} and metrics.is_file()
+    if never_trained:  # what a start that failed before its first step left
+        never_trained = not any("loss" in r or "reward" in r for r in read_metrics(metrics))
+    if not never_trained and overwrite and start_from and path.resolve() in Path(start_from).resolve().parents:
         raise SystemExit(
             f"egpo-trl train: the run starts from {start_from}, inside {path}, which --overwrite_output_dir would "
             "clear before it loads. Choose another --output_dir for the new run, or copy the checkpoint out first."
         )
-    if not overwrite and start_from is not None:
-        raise SystemExit(
-            f"egpo-trl train: {path} already holds another run ({found}), and {start_from} is not one of its "
-            "checkpoints: a run started from it would write over that run. Choose a new --output_dir for it (a "
-            "'{timestamp}' in it makes one per run), or replace the earlier run with --overwrite_output_dir true."
-        )
-    if not overwrite:
+    if not never_trained and not overwrite:
+        if start_from is not None:
+            raise SystemExit(
+                f"egpo-trl train: {path} already holds another run ({found}), and {start_from} is not one of its "
+                "checkpoints: a run started from it would write over that run. Choose a new --output_dir for it (a "
+                "'{timestamp}' in it makes one per run), or replace the earlier run with --overwrite_output_dir true."
+            )
         resume = "resume with --resume_from_checkpoint true, " if checkpoints else ""
         raise SystemExit(
             f"egpo-trl train: {path} already holds another run ({found}). Choose a new --output_dir (a "
             f"'{{timestamp}}' in it makes one per run), {resume}or replace it with --overwrite_output_dir true."
         )
 
-    def clear_earlier_run() -> None:
+    def clear() -> None:
         for checkpoint in checkpoints:
             shutil.rmtree(checkpoint, ignore_errors=True)  # every process of a launch may clear it
         shutil.rmtree(path / REPLACED_DIR, ignore_errors=True)
         for name in (*RUN_MARKERS, PLOT_FILE):
             if name != REPLACED_DIR:
                 (path / name).unlink(missing_ok=True)
-        logger.warning("overwrite_output_dir: removed the earlier run's outputs in %s (%s)", path, found)
+        logger.warning("%s held an earlier run's outputs (%s): removed.", path, found)
 
-    return clear_earlier_run
-
-
-def _nothing_to_clear() -> None:
-    return None
+    return clear
 
 
 def refuse_output_dir_over_model(output_dir: str, model_name_or_path: str) -> None:
-    """Refuse an ``output_dir`` that is the local model folder the run starts from: the final model (and
-    ``--overwrite_output_dir``) would write over the weights it loads."""
+    """Refuse an ``output_dir`` that is the local model folder the run starts from (the run would write over the
+    weights it loads)."""
     model = Path(str(model_name_or_path)).expanduser()
-    if not model.is_dir():
-        return  # a Hub name, or a builtin model: nothing of the user's to write over
-    model, out = model.resolve(), Path(output_dir).expanduser().resolve()
-    if out == model:
+    if model.is_dir() and model.resolve() == Path(output_dir).expanduser().resolve():
         raise SystemExit(
             f"egpo-trl train: --output_dir {output_dir} is the model folder the run starts from "
             f"({model_name_or_path}): the run would write over the weights it loads. Choose another --output_dir (a "
             "'{timestamp}' in it makes one per run)."
         )
-
-
-def _never_trained(path: Path, markers: list[Path]) -> bool:
-    """Whether ``markers`` are only a metrics file without a training step (a start that failed after the held-out
-    check) and the held-out file: nothing a rerun could resume or would want to keep."""
-    if {m.name for m in markers} - {METRICS_FILE, HELDOUT_FILE}:
-        return False
-    metrics = path / METRICS_FILE
-    if not metrics.is_file():
-        return False
-    try:
-        records = read_metrics(metrics)
-    except (OSError, ValueError):
-        return False
-    return not any("loss" in record or "reward" in record for record in records)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -136,19 +94,17 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def put_heldout_record(path: str | Path, record: dict[str, Any]) -> None:
-    """Write a held-out evaluation's record (``heldout/stage`` ``before`` or ``after``) into ``metrics.jsonl``."""
+    """Write a held-out evaluation's record into ``metrics.jsonl`` in place of the one of its ``heldout/stage``, else
+    first (``before``) or last (``after``)."""
     path = Path(path)
     records = read_metrics(path) if path.is_file() else []
     stage = record["heldout/stage"]
     places = [i for i, r in enumerate(records) if r.get("heldout/stage") == stage]
     if places:
         records[places[0]] = record
-        for index in reversed(places[1:]):
-            del records[index]
-    elif stage == "before":
-        records.insert(0, record)
+        records = [r for i, r in enumerate(records) if i not in places[1:]]
     else:
-        records.append(record)
+        records.insert(0 if stage == "before" else len(records), record)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_metrics(path, records)
 

@@ -7,8 +7,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["metrics_figure", "plot_metrics"]
-
 
 def _moving_average(values: Sequence[float], window: int) -> list[float]:
     """Trailing moving average (shorter windows at the start), the same length as ``values``."""

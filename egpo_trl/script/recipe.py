@@ -8,15 +8,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "FOOTER",
-    "HEADER",
-    "MARKER_KEY",
-    "add_script_lines",
-    "load_recipe",
-    "script_problem",
-]
-
 MARKER_KEY = "egpo_trl_recipe"
 HEADER = f"{MARKER_KEY}: (r'''  # this line and the last one let `python` and `accelerate launch` run this file"
 FOOTER = "#'''); from egpo_trl.recipe_launch import run_as_script; raise SystemExit(run_as_script(__file__))"

@@ -9,58 +9,19 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["BUILTIN_MODEL_PREFIX", "check_model_exists", "is_local_path", "resolve_model_path", "resolve_reward_funcs"]
+from egpo_trl.input_checks import builtin_model_path, model_problem, resolve_model_name  # noqa: F401 - launch imports it here
 
 BUILTIN_MODEL_PREFIX = "builtin:"
 
 
 def resolve_model_path(name_or_path: str) -> str:
     """``builtin:<name>`` -> the path of a model shipped in ``egpo_trl/assets``; anything else unchanged."""
-    if not name_or_path.startswith(BUILTIN_MODEL_PREFIX):
-        return name_or_path
-    name = name_or_path[len(BUILTIN_MODEL_PREFIX) :]
-    assets = Path(__file__).resolve().parent.parent / "assets"
-    path = assets / name
-    if not (path / "config.json").is_file():
-        available = (
-            sorted(p.name for p in assets.iterdir() if (p / "config.json").is_file()) if assets.is_dir() else []
-        )
-        raise SystemExit(
-            f"egpo-trl train: no shipped model {name!r}; shipped models: {available or 'none'}. Rebuild the tiny model "
-            "with `make tiny-model` if its files are missing."
-        )
-    return str(path)
-
-
-def is_local_path(name: str) -> bool:
-    """Whether a model name can only mean a local folder (a Hub id is ``owner/name``)."""
-    return (
-        name.startswith((".", "/", "~"))
-        or name.count("/") != 1
-        or name.endswith("/")
-        or "\\" in name
-        or Path(name.split("/", 1)[0]).is_dir()  # outputs/run-1 where outputs/ exists
-    )
-
-
-def model_problem(name: str) -> str | None:
-    """Why the model ``name`` (after ``builtin:`` is resolved) cannot be loaded, seen without the network: a local
-    path that does not exist, or a folder that is not a saved model; ``None`` otherwise (a Hub id is not checked)."""
-    path = Path(name).expanduser()
-    if path.is_dir() and not any((path / f).is_file() for f in ("config.json", "adapter_config.json")):
-        return (
-            f"{name} has no config.json, so it is not a saved model; give the folder that save_pretrained wrote (a "
-            "trained run's output_dir, or one of its checkpoint-* folders)."
-        )
-    if not path.exists() and is_local_path(name):
-        return (
-            f"the model {name} does not exist; check the path, or give a local model folder, a Hub id such as "
-            "Qwen/Qwen2.5-Math-1.5B, or builtin:tiny-math-qwen2."
-        )
-    return None
+    try:
+        return builtin_model_path(name_or_path)
+    except ValueError as error:
+        raise SystemExit(f"egpo-trl train: {error}") from None
 
 
 def check_model_exists(
@@ -68,15 +29,11 @@ def check_model_exists(
 ) -> str:
     """Fail in one line, before anything loads, when the model is neither a local folder nor on the Hub."""
     try:
-        path = resolve_model_path(name_or_path)
-    except SystemExit as error:
-        raise SystemExit(str(error).replace("egpo-trl train:", f"{prog}:", 1)) from None
-    problem = model_problem(path)
-    if problem:
-        raise SystemExit(f"{prog}: {problem}")
+        path = resolve_model_name(name_or_path)
+    except ValueError as error:
+        raise SystemExit(f"{prog}: {error}") from None
     if Path(path).expanduser().exists():
         return path
-    fix = "give a local model folder, a Hub id such as Qwen/Qwen2.5-Math-1.5B, or builtin:tiny-math-qwen2"
     from transformers import AutoConfig
 
     hub_logger = logging.getLogger("huggingface_hub")
@@ -95,40 +52,34 @@ def check_model_exists(
         else:
             reason = " ".join(text.split())[:200]
         raise SystemExit(
-            f"{prog}: cannot find the model {path}: it is not a local folder, and {reason}. To fix it, {fix}."
+            f"{prog}: cannot find the model {path}: it is not a local folder, and {reason}. To fix it, give a local "
+            "model folder, a Hub id such as Qwen/Qwen2.5-Math-1.5B, or builtin:tiny-math-qwen2."
         ) from None
     finally:
         hub_logger.setLevel(level)
     return path
 
 
-@contextmanager
-def _current_folder_on_path():
-    """Put the current folder first on ``sys.path`` while the block runs, as ``python -m`` does, so that
-    ``my_rewards:fn`` finds ./my_rewards.py."""
+def _import(module_name: str):
+    """Import ``module_name`` with the current folder first on ``sys.path`` (as ``python -m`` has it) during the
+    import only, so that ``my_rewards:fn`` finds ./my_rewards.py."""
     here = os.getcwd()
     if any(entry in ("", here) or (entry and os.path.abspath(entry) == here) for entry in sys.path):
-        yield  # already there (``python -m``): leave sys.path as it is
-        return
+        return importlib.import_module(module_name)
     sys.path.insert(0, here)
     importlib.invalidate_caches()
     try:
-        yield
+        return importlib.import_module(module_name)
     finally:
-        try:
+        if here in sys.path:  # the imported module may have taken it off itself
             sys.path.remove(here)
-        except ValueError:  # the imported module took it off itself
-            pass
 
 
 def resolve_reward_funcs(names: Sequence[str]) -> list[Callable[..., list[float]]]:
     """Reward functions from names defined in :mod:`egpo_trl.rewards` or import paths ``pkg.module:func``."""
     from egpo_trl import rewards
 
-    registry: dict[str, Callable[..., list[float]]] = dict(
-        getattr(rewards, "REWARD_FUNCS", None)
-        or {name: getattr(rewards, name) for name in ("boxed_accuracy_reward", "think_format_reward")}
-    )
+    registry = {name: getattr(rewards, name) for name in ("boxed_accuracy_reward", "think_format_reward")}
     funcs = []
     for name in names:
         if name in registry:
@@ -141,9 +92,7 @@ def resolve_reward_funcs(names: Sequence[str]) -> list[Callable[..., list[float]
                 "such as 'my_package.rewards:my_reward'."
             )
         try:
-            with _current_folder_on_path():
-                module = importlib.import_module(module_name)
-            func = getattr(module, attribute)
+            func = getattr(_import(module_name), attribute)
         except (ImportError, AttributeError) as error:
             raise SystemExit(
                 f"egpo-trl train: cannot import reward function {name!r}: {error} (modules are looked for in the "
