@@ -1,11 +1,10 @@
 r"""Advantage estimators: one vectorised function per method, registered by name.
 
-Rows are laid out as TRL lays them out: consecutive groups of ``num_generations`` completions of one prompt.
-Every estimator takes ``(rewards[B], entropies[B] | None, num_generations, *, correct=None, **options)`` and returns
-an :class:`AdvantageOutput`. Equations refer to the EGPO paper ("Know What You Know: Metacognitive Entropy
-Calibration for Verifiable RL Reasoning"): Eq. 5 :func:`sequence_entropy`, Eq. 8-12 :func:`egpo_advantages`.
-Baselines: :func:`grpo_advantages` (TRL's GRPO, also DAPO's), :func:`nsr_advantages` (Zhu et al. 2025) and
-:func:`edge_grpo_advantages` (Zhang et al. 2025, arXiv 2507.21848).
+Rows come as TRL lays them out: consecutive groups of ``num_generations`` completions of one prompt. Every estimator
+takes ``(rewards[B], entropies[B] | None, num_generations, *, correct=None, **options)`` and returns an
+:class:`AdvantageOutput`. Equation numbers are those of the EGPO paper ("Know What You Know: Metacognitive Entropy
+Calibration for Verifiable RL Reasoning"); the baselines are GRPO (as TRL computes it, also DAPO's), NSR (Zhu et al.
+2025) and EDGE-GRPO (Zhang et al. 2025, arXiv 2507.21848).
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from trl.trainer.utils import nanstd
 
 CLAMP_MODES: tuple[str, ...] = ("asymmetric", "symmetric", "negative_only", "positive_only", "none")
 RENORM_MODES: tuple[str, ...] = ("none", "after_clamp", "before_clamp")
@@ -21,19 +21,22 @@ NSR_WEIGHTINGS: tuple[str, ...] = ("entropy", "unit")
 SCALE_REWARDS_MODES: tuple[str, ...] = ("group", "batch", "none")
 ENTROPY_INPUTS: tuple[str, ...] = ("nll", "shannon", "none")
 ENTROPY_NORMALIZATIONS: tuple[str, ...] = ("group", "batch")
+_CHOICES = {
+    "clamp": CLAMP_MODES,
+    "renorm": RENORM_MODES,
+    "nsr_weighting": NSR_WEIGHTINGS,
+    "scale_rewards": SCALE_REWARDS_MODES,
+    "entropy_normalization": ENTROPY_NORMALIZATIONS,
+}
 
-# Group types, one per row (every row of a group carries its group's type).
-GROUP_UNSCORED = -1  # no completion of the group has a verdict
-GROUP_ALL_INCORRECT = 0
-GROUP_MIXED = 1
-GROUP_ALL_CORRECT = 2
-
+# Group types, one per row: no verdict in the group, entirely incorrect, mixed, entirely correct.
+GROUP_UNSCORED, GROUP_ALL_INCORRECT, GROUP_MIXED, GROUP_ALL_CORRECT = -1, 0, 1, 2
 STD_EPS = 1e-4  # what TRL's GRPOTrainer adds to the std
 
 
 class AdvantageOutput(NamedTuple):
-    """``Tensor[B]`` each: ``advantages`` (:math:`w_i A_i`), ``weights`` :math:`w_i`, ``base_advantages`` :math:`A_i`,
-    ``raw_weights`` :math:`\\hat w_i` (unclamped), ``group_type`` (``GROUP_*``) and ``correct`` (bool)."""
+    r"""``Tensor[B]`` each: ``advantages`` :math:`w_i A_i`, ``weights`` :math:`w_i`, ``base_advantages`` :math:`A_i`,
+    ``raw_weights`` :math:`\hat w_i` (unclamped), ``group_type`` (``GROUP_*``) and ``correct`` (bool)."""
 
     advantages: torch.Tensor
     weights: torch.Tensor
@@ -44,8 +47,8 @@ class AdvantageOutput(NamedTuple):
 
 
 def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values[B, T]`` over the tokens ``mask[B, T]`` marks (others ignored, even NaN): ``Tensor[B]`` float32,
-    NaN for a row without a marked token. Over per-token Shannon entropies this is EDGE-GRPO's :math:`P_i`."""
+    """``[B, T] -> [B]`` float32 mean over the tokens ``mask`` marks (others ignored, even NaN); NaN for a row without
+    one. Over per-token Shannon entropies this is EDGE-GRPO's :math:`P_i`."""
     if values.shape != mask.shape:
         raise ValueError(f"values {tuple(values.shape)} and mask {tuple(mask.shape)} differ in shape.")
     scored = mask.bool()
@@ -57,7 +60,9 @@ def sequence_entropy(per_token_logps: torch.Tensor, mask: torch.Tensor) -> torch
     return sequence_mean(-per_token_logps.float(), mask)
 
 
-def _check_layout(rewards: torch.Tensor, num_generations: int, **others: torch.Tensor | None) -> None:
+def _check(rewards: torch.Tensor, num_generations: int, choices: dict | None = None, **tensors) -> None:
+    """Refuse a batch that is not groups of ``num_generations``, a tensor not shaped like ``rewards``, or an option
+    (``choices``: name -> value) not in :data:`_CHOICES`."""
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be a 1-D tensor [B], got shape {tuple(rewards.shape)}.")
     if not isinstance(num_generations, int) or num_generations < 1 or rewards.numel() % num_generations:
@@ -65,45 +70,38 @@ def _check_layout(rewards: torch.Tensor, num_generations: int, **others: torch.T
             f"{rewards.numel()} rewards do not divide into groups of num_generations={num_generations}: rows must be "
             "consecutive groups of `num_generations` completions of one prompt."
         )
-    for name, tensor in others.items():
+    for name, tensor in tensors.items():
         if tensor is not None and tensor.shape != rewards.shape:
             raise ValueError(
                 f"{name} must have the shape of rewards {tuple(rewards.shape)}, got {tuple(tensor.shape)}."
             )
+    for name, value in (choices or {}).items():
+        if value not in _CHOICES[name]:
+            raise ValueError(f"Unknown {name} {value!r}; expected one of {_CHOICES[name]}.")
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"Unknown {name} {value!r}; expected one of {choices}.")
-
-
-def _verdicts(r: torch.Tensor, correct: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[G, N]`` bool masks: rows with a verdict, and the correct ones. Without ``correct`` the verdict is
-    ``reward > 0`` on scored (non-NaN) rows; a float ``correct`` gives none where it is NaN."""
+def _verdicts(r: torch.Tensor, correct: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[G, N]`` masks of the rows with a verdict and of the correct ones, and the ``[G, 1]`` group type. The verdict
+    is ``reward > 0`` on scored (non-NaN) rows unless ``correct`` says (a float ``correct`` has none where NaN)."""
     judged = ~torch.isnan(r)
     if correct is None:
-        return judged, r > 0
-    correct = correct.view(r.shape)
-    if correct.is_floating_point():
-        judged = judged & ~torch.isnan(correct)
-    return judged, judged & (correct > 0)
-
-
-def _group_type(judged: torch.Tensor, is_correct: torch.Tensor) -> torch.Tensor:
-    """``[G, 1]`` int64 group type from the ``[G, N]`` masks of :func:`_verdicts`."""
+        is_correct = r > 0
+    else:
+        correct = correct.view(r.shape)
+        if correct.is_floating_point():
+            judged = judged & ~torch.isnan(correct)
+        is_correct = judged & (correct > 0)
     has_correct = is_correct.any(dim=1, keepdim=True)
     has_incorrect = (judged & ~is_correct).any(dim=1, keepdim=True)
     group_type = torch.full_like(has_correct, GROUP_UNSCORED, dtype=torch.long)
     group_type[has_incorrect] = GROUP_ALL_INCORRECT
     group_type[has_correct] = GROUP_ALL_CORRECT
     group_type[has_correct & has_incorrect] = GROUP_MIXED
-    return group_type
+    return judged, is_correct, group_type
 
 
 def _grpo(r: torch.Tensor, scale_rewards: str) -> torch.Tensor:
-    """GRPO's advantages (Eq. 2) of ``r[G, N]`` op for op as TRL's GRPOTrainer (NaN left in)."""
-    from trl.trainer.utils import nanstd
-
+    """Eq. 2, GRPO's advantages of ``r[G, N]`` op for op as TRL's GRPOTrainer (NaN left in)."""
     centered = r - torch.nanmean(r, dim=1, keepdim=True)
     if scale_rewards == "none":
         return centered
@@ -114,30 +112,26 @@ def _grpo(r: torch.Tensor, scale_rewards: str) -> torch.Tensor:
     return centered / (std + STD_EPS)
 
 
-def _masked_group_mean(values: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean over the valid entries of each row of ``[G, N]`` values, and the count of valid entries."""
+def _group_mean(values: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean over the valid entries of each row of ``values[G, N]``, and their count."""
     count = valid.sum(dim=1, keepdim=True)
     return torch.where(valid, values, 0.0).sum(dim=1, keepdim=True) / count.clamp(min=1), count
 
 
-def _output(advantages, weights, base, raw, group_type, is_correct, n) -> AdvantageOutput:
-    return AdvantageOutput(
-        advantages.reshape(-1),
-        weights.reshape(-1),
-        base.reshape(-1),
-        raw.reshape(-1),
-        group_type.expand(-1, n).reshape(-1),
-        is_correct.reshape(-1),
-    )
+def _output(advantages, weights, base, raw, group_type, is_correct) -> AdvantageOutput:
+    n = is_correct.size(1)
+    flat = (t.reshape(-1) for t in (advantages, weights, base, raw, group_type.expand(-1, n), is_correct))
+    return AdvantageOutput(*flat)
 
 
 AdvantageEstimator = Callable[..., AdvantageOutput]
 
 
 def entropy_input(kind: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Declare which per-completion entropy an estimator reads as ``entropies``: ``"nll"`` (Eq. 5, the default),
+    """Declare the per-completion entropy an estimator reads as ``entropies``: ``"nll"`` (Eq. 5, the default),
     ``"shannon"`` (:func:`sequence_mean` of per-token Shannon entropies) or ``"none"`` (may be ``None``)."""
-    _check_choice("entropy input", kind, ENTROPY_INPUTS)
+    if kind not in ENTROPY_INPUTS:
+        raise ValueError(f"Unknown entropy input {kind!r}; expected one of {ENTROPY_INPUTS}.")
 
     def decorator(func: AdvantageEstimator) -> AdvantageEstimator:
         func.entropy_input = kind
@@ -169,62 +163,54 @@ def egpo_advantages(
     nsr_scale: float = 1.0,
     group_advantages: torch.Tensor | None = None,
 ) -> AdvantageOutput:
-    r"""EGPO's calibrated advantages :math:`\tilde A_i = w_i A_i` (Eq. 8-12), per group of ``num_generations`` rows.
+    r"""EGPO's calibrated advantages :math:`\tilde A_i = w_i A_i`, Eq. 8-12.
 
-    Weights (Eq. 8-10): :math:`\hat w_i = \bar H / (H_i + \varepsilon)` over the group's valid entries (finite
-    entropy, scored reward; others and groups with :math:`\bar H` 0 keep weight 1); ``renorm="before_clamp"`` (C6)
-    divides by their mean; ``clamp`` "asymmetric" (Eq. 9) gives correct :math:`\max(1, \mathrm{clip}(\hat w,
-    \lambda_{min}, \lambda_{max}))`, incorrect :math:`\min(1, \mathrm{clip})`, "symmetric" (C1) the clip alone,
-    "negative_only" (C2) / "positive_only" (C3) one side, "none" 1; ``renorm="after_clamp"`` (C5, Eq. 10) divides
+    Weights (Eq. 8): :math:`\hat w_i = \bar H / (H_i + \varepsilon)` over the group's valid entries (finite entropy,
+    scored reward; others, and groups with :math:`\bar H = 0`, keep weight 1). ``renorm="before_clamp"`` (C6)
+    divides them by their mean. ``clamp`` "asymmetric" (Eq. 9): correct :math:`\max(1, \mathrm{clip}(\hat w,
+    \lambda_{min}, \lambda_{max}))`, incorrect :math:`\min(1, \mathrm{clip})`; "symmetric" (C1) the clip alone,
+    "negative_only" (C2) / "positive_only" (C3) one side, "none" 1. ``renorm="after_clamp"`` (C5, Eq. 10) divides
     by the group mean; ``nsr_weighting="unit"`` (C4) sets 1 on entirely-incorrect groups.
-    Base (Eq. 11): entirely-correct 0; mixed GRPO's (r - mean) / (std + 1e-4) as TRL computes it under
-    ``scale_rewards`` (or ``group_advantages``); entirely-incorrect -1 (NSR, off with ``nsr=False``) under "group"
-    and "batch", ``-nsr_scale`` under "none". Correct is ``reward > 0`` unless ``correct`` (bool, or float with NaN
-    for no verdict) says; an unscored (NaN) reward gets 0, a row without a verdict no NSR and weight 1.
-    With ``clamp="none"`` and ``nsr=False`` this is GRPO.
+    Base (Eq. 11): entirely-correct 0; mixed GRPO's under ``scale_rewards`` (or ``group_advantages``);
+    entirely-incorrect -1 (NSR; ``-nsr_scale`` under ``scale_rewards="none"``; 0 with ``nsr=False``). Rows without
+    a verdict get no NSR and weight 1. With ``clamp="none"`` and ``nsr=False`` this is GRPO.
     """
-    _check_layout(rewards, num_generations, entropies=entropies, correct=correct, group_advantages=group_advantages)
-    _check_choice("clamp", clamp, CLAMP_MODES)
-    _check_choice("renorm", renorm, RENORM_MODES)
-    _check_choice("nsr_weighting", nsr_weighting, NSR_WEIGHTINGS)
-    _check_choice("scale_rewards", scale_rewards, SCALE_REWARDS_MODES)
+    options = {"clamp": clamp, "renorm": renorm, "nsr_weighting": nsr_weighting, "scale_rewards": scale_rewards}
+    _check(rewards, num_generations, options, entropies=entropies, correct=correct, group_advantages=group_advantages)
     if not 0 < lambda_min <= lambda_max:
         raise ValueError(f"Need 0 < lambda_min <= lambda_max, got lambda_min={lambda_min}, lambda_max={lambda_max}.")
     n = num_generations
     r = rewards.detach().float().view(-1, n)
-    judged, is_correct = _verdicts(r, correct)
-    group_type = _group_type(judged, is_correct)
+    judged, is_correct, group_type = _verdicts(r, correct)
     mixed, all_incorrect = group_type == GROUP_MIXED, group_type == GROUP_ALL_INCORRECT
 
-    # Base advantage, Eq. 11.
-    grpo = _grpo(r, scale_rewards)
-    if group_advantages is not None:
-        grpo = group_advantages.detach().float().view(-1, n)
+    # Eq. 11: the base advantage.
+    grpo = _grpo(r, scale_rewards) if group_advantages is None else group_advantages.detach().float().view(-1, n)
     base = torch.where(mixed, grpo.nan_to_num(nan=0.0), 0.0)
     if nsr:
-        nsr_value = -float(nsr_scale) if scale_rewards == "none" else -1.0
-        base = torch.where(all_incorrect & judged, nsr_value, base)
+        base = torch.where(all_incorrect & judged, -float(nsr_scale) if scale_rewards == "none" else -1.0, base)
 
-    # Raw weights, Eq. 8.
+    # Eq. 8: raw weights over the valid entries.
     h = entropies.detach().float().view(-1, n)
     valid = torch.isfinite(h) & ~torch.isnan(r)
-    mean_h, count = _masked_group_mean(h, valid)
+    mean_h, count = _group_mean(h, valid)
     valid = valid & (count > 0) & (mean_h != 0)
     raw = torch.where(valid, mean_h / (h + entropy_eps), 1.0)
     if renorm == "before_clamp":  # C6
-        raw = torch.where(valid, raw / _masked_group_mean(raw, valid)[0], raw)
+        raw = torch.where(valid, raw / _group_mean(raw, valid)[0], raw)
 
     # Eq. 9 and C1-C3: the correct side floored at 1, the incorrect side capped at 1.
     clipped = raw.clamp(min=lambda_min, max=lambda_max)
     floored = clipped.clamp(min=1.0) if clamp in ("asymmetric", "positive_only") else clipped
     capped = clipped.clamp(max=1.0) if clamp in ("asymmetric", "negative_only") else clipped
-    weights = torch.where(valid & (clamp != "none"), torch.where(is_correct, floored, capped), 1.0)
+    weights = torch.where(is_correct, floored, capped) if clamp != "none" else torch.ones_like(raw)
+    weights = torch.where(valid, weights, 1.0)
     if renorm == "after_clamp":  # C5, Eq. 10
-        weights = torch.where(valid, weights / _masked_group_mean(weights, valid)[0], weights)
+        weights = torch.where(valid, weights / _group_mean(weights, valid)[0], weights)
     if nsr_weighting == "unit":  # C4
         weights = torch.where(all_incorrect, 1.0, weights)
     weights = torch.where(judged, weights, 1.0)
-    return _output(weights * base, weights, base, raw, group_type, is_correct, n)
+    return _output(weights * base, weights, base, raw, group_type, is_correct)
 
 
 @entropy_input("none")
@@ -238,17 +224,16 @@ def grpo_advantages(
     group_advantages: torch.Tensor | None = None,
     **_: object,
 ) -> AdvantageOutput:
-    """GRPO's advantages (Eq. 2) exactly as TRL's GRPOTrainer computes them, weights 1; unscored rows get 0.
-    ``group_advantages`` (TRL's ``normalize_then_sum``) replace the ones computed from ``rewards``."""
-    _check_layout(rewards, num_generations, correct=correct, group_advantages=group_advantages)
-    _check_choice("scale_rewards", scale_rewards, SCALE_REWARDS_MODES)
-    n = num_generations
-    r = rewards.detach().float().view(-1, n)
+    """Eq. 2, GRPO's advantages exactly as TRL's GRPOTrainer computes them (or ``group_advantages``, TRL's
+    ``normalize_then_sum``), weights 1; unscored rows get 0."""
+    options = {"scale_rewards": scale_rewards}
+    _check(rewards, num_generations, options, correct=correct, group_advantages=group_advantages)
+    r = rewards.detach().float().view(-1, num_generations)
     advantages = _grpo(r, scale_rewards) if group_advantages is None else group_advantages.detach().float()
     advantages = advantages.nan_to_num(nan=0.0)
-    judged, is_correct = _verdicts(r, correct)
+    _, is_correct, group_type = _verdicts(r, correct)
     ones = torch.ones_like(r)
-    return _output(advantages, ones, advantages, ones, _group_type(judged, is_correct), is_correct, n)
+    return _output(advantages, ones, advantages, ones, group_type, is_correct)
 
 
 @entropy_input("none")
@@ -262,20 +247,18 @@ def nsr_advantages(
     **_: object,
 ) -> AdvantageOutput:
     r"""Negative sample reinforcement (Zhu et al. 2025): :math:`A_i = -1` on incorrect completions, ``positive_weight``
-    (:math:`\lambda_+`, 0 for NSR, 0.1 for their Weighted-REINFORCE) on correct ones, 0 without a verdict; no group
-    baseline, so entirely-incorrect groups learn too. Use with ``loss_type="dapo"``, the paper's token average."""
-    _check_layout(rewards, num_generations, correct=correct)
+    :math:`\lambda_+` on correct ones (0 for NSR, 0.1 for Weighted-REINFORCE), 0 without a verdict; no group
+    baseline. Use with ``loss_type="dapo"``, the paper's token average."""
+    _check(rewards, num_generations, correct=correct)
     if not isinstance(positive_weight, (int, float)) or isinstance(positive_weight, bool) or positive_weight < 0:
         raise ValueError(
             f"positive_weight must be a number >= 0 (0 is NSR, 0.1 Weighted-REINFORCE), got {positive_weight!r}."
         )
-    n = num_generations
-    r = rewards.detach().float().view(-1, n)
-    judged, is_correct = _verdicts(r, correct)
-    advantages = torch.where(is_correct, float(positive_weight), -1.0)
-    advantages = torch.where(judged, advantages, 0.0)
+    r = rewards.detach().float().view(-1, num_generations)
+    judged, is_correct, group_type = _verdicts(r, correct)
+    advantages = torch.where(judged, torch.where(is_correct, float(positive_weight), -1.0), 0.0)
     ones = torch.ones_like(r)
-    return _output(advantages, ones, advantages, ones, _group_type(judged, is_correct), is_correct, n)
+    return _output(advantages, ones, advantages, ones, group_type, is_correct)
 
 
 @entropy_input("shannon")
@@ -291,12 +274,12 @@ def edge_grpo_advantages(
     group_advantages: torch.Tensor | None = None,
     **_: object,
 ) -> AdvantageOutput:
-    r"""EDGE-GRPO's entropy-driven advantage :math:`\hat A_i = A_i \bar P / (P_i + \varepsilon)` (no clamp, both
-    sides): :math:`A_i` is :func:`grpo_advantages`, :math:`P_i` the mean Shannon token entropy and :math:`\bar P`
-    its mean over the group (``entropy_normalization="group"``, the paper's) or the batch (``"batch"``). Entries
-    with a non-finite entropy or unscored reward, and groups with :math:`\bar P = 0`, keep weight 1."""
-    _check_layout(rewards, num_generations, entropies=entropies, correct=correct)
-    _check_choice("entropy_normalization", entropy_normalization, ENTROPY_NORMALIZATIONS)
+    r"""EDGE-GRPO's entropy-driven advantage :math:`\hat A_i = A_i \bar P / (P_i + \varepsilon)`, no clamp:
+    :math:`A_i` is :func:`grpo_advantages`, :math:`P_i` the mean Shannon token entropy, :math:`\bar P` its mean over
+    the group (the paper's) or the batch (``entropy_normalization``). Entries with a non-finite entropy or unscored
+    reward, and groups with :math:`\bar P = 0`, keep weight 1."""
+    options = {"entropy_normalization": entropy_normalization}
+    _check(rewards, num_generations, options, entropies=entropies, correct=correct)
     base = grpo_advantages(
         rewards, None, num_generations, scale_rewards=scale_rewards, correct=correct, group_advantages=group_advantages
     )
@@ -304,9 +287,9 @@ def edge_grpo_advantages(
     p = entropies.float().view(-1, n)
     valid = torch.isfinite(p) & ~torch.isnan(rewards.float().view(-1, n))
     if entropy_normalization == "group":
-        mean_p, count = _masked_group_mean(p, valid)
+        mean_p, count = _group_mean(p, valid)
     else:
-        mean_p, count = _masked_group_mean(p.reshape(1, -1), valid.reshape(1, -1))
+        mean_p, count = _group_mean(p.reshape(1, -1), valid.reshape(1, -1))
     valid = valid & (count > 0) & (mean_p != 0)
     weights = torch.where(valid, mean_p / (p.nan_to_num(nan=0.0) + entropy_eps), 1.0).view(-1)
     return base._replace(advantages=weights * base.advantages, weights=weights, raw_weights=weights)
@@ -324,13 +307,10 @@ def normalize_then_sum_rewards(
 ) -> torch.Tensor:
     """``[B, K] -> [B]``: each function's rewards normalised in the group ((r - mean) / (std + 1e-4)), then summed
     with ``reward_weights``, as GRPOTrainer under ``multi_objective_aggregation="normalize_then_sum"``."""
-    from trl.trainer.utils import nanstd
-
-    num_funcs = rewards_per_func.size(1)
-    grouped = rewards_per_func.view(-1, num_generations, num_funcs)
+    grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.size(1))
     mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
     std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
-    reward_k = ((grouped - mean_k) / (std_k + STD_EPS)).view(-1, num_funcs)
+    reward_k = ((grouped - mean_k) / (std_k + STD_EPS)).view(rewards_per_func.shape)
     rewards = (reward_k * reward_weights.to(reward_k.device).unsqueeze(0)).nansum(dim=1)
     return rewards.masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))
 
@@ -338,17 +318,15 @@ def normalize_then_sum_rewards(
 def normalize_then_sum_advantages(
     rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, num_generations: int
 ) -> torch.Tensor:
-    """``[B, K] -> [B]``: GRPO's advantages under ``normalize_then_sum``, op for op as GRPOTrainer: the
+    """``[B, K] -> [B]``: GRPO's advantages under ``normalize_then_sum`` op for op as GRPOTrainer:
     :func:`normalize_then_sum_rewards` normalised over the batch; 0 for rows no function scored."""
-    from trl.trainer.utils import nanstd
-
     rewards_per_func = rewards_per_func.detach().float()
     if rewards_per_func.dim() != 2 or rewards_per_func.size(1) != reward_weights.numel():
         raise ValueError(
             f"rewards_per_func must be [B, {reward_weights.numel()}] (one column per reward function), got "
             f"{tuple(rewards_per_func.shape)}."
         )
-    _check_layout(rewards_per_func[:, 0], num_generations)
+    _check(rewards_per_func[:, 0], num_generations)
     rewards = normalize_then_sum_rewards(rewards_per_func, reward_weights, num_generations)
     std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
     return ((rewards - torch.nanmean(rewards)) / (std + STD_EPS)).nan_to_num(nan=0.0)

@@ -1,8 +1,5 @@
-"""Which reward function decides correct (> 0) versus incorrect, for EGPO's group types, dynamic sampling's
-``correctness`` filter and Guided Error Correction. With several reward functions the config must name it
-(``egpo_correctness_reward``), so that a format or length bonus never decides correctness. Names are those TRL's
-``GRPOTrainer`` gives its reward functions (``rewards/<name>/mean``).
-"""
+"""Which reward function decides correct (> 0) versus incorrect; among several, ``egpo_correctness_reward`` names it
+by the name TRL's ``GRPOTrainer`` gives it (``rewards/<name>/mean``)."""
 
 from __future__ import annotations
 
@@ -15,11 +12,9 @@ from egpo_trl.rewards import boxed_accuracy_reward
 
 logger = logging.getLogger(__name__)
 
-#: The package's own binary accuracy rewards: when exactly one of several reward functions is one of these, it is
-#: taken as the correctness reward without being named.
+# The package's binary accuracy rewards, taken as the correctness reward when exactly one of several is one of these.
 ACCURACY_REWARDS: tuple[Callable[..., list[float]], ...] = (boxed_accuracy_reward,)
-# The trainer's own shaping term (overlong_buffer_length): never a verifier, so never a candidate.
-_SHAPING_NAMES = ("overlong_penalty",)
+_SHAPING_NAMES = ("overlong_penalty",)  # the trainer's own shaping term, never a verifier
 
 
 def _unwrap(func: Any) -> Any:
@@ -40,8 +35,7 @@ def reward_func_name(func: Any) -> str:
 
 
 def reward_func_names(reward_funcs: Any) -> list[str]:
-    """:func:`reward_func_name` of each reward function (``None``, one function or a list, as ``GRPOTrainer``
-    takes them)."""
+    """:func:`reward_func_name` of each reward function (``None``, one or a list)."""
     return [reward_func_name(func) for func in _as_list(reward_funcs)]
 
 
@@ -52,8 +46,7 @@ def _as_list(reward_funcs: Any) -> list[Any]:
 
 
 def binary_correctness_features(args: Any) -> list[str]:
-    """The settings of ``args`` (an :class:`~egpo_trl.EGPOConfig`) that read the binary correct/incorrect verdict,
-    as named in errors: the estimator when it types groups, dynamic sampling on correctness, ``edge_gec``."""
+    """The settings of ``args`` that read the binary correct/incorrect verdict, as named in errors."""
     from egpo_trl.advantages import get_advantage_estimator
 
     estimator = get_advantage_estimator(args.advantage_estimator)
@@ -79,14 +72,9 @@ def correctness_reward_index(
     complete: bool = True,
     quiet: bool = False,
 ) -> int | None:
-    """The index of the reward function that decides correct (> 0) versus incorrect.
-
-    ``egpo_correctness_reward``'s when set; the only candidate's (the trainer's ``overlong_penalty`` never is one);
-    among several, the package's accuracy reward when exactly one is; else, when only metrics read the verdict,
-    the first (with a warning). Otherwise a ValueError naming the fix. ``names``: the names when known;
-    ``complete=False``: more reward functions may come later (an ``environment_factory``), so an unknown name gives
-    ``None``; ``quiet``: log nothing.
-    """
+    """The index of the reward function that decides correct (> 0) versus incorrect: ``egpo_correctness_reward``'s,
+    the only candidate's, the package's accuracy reward among several, or (only metrics reading it) the first;
+    else a ValueError naming the fix. ``complete=False``: an unknown name gives ``None`` (more may come later)."""
     funcs = _as_list(reward_funcs)
     names = list(names) if names is not None else reward_func_names(funcs)
     chosen = args.egpo_correctness_reward
@@ -125,8 +113,7 @@ def correctness_reward_index(
             "`--egpo_correctness_reward <name>` or EGPOConfig(egpo_correctness_reward='<name>'), with <name> one of: "
             f"{listed}.\nThe other reward functions still add to the rewards."
         )
-    # Nothing in training reads the verdict (this estimator's advantages come from the summed rewards), but the
-    # metrics that split completions into correct and incorrect do: say which function they take it from.
+    # Only the metrics read the verdict: say which function they take it from.
     if speak:
         logger.warning(
             "Several reward functions (%s) and no egpo_correctness_reward: the metrics that split completions into "

@@ -1,8 +1,6 @@
-"""Outcome rewards for verifiable math (paper Eq. 1): ``+1`` when the last ``\\boxed{...}`` of a completion equals
-the ground truth by `math-verify <https://github.com/huggingface/Math-Verify>`_, ``-1`` otherwise (also when that box
-is cut off, or when math-verify's comparison runs over its CPU time), ``None`` (unscored) when its worker stalled or
-died. We extract the last box ourselves: math-verify, given a whole text, would match any of its boxes. Reward
-functions take TRL's ``f(completions, **dataset_columns)``, with completions as strings or chat messages.
+"""Outcome rewards for verifiable math (paper Eq. 1), as TRL reward functions ``f(completions, **columns)``: ``+1``
+when the last ``\\boxed{...}`` of a completion equals the ground truth by `math-verify
+<https://github.com/huggingface/Math-Verify>`_, ``-1`` otherwise, ``None`` (unscored) without a verdict.
 """
 
 from __future__ import annotations
@@ -27,23 +25,14 @@ logger = logging.getLogger(__name__)
 CORRECT_REWARD = 1.0
 INCORRECT_REWARD = -1.0
 
-# Boxed contents longer than this, or nested deeper than MAX_NESTING brackets ({, ( and [ together, or a run of
-# unclosed ones), are not handed to the symbolic verifier: they are never a final answer, and math-verify's parser
-# takes longer the deeper they nest.
+# Answers longer, nested deeper ({, ( and [ together), or with a power tower or an exponent of more digits than
+# these, get the string match only: never a final answer, and costly for the symbolic verifier.
 MAX_ANSWER_CHARS = 1000
 MAX_NESTING = 12
-# A power whose exponent is a power (a tower, 9^{9^{9}}) or a number of more than MAX_EXPONENT_DIGITS digits
-# (9^{387420489}) asks for an integer of millions of digits: not handed to the symbolic verifier either.
 MAX_EXPONENT_DIGITS = 4
-# CPU time one symbolic comparison may take in the worker process (see egpo_trl.verify_worker): past it the answer
-# is no match (-1), a verdict that is cached, as with math-verify's own timeout.
-VERIFY_CPU_LIMIT_S = 3.0
-# Wall-clock bound of one symbolic comparison, for a worker that stalls (held up by a busy machine, or computing in
-# C code no signal interrupts) or dies: it is killed and a fresh one asked once more; when that one fails too, there
-# is no verdict (the reward is None), and nothing is cached.
-VERIFY_TIMEOUT_S = 8.0
-# Seconds a fresh worker may take to start (importing sympy and math-verify).
-WORKER_START_TIMEOUT_S = 120.0
+VERIFY_CPU_LIMIT_S = 3.0  # CPU time of one comparison in the worker; past it, no match (cached)
+VERIFY_TIMEOUT_S = 8.0  # wall clock of one comparison; past it the worker is replaced and asked once more
+WORKER_START_TIMEOUT_S = 120.0  # importing sympy and math-verify
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
 
@@ -163,8 +152,8 @@ class _NoVerdict(Exception):
 
 
 class _VerifyWorker:
-    """One math-verify worker process (``python -m egpo_trl.verify_worker``) per process using it, shared by its
-    threads, killed and restarted when a comparison overruns ``VERIFY_TIMEOUT_S`` or the worker dies."""
+    """One math-verify worker process (``egpo_trl/verify_worker.py``) per process, shared by its threads, replaced
+    when a comparison overruns its deadline or the worker dies."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -202,8 +191,7 @@ class _VerifyWorker:
 
     def _read_line(self, timeout: float) -> bytes | None:
         """The worker's next line, ``None`` past ``timeout``; raises ``EOFError`` when its output closes (it ended)."""
-        # selectors (epoll/poll) rather than select.select, which refuses descriptors >= 1024 (FD_SETSIZE): a
-        # long-lived training process (vLLM, DeepSpeed, data loaders) can hold that many files open.
+        # selectors, not select.select, which refuses descriptors >= 1024
         deadline = time.monotonic() + timeout
         fd = self._proc.stdout.fileno()
         with selectors.DefaultSelector() as selector:
@@ -285,12 +273,8 @@ def _symbolic_match(predicted: str, gold: str) -> bool:
 
 
 def answers_match(predicted: str | None, gold: Any) -> bool | None:
-    """Whether an extracted answer equals the ground truth (string match, then math-verify); ``None`` without a
-    verdict. Never raises and returns in bounded time in any thread: costly answers (:func:`_too_costly`) get the
-    string match only; math-verify runs in a worker process, where a comparison past ``VERIFY_CPU_LIMIT_S`` of CPU
-    time is no match; a worker that stalls past ``VERIFY_TIMEOUT_S`` or dies is killed and a fresh one asked once
-    (no verdict, logged and not cached, when that fails too). An unparsable answer is no match.
-    """
+    """Whether an extracted answer equals the ground truth (string match, then math-verify in a worker process under
+    ``VERIFY_CPU_LIMIT_S`` and ``VERIFY_TIMEOUT_S``); ``None`` when the worker gave no verdict. Never raises."""
     if predicted is None or gold is None:
         return False
     gold_text = _gold_to_text(gold)
@@ -339,9 +323,8 @@ def think_format_reward(completions: list[Any], **kwargs: Any) -> list[float]:
 
 
 def make_overlong_penalty_reward(max_length: int, buffer_length: int, penalty_factor: float = 1.0):
-    """DAPO's soft overlong punishment (Eq. 13, TRL's ``get_soft_overlong_punishment``) times ``penalty_factor``, as a
-    reward function named ``overlong_penalty``: 0 up to ``max_length - buffer_length`` completion tokens, then
-    falling linearly to ``-penalty_factor`` at ``max_length``.
+    """DAPO's soft overlong punishment (Eq. 13), TRL's ``get_soft_overlong_punishment`` times ``penalty_factor``, as
+    a reward function named ``overlong_penalty``.
 
     >>> make_overlong_penalty_reward(max_length=100, buffer_length=20)(["a", "b"], completion_ids=[[0] * 90, [0] * 50])
     [-0.5, 0.0]

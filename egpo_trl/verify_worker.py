@@ -1,12 +1,7 @@
-"""The math-verify worker process of :func:`egpo_trl.rewards.answers_match`.
+"""The math-verify worker process of :func:`egpo_trl.rewards.answers_match`, run by its path without the package.
 
-Symbolic comparison can take unbounded time in C code no signal interrupts (``9^{9^{9^{9}}}``), so it runs here,
-in an interpreter the caller kills past its wall-clock deadline (a stall: asked again, then unscored). A comparison
-that keeps computing past ``cpu_seconds`` of this process's CPU time is "no match", as math-verify's own timeout
-would answer; CPU time rather than math-verify's wall-clock alarm, so that a busy machine (or a stopped worker) does
-not turn a correct answer wrong. Protocol: one JSON line ``[predicted, gold, cpu_seconds]`` per request on stdin,
-``1`` or ``0`` per answer on stdout; it ends when stdin closes. It runs by its path, without the package (whose
-import pulls in torch and TRL).
+The caller kills it past a wall-clock deadline; a comparison past ``cpu_seconds`` of CPU time is "no match". Protocol:
+one JSON line ``[predicted, gold, cpu_seconds]`` per request on stdin, ``1`` or ``0`` per answer on stdout.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ def _parse(expression: str):
     return parse(
         "\\boxed{" + expression + "}",
         extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()],
-        parsing_timeout=None,  # the CPU-time limit and the caller's deadline bound the time (see the module docstring)
+        parsing_timeout=None,  # the CPU-time limit and the caller's deadline bound the time
     )
 
 

@@ -39,10 +39,10 @@ def test_a_shortened_completion_is_never_cut_inside_its_own_boxed_answer():
 
 
 def _linear_safe_prefix(ids, decode):  # the definition, one token at a time
-    from egpo_trl.sampling.gec import _ends_inside_boxed
+    from egpo_trl.sampling.gec import _open_boxed_start
 
     n = len(ids)
-    while n > 0 and _ends_inside_boxed(decode(ids[:n])):
+    while n > 0 and _open_boxed_start(decode(ids[:n])) is not None:
         n -= 1
     return ids[:n]
 

@@ -1,10 +1,6 @@
-"""DAPO's dynamic sampling (``dynamic_sampling``), a mixin of :class:`~egpo_trl.trainer.EGPOTrainer`.
-
-The trainer generates extra rounds, for prompts drawn from ``train_dataset``, until the generation batch holds only
-informative groups (``dynamic_sampling_metric``), up to ``dynamic_sampling_max_rounds`` rounds; with
-``dynamic_sampling_oversample`` > 1 the first round already generates extra groups. Decisions are taken on gathered
-tensors, so every process keeps the same groups, and the batch keeps the shape TRL expects.
-"""
+"""DAPO's dynamic sampling (``dynamic_sampling``), a mixin of :class:`~egpo_trl.trainer.EGPOTrainer`: extra rounds
+of prompts from ``train_dataset`` until the generation batch holds only informative groups, decided on gathered
+tensors so that every process keeps the same groups."""
 
 from __future__ import annotations
 
@@ -24,17 +20,6 @@ from egpo_trl.sampling.common import refuse_unsupported_generation
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "DynamicSamplingMixin",
-    "colocated_engine_sequences",
-    "filter_mismatch",
-    "first_round_extra_groups",
-    "first_round_groups",
-    "largest_oversample",
-    "oversampled_max_num_seqs",
-    "vllm_sequences_for_oversampling",
-]
-
 _LEFT_PADDED_KEYS = ("prompt_ids", "prompt_mask")
 # An extra round is sized as if at least this fraction of groups were informative (no division by zero).
 MIN_INFORMATIVE_FRACTION = Fraction(1, 10)
@@ -50,9 +35,7 @@ def first_round_extra_groups(oversample: float, target: int, processes: int) -> 
 def largest_oversample(distinct: int, target: int, processes: int) -> Fraction | None:
     """The largest ``dynamic_sampling_oversample`` (three decimals) whose first round fits ``distinct`` prompts."""
     room = (distinct - target) // processes * processes
-    if room <= 0:
-        return None
-    return Fraction(math.floor((1 + Fraction(room, target)) * 1000), 1000)
+    return Fraction(math.floor((1 + Fraction(room, target)) * 1000), 1000) if room > 0 else None
 
 
 def filter_mismatch(args: Any) -> str | None:
@@ -110,8 +93,7 @@ def _prompt_key(prompt: Any) -> str:
 
 @contextmanager
 def vllm_sequences_for_oversampling(args: Any) -> Iterator[None]:
-    """Around ``GRPOTrainer.__init__``: start a colocated vLLM engine with room for a whole oversampled first round
-    (TRL sizes it for a generation batch, and the round would then decode in two waves)."""
+    """Around ``GRPOTrainer.__init__``: start a colocated vLLM engine with room for a whole oversampled first round."""
     sequences, oversampled = colocated_engine_sequences(args)
     if not (oversampled and args.use_vllm and args.vllm_mode == "colocate"):
         yield
@@ -133,9 +115,8 @@ def vllm_sequences_for_oversampling(args: Any) -> Iterator[None]:
 
 
 class DynamicSamplingMixin:
-    """DAPO's dynamic sampling over whole generation batches. Needs the trainer's ``_generate_round``,
-    ``_egpo_correct``, ``_egpo_correctness_index`` and ``_egpo_same_count_across_processes``. Logs
-    ``dynamic_sampling/{rounds,frac_informative,generated_per_kept,cap_hit}``."""
+    """DAPO's dynamic sampling over whole generation batches; logs ``dynamic_sampling/{rounds,frac_informative,
+    generated_per_kept,cap_hit}``."""
 
     def _check_dynamic_sampling(self) -> None:
         refuse_unsupported_generation(self, "dynamic_sampling")
@@ -186,10 +167,9 @@ class DynamicSamplingMixin:
     def _dynamic_sampling(
         self, inputs: list[dict[str, Any]], num_generations: int
     ) -> tuple[dict[str, Any], torch.Tensor, dict[str, Any]]:
-        """The generation batch ``inputs`` (plus the oversampled first round's groups), then extra rounds sized by the
-        shortfall over the informative fraction so far, until ``G`` groups are informative or the round cap is hit
-        (then uninformative groups fill the batch). The first ``G`` informative groups, the batch's own first, are
-        kept; rows move between processes so that each keeps its usual number."""
+        """Generate ``inputs`` (plus the oversampled groups), then rounds sized by the shortfall over the informative
+        fraction, until ``G`` groups are informative or the round cap is hit (uninformative groups then fill the
+        batch); keep the first ``G``, the batch's own first."""
         local_rows = len(inputs)
         processes = self.accelerator.num_processes
         global_rows = local_rows * processes
@@ -224,8 +204,7 @@ class DynamicSamplingMixin:
             generated += groups
             if found >= target or round_index + 1 == max_rounds:
                 break
-            # verl's DAPO sizing: the shortfall over the informative fraction, at most a generation batch, split
-            # evenly across processes and agreed on by all.
+            # verl's DAPO sizing: the shortfall over the informative fraction, at most a generation batch.
             extra = math.ceil((target - found) / max(Fraction(found, generated), MIN_INFORMATIVE_FRACTION))
             unit = processes // math.gcd(processes, num_generations)
             extra = self._egpo_same_count_across_processes(min(math.ceil(extra / unit) * unit, target))
@@ -278,8 +257,8 @@ class DynamicSamplingMixin:
         return output, rewards_per_func, sampling
 
     def _keep_batch_metrics(self, marks, used, output, rewards_per_func, num_generations) -> None:
-        """Make the metrics logged during the rounds describe the kept batch: reward and length metrics computed again
-        for it; any other metric keeps the values of the rounds in ``used`` (``marks``: list lengths before each)."""
+        """Reward and length metrics computed again for the kept batch; any other metric keeps the values of the
+        rounds in ``used`` (``marks``: list lengths before each round)."""
         metrics = self._metrics["train"]
         recomputed = self._egpo_reward_metrics(rewards_per_func, num_generations)
         lengths, truncated = output.get("egpo_completion_lengths"), output.get("egpo_completion_truncated")
@@ -301,8 +280,7 @@ class DynamicSamplingMixin:
             values[:] = before + kept
 
     def _round_group_order(self, groups: int, extra: int) -> list[int]:
-        """The round's gathered group indices in keeping order: in a first round with ``extra`` added groups (each
-        process's rows: its own groups, then its added ones), the batch's own groups first."""
+        """The round's gathered group indices in keeping order: the batch's own groups before the ``extra`` added."""
         if not extra:
             return list(range(groups))
         processes = self.accelerator.num_processes
@@ -313,9 +291,8 @@ class DynamicSamplingMixin:
         ]
 
     def _extra_prompts(self, inputs: list[dict[str, Any]]) -> Iterator[int]:
-        """``train_dataset`` indices for the batch's extra groups: a seeded random order (seed, global step,
-        micro-step: the same on every process and after a resume) that skips prompts already in the batch, starting
-        again once every distinct prompt is used. A generator: its gather runs at the first draw only."""
+        """``train_dataset`` indices for extra groups, in a seeded order (the same on every process and after a resume)
+        that skips prompts already in the batch until every distinct prompt is used."""
         from accelerate.utils import gather_object
 
         prompts = self.train_dataset.select_columns(["prompt"])
@@ -338,8 +315,7 @@ class DynamicSamplingMixin:
                 taken = set()
 
     def _refill_inputs(self, num_groups: int, num_generations: int, draw: Iterator[int]) -> list[dict[str, Any]]:
-        """This process's rows of ``num_groups`` prompts from ``draw``, each repeated ``num_generations`` times and
-        split across processes as TRL's sampler splits a generation batch."""
+        """This process's rows of ``num_groups`` prompts from ``draw``, split as TRL's sampler splits a batch."""
         local_rows = num_groups * num_generations // self.accelerator.num_processes
         prompts = [next(draw) for _ in range(num_groups)]
         start = self.accelerator.process_index * local_rows
@@ -394,9 +370,8 @@ class DynamicSamplingMixin:
 
     @contextmanager
     def _logs_for_round(self, global_rows: int) -> Iterator[None]:
-        """TRL's completions-table logs replaced, during a round, by empty deques of the round's ``global_rows``
-        rows, so that :meth:`_snapshot_logs` reads the round's own entries; TRL's come back afterwards (with every
-        column name the round logged) even if the round raised."""
+        """TRL's completions-table logs replaced by empty ones during a round, and restored (with every column the
+        round logged) afterwards."""
         logs = self._logs
 
         def fresh(values):

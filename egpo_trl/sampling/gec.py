@@ -1,9 +1,6 @@
-"""EDGE-GRPO's Guided Error Correction (``edge_gec``), a mixin of :class:`~egpo_trl.trainer.EGPOTrainer`.
-
-The incorrect completions of a training round are rewritten after generation and before TRL scores them: continued
-by the policy after a reflection cue, given the reference answer, or replaced by the reference solution. TRL then
-scores and trains on them as if they had been sampled.
-"""
+"""EDGE-GRPO's Guided Error Correction (``edge_gec``), a mixin of :class:`~egpo_trl.trainer.EGPOTrainer`: incorrect
+completions are rewritten before TRL scores them (continued after a reflection cue, given the reference answer, or
+replaced by the reference solution) and trained on as if sampled."""
 
 from __future__ import annotations
 
@@ -27,14 +24,6 @@ from egpo_trl.rewards import (
 from egpo_trl.sampling.common import refuse_unsupported_generation
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "SOLUTION_ANSWER_SUFFIX",
-    "GuidedErrorCorrectionMixin",
-    "boxed_safe_prefix",
-    "pad_continuation_batch",
-    "shortened",
-]
 
 _BOXED = "\\boxed{"
 _BRACES = re.compile(r"\\boxed\{|[{}]")
@@ -65,19 +54,14 @@ def _open_boxed_start(text: str) -> int | None:
     return None
 
 
-def _ends_inside_boxed(text: str) -> bool:
-    return _open_boxed_start(text) is not None
-
-
 def _complete_length(text: str) -> int:
-    """``text``'s length without trailing replacement characters (a character split over byte tokens), which never
-    decreases as a prefix grows."""
+    """``text``'s length without trailing replacement characters (of a character split over byte tokens)."""
     return len(text.rstrip("\ufffd"))
 
 
 def boxed_safe_prefix(ids: list[int], decode) -> list[int]:
     """The longest prefix of ``ids`` whose text (``decode``) does not stop inside a ``\\boxed{}``: a bisection on
-    decoded lengths to just before an open box, repeated while an earlier one is open (a few dozen decodes)."""
+    decoded lengths, repeated while an earlier box is open."""
     n = len(ids)
     while n > 0:
         start = _open_boxed_start(decode(ids[:n]))
@@ -106,8 +90,8 @@ def shortened(ids: list[int], limit: int, decode) -> list[int]:
 
 
 def pad_continuation_batch(prompts: list[list[int]], counts: list[int], filler: list[int]) -> list[list[int]]:
-    """This process's continuation prompts padded with ``filler`` to the largest of ``counts`` (every process's, at
-    least one): TRL's vLLM generation hands results back by position, assuming equal numbers on every process."""
+    """This process's continuation prompts padded with ``filler`` to the largest of every process's ``counts`` (at
+    least one): TRL's vLLM generation assumes equal numbers on every process."""
     width = max(max(counts, default=0), 1)
     if len(prompts) > width:
         raise ValueError(
@@ -117,13 +101,11 @@ def pad_continuation_batch(prompts: list[list[int]], counts: list[int], filler: 
 
 
 class GuidedErrorCorrectionMixin:
-    """EDGE-GRPO's Guided Error Correction. Needs the trainer's ``_egpo_round_inputs`` (the round's dataset rows),
-    ``_egpo_correct`` and ``_egpo_correctness_index``. Logs ``gec/frac_{eligible,reflect,answer,solution,
-    solution_as_answer,solution_boxed,answer_too_long}``."""
+    """EDGE-GRPO's Guided Error Correction; logs ``gec/frac_{eligible,reflect,answer,solution,solution_as_answer,
+    solution_boxed,answer_too_long}``."""
 
     def _check_guided_error_correction(self) -> None:
-        """Refuse, at init, what GEC cannot serve: other generation paths, no ``answer`` column, an answer template
-        the boxed reward cannot read, texts that cannot fit ``max_completion_length``."""
+        """Refuse at init what GEC cannot serve."""
         args = self.args
         refuse_unsupported_generation(self, "edge_gec")
         if getattr(self, "use_transformers_continuous_batching", False):
@@ -183,11 +165,9 @@ class GuidedErrorCorrectionMixin:
             )
 
     def _guided_error_correction(self, prompts: list, result: tuple) -> tuple:
-        """GEC on one round (``result``: TRL's ``_generate`` output), before TRL scores it. Each incorrect completion
-        (with ``edge_gec_scope="all_incorrect_groups"``, of a group without a correct one) is, with the configured
-        probabilities, continued after ``edge_gec_reflection_cue``, given the answer with ``edge_gec_answer_template``,
-        or replaced by the row's ``solution`` (else the answer; ending with ``SOLUTION_ANSWER_SUFFIX`` where its last
-        box does not give the answer or it is cut), shortened to fit ``max_completion_length`` and ended with EOS."""
+        """GEC on one round (``result``: TRL's ``_generate`` output): each eligible incorrect completion is, with the
+        configured probabilities, continued after the cue, given the answer, or replaced by the row's ``solution``
+        (boxing the answer where it does not), shortened to fit ``max_completion_length`` and ended with EOS."""
         prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images = result
         args = self.args
         inputs = self._egpo_round_inputs
@@ -344,15 +324,7 @@ class GuidedErrorCorrectionMixin:
         totals = self.accelerator.gather(counts.unsqueeze(0)).sum(dim=0) / (
             local_rows * self.accelerator.num_processes
         )
-        names = (
-            "eligible",
-            "reflect",
-            "answer",
-            "solution",
-            "solution_as_answer",
-            "solution_boxed",
-            "answer_too_long",
-        )
+        names = "eligible reflect answer solution solution_as_answer solution_boxed answer_too_long".split()
         for name, value in zip(names, totals.tolist()):
             self._metrics["train"][f"gec/frac_{name}"].append(value)
         if too_long and not getattr(self, "_gec_warned_too_long", False):
@@ -369,8 +341,7 @@ class GuidedErrorCorrectionMixin:
 
     @contextmanager
     def _gec_vllm_awake(self):
-        """Keep a sleeping colocated vLLM engine awake over a round's generation and its continuations: one weight
-        sync and one wake/sleep per round. A no-op for other generation modes or without ``edge_gec_reflect_prob``."""
+        """Keep a sleeping colocated vLLM engine awake over a round's generation and its continuations."""
         generation = getattr(self, "vllm_generation", None) if self.use_vllm else None
         if (
             generation is None
@@ -395,8 +366,8 @@ class GuidedErrorCorrectionMixin:
             generation._llm_weights_sleeping = True
 
     def _gec_score_sampled(self, inputs, prompts, completions, completion_ids):
-        """TRL's rewards of the sampled completions (gathered), with what the reward functions logged (``log_extra``
-        columns, ``log_metric`` values) taken out of TRL's pending logs for :meth:`_gec_rescore` to log once."""
+        """TRL's rewards of the sampled completions, with what the reward functions logged taken out of TRL's pending
+        logs for :meth:`_gec_rescore` to log once."""
         before = {id(p): {k: len(v) for k, v in p.items()} for p in (self._pending_extra_logs, self._pending_metrics)}
         rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids)
         taken = []
@@ -413,9 +384,8 @@ class GuidedErrorCorrectionMixin:
         return rewards_per_func, taken[0], taken[1]
 
     def _gec_rescore(self, calculate, inputs, prompts, completions, completion_ids_list) -> torch.Tensor:
-        """TRL's scoring (``calculate``) of a rewritten round, each reward function called on the rewritten rows only
-        (the others keep their rewards), so that every completion is scored once. ``log_extra`` columns are logged
-        once per row, in row order; ``log_metric`` values are the first call's."""
+        """TRL's scoring (``calculate``) of a rewritten round, each reward function called on the rewritten rows
+        only, so that every completion is scored once and logged once."""
         state, self._gec_scored = self._gec_scored, None
         cached, rows, n = state["rewards"], state["changed"], len(prompts)
         extra: dict[str, list] = {}
@@ -470,8 +440,7 @@ class GuidedErrorCorrectionMixin:
     def _continue_generation(
         self, prompt_ids: list[list[int]], max_new_tokens: int
     ) -> tuple[list[list[int]], list[list[float]] | None]:
-        """One continuation of at most ``max_new_tokens`` tokens per token-id prompt with TRL's backend, with the
-        sampled tokens' log-probs (vLLM) or ``None`` (transformers)."""
+        """One continuation of at most ``max_new_tokens`` per prompt, with its log-probs (vLLM) or ``None``."""
         if self.use_vllm:
             generation = self.vllm_generation
             previous = generation.max_completion_length

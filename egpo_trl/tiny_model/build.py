@@ -1,10 +1,8 @@
 """Build the tiny math reasoning model: ``python -m egpo_trl.tiny_model.build --output DIR``.
 
-A byte-level BPE tokenizer (digits split, ChatML template), a ``Qwen2ForCausalLM`` with untied embeddings (the
-CPU build of vLLM wants them), supervised fine-tuning on slipped worked solutions of the synthetic task's
-``train`` split (a partial reasoner, leaving room for RL), an evaluation on its ``test`` split, and a model
-card. Seeded on a fixed number of threads, two builds with the same arguments and torch version on the same
-kind of CPU give the same weights. Larger variants: other sizes with ``--device cuda``.
+A byte-level BPE tokenizer, a ``Qwen2ForCausalLM`` with untied embeddings, supervised fine-tuning on slipped worked
+solutions of the synthetic task's ``train`` split, an evaluation on its ``test`` split, and a model card. Seeded on a
+fixed number of threads, the same arguments and torch version on the same kind of CPU give the same weights.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -110,14 +108,6 @@ def _sample_train_example(level: int, rng: random.Random, slip_prob: float = 0.0
         if split_of(problem) == "train":
             question = rng.choice(QUESTION_TEMPLATES).format(expr=problem.expression)
             return format_prompt(question), slipped_solution(problem, rng, slip_prob)
-
-
-def _iter_train_problems(
-    levels: Sequence[int], rng: random.Random, slip_prob: float = 0.0
-) -> Iterator[tuple[list[dict[str, str]], str]]:
-    """An endless stream of (prompt, solution) of the ``train`` split, levels drawn uniformly."""
-    while True:
-        yield _sample_train_example(rng.choice(levels), rng, slip_prob)
 
 
 def build_tokenizer(corpus: Sequence[str], vocab_size: int) -> Any:
@@ -236,18 +226,11 @@ def supervised_finetune(
         optimizer.zero_grad(set_to_none=True)
         running += loss.item()
         if (step + 1) % log_every == 0 or step + 1 == config.sft_steps:
-            count = (step % log_every) + 1
-            record = {
-                "step": step + 1,
-                "loss": running / count,
-                "lr": scheduler.get_last_lr()[0],
-                "time_s": round(time.time() - start, 1),
-            }
-            history.append(record)
-            print(
-                f"  sft step {step + 1}/{config.sft_steps}  loss {record['loss']:.4f}  ({time.time() - start:.0f}s)",
-                flush=True,
+            elapsed, loss = time.time() - start, running / ((step % log_every) + 1)
+            history.append(
+                {"step": step + 1, "loss": loss, "lr": scheduler.get_last_lr()[0], "time_s": round(elapsed, 1)}
             )
+            print(f"  sft step {step + 1}/{config.sft_steps}  loss {loss:.4f}  ({elapsed:.0f}s)", flush=True)
             running = 0.0
     model.eval()
     return history
@@ -467,10 +450,9 @@ def build(config: BuildConfig, output: Path) -> dict[str, Any]:
         raise SystemExit(f"--levels {config.levels}: unknown levels {unknown}; choose among {sorted(LEVELS)}.")
 
     print(f"[1/4] training the tokenizer on {config.tokenizer_corpus_size} conversations", flush=True)
-    corpus_stream = _iter_train_problems(levels, random.Random(f"tokenizer/{config.seed}"), config.slip_prob)
-    corpus = []
+    rng, corpus = random.Random(f"tokenizer/{config.seed}"), []
     for _ in range(config.tokenizer_corpus_size):
-        prompt, solution = next(corpus_stream)
+        prompt, solution = _sample_train_example(rng.choice(levels), rng, config.slip_prob)
         rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in prompt)
         corpus.append(f"{rendered}<|im_start|>assistant\n{solution}<|im_end|>\n")
     tokenizer = build_tokenizer(corpus, config.vocab_size)
