@@ -119,8 +119,8 @@ def loss_forward_error(problems: list[str]) -> str:
 
 
 def per_micro_batch_terms(args) -> list[str]:
-    """The loss terms of ``args`` normalised per micro-batch: what ``loss_forward``'s blocks and length sorting, which
-    change which rows share a micro-batch, cannot serve."""
+    """The loss terms of ``args`` normalised per micro-batch: what ``loss_forward``'s blocks, which change which rows
+    share a micro-batch, cannot serve."""
     terms = []
     if args.loss_type == "bnpo":
         terms.append("loss_type 'bnpo' averages over each micro-batch's tokens")
@@ -163,7 +163,7 @@ class EGPOConfig(GRPOConfig):
         `egpo_nsr`, `egpo_nsr_weighting`, `egpo_correctness_reward`, `egpo_entropy_scope`
 
         > The entropy proxy's log-probs and the loss's forwards: `egpo_entropy_logps`, `egpo_entropy_metrics`,
-        `egpo_length_sorted_micro_batches`, `egpo_loss_forward_block_tokens`, `egpo_shift_prompt_padding`
+        `egpo_shift_prompt_padding`
 
         > Baselines (`docs/baselines.md`): NSR `nsr_positive_weight`; EDGE-GRPO `edge_grpo_entropy_normalization`,
         `edge_gec*`; DAPO `dynamic_sampling*`, `overlong_buffer_length`, `overlong_penalty_factor`
@@ -252,24 +252,6 @@ class EGPOConfig(GRPOConfig):
         metadata={
             "help": "Compute the entropy proxy and the egpo/entropy_* metrics even when the advantage estimator does "
             "not use it (grpo, nsr)."
-        },
-    )
-    egpo_length_sorted_micro_batches: bool = field(
-        default=False,
-        metadata={
-            "help": "Sort each generation batch's rows (each group's under loss_forward) by length, longest first, so "
-            "that a micro-batch's forward, cut to its longest row, computes less padding; the same gradient. Not "
-            "with bnpo, top_entropy_quantile < 1, an entropy bonus or a MoE router loss. TRL's per-micro-batch "
-            "metrics (entropy, clip_ratio/*, kl) then weigh short completions more."
-        },
-    )
-    egpo_loss_forward_block_tokens: int | None = field(
-        default=None,
-        metadata={
-            "help": "Under egpo_entropy_logps=loss_forward with egpo_length_sorted_micro_batches: let a block hold "
-            "several whole groups, sorted by length together, where that cuts padding, up to this many padded tokens "
-            "held (rows x their micro-batch's longest row). A block keeps its forwards until its last one has run, so "
-            "this bounds their memory. Unset: one group's micro-batches per block."
         },
     )
     egpo_shift_prompt_padding: bool = field(
@@ -486,47 +468,17 @@ class EGPOConfig(GRPOConfig):
             self.gradient_checkpointing
             and reentrant_checkpointing(self.gradient_checkpointing_kwargs)
             and (world_size > 1 or engine is not None)
-            and (blocks > 1 or self._loss_forward_blocks_may_merge())
+            and blocks > 1
         ):
-            # Reentrant checkpointing hands each checkpointed forward's weight gradients over separately, so a
-            # weight used by several forwards is reported ready several times in one backward: DDP's and ZeRO's
-            # gradient hooks take one report per backward.
-            merging_only = blocks == 1
+            # Reentrant checkpointing reports a weight used by several forwards ready several times in one backward;
+            # DDP's and ZeRO's gradient hooks take one report per backward.
             problems.append(
                 "reentrant gradient checkpointing cannot hold several forwards for one backward under data "
                 "parallelism or DeepSpeed; set gradient_checkpointing_kwargs: {use_reentrant: false}"
-                + (
-                    " (or unset egpo_loss_forward_block_tokens, whose blocks of merged groups hold them)"
-                    if merging_only
-                    else ""
-                )
             )
         problems += found
         if problems:
             raise ValueError(loss_forward_error(problems))
-
-    def _loss_forward_blocks_may_merge(self) -> bool:
-        """Whether ``egpo_loss_forward_block_tokens`` can merge groups into blocks with these arguments (the trainer
-        also needs forwards cut to their rows, which only it can tell): sorting on, several rows per micro-batch, and
-        more than one smallest block in a process's generation batch."""
-        from egpo_trl.fused import block_size
-
-        if self.egpo_loss_forward_block_tokens is None or not self.egpo_length_sorted_micro_batches:
-            return False
-        per_device = self.per_device_train_batch_size
-        steps = self.steps_per_generation or self.gradient_accumulation_steps
-        return per_device > 1 and block_size(per_device, self.num_generations) < steps
-
-    def _validate_length_sorting(self, problems: list[str] | None = None) -> None:
-        """Refuse ``egpo_length_sorted_micro_batches`` where the loss depends on which rows share a micro-batch (with
-        ``problems`` the trainer found added), in one error that names the fix."""
-        found = per_micro_batch_terms(self) + list(problems or [])
-        if found:
-            raise ValueError(
-                "egpo_length_sorted_micro_batches=True would train on another objective: "
-                + "; ".join(found)
-                + ". Set egpo_length_sorted_micro_batches=False, or change those settings."
-            )
 
     def _loss_forward_launch(self) -> tuple[int, str | None]:
         """The run's process count and distributed engine (``"DeepSpeed"``, ``"FSDP"`` or ``None``), as
@@ -551,8 +503,6 @@ class EGPOConfig(GRPOConfig):
         choose("egpo_entropy_logps", self.egpo_entropy_logps, ENTROPY_LOGPS)
         if self.egpo_entropy_logps == "loss_forward":
             self._validate_loss_forward()
-        if self.egpo_length_sorted_micro_batches:
-            self._validate_length_sorting()
         if self.egpo_entropy_logps == "sampler" and self.advantage_estimator == "egpo":
             self._note_sampler_fallback()
         for name in ("egpo_lambda_min", "egpo_lambda_max", "egpo_entropy_eps"):
@@ -573,12 +523,6 @@ class EGPOConfig(GRPOConfig):
             raise ValueError(
                 f"With egpo_clamp='asymmetric' the bounds must bracket 1 (lambda_min <= 1 <= lambda_max), got "
                 f"[{self.egpo_lambda_min}, {self.egpo_lambda_max}]; otherwise one side of the clamp is a constant."
-            )
-        tokens = self.egpo_loss_forward_block_tokens
-        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
-            raise ValueError(
-                f"egpo_loss_forward_block_tokens must be a positive integer (padded tokens a block of the loss's "
-                f"forwards may hold), got {tokens!r}; or leave it unset for one group's micro-batches per block."
             )
         if self.egpo_entropy_eps <= 0:
             raise ValueError(f"egpo_entropy_eps must be > 0 (default 1e-6), got {self.egpo_entropy_eps}.")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import time
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -210,7 +209,6 @@ class EGPOTrainer(
         if args.edge_gec:
             self._check_guided_error_correction()
         self._check_loss_forward_entropy()
-        self._check_length_sorting()
         self._egpo_rewards_per_func: torch.Tensor | None = None
         self._egpo_capture_entropy = False  # capture the entropies of TRL's next old-log-prob pass
         self._egpo_captured_entropies: torch.Tensor | None = None
@@ -714,13 +712,6 @@ class EGPOTrainer(
     def _prepare_inputs(self, generation_batch):
         if getattr(self, "_fused", False) and self.model.training:
             return self._fused_prepare_inputs(super()._prepare_inputs, generation_batch)
-        window = getattr(self, "_egpo_sort_window", None)
-        if window and self.model.training:
-            from egpo_trl.fused import length_sorted_order, shuffle_then
-
-            return shuffle_then(
-                super()._prepare_inputs, generation_batch, [lambda batch: length_sorted_order(batch, window)]
-            )
         return super()._prepare_inputs(generation_batch)
 
     def _egpo_compared_passes(self) -> list[str]:
@@ -732,93 +723,6 @@ class EGPOTrainer(
         if self.beta != 0.0:
             reasons.append("beta != 0 (a reference model's log-probs)")
         return reasons
-
-    def _egpo_full_width_reasons(self) -> list[str]:
-        """Why the loss's forwards keep TRL's full width in this run (empty: each is cut to its longest row), which
-        leaves length sorting nothing to save: the conditions of :meth:`_egpo_trl_pass` that do not depend on a
-        batch's rows."""
-        from egpo_trl.old_logps import can_realign
-
-        reasons = []
-        if not self.args.egpo_shift_prompt_padding:
-            reasons.append("egpo_shift_prompt_padding is off")
-        elif getattr(self, "_is_vlm", False):
-            reasons.append("the model takes image inputs")
-        elif getattr(self, "aux_loss_enabled", False):
-            reasons.append("the MoE router's auxiliary loss keeps TRL's layout")
-        else:
-            empty = torch.zeros(0, 0, dtype=torch.long)  # no rows: the model's own conditions only
-            if not can_realign(self.accelerator.unwrap_model(self.model), empty, empty):
-                reasons.append(
-                    "this model's rows cannot be shifted past their prompt padding (its type, attention "
-                    "implementation, sliding window, rotary scaling or adapter: see egpo_shift_prompt_padding)"
-                )
-        return reasons + self._egpo_compared_passes()
-
-    def _check_length_sorting(self) -> None:
-        """``egpo_length_sorted_micro_batches``: refuse what it cannot serve and set ``_egpo_sort_window``, the rows
-        sorted together (``None``: no sorting); within an optimizer step, per group under ``loss_forward`` or per
-        merged block with ``egpo_loss_forward_block_tokens``."""
-        args = self.args
-        self._egpo_sort_window = None
-        if args.egpo_loss_forward_block_tokens is not None and not (
-            getattr(self, "_fused", False) and args.egpo_length_sorted_micro_batches
-        ):
-            logger.warning(
-                "egpo_loss_forward_block_tokens=%s does nothing here: it merges the blocks of "
-                "egpo_entropy_logps='loss_forward' with egpo_length_sorted_micro_batches=True.",
-                args.egpo_loss_forward_block_tokens,
-            )
-        if not args.egpo_length_sorted_micro_batches:
-            return
-        router = ["the MoE router's auxiliary loss is averaged over each micro-batch"]
-        args._validate_length_sorting(router if getattr(self, "aux_loss_enabled", False) else None)
-        full_width = self._egpo_full_width_reasons()
-        per_device = args.per_device_train_batch_size
-        if getattr(self, "_fused", False):
-            window = self.num_generations
-            inside = per_device % window == 0 or per_device == 1  # whole groups per micro-batch, or single rows
-            tokens = args.egpo_loss_forward_block_tokens
-            if args._loss_forward_blocks_may_merge():
-                inside = False  # blocks of several groups, sorted together
-                if not full_width:
-                    self._fused_block_tokens = tokens
-                    if not args.gradient_checkpointing:
-                        from egpo_trl.fused import merged_block_memory_note
-
-                        logger.warning(merged_block_memory_note(tokens))
-        else:
-            window = math.gcd(args.gradient_accumulation_steps, args.steps_per_generation) * per_device
-            inside = window == per_device or per_device == 1
-        if full_width:
-            logger.warning(
-                "egpo_length_sorted_micro_batches has nothing to save here: the loss's forward keeps TRL's full "
-                "width (%s). Rows are not sorted.",
-                "; ".join(full_width),
-            )
-        elif inside:
-            logger.warning(
-                "egpo_length_sorted_micro_batches has nothing to save here: the rows it may sort together (%d) "
-                "cannot change which rows share a micro-batch of %d. Rows are not sorted.",
-                window,
-                per_device,
-            )
-        else:
-            self._egpo_sort_window = window
-        if (
-            getattr(self, "_fused", False)
-            and args.egpo_loss_forward_block_tokens is not None
-            and not getattr(self, "_fused_block_tokens", None)
-        ):
-            if full_width:
-                why = "the loss's forwards keep TRL's full width"
-            else:
-                why = "one row per micro-batch, or one block per generation batch already"
-            logger.warning(
-                "egpo_loss_forward_block_tokens=%s is ignored here: blocks cannot merge groups (%s).",
-                args.egpo_loss_forward_block_tokens,
-                why,
-            )
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if getattr(self, "_fused", False):  # called in training only (the model may not be in train mode yet)
