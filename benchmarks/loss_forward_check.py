@@ -57,8 +57,7 @@ def run(
         return {"error": f"exit {done.returncode}, see {out / 'run.log'}"}
     rows = json.loads((out / "log.json").read_text())
     backwards = json.loads((out / "backwards.json").read_text())
-    blocks = [json.loads(path.read_text()) for path in sorted(out.glob("blocks_rank*.json"))]
-    return {"rows": rows, "weights": torch.load(out / "weights.pt"), "backwards": backwards, "blocks": blocks}
+    return {"rows": rows, "weights": torch.load(out / "weights.pt"), "backwards": backwards}
 
 
 def differences(a: dict, b: dict) -> dict:
@@ -85,9 +84,7 @@ def main() -> int:
     parser.add_argument("--accumulation", type=int, default=4, help="micro-batches per optimizer step")
     parser.add_argument(
         "--settings",
-        help="more EGPOConfig settings for every run, as JSON, e.g. merged blocks: "
-        '\'{"egpo_length_sorted_micro_batches": true, "egpo_loss_forward_block_tokens": 1000000, '
-        '"generation_kwargs": {"sequence_bias": [[[2], 3.0]]}}\'',
+        help='more EGPOConfig settings for every run, as JSON, e.g. \'{"egpo_entropy_scope": "answer"}\'',
     )
     parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--rtol", type=float, default=1e-4, help="largest relative metric difference accepted")
@@ -127,8 +124,6 @@ def main() -> int:
                     row.update(differences(runs[other], runs["policy"]))
                     row["within"] = row["metric_rel"] <= args.rtol and row["weight_abs"] <= args.atol
                     row["backwards"] = {"policy": runs["policy"]["backwards"], other: runs[other]["backwards"]}
-                    if runs[other]["blocks"]:  # merged blocks: each process's block ends, per generation batch
-                        row["blocks"] = runs[other]["blocks"]
                     failed |= not row["within"]
                     print(
                         f"| {engine} | {bool(checkpointing)} | {row['compared']} | {row['metric_abs']:.2e} | "

@@ -55,10 +55,22 @@ _SAMPLING_FIELDS: dict[str, tuple[object, ...]] = {
 #: tokens' ratios: a per-token gap of any sign compounds over the completion and the weight collapses.
 SEQUENCE_IMPORTANCE_SAMPLING_MODES: tuple[str, ...] = ("sequence_truncate", "sequence_mask")
 
+# Numeric fields: (name, lowest, highest, lowest excluded); None: any finite number.
+_NUMBERS = (
+    ("egpo_lambda_min", 0.0, None, True),
+    ("egpo_lambda_max", None, None, False),
+    ("egpo_entropy_eps", 0.0, None, True),
+    ("nsr_positive_weight", 0.0, None, False),
+    ("dynamic_sampling_oversample", 1.0, None, False),
+    ("overlong_penalty_factor", 0.0, None, False),
+    ("edge_gec_reflect_prob", 0.0, 1.0, False),
+    ("edge_gec_answer_prob", 0.0, 1.0, False),
+    ("edge_gec_solution_prob", 0.0, 1.0, False),
+)
+
 
 def trl_computes_old_logps(config) -> bool:
-    """Whether TRL 1.16's ``_generate_and_score_completions`` runs its old-log-prob pass for ``config`` (TRL's rule):
-    a generation batch spans several optimizer steps or iterations, or vLLM's importance sampling is corrected."""
+    """Whether TRL 1.16 runs its old-log-prob pass for ``config`` (TRL's rule)."""
     generate_every = (config.steps_per_generation or config.gradient_accumulation_steps) * config.num_iterations
     return config.gradient_accumulation_steps % generate_every != 0 or bool(
         config.use_vllm and config.vllm_importance_sampling_correction
@@ -66,9 +78,8 @@ def trl_computes_old_logps(config) -> bool:
 
 
 def distribution_changing_sampling_options(config) -> dict[str, object]:
-    """The sampling options of ``config`` that make vLLM sample from a distribution other than the policy's at
-    ``temperature`` (``{name: value}``, empty for plain sampling): TRL's trainer-side log-probs divide the logits by
-    ``temperature`` and apply nothing else, while vLLM reports the log-probs of the distribution it sampled from."""
+    """The sampling options of ``config`` (``{name: value}``) that make vLLM sample from another distribution than
+    the policy's at ``temperature``, which TRL's trainer-side log-probs describe."""
     found: dict[str, object] = {}
     generation_kwargs = getattr(config, "generation_kwargs", None)
     if isinstance(generation_kwargs, str):  # GRPOConfig takes a JSON string too
@@ -118,19 +129,6 @@ def loss_forward_error(problems: list[str]) -> str:
     )
 
 
-def per_micro_batch_terms(args) -> list[str]:
-    """The loss terms of ``args`` normalised per micro-batch: what ``loss_forward``'s blocks and length sorting, which
-    change which rows share a micro-batch, cannot serve."""
-    terms = []
-    if args.loss_type == "bnpo":
-        terms.append("loss_type 'bnpo' averages over each micro-batch's tokens")
-    if args.top_entropy_quantile < 1.0:
-        terms.append("top_entropy_quantile < 1 takes its threshold within each micro-batch")
-    if args.entropy_coef != 0.0 or getattr(args, "use_adaptive_entropy", False):
-        terms.append("an entropy bonus (entropy_coef, use_adaptive_entropy) is averaged and updated per micro-batch")
-    return terms
-
-
 def oversampling_layout_error(args: Any) -> str | None:
     """Why ``args`` cannot oversample dynamic sampling's first round (``dynamic_sampling_oversample``), or ``None``:
     the added groups go to every process as whole groups, so each process's share must be whole groups too."""
@@ -150,23 +148,9 @@ def oversampling_layout_error(args: Any) -> str | None:
 @dataclass
 class EGPOConfig(GRPOConfig):
     r"""
-    Configuration class for [`EGPOTrainer`].
-
-    Every field of TRL's [`~trl.GRPOConfig`] works unchanged; the fields below add Entropy-Guided Policy Optimization
-    and its baselines. Each field's `help` documents it (`egpo-trl train --help-all`); field names are the YAML keys
-    of a recipe and the command-line flags.
-
-    Parameters:
-        > The advantage estimator: `advantage_estimator`
-
-        > EGPO (paper Sec. 3): `egpo_lambda_min`, `egpo_lambda_max`, `egpo_entropy_eps`, `egpo_clamp`, `egpo_renorm`,
-        `egpo_nsr`, `egpo_nsr_weighting`, `egpo_correctness_reward`, `egpo_entropy_scope`
-
-        > The entropy proxy's log-probs and the loss's forwards: `egpo_entropy_logps`, `egpo_entropy_metrics`,
-        `egpo_length_sorted_micro_batches`, `egpo_loss_forward_block_tokens`, `egpo_shift_prompt_padding`
-
-        > Baselines (`docs/baselines.md`): NSR `nsr_positive_weight`; EDGE-GRPO `edge_grpo_entropy_normalization`,
-        `edge_gec*`; DAPO `dynamic_sampling*`, `overlong_buffer_length`, `overlong_penalty_factor`
+    Configuration class for [`EGPOTrainer`]: every field of TRL's [`~trl.GRPOConfig`], plus the fields of EGPO
+    (`egpo_*`) and its baselines (`nsr_*`, `edge_grpo_*`, `edge_gec*`, `dynamic_sampling*`, `overlong_*`). Each field's
+    `help` documents it (`egpo-trl train --help-all`); field names are a recipe's YAML keys and the command-line flags.
     """
 
     advantage_estimator: str = field(
@@ -252,24 +236,6 @@ class EGPOConfig(GRPOConfig):
         metadata={
             "help": "Compute the entropy proxy and the egpo/entropy_* metrics even when the advantage estimator does "
             "not use it (grpo, nsr)."
-        },
-    )
-    egpo_length_sorted_micro_batches: bool = field(
-        default=False,
-        metadata={
-            "help": "Sort each generation batch's rows (each group's under loss_forward) by length, longest first, so "
-            "that a micro-batch's forward, cut to its longest row, computes less padding; the same gradient. Not "
-            "with bnpo, top_entropy_quantile < 1, an entropy bonus or a MoE router loss. TRL's per-micro-batch "
-            "metrics (entropy, clip_ratio/*, kl) then weigh short completions more."
-        },
-    )
-    egpo_loss_forward_block_tokens: int | None = field(
-        default=None,
-        metadata={
-            "help": "Under egpo_entropy_logps=loss_forward with egpo_length_sorted_micro_batches: let a block hold "
-            "several whole groups, sorted by length together, where that cuts padding, up to this many padded tokens "
-            "held (rows x their micro-batch's longest row). A block keeps its forwards until its last one has run, so "
-            "this bounds their memory. Unset: one group's micro-batches per block."
         },
     )
     egpo_shift_prompt_padding: bool = field(
@@ -444,9 +410,15 @@ class EGPOConfig(GRPOConfig):
                 "TRL computes the old policy's log-probs itself here (num_iterations > 1, or vLLM's "
                 "importance-sampling correction on): EGPO uses those at no extra cost"
             )
-        # Grouping a block's rows changes which rows share a micro-batch: losses and terms normalised per
-        # micro-batch would then train on another objective than the default path's.
-        problems += per_micro_batch_terms(self)
+        # Grouping a block's rows changes which rows share a micro-batch: terms normalised per micro-batch change.
+        if self.loss_type == "bnpo":
+            problems.append("loss_type 'bnpo' averages over each micro-batch's tokens")
+        if self.top_entropy_quantile < 1.0:
+            problems.append("top_entropy_quantile < 1 takes its threshold within each micro-batch")
+        if self.entropy_coef != 0.0 or getattr(self, "use_adaptive_entropy", False):
+            problems.append(
+                "an entropy bonus (entropy_coef, use_adaptive_entropy) is averaged and updated per micro-batch"
+            )
         if "lomo" in str(getattr(self, "optim", "")).lower():
             problems.append(
                 f"optim {self.optim!r} updates the weights during each backward, so a block's later forwards would "
@@ -486,47 +458,17 @@ class EGPOConfig(GRPOConfig):
             self.gradient_checkpointing
             and reentrant_checkpointing(self.gradient_checkpointing_kwargs)
             and (world_size > 1 or engine is not None)
-            and (blocks > 1 or self._loss_forward_blocks_may_merge())
+            and blocks > 1
         ):
-            # Reentrant checkpointing hands each checkpointed forward's weight gradients over separately, so a
-            # weight used by several forwards is reported ready several times in one backward: DDP's and ZeRO's
-            # gradient hooks take one report per backward.
-            merging_only = blocks == 1
+            # Reentrant checkpointing reports a weight used by several forwards ready several times in one backward;
+            # DDP's and ZeRO's gradient hooks take one report per backward.
             problems.append(
                 "reentrant gradient checkpointing cannot hold several forwards for one backward under data "
                 "parallelism or DeepSpeed; set gradient_checkpointing_kwargs: {use_reentrant: false}"
-                + (
-                    " (or unset egpo_loss_forward_block_tokens, whose blocks of merged groups hold them)"
-                    if merging_only
-                    else ""
-                )
             )
         problems += found
         if problems:
             raise ValueError(loss_forward_error(problems))
-
-    def _loss_forward_blocks_may_merge(self) -> bool:
-        """Whether ``egpo_loss_forward_block_tokens`` can merge groups into blocks with these arguments (the trainer
-        also needs forwards cut to their rows, which only it can tell): sorting on, several rows per micro-batch, and
-        more than one smallest block in a process's generation batch."""
-        from egpo_trl.fused import block_size
-
-        if self.egpo_loss_forward_block_tokens is None or not self.egpo_length_sorted_micro_batches:
-            return False
-        per_device = self.per_device_train_batch_size
-        steps = self.steps_per_generation or self.gradient_accumulation_steps
-        return per_device > 1 and block_size(per_device, self.num_generations) < steps
-
-    def _validate_length_sorting(self, problems: list[str] | None = None) -> None:
-        """Refuse ``egpo_length_sorted_micro_batches`` where the loss depends on which rows share a micro-batch (with
-        ``problems`` the trainer found added), in one error that names the fix."""
-        found = per_micro_batch_terms(self) + list(problems or [])
-        if found:
-            raise ValueError(
-                "egpo_length_sorted_micro_batches=True would train on another objective: "
-                + "; ".join(found)
-                + ". Set egpo_length_sorted_micro_batches=False, or change those settings."
-            )
 
     def _loss_forward_launch(self) -> tuple[int, str | None]:
         """The run's process count and distributed engine (``"DeepSpeed"``, ``"FSDP"`` or ``None``), as
@@ -534,36 +476,44 @@ class EGPOConfig(GRPOConfig):
         return self.world_size, _distributed_engine(self)
 
     def _validate_egpo(self) -> None:
-        def choose(name: str, value: str, choices: tuple[str, ...] | list[str]) -> None:
-            if value not in choices:
-                raise ValueError(f"{name}={value!r} is not supported; set it to one of: {', '.join(choices)}.")
-
-        choose("advantage_estimator", self.advantage_estimator, sorted(ADVANTAGE_ESTIMATORS))
+        choices = {
+            "advantage_estimator": sorted(ADVANTAGE_ESTIMATORS),
+            "egpo_clamp": CLAMP_MODES,
+            "egpo_renorm": RENORM_MODES,
+            "egpo_nsr_weighting": NSR_WEIGHTINGS,
+            "egpo_entropy_scope": ENTROPY_SCOPES,
+            "egpo_entropy_logps": ENTROPY_LOGPS,
+            "edge_grpo_entropy_normalization": ENTROPY_NORMALIZATIONS,
+            "dynamic_sampling_metric": DYNAMIC_SAMPLING_METRICS,
+            "edge_gec_scope": GEC_SCOPES,
+        }
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not supported; set it to one of: {', '.join(allowed)}.")
         if self.max_steps == 0:  # transformers would train one step while saying it trains by epochs
             raise ValueError(
                 "max_steps=0 is not a length: use a positive number of optimizer steps, or -1 to train for "
                 "num_train_epochs."
             )
-        choose("egpo_clamp", self.egpo_clamp, CLAMP_MODES)
-        choose("egpo_renorm", self.egpo_renorm, RENORM_MODES)
-        choose("egpo_nsr_weighting", self.egpo_nsr_weighting, NSR_WEIGHTINGS)
-        choose("egpo_entropy_scope", self.egpo_entropy_scope, ENTROPY_SCOPES)
-        choose("egpo_entropy_logps", self.egpo_entropy_logps, ENTROPY_LOGPS)
-        if self.egpo_entropy_logps == "loss_forward":
-            self._validate_loss_forward()
-        if self.egpo_length_sorted_micro_batches:
-            self._validate_length_sorting()
-        if self.egpo_entropy_logps == "sampler" and self.advantage_estimator == "egpo":
-            self._note_sampler_fallback()
-        for name in ("egpo_lambda_min", "egpo_lambda_max", "egpo_entropy_eps"):
+        for name, low, high, strict in _NUMBERS:
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}.")
-        if self.egpo_lambda_min <= 0:
-            raise ValueError(
-                f"egpo_lambda_min must be > 0 (the paper uses 0.8), got {self.egpo_lambda_min}: a zero or negative "
-                "bound would zero or flip the sign of advantages."
-            )
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or (low is not None and (value <= low if strict else value < low)) or (high and value > high):
+                bounds = (
+                    ""
+                    if low is None
+                    else f" {'>' if strict else '>='} {low}"
+                    if high is None
+                    else f" in [{low}, {high}]"
+                )
+                raise ValueError(f"{name} must be a {'finite ' * (low is None)}number{bounds}, got {value!r}.")
+        for name in ("dynamic_sampling_max_rounds", "edge_gec_max_new_tokens", "overlong_buffer_length"):
+            value = getattr(self, name)
+            if (value is not None or name != "overlong_buffer_length") and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         if self.egpo_lambda_min > self.egpo_lambda_max:
             raise ValueError(
                 f"egpo_lambda_min ({self.egpo_lambda_min}) is larger than egpo_lambda_max ({self.egpo_lambda_max}); "
@@ -574,17 +524,10 @@ class EGPOConfig(GRPOConfig):
                 f"With egpo_clamp='asymmetric' the bounds must bracket 1 (lambda_min <= 1 <= lambda_max), got "
                 f"[{self.egpo_lambda_min}, {self.egpo_lambda_max}]; otherwise one side of the clamp is a constant."
             )
-        tokens = self.egpo_loss_forward_block_tokens
-        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
-            raise ValueError(
-                f"egpo_loss_forward_block_tokens must be a positive integer (padded tokens a block of the loss's "
-                f"forwards may hold), got {tokens!r}; or leave it unset for one group's micro-batches per block."
-            )
-        if self.egpo_entropy_eps <= 0:
-            raise ValueError(f"egpo_entropy_eps must be > 0 (default 1e-6), got {self.egpo_entropy_eps}.")
-        choose("edge_grpo_entropy_normalization", self.edge_grpo_entropy_normalization, ENTROPY_NORMALIZATIONS)
-        choose("dynamic_sampling_metric", self.dynamic_sampling_metric, DYNAMIC_SAMPLING_METRICS)
-        choose("edge_gec_scope", self.edge_gec_scope, GEC_SCOPES)
+        if self.egpo_entropy_logps == "loss_forward":
+            self._validate_loss_forward()
+        if self.egpo_entropy_logps == "sampler" and self.advantage_estimator == "egpo":
+            self._note_sampler_fallback()
         from egpo_trl.input_checks import generation_kwargs_problem
 
         problem = generation_kwargs_problem(self)
@@ -635,21 +578,6 @@ class EGPOConfig(GRPOConfig):
             )
 
     def _validate_baselines(self) -> None:
-        def number(name: str, minimum: float, maximum: float | None = None) -> None:
-            value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if not ok or value < minimum or (maximum is not None and value > maximum):
-                bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-                raise ValueError(f"{name} must be a number {bounds}, got {value!r}.")
-
-        def integer(name: str, minimum: int) -> None:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
-
-        number("nsr_positive_weight", 0.0)
-        integer("dynamic_sampling_max_rounds", 1)
-        number("dynamic_sampling_oversample", 1.0)
         if self.dynamic_sampling_oversample != 1.0 and not self.dynamic_sampling:
             raise ValueError(
                 f"dynamic_sampling_oversample={self.dynamic_sampling_oversample:g} sizes dynamic sampling's first "
@@ -660,24 +588,18 @@ class EGPOConfig(GRPOConfig):
         layout = oversampling_layout_error(self)
         if layout:
             raise ValueError(layout)
-        number("overlong_penalty_factor", 0.0)
-        if self.overlong_buffer_length is not None:
-            integer("overlong_buffer_length", 1)
-            if self.overlong_buffer_length > self.max_completion_length:
-                raise ValueError(
-                    f"overlong_buffer_length ({self.overlong_buffer_length}) is longer than max_completion_length "
-                    f"({self.max_completion_length}); set it to at most max_completion_length (DAPO uses a quarter of "
-                    "it) or leave it unset to add no length penalty."
-                )
-        for name in ("edge_gec_reflect_prob", "edge_gec_answer_prob", "edge_gec_solution_prob"):
-            number(name, 0.0, 1.0)
+        if self.overlong_buffer_length is not None and self.overlong_buffer_length > self.max_completion_length:
+            raise ValueError(
+                f"overlong_buffer_length ({self.overlong_buffer_length}) is longer than max_completion_length "
+                f"({self.max_completion_length}); set it to at most max_completion_length (DAPO uses a quarter of "
+                "it) or leave it unset to add no length penalty."
+            )
         total = self.edge_gec_reflect_prob + self.edge_gec_answer_prob + self.edge_gec_solution_prob
         if total > 1.0 + 1e-9:
             raise ValueError(
                 f"edge_gec_reflect_prob + edge_gec_answer_prob + edge_gec_solution_prob = {total:g} > 1; lower them so "
                 "that they sum to at most 1 (the rest leaves a completion unchanged)."
             )
-        integer("edge_gec_max_new_tokens", 1)
         if "{answer}" not in self.edge_gec_answer_template:
             raise ValueError(
                 "edge_gec_answer_template must contain '{answer}', where the reference answer goes; got "

@@ -4,9 +4,8 @@ Where TRL computes no old-policy log-probs (one optimizer step per generation ba
 would need a no-grad pass over the batch for its weights. Instead, the shuffled rows are grouped so that a *block* of
 consecutive micro-batches holds whole groups; the block's micro-batches run their forwards only, and its last one
 computes EGPO's weights from their log-probs, then TRL's loss of each micro-batch with the weighted advantages,
-backpropagated one at a time (one backward of the sum under DDP, whose synchronisation is armed by the forward). With
-``egpo_length_sorted_micro_batches`` and ``egpo_loss_forward_block_tokens`` a block may merge several groups
-(:func:`merged_blocks`), its rows sorted by length. Base advantages are computed when the batch is scored.
+backpropagated one at a time (one backward of the sum under DDP, whose synchronisation is armed by the forward).
+Base advantages are computed when the batch is scored.
 """
 
 from __future__ import annotations
@@ -24,12 +23,7 @@ __all__ = [
     "block_memory_note",
     "block_size",
     "group_first_order",
-    "length_sorted_order",
-    "merged_block_memory_note",
-    "merged_blocks",
-    "padded_tokens",
     "reorder_rows",
-    "row_lengths",
     "shuffle_then",
 ]
 
@@ -79,14 +73,6 @@ def block_memory_note(per_device_batch: int, blocks: int) -> str:
     )
 
 
-def merged_block_memory_note(tokens: int) -> str:
-    return (
-        f"egpo_loss_forward_block_tokens={tokens} with gradient_checkpointing off: a block of merged groups holds all "
-        "the activations of its forwards (up to that many padded tokens) until their backwards, which runs out of GPU "
-        "memory at long completions. Turn gradient_checkpointing on, or unset egpo_loss_forward_block_tokens."
-    )
-
-
 def group_first_order(groups: torch.Tensor) -> torch.Tensor:
     """A stable permutation that puts each group's rows together, groups in the order of their first row."""
     groups = groups.cpu()
@@ -96,81 +82,6 @@ def group_first_order(groups: torch.Tensor) -> torch.Tensor:
     rank = torch.tensor([first[group] for group in groups.tolist()])
     # sort by the position of the group's first row; stable, so rows of a group keep their order
     return torch.sort(rank, stable=True).indices
-
-
-def row_lengths(batch: dict[str, Any]) -> torch.Tensor:
-    """Each row's prompt tokens plus its completion up to its last scored token, on the CPU."""
-    from egpo_trl.old_logps import completion_widths
-
-    lengths = completion_widths(batch["completion_mask"]).cpu()
-    prompt_mask = batch.get("prompt_mask")
-    if prompt_mask is not None:
-        lengths = lengths + prompt_mask.sum(dim=1).cpu()
-    return lengths
-
-
-def _sorted_segments(lengths: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """A permutation sorting each segment of ``sizes`` consecutive rows by length, longest first, stably."""
-    order, start = [], 0
-    for size in sizes:
-        segment = lengths[start : start + size]
-        order.append(start + torch.sort(segment, descending=True, stable=True).indices)
-        start += size
-    return torch.cat(order) if order else torch.arange(0)
-
-
-def length_sorted_order(batch: dict[str, Any], window: int) -> torch.Tensor:
-    """A permutation sorting each ``window`` consecutive rows by :func:`row_lengths`, longest first, stably; rows
-    never leave their window."""
-    if window < 1:
-        raise ValueError(f"window must be at least one row, got {window}")
-    lengths = row_lengths(batch)
-    rows = lengths.numel()
-    return _sorted_segments(lengths, [min(window, rows - start) for start in range(0, rows, window)])
-
-
-def padded_tokens(lengths: torch.Tensor, per_device: int) -> int:
-    """The padded tokens of these rows sorted by length and cut into micro-batches of ``per_device`` rows."""
-    ordered = torch.sort(lengths, descending=True).values
-    return int(
-        sum(
-            int(ordered[start]) * int(ordered[start : start + per_device].numel())
-            for start in range(0, ordered.numel(), per_device)
-        )
-    )
-
-
-def merged_blocks(lengths: torch.Tensor, unit_rows: int, per_device: int, budget: int) -> list[int]:
-    """The rows of each block when blocks may merge units of ``unit_rows`` rows (whole groups, in group order).
-
-    ``lengths`` is ``[processes, rows]``, so every process gets the same blocks. The next unit joins the block before
-    it where that lowers the padded tokens (:func:`padded_tokens`, summed over processes) and no process's block
-    exceeds ``budget`` of them; otherwise it starts a block."""
-    if lengths.ndim == 1:
-        lengths = lengths.unsqueeze(0)
-    rows = lengths.size(1)
-    if unit_rows < 1 or rows % unit_rows:
-        raise ValueError(f"a generation batch of {rows} rows is not made of units of {unit_rows} rows")
-
-    def cost(start: int, stop: int) -> list[int]:
-        return [padded_tokens(process[start:stop], per_device) for process in lengths]
-
-    sizes: list[int] = []
-    start = 0
-    for unit in range(unit_rows, rows + 1, unit_rows):
-        if not sizes:
-            sizes.append(unit_rows)
-            continue
-        stop = unit
-        end = start + sizes[-1]
-        apart = sum(cost(start, end)) + sum(cost(end, stop))
-        together = cost(start, stop)
-        if sum(together) < apart and max(together) <= budget:
-            sizes[-1] += unit_rows
-        else:
-            start = end
-            sizes.append(unit_rows)
-    return sizes
 
 
 def shuffle_then(prepare, generation_batch, reorders):
@@ -263,10 +174,6 @@ class LossForwardEntropyMixin:
         self._fused_pending: list[dict[str, Any]] = []
         self._fused_cache: list[tuple] = []
         self._fused_batch: dict[str, Any] | None = None
-        # Micro-batches (1-based) that end a merged block; None: every ``_fused_block`` micro-batches.
-        self._fused_block_ends: set[int] | None = None
-        # The padded tokens a merged block may hold; set by the trainer where blocks can merge.
-        self._fused_block_tokens: int | None = None
 
     def _fused_active(self, mode: str) -> bool:
         return getattr(self, "_fused", False) and mode == "train"
@@ -314,76 +221,24 @@ class LossForwardEntropyMixin:
         return result
 
     def _fused_prepare_inputs(self, prepare, generation_batch):
-        """TRL's ``_prepare_inputs`` with a new batch's shuffled rows grouped, then each group's rows sorted by length
-        (``egpo_length_sorted_micro_batches``) or groups merged into blocks (``egpo_loss_forward_block_tokens``)."""
+        """TRL's ``_prepare_inputs`` with a new batch's shuffled rows grouped, so that a block holds whole groups."""
 
         def group(batch):
             return group_first_order(batch[GROUP_KEY]) if GROUP_KEY in batch else None
 
-        reorders = [group]
-        if getattr(self, "_fused_block_tokens", None):
-            reorders.append(self._fused_merge_blocks)
-        else:
-            window = getattr(self, "_egpo_sort_window", None)
-            if window:
-                reorders.append(lambda batch: length_sorted_order(batch, window) if GROUP_KEY in batch else None)
-        return shuffle_then(prepare, generation_batch, reorders)
-
-    def _fused_merge_blocks(self, batch):
-        """Decide a new batch's merged blocks (``_fused_block_ends``); the permutation sorting each block by length."""
-        self._fused_block_ends = None  # nothing of an earlier generation batch's blocks carries over
-        if GROUP_KEY not in batch:
-            return None
-        lengths = row_lengths(batch)
-        every = lengths
-        if self.accelerator.num_processes > 1:  # the same blocks on every process
-            every = self.accelerator.gather(lengths.to(self.accelerator.device)).cpu()
-        every = every.view(self.accelerator.num_processes, -1)
-        per_device = self.args.per_device_train_batch_size
-        sizes = merged_blocks(every, self._fused_block * per_device, per_device, self._fused_block_tokens)
-        ends, total = set(), 0
-        for size in sizes:
-            total += size
-            ends.add(total // per_device)
-        self._fused_block_ends = ends
-        # how many blocks the generation batch was cut into (each block holds its forwards until its last one)
-        self._metrics["train"]["egpo/loss_forward_blocks"].append(float(len(sizes)))
-        return _sorted_segments(lengths, sizes)
-
-    def _fused_ends_block(self, position: int) -> bool:
-        """Whether the micro-batch at ``position`` (0-based, within its generation batch) ends its block."""
-        ends = getattr(self, "_fused_block_ends", None)
-        if ends is None:
-            return (position + 1) % self._fused_block == 0
-        return position + 1 in ends
+        return shuffle_then(prepare, generation_batch, [group])
 
     def _fused_training_step(self, model, inputs, step):
         """A micro-batch that does not end its block is prepared and kept, without forward or backward; the block's
-        last one runs ``step`` (the parents' ``training_step``). With merged blocks a batch's first micro-batch is
-        prepared first, as that decides the blocks."""
-        position = self._step % self.args.steps_per_generation
-        decided = position > 0 or not getattr(self, "_fused_block_tokens", None)
-        if decided and self._fused_ends_block(position):
+        last one runs ``step`` (the parents' ``training_step``)."""
+        if (self._step % self.args.steps_per_generation + 1) % self._fused_block == 0:
             return step()
         start = time.perf_counter()
         model.train()
         if callable(getattr(self.optimizer, "train", None)):  # as Trainer.training_step: a schedule-free optimizer
-            self.optimizer.train()  # back to its training weights (evaluation leaves it in eval mode) before sampling
-        prepared = self._prepare_inputs(inputs)  # a new generation batch resets the kept micro-batches: first
+            self.optimizer.train()
+        prepared = self._prepare_inputs(inputs)  # a new generation batch resets the kept micro-batches first
         self._current_train_step_time += time.perf_counter() - start
-        if not decided and self._fused_ends_block(position):
-            # Trainer.training_step prepares its inputs again: this once, they are the prepared ones (an attribute
-            # of the instance, so that a subclass's _prepare_inputs does not run twice on one micro-batch)
-            missing = object()
-            before = self.__dict__.get("_prepare_inputs", missing)  # a wrapper set on the instance, if any
-            self.__dict__["_prepare_inputs"] = lambda _inputs: prepared
-            try:
-                return step()
-            finally:
-                if before is missing:
-                    self.__dict__.pop("_prepare_inputs", None)
-                else:
-                    self.__dict__["_prepare_inputs"] = before
         self._fused_pending.append(prepared)
         self._step += 1
         return torch.zeros((), device=self.accelerator.device)
@@ -412,13 +267,7 @@ class LossForwardEntropyMixin:
                     compute_aux_loss=self.aux_loss_enabled,
                 )
             )
-        groups = torch.cat([batch[GROUP_KEY] for batch in block])
         n = self._fused_batch["num_generations"]
-        # A merged block's rows are sorted by length across its groups: the estimator takes each group's rows
-        # together, and its weights go back to the block's order.
-        order = group_first_order(groups).to(groups.device)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
         nll = torch.cat(
             [
                 sequence_entropy(logps.detach().float(), batch[MASK_KEY])
@@ -437,10 +286,7 @@ class LossForwardEntropyMixin:
         correct = torch.cat([batch[CORRECT_KEY] for batch in block])
         # The weights of a group depend on its own rows only: the estimator over the block's groups gives them.
         entropy_input = shannon if shannon is not None else nll
-        weights = self._egpo_estimator(
-            rewards[order], entropy_input[order], n, correct=correct[order], **self._estimator_kwargs()
-        )
-        weights = type(weights)(*[field[inverse] for field in weights])  # every per-row field in the block's order
+        weights = self._egpo_estimator(rewards, entropy_input, n, correct=correct, **self._estimator_kwargs())
         self._fused_record(block, weights, nll, shannon)
         self._fused_cache = list(forwards)
         del forwards  # each kept forward is freed with its micro-batch's backward

@@ -410,7 +410,7 @@ def _check_loss_forward(args, model_args, report: DryRunReport, plan: LaunchPlan
     if getattr(args, "egpo_entropy_logps", None) != "loss_forward":
         return
     from egpo_trl.config import loss_forward_error
-    from egpo_trl.fused import block_memory_note, block_size, merged_block_memory_note
+    from egpo_trl.fused import block_memory_note, block_size
     from egpo_trl.input_checks import loss_forward_input_problems
 
     blocks = block_size(args.per_device_train_batch_size, args.num_generations)
@@ -421,8 +421,6 @@ def _check_loss_forward(args, model_args, report: DryRunReport, plan: LaunchPlan
             f"egpo_entropy_logps=loss_forward under ZeRO-3 holds each block's {blocks} forwards until their backwards, "
             "more memory than the no-grad pass; for ZeRO-3's lower memory, --egpo_entropy_logps policy."
         )
-    if args._loss_forward_blocks_may_merge() and not args.gradient_checkpointing:  # the trainer's own condition
-        report.notes.append(merged_block_memory_note(args.egpo_loss_forward_block_tokens))
     peft = {"lora_dropout": model_args.lora_dropout} if model_args.use_peft else None
     problems = loss_forward_input_problems(model_args.model_name_or_path, peft, args.model_init_kwargs)
     if problems:

@@ -43,10 +43,7 @@ _BATCH_ARGS = (
 )  # fmt: skip
 _BATCH_PREFIXES = ("egpo_", "dynamic_sampling", "edge_gec")
 # Fields of those that change speed, memory or what is logged, not the batch.
-_OPERATIONAL = {
-    "egpo_entropy_metrics", "egpo_length_sorted_micro_batches", "egpo_loss_forward_block_tokens",
-    "egpo_shift_prompt_padding",
-}  # fmt: skip
+_OPERATIONAL = {"egpo_entropy_metrics", "egpo_shift_prompt_padding"}
 
 
 class _FinishedRun(Exception):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import time
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -63,14 +62,6 @@ ENTROPY_SOURCE_CODES = {
     "training_forward": 4,
     "loss_forward": 5,
 }
-ENTROPY_SOURCE_NAMES = {
-    "none": "nothing (egpo_entropy_metrics is off and the estimator does not read it)",
-    "old_per_token_logps": "TRL's old-policy log-probs",
-    "forward": "one no-grad pass of the policy",
-    "sampling_per_token_logps": "vLLM's sampling log-probs (egpo_entropy_logps='sampler')",
-    "training_forward": "the loss's own forward of the old policy (metrics only, no extra pass)",
-    "loss_forward": "the loss's own forwards of the old policy, before each group's backward (no extra pass)",
-}
 # Each row's index in its generation batch (this process's rows), carried through TRL's shuffling and splitting so
 # that the loss's forward can hand its log-probs back to the deferred entropy metrics.
 _ROW_KEY = "egpo_row_index"
@@ -116,10 +107,8 @@ def vllm_out_of_memory_message(args, processes: int, error: BaseException) -> st
 
 
 def _random_training_forward(model: torch.nn.Module) -> bool:
-    """Whether a training-mode forward of ``model`` is random: a dropout module with p > 0 (LoRA's included), or a
-    configured dropout probability, router jitter noise (mixture-of-experts routing in training mode), layer drop or
-    drop path above 0 (applied functionally by many architectures), in the model's config or in a PEFT adapter's
-    (LoHa's and LoKr's rank and module dropout, BOFT's dropout are applied in code, not by dropout modules)."""
+    """Whether a training-mode forward of ``model`` is random: a dropout module with p > 0, or a random setting
+    (dropout, router jitter, layer drop, drop path) in the model's config or a PEFT adapter's."""
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
             return True
@@ -144,16 +133,6 @@ class EGPOTrainer(
     gives it a reward > 0; that function must be a binary verifier where group types are read. Logs TRL's metrics
     and ``egpo/*`` (group types, weights, entropies of correct and incorrect completions, ``egpo/entropy_source``),
     ``dynamic_sampling/*`` and ``gec/*``.
-
-    Example::
-
-        trainer = EGPOTrainer(
-            model="Qwen/Qwen2.5-Math-1.5B",
-            reward_funcs=boxed_accuracy_reward,
-            args=EGPOConfig(output_dir="out", num_generations=16),
-            train_dataset=dataset,  # columns: prompt, answer
-        )
-        trainer.train()
     """
 
     _tag_names = ["trl", "egpo"]
@@ -194,7 +173,11 @@ class EGPOTrainer(
         with vllm_sequences_for_oversampling(args):
             super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
 
-        self._egpo_vllm_token_ids_only()
+        generation = getattr(self, "vllm_generation", None)
+        if getattr(self, "use_vllm", False) and getattr(generation, "mode", None) == "colocate":
+            kwargs = generation.generation_kwargs  # token ids only: TRL decodes them itself
+            if "detokenize" not in kwargs and not kwargs.get("stop"):
+                generation.generation_kwargs = {**kwargs, "detokenize": False}  # args.generation_kwargs stays as given
         self._egpo_estimator = get_advantage_estimator(args.advantage_estimator)
         self._egpo_entropy_input = get_entropy_input(self._egpo_estimator)
         #: What needs a binary correctness reward (see _egpo_correct), as named in the error.
@@ -210,24 +193,12 @@ class EGPOTrainer(
         if args.edge_gec:
             self._check_guided_error_correction()
         self._check_loss_forward_entropy()
-        self._check_length_sorting()
         self._egpo_rewards_per_func: torch.Tensor | None = None
         self._egpo_capture_entropy = False  # capture the entropies of TRL's next old-log-prob pass
         self._egpo_captured_entropies: torch.Tensor | None = None
         self._egpo_round_inputs: list[dict[str, Any]] | None = None
         #: What the last generation batch computed (global tensors), for inspection and tests.
         self.egpo_last_batch: dict[str, Any] = {}
-
-    def _egpo_vllm_token_ids_only(self) -> None:
-        """Ask a colocated vLLM engine for token ids only (``detokenize=False``): TRL decodes the ids itself. Left
-        alone where ``generation_kwargs`` set ``detokenize`` or ``stop`` strings, and in server mode."""
-        generation = getattr(self, "vllm_generation", None)
-        if not getattr(self, "use_vllm", False) or getattr(generation, "mode", None) != "colocate":
-            return
-        kwargs = generation.generation_kwargs
-        if "detokenize" in kwargs or kwargs.get("stop"):
-            return
-        generation.generation_kwargs = {**kwargs, "detokenize": False}  # a copy: args.generation_kwargs stays as given
 
     def vllm_kv_cache_tokens(self) -> int | None:
         """How many tokens the colocated vLLM engine's KV cache holds, all sequences together (``None`` where unknown)."""
@@ -329,7 +300,7 @@ class EGPOTrainer(
     ):
         """TRL's log-prob pass, or with ``egpo_shift_prompt_padding`` the same on rows shifted past their prompt padding
         where :func:`~egpo_trl.old_logps.can_realign` allows it (text only, no MoE auxiliary loss). Where TRL compares
-        two passes over the same rows (:meth:`_egpo_compared_passes`) the shifted forwards keep TRL's full width."""
+        two passes over the same rows (old-policy or reference log-probs) they keep TRL's full width."""
         if (
             getattr(self.args, "egpo_shift_prompt_padding", False)
             and not compute_aux_loss
@@ -350,7 +321,7 @@ class EGPOTrainer(
                     batch_size=batch_size,
                     compute_entropy=compute_entropy,
                     autocast=self.accelerator.autocast,
-                    full_width=bool(self._egpo_compared_passes()),
+                    full_width=self._trl_computes_old_logps() or self.beta != 0.0,
                 )
                 return logps, entropies, None
         return super()._get_per_token_logps_and_entropies(
@@ -365,20 +336,17 @@ class EGPOTrainer(
         )
 
     def _generate(self, prompts: list):
-        try:
-            return self._egpo_generate(prompts)
-        except RuntimeError as error:
-            message = vllm_out_of_memory_message(self.args, self.accelerator.num_processes, error)
-            if message is None:
-                raise
-            raise RuntimeError(message) from error
-
-    def _egpo_generate(self, prompts: list):
         gec = getattr(self, "_egpo_round_inputs", None) is not None and self.args.edge_gec and self.model.training
         # GuidedErrorCorrectionMixin: the continuations share the round's vLLM wake-up and weight sync.
         with self._gec_vllm_awake() if gec else nullcontext():
             with self._egpo_timed("generation_s"):
-                result = super()._generate(prompts)
+                try:
+                    result = super()._generate(prompts)
+                except RuntimeError as error:
+                    message = vllm_out_of_memory_message(self.args, self.accelerator.num_processes, error)
+                    if message is None:
+                        raise
+                    raise RuntimeError(message) from error
             if gec:
                 sampled_lengths = self._egpo_completion_lengths(result[1], result[2])[0]
                 with self._egpo_timed("gec_s"):  # scoring, rewrites and continuations
@@ -451,8 +419,16 @@ class EGPOTrainer(
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         sampling = None
-        if mode == "train":
-            self._egpo_drop_unfinished_deferred()
+        if mode == "train" and getattr(self, "_egpo_deferred_entropies", None) is not None:
+            # the previous batch's loss did not compute log-probs for every row: its entropy metrics are not logged
+            self._egpo_deferred_entropies = None
+            if not getattr(self, "_egpo_deferred_warned", False) and self.accelerator.is_main_process:
+                self._egpo_deferred_warned = True
+                logger.warning(
+                    "The egpo/entropy_* metrics of a batch were not logged: its loss did not compute per-token "
+                    "log-probs for every row. Set egpo_entropy_metrics: false to skip them, or report this with your "
+                    "configuration."
+                )
         self._egpo_timings = {}
         self._egpo_sampled_rewards = []
         start = time.perf_counter()
@@ -472,11 +448,9 @@ class EGPOTrainer(
         return output
 
     def _egpo_check_any_correct(self, rewards_per_func: torch.Tensor) -> None:
-        """Warn once when no completion sampled for this run's first ``NO_CORRECT_WARNING_STEPS`` optimizer steps
-        (``rewards_per_func``, before Guided Error Correction's rewrites) was correct: every group is entirely
-        incorrect, which usually means a setup problem (the causes: :data:`~egpo_trl.heldout.NO_CORRECT_CAUSES`).
-        Stops looking at the first correct completion, or at a correctness reward that is not binary (a score, say:
-        nothing to tell)."""
+        """Warn once when no completion sampled in the run's first ``NO_CORRECT_WARNING_STEPS`` optimizer steps was
+        correct (usually a setup problem); stop looking at the first correct one or a correctness reward that is not
+        binary."""
         seen = getattr(self, "_egpo_incorrect_seen", 0)
         if seen is None:
             return
@@ -537,8 +511,6 @@ class EGPOTrainer(
             self._egpo_round_inputs = None
             self._gec_scored = None
         rewards_per_func = self._egpo_rewards_per_func
-        if rewards_per_func is None:  # pragma: no cover - TRL always scores through _calculate_rewards
-            raise RuntimeError("EGPOTrainer could not capture the rewards of this batch; is the TRL version 1.16.0?")
         if self._egpo_captured_entropies is not None:
             output[_TOKEN_ENTROPY_KEY] = self._egpo_captured_entropies
             self._egpo_captured_entropies = None
@@ -646,19 +618,20 @@ class EGPOTrainer(
                 and not distribution_changing_sampling_options(self.args)
                 and self.args.egpo_entropy_logps == "sampler"
             ):
-                # Plain sampling: vLLM's processed log-probs are the policy's at the temperature, up to the two
-                # engines' numerical differences. They feed the proxy when egpo_entropy_logps="sampler", for every
-                # estimator alike (the baselines' egpo/entropy_* metrics come from the source EGPO's proxy would);
-                # by default ("policy") the proxy comes from the policy's own pass below, as verl computes pi_old.
-                # With top-p, top-k, min-p, penalties, min_tokens, structured outputs or another temperature in
-                # generation_kwargs they are those of another distribution, so the pass below is used whatever the
-                # setting.
+                # Plain sampling: vLLM's log-probs are the policy's at the temperature (up to the engines' rounding).
                 logps, source = output["sampling_per_token_logps"], "sampling_per_token_logps"
-                if self._egpo_any_nan(logps, mask):
-                    # Guided Error Correction's injected tokens have no sampling log-prob (NaN): the proxy of a
-                    # rewritten completion would be NaN (weight 1). The policy's pass below gives the whole batch.
+                # Guided Error Correction's injected tokens have no sampling log-prob (NaN): then the policy's pass
+                # below gives the whole batch (the same answer on every process, as the pass may be collective).
+                local = torch.isnan(logps).logical_and(mask != 0).any().float().view(1)
+                if bool(self.accelerator.gather(local).any()):
                     logps, source = None, "none"
-                    self._egpo_warn_sampler_nan()
+                    if not getattr(self, "_egpo_sampler_nan_warned", False) and self.accelerator.is_main_process:
+                        self._egpo_sampler_nan_warned = True
+                        logger.warning(
+                            "egpo_entropy_logps='sampler': this batch has tokens without a sampling log-prob (the text "
+                            "Guided Error Correction injects), so the entropy proxy of such batches comes from one "
+                            "no-grad pass of the policy (egpo/entropy_extra_pass logs it)."
+                        )
         deferred = None
         metrics_only = self._egpo_entropy_input == "none"
         if need_nll and logps is None and metrics_only and self._egpo_defers_entropy_metrics(mode):
@@ -714,111 +687,7 @@ class EGPOTrainer(
     def _prepare_inputs(self, generation_batch):
         if getattr(self, "_fused", False) and self.model.training:
             return self._fused_prepare_inputs(super()._prepare_inputs, generation_batch)
-        window = getattr(self, "_egpo_sort_window", None)
-        if window and self.model.training:
-            from egpo_trl.fused import length_sorted_order, shuffle_then
-
-            return shuffle_then(
-                super()._prepare_inputs, generation_batch, [lambda batch: length_sorted_order(batch, window)]
-            )
         return super()._prepare_inputs(generation_batch)
-
-    def _egpo_compared_passes(self) -> list[str]:
-        """Why TRL compares two passes over the same rows (old-policy log-probs in the policy ratio, a reference
-        model's in the KL term): then every shifted forward keeps TRL's full width (see :meth:`_egpo_trl_pass`)."""
-        reasons = []
-        if self._trl_computes_old_logps():
-            reasons.append("TRL computes old-policy log-probs (num_iterations > 1 or vLLM's importance sampling)")
-        if self.beta != 0.0:
-            reasons.append("beta != 0 (a reference model's log-probs)")
-        return reasons
-
-    def _egpo_full_width_reasons(self) -> list[str]:
-        """Why the loss's forwards keep TRL's full width in this run (empty: each is cut to its longest row), which
-        leaves length sorting nothing to save: the conditions of :meth:`_egpo_trl_pass` that do not depend on a
-        batch's rows."""
-        from egpo_trl.old_logps import can_realign
-
-        reasons = []
-        if not self.args.egpo_shift_prompt_padding:
-            reasons.append("egpo_shift_prompt_padding is off")
-        elif getattr(self, "_is_vlm", False):
-            reasons.append("the model takes image inputs")
-        elif getattr(self, "aux_loss_enabled", False):
-            reasons.append("the MoE router's auxiliary loss keeps TRL's layout")
-        else:
-            empty = torch.zeros(0, 0, dtype=torch.long)  # no rows: the model's own conditions only
-            if not can_realign(self.accelerator.unwrap_model(self.model), empty, empty):
-                reasons.append(
-                    "this model's rows cannot be shifted past their prompt padding (its type, attention "
-                    "implementation, sliding window, rotary scaling or adapter: see egpo_shift_prompt_padding)"
-                )
-        return reasons + self._egpo_compared_passes()
-
-    def _check_length_sorting(self) -> None:
-        """``egpo_length_sorted_micro_batches``: refuse what it cannot serve and set ``_egpo_sort_window``, the rows
-        sorted together (``None``: no sorting); within an optimizer step, per group under ``loss_forward`` or per
-        merged block with ``egpo_loss_forward_block_tokens``."""
-        args = self.args
-        self._egpo_sort_window = None
-        if args.egpo_loss_forward_block_tokens is not None and not (
-            getattr(self, "_fused", False) and args.egpo_length_sorted_micro_batches
-        ):
-            logger.warning(
-                "egpo_loss_forward_block_tokens=%s does nothing here: it merges the blocks of "
-                "egpo_entropy_logps='loss_forward' with egpo_length_sorted_micro_batches=True.",
-                args.egpo_loss_forward_block_tokens,
-            )
-        if not args.egpo_length_sorted_micro_batches:
-            return
-        router = ["the MoE router's auxiliary loss is averaged over each micro-batch"]
-        args._validate_length_sorting(router if getattr(self, "aux_loss_enabled", False) else None)
-        full_width = self._egpo_full_width_reasons()
-        per_device = args.per_device_train_batch_size
-        if getattr(self, "_fused", False):
-            window = self.num_generations
-            inside = per_device % window == 0 or per_device == 1  # whole groups per micro-batch, or single rows
-            tokens = args.egpo_loss_forward_block_tokens
-            if args._loss_forward_blocks_may_merge():
-                inside = False  # blocks of several groups, sorted together
-                if not full_width:
-                    self._fused_block_tokens = tokens
-                    if not args.gradient_checkpointing:
-                        from egpo_trl.fused import merged_block_memory_note
-
-                        logger.warning(merged_block_memory_note(tokens))
-        else:
-            window = math.gcd(args.gradient_accumulation_steps, args.steps_per_generation) * per_device
-            inside = window == per_device or per_device == 1
-        if full_width:
-            logger.warning(
-                "egpo_length_sorted_micro_batches has nothing to save here: the loss's forward keeps TRL's full "
-                "width (%s). Rows are not sorted.",
-                "; ".join(full_width),
-            )
-        elif inside:
-            logger.warning(
-                "egpo_length_sorted_micro_batches has nothing to save here: the rows it may sort together (%d) "
-                "cannot change which rows share a micro-batch of %d. Rows are not sorted.",
-                window,
-                per_device,
-            )
-        else:
-            self._egpo_sort_window = window
-        if (
-            getattr(self, "_fused", False)
-            and args.egpo_loss_forward_block_tokens is not None
-            and not getattr(self, "_fused_block_tokens", None)
-        ):
-            if full_width:
-                why = "the loss's forwards keep TRL's full width"
-            else:
-                why = "one row per micro-batch, or one block per generation batch already"
-            logger.warning(
-                "egpo_loss_forward_block_tokens=%s is ignored here: blocks cannot merge groups (%s).",
-                args.egpo_loss_forward_block_tokens,
-                why,
-            )
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if getattr(self, "_fused", False):  # called in training only (the model may not be in train mode yet)
@@ -852,12 +721,9 @@ class EGPOTrainer(
             self._egpo_loss_rows = None
 
     def _egpo_record_loss_logps(self, logps: torch.Tensor) -> None:
-        """Keep the loss forward's log-probs of its rows for the deferred entropy metrics; log them once every row
-        of the generation batch has been seen (the same micro-batch on every process)."""
+        """Keep the loss forward's log-probs for the deferred entropy metrics; log them once every row was seen."""
         deferred, rows = self._egpo_deferred_entropies, self._egpo_loss_rows
         self._egpo_loss_rows = None  # one forward per micro-batch
-        if logps.shape != (rows.numel(), deferred["logps"].size(1)):  # pragma: no cover - TRL 1.16 keeps the width
-            return
         fresh = ~deferred["seen"][rows]  # under num_iterations > 1 a row comes back: its first forward counts
         deferred["logps"][rows[fresh]] = logps.detach()[fresh].float()
         deferred["seen"][rows] = True
@@ -867,50 +733,6 @@ class EGPOTrainer(
             deferred["batch"]["entropies"] = nll
             self._egpo_append_metrics(
                 deferred["mode"], self._egpo_entropy_values(deferred["result"], nll, deferred["scored"])
-            )
-
-    def _egpo_drop_unfinished_deferred(self) -> None:
-        """Warn when the previous batch's deferred entropy metrics never saw all its rows (a loss path that does not
-        compute per-token log-probs): they are not logged rather than logged from part of the batch."""
-        deferred = getattr(self, "_egpo_deferred_entropies", None)
-        if deferred is None:
-            return
-        self._egpo_deferred_entropies = None
-        if not getattr(self, "_egpo_deferred_warned", False) and self.accelerator.is_main_process:
-            self._egpo_deferred_warned = True
-            logger.warning(
-                "The egpo/entropy_* metrics of a batch were not logged: its loss did not compute per-token log-probs "
-                "for every row. Set egpo_entropy_metrics: false to skip them, or report this with your configuration."
-            )
-
-    def _egpo_say_entropy_source(self, source: str) -> None:
-        """Log (once, and again whenever it changes) where the entropy proxy's log-probs come from."""
-        if source == getattr(self, "_egpo_last_entropy_source", None):
-            return
-        self._egpo_last_entropy_source = source
-        if self.accelerator.is_main_process:
-            logger.info(
-                "Entropy proxy (egpo/entropy_*) from: %s (egpo/entropy_source = %d).",
-                ENTROPY_SOURCE_NAMES[source],
-                ENTROPY_SOURCE_CODES[source],
-            )
-
-    def _egpo_any_nan(self, logps: torch.Tensor, mask: torch.Tensor) -> bool:
-        """Whether any process has a NaN log-prob among the tokens of ``mask`` (the same answer on every process,
-        since the fallback pass may be collective)."""
-        local = torch.isnan(logps).logical_and(mask != 0).any().float().view(1)
-        return bool(self.accelerator.gather(local).any())
-
-    def _egpo_warn_sampler_nan(self) -> None:
-        """Say once per run that the sampling log-probs had NaN where the proxy needs them."""
-        if getattr(self, "_egpo_sampler_nan_warned", False):
-            return
-        self._egpo_sampler_nan_warned = True
-        if self.accelerator.is_main_process:
-            logger.warning(
-                "egpo_entropy_logps='sampler': this batch has tokens without a sampling log-prob (the text Guided "
-                "Error Correction injects), so the entropy proxy of such batches comes from one no-grad pass of the "
-                "policy, as with egpo_entropy_logps='policy' (egpo/entropy_extra_pass logs it)."
             )
 
     def _egpo_warn_scope_fallback(self, fallback: torch.Tensor) -> None:
@@ -935,8 +757,7 @@ class EGPOTrainer(
 
     @torch.no_grad()
     def _egpo_forward(self, output: dict[str, Any], compute_entropy: bool = False):
-        """One no-grad pass of the (old) policy over the batch through TRL's log-prob helper: per-token log-probs
-        ``[B_local, C]`` and, when asked, per-token Shannon entropies (else ``None``)."""
+        """One no-grad pass of the (old) policy: per-token log-probs and, when asked, Shannon entropies."""
         forward_kwargs = {key: output[key] for key in _FORWARD_KEYS if output.get(key) is not None}
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
@@ -960,17 +781,17 @@ class EGPOTrainer(
         return logps, entropies
 
     def _egpo_same_count_across_processes(self, count: int) -> int:
-        """The largest of every process's ``count``: processes whose forward passes gather sharded parameters
-        (ZeRO-3, FSDP) must run the same number of them."""
+        """The largest of every process's ``count`` (under ZeRO-3 and FSDP every process runs as many forwards)."""
         if self.accelerator.num_processes == 1:
             return count
         counts = self.accelerator.gather(torch.tensor([count], device=self.accelerator.device))
         return int(counts.max())
 
     # ------------------------------------------------------------------ advantages
-    def _egpo_advantage_kwargs(self) -> dict[str, Any]:
+    def _estimator_kwargs(self) -> dict[str, Any]:
+        """The advantage options that the configured estimator's signature accepts."""
         args = self.args
-        return {
+        kwargs = {
             "lambda_min": args.egpo_lambda_min,
             "lambda_max": args.egpo_lambda_max,
             "entropy_eps": args.egpo_entropy_eps,
@@ -983,10 +804,6 @@ class EGPOTrainer(
             "positive_weight": args.nsr_positive_weight,
             "entropy_normalization": args.edge_grpo_entropy_normalization,
         }
-
-    def _estimator_kwargs(self) -> dict[str, Any]:
-        """The options of :meth:`_egpo_advantage_kwargs` that the configured estimator's signature accepts."""
-        kwargs = self._egpo_advantage_kwargs()
         parameters = inspect.signature(self._egpo_estimator).parameters
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
             return kwargs
@@ -1055,9 +872,8 @@ class EGPOTrainer(
         num_generations: int,
         scored: torch.Tensor | None = None,
     ) -> None:
-        """Log the ``egpo/*`` metrics of a generation batch. ``scored`` marks the rows the correctness reward
-        function gave a verdict (the others are neither correct nor incorrect: they are left out of the
-        per-correctness means)."""
+        """Log the ``egpo/*`` metrics of a generation batch; rows without a verdict (not ``scored``) are left out of
+        the per-correctness means."""
         metrics = self._metrics[mode]
         group_type = result.group_type[::num_generations]
         for name, code in (
@@ -1080,14 +896,12 @@ class EGPOTrainer(
             values["token_entropy_mean"] = _mean_of(shannon, torch.isfinite(shannon))
         values["entropy_extra_pass"] = float(entropies["extra_pass"])
         values["entropy_source"] = float(ENTROPY_SOURCE_CODES[entropies["source"]])
-        self._egpo_say_entropy_source(entropies["source"])
         if entropies.get("scope_fallback") is not None:
             values["frac_entropy_scope_fallback"] = entropies["scope_fallback"].float().mean().item()
         self._egpo_append_metrics(mode, values)
 
     def _egpo_append_metrics(self, mode: str, values: dict[str, float | None]) -> None:
-        """Append ``egpo/<name>`` values to this step's metrics; an undefined mean (no correct completion, say) is
-        left out, not logged as NaN."""
+        """Append ``egpo/<name>`` values to this step's metrics, leaving out undefined means (``None``)."""
         metrics = self._metrics[mode]
         for name, value in values.items():
             if value is not None:

@@ -51,14 +51,6 @@ def _assert_same_rows(policy: list[dict], fused: list[dict], keys: tuple[str, ..
 SHORT_GEC = {"edge_gec_reflection_cue": " Wait.", "edge_gec_answer_template": " \\boxed{{answer}}"}
 
 
-#: Merged blocks (egpo_loss_forward_block_tokens) over completions of varied lengths (a bias on the end token).
-MERGED = {
-    "egpo_length_sorted_micro_batches": True,
-    "egpo_loss_forward_block_tokens": 10**6,
-    "generation_kwargs": {"sequence_bias": [[[2], 3.0]]},
-}
-
-
 @pytest.mark.parametrize(
     "per_device, accumulation, extra",
     [
@@ -69,9 +61,6 @@ MERGED = {
         (2, 4, {"dynamic_sampling": True, "scale_rewards": "batch"}),  # reassembled batches, batch-std advantages
         (2, 4, {"egpo_entropy_scope": "answer", "egpo_renorm": "after_clamp"}),  # a scope mask, C5
         (2, 4, {"advantage_estimator": "edge_grpo"}),  # EDGE-GRPO: weights from the forwards' Shannon entropies
-        # blocks merging groups of varied lengths, rows sorted across them (the estimator sees each group together)
-        (4, 4, MERGED),
-        (4, 4, {**MERGED, "advantage_estimator": "edge_grpo"}),
         (2, 4, {"advantage_estimator": "edge_grpo", "edge_gec": True, "edge_gec_max_new_tokens": 4, **SHORT_GEC}),
         # A low temperature spreads EDGE-GRPO's weights (about 1 at temperature 1 on random weights), so that
         # entropies on the wrong rows would show; the proxy's metrics off, as the pass leaves them.
@@ -132,9 +121,6 @@ def test_loss_forward_trains_as_the_no_grad_pass(tmp_path, tiny_model_dir, per_d
         assert torch.isfinite(trainer.egpo_last_batch["entropies"]).all()
     if extra.get("temperature"):
         assert float(result.weights.max() - result.weights.min()) > 0.02, result.weights  # the check can tell
-    if extra.get("egpo_loss_forward_block_tokens"):
-        assert trainer._fused_block_tokens == extra["egpo_loss_forward_block_tokens"]
-        assert len(trainer._fused_block_ends) < accumulation  # the last batch's blocks: some merged
     torch.testing.assert_close(result.advantages, result.weights * result.base_advantages)
     assert trainer._fused_batch is None and trainer._fused_pending == []
 
@@ -274,13 +260,11 @@ def test_a_new_generation_batch_drops_what_a_stopped_block_kept(tmp_path, tiny_m
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpointing, merged", [(False, False), (True, False), (True, True)])
-def test_loss_forward_trains_as_the_no_grad_pass_over_two_processes(tmp_path, tiny_model_dir, checkpointing, merged):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_loss_forward_trains_as_the_no_grad_pass_over_two_processes(tmp_path, tiny_model_dir, checkpointing):
     """DDP over 2 CPU processes (gloo): the micro-batches of a block run no backward of their own, so DDP's gradient
     synchronisation still happens once, on the generation batch's last micro-batch; with gradient checkpointing,
-    a block keeps several checkpointed forwards before its backward. Same metrics and weights as the no-grad pass.
-    ``merged``: one group per micro-batch, blocks merging groups within a budget that ends some block before the
-    generation batch's last micro-batch; the two processes cut their batches into the same blocks."""
+    a block keeps several checkpointed forwards before its backward. Same metrics and weights as the no-grad pass."""
     import json
     import os
     import subprocess
@@ -296,8 +280,6 @@ def test_loss_forward_trains_as_the_no_grad_pass_over_two_processes(tmp_path, ti
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
         command += ["--master_port", str(29600 + os.getpid() % 1000), str(script), tiny_model_dir, str(out), logps]
         command += ["1" if checkpointing else "0"]
-        if merged:
-            command += ["4", "4", json.dumps({**MERGED, "egpo_loss_forward_block_tokens": 700})]
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
         results[logps] = (json.loads((out / "log.json").read_text()), torch.load(out / "weights.pt"))
@@ -311,53 +293,9 @@ def test_loss_forward_trains_as_the_no_grad_pass_over_two_processes(tmp_path, ti
         assert on["egpo/entropy_extra_pass"] == 0.0
     for name, weight in policy_weights.items():
         torch.testing.assert_close(fused_weights[name], weight, rtol=1e-4, atol=1e-6)
-    if merged:
-        ranks = [json.loads((tmp_path / "loss_forward" / f"blocks_rank{r}.json").read_text()) for r in (0, 1)]
-        assert ranks[0] == ranks[1] and len(ranks[0]) == 2, ranks  # the same blocks, 2 generation batches
-        ends = ranks[0]
-        assert all(batch[-1] == 4 for batch in ends), ends
-        assert any(len(batch) > 1 and batch[0] > 1 for batch in ends), ends  # a merged block, then another one
-        # one backward per block under DDP
-        assert json.loads((tmp_path / "loss_forward" / "backwards.json").read_text()) == sum(map(len, ends))
-        return
     # process 0's backward calls over 2 steps of 4 micro-batches: one per block of 2 under DDP
     assert json.loads((tmp_path / "policy" / "backwards.json").read_text()) == 8
     assert json.loads((tmp_path / "loss_forward" / "backwards.json").read_text()) == 4
-
-
-def test_a_prepared_first_micro_batch_keeps_an_instance_wrapper_of_prepare_inputs(tmp_path, tiny_model_dir):
-    """Merged blocks prepare a generation batch's first micro-batch before its step, which then takes it as prepared:
-    a ``_prepare_inputs`` wrapper set on the instance still sees every micro-batch once, and stays in place."""
-    args = config(
-        tmp_path, max_steps=2, bf16=False, egpo_entropy_logps="loss_forward", per_device_train_batch_size=4,
-        gradient_accumulation_steps=4, **{**MERGED, "egpo_loss_forward_block_tokens": 1},
-    )  # fmt: skip
-    trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
-    assert trainer._fused_block_tokens == 1  # a budget below any group: every group its own block
-    prepare, seen = trainer._prepare_inputs, []
-
-    def wrapper(inputs):
-        seen.append(trainer._step)
-        return prepare(inputs)
-
-    trainer._prepare_inputs = wrapper
-    trainer.train()
-    assert seen == list(range(8)) and trainer.__dict__["_prepare_inputs"] is wrapper
-
-
-def test_blocks_may_merge_only_where_the_arguments_let_them(tmp_path, tiny_model_dir, caplog):
-    merge = dict(egpo_entropy_logps="loss_forward", **MERGED)
-    assert config(
-        tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=4, **merge
-    )._loss_forward_blocks_may_merge()
-    for shape in ((1, 8), (8, 1), (4, 1)):  # one row per micro-batch; one block per generation batch
-        args = config(tmp_path, per_device_train_batch_size=shape[0], gradient_accumulation_steps=shape[1], **merge)
-        assert not args._loss_forward_blocks_may_merge(), shape
-    args = config(tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=1, **merge)
-    with caplog.at_level("WARNING"):
-        trainer = EGPOTrainer(tiny_model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
-    assert trainer._fused_block_tokens is None
-    assert "egpo_loss_forward_block_tokens=1000000 is ignored here" in caplog.text
 
 
 def test_loss_forward_backpropagates_each_micro_batch_as_its_loss_is_computed(tmp_path, tiny_model_dir):
@@ -433,17 +371,6 @@ def test_loss_forward_trains_as_the_no_grad_pass_under_deepspeed_zero(tmp_path):
     # blocks of 4 micro-batches (1 row each, 8 a step): 3 backwards of a block before its last one's, under ZeRO-2
     again, fused = check("blocks4", 29900, "--engines", "zero2", "--per-device-batch", "1", "--accumulation", "8")
     assert again["within"] and fused["within"] and fused["backwards"] == {"policy": 16, "loss_forward": 16}, fused
-    # merged blocks under ZeRO-3, whose forwards gather the weights: every process cuts its batch into the same
-    # blocks (otherwise their collectives would not line up); one group per micro-batch, some blocks merged
-    merged = json.dumps({**MERGED, "egpo_loss_forward_block_tokens": 800})
-    again, fused = check(
-        "merged", 30000, "--engines", "zero3", "--per-device-batch", "4",
-        "--accumulation", "4", "--settings", merged,
-    )  # fmt: skip
-    assert again["within"] and fused["within"] and fused["backwards"] == {"policy": 8, "loss_forward": 8}, fused
-    ranks = fused["blocks"]
-    assert len(ranks) == 2 and ranks[0] == ranks[1] and len(ranks[0]) == 2, ranks  # 2 generation batches
-    assert all(ends[-1] == 4 for ends in ranks[0]) and any(len(ends) < 4 for ends in ranks[0]), ranks
 
 
 def test_loss_forward_refuses_a_deepspeed_older_than_the_one_it_was_checked_with(monkeypatch):

@@ -374,14 +374,8 @@ def test_dry_run_checks_loss_forward_for_the_launch_it_prints(tiny_model_dir, lo
     reentrant = ["--gradient_checkpointing_kwargs", '{"use_reentrant": true}']
     problem = "reentrant gradient checkpointing cannot hold several forwards"
     # one group per micro-batch, one block each: one forward per backward
-    single = ["--egpo_loss_forward_block_tokens", "None"]
-    assert problem not in check(*reentrant, *single, rows=())
-    out = check(*reentrant, rows=())  # the recipe's blocks of several groups hold several forwards
-    assert problem in out and "or unset egpo_loss_forward_block_tokens" in out
-    out = check("--gradient_checkpointing", "false", *single, rows=())
-    assert "micro-batches (16 rows) of forwards" not in out and "egpo_loss_forward_block_tokens=" not in out
-    out = check("--gradient_checkpointing", "false", rows=())
-    assert "egpo_loss_forward_block_tokens=262144 with gradient_checkpointing off" in out
+    assert problem not in check(*reentrant, rows=())
+    assert "micro-batches (16 rows) of forwards" not in check("--gradient_checkpointing", "false", rows=())
     assert problem not in check(*reentrant, "--accelerate_config", "none")  # one process, no engine: it works
     assert problem in check(*reentrant)  # the recipe's DDP over 2 processes
     assert problem in check(*reentrant, "--accelerate_config", "recipes/accelerate/zero2.yaml", "--num_processes", "1")

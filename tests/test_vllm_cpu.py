@@ -140,18 +140,10 @@ def test_egpo_trl_train_with_vllm_colocate_on_cpu(tmp_path, vllm_model_dir):
 @pytest.mark.vllm
 @pytest.mark.slow
 @requires_vllm_cpu
-@pytest.mark.parametrize("merged", [False, True], ids=["blocks-of-2", "merged-blocks"])
-def test_loss_forward_trains_as_the_pass_with_vllm_colocate(tmp_path, vllm_model_dir, merged):
+def test_loss_forward_trains_as_the_pass_with_vllm_colocate(tmp_path, vllm_model_dir):
     """The 1.5B recipe's setting (vLLM colocate, no importance-sampling correction, pi_old from the loss's forward)
     against the no-grad pass: the same rollouts, entropies, weights and losses, three optimizer steps with a weight
-    sync each. Blocks of 2 micro-batches of 2 rows; or, as the recipe, one group per micro-batch and blocks that merge
-    groups, their rows sorted by length together (decided when a generation batch is prepared, which generates it
-    with vLLM)."""
-    shape = "per_device_train_batch_size: 2"
-    if merged:
-        shape = """per_device_train_batch_size: 4
-            egpo_length_sorted_micro_batches: true
-            egpo_loss_forward_block_tokens: 1000000"""
+    sync each. Blocks of 2 micro-batches of 2 rows."""
     runs = {}
     for logps in ("policy", "loss_forward"):
         records = _train_with_vllm_colocate(
@@ -163,17 +155,13 @@ def test_loss_forward_trains_as_the_pass_with_vllm_colocate(tmp_path, vllm_model
             bf16: false
             vllm_importance_sampling_correction: false
             egpo_entropy_logps: {logps}
-            {shape}
+            per_device_train_batch_size: 2
             gradient_accumulation_steps: 4
             max_steps: 3
             """,
         )
         runs[logps] = [r for r in records if "egpo/entropy_extra_pass" in r]
     policy, fused = runs["policy"], runs["loss_forward"]
-    if merged:  # 4 groups per generation batch: some were merged into fewer blocks
-        blocks = [r["egpo/loss_forward_blocks"] for r in fused]
-        assert all(1 <= b <= 4 for b in blocks) and min(blocks) < 4, blocks
-        assert all("egpo/loss_forward_blocks" not in r for r in policy)
     assert [r["step"] for r in policy] == [r["step"] for r in fused] == [1, 2, 3]
     for off, on in zip(policy, fused, strict=True):
         assert (off["egpo/entropy_extra_pass"], on["egpo/entropy_extra_pass"]) == (1.0, 0.0)

@@ -4,8 +4,7 @@ OUT ENTROPY_LOGPS [GRADIENT_CHECKPOINTING [ROWS ACCUMULATION [SETTINGS_JSON]]]``
 accumulation steps by default (one generation batch of two groups of 4 per process: blocks of 2 micro-batches under
 egpo_entropy_logps='loss_forward'; 1 row and 8 steps make blocks of 4; SETTINGS_JSON, more EGPOConfig settings), and
 by benchmarks/loss_forward_check.py under ``accelerate launch`` with DeepSpeed (float32 throughout). Also writes how
-many backward calls process 0 made (``backwards.json``) and, where blocks merge groups, every process's blocks of each
-generation batch (``blocks_rank{rank}.json``: the micro-batches that end one)."""
+many backward calls process 0 made (``backwards.json``)."""
 
 from __future__ import annotations
 
@@ -42,23 +41,11 @@ def main(
     }
     args = EGPOConfig(output_dir=out_dir, **{**TRAINER_TEST_SETTINGS, **settings, **(extra or {})})
     trainer = EGPOTrainer(model_dir, parity_reward, args, train_dataset=make_prompt_dataset())
-    blocks = []  # the blocks each generation batch was cut into, where they merge groups
-    if getattr(trainer, "_fused_block_tokens", None):
-        merge = trainer._fused_merge_blocks
-
-        def recorded(batch):
-            order = merge(batch)
-            blocks.append(sorted(trainer._fused_block_ends))
-            return order
-
-        trainer._fused_merge_blocks = recorded
     backwards = []  # the backward calls of this process: one per micro-batch, or one per block of them under DDP
     original = trainer.accelerator.backward
     trainer.accelerator.backward = lambda loss, **kwargs: backwards.append(1) or original(loss, **kwargs)
     trainer.train()
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # every process: ZeRO-3 gathers the shards
-    if blocks:
-        Path(out_dir, f"blocks_rank{trainer.accelerator.process_index}.json").write_text(json.dumps(blocks))
     if trainer.accelerator.is_main_process:
         torch.save({k: v.detach().float().cpu() for k, v in state.items()}, f"{out_dir}/weights.pt")
         rows = [row for row in trainer.state.log_history if "loss" in row]
