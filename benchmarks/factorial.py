@@ -53,7 +53,9 @@ def problems_file(out: Path, split: str, size: int) -> Path:
     path = out / f"{split}_{size}.jsonl"
     if not path.exists():
         rows = make_arithmetic_dataset(split=split, num_problems=size, levels=LEVELS, seed=0)
-        path.write_text("".join(json.dumps({c: r[c] for c in ("prompt", "answer", "level", "id")}) + "\n" for r in rows))
+        path.write_text(
+            "".join(json.dumps({c: r[c] for c in ("prompt", "answer", "level", "id")}) + "\n" for r in rows)
+        )
     return path
 
 
@@ -160,7 +162,9 @@ def report(out: Path) -> None:
     for arm in ARMS:
         cells = [[x["accuracy"] for x in runs.values() if x["stage"] == "sweep" and x["arm"] == arm and x["lr"] == r]
                  for r in RATES]  # fmt: skip
-        lines.append(f"| {arm} | " + " | ".join(f"{100 * _mean(c):.1f} (n={len(c)})" for c in cells) + f" | {rates[arm]} |")
+        lines.append(
+            f"| {arm} | " + " | ".join(f"{100 * _mean(c):.1f} (n={len(c)})" for c in cells) + f" | {rates[arm]} |"
+        )
     start = {x["seed"]: x for x in runs.values() if x["arm"] == "start"}
     after = {arm: {x["seed"]: x for x in runs.values() if x["stage"] == "confirm" and x["arm"] == arm and
                    x["lr"] == rates[arm]} for arm in ARMS}  # fmt: skip
@@ -183,7 +187,9 @@ def report(out: Path) -> None:
         running = max(running, min(1.0, (len(secondary) - i) * results[name][3]))
         holm[name] = running
     lines += ["", f"Test: 1,000 problems x 8 samples, seeds 100-147 with every run finished (n = {len(seeds)})", ""]
-    lines += ["| arm | lr | before (%) | after (%) | change (points, 95% CI) | gap before -> after | TE AUC | AE AUC |"]
+    lines += [
+        "| arm | lr | before (%) | after (%) | change (points, 95% CI) | gap before -> after | TE AUC | AE AUC |"
+    ]
     lines += ["| --- | --- | ---: | ---: | --- | --- | --- | --- |"]
     for arm in ARMS:
         mean, low, high, _ = interval([a - b for a, b in zip(acc[arm], base)])
@@ -219,10 +225,12 @@ def plot(acc: dict, base: list[float], results: dict, rates: dict, path: Path) -
         change = [100 * (a - b) for a, b in zip(acc[arm], base)]
         left.scatter(change, [y] * len(change), s=8, color="0.6")
         mean, low, high, _ = interval([c / 100 for c in change])
-        left.errorbar(100 * mean, y, xerr=[[100 * (mean - low)], [100 * (high - mean)]], fmt="o", color="C3", capsize=3)
+        left.errorbar(
+            100 * mean, y, xerr=[[100 * (mean - low)], [100 * (high - mean)]], fmt="o", color="C3", capsize=3
+        )
     left.set_yticks(range(len(ARMS)), [f"{a} (lr {rates[a]})" for a in ARMS])
     left.set_xlabel("test accuracy change (points; dots: seeds; bar: 95% CI)")
-    for y, (name, (mean, low, high, _)) in enumerate(results.items()):
+    for y, (mean, low, high, _) in enumerate(results.values()):
         right.errorbar(100 * mean, y, xerr=[[100 * (mean - low)], [100 * (high - mean)]], fmt="o", capsize=3)
     right.set_yticks(range(len(results)), list(results))
     right.set_xlabel("points (95% CI over seeds)")
@@ -256,7 +264,9 @@ def main(argv: list[str] | None = None) -> None:
         jobs = [("sweep", arm, rate, s) for s in seeds for rate in RATES for arm in ARMS]
     else:
         rates = best_rates(load_runs(out))
-        jobs = [("confirm", "start", "-", s) for s in seeds] + [("confirm", a, rates[a], s) for s in seeds for a in ARMS]
+        jobs = [("confirm", "start", "-", s) for s in seeds] + [
+            ("confirm", a, rates[a], s) for s in seeds for a in ARMS
+        ]
     done = load_runs(out)
     todo = {"/".join(map(str, job)): job for job in jobs if "/".join(map(str, job)) not in done}
     print(f"{args.stage}: {len(jobs) - len(todo)} of {len(jobs)} runs recorded, {len(todo)} to run", flush=True)
