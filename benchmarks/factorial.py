@@ -150,6 +150,8 @@ def interval(diffs: list[float]) -> tuple[float, float, float, float]:
     from scipy import stats
 
     mean, se = statistics.mean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
+    if se == 0:  # every difference equal: no spread to test against
+        return mean, mean, mean, float(mean == 0)
     half = stats.t.ppf(0.975, len(diffs) - 1) * se
     return mean, mean - half, mean + half, float(2 * stats.t.sf(abs(mean / se), len(diffs) - 1))
 
