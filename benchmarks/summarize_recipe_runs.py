@@ -1,4 +1,4 @@
-"""A Markdown table of the runs of ``benchmarks/gpu_recipes.sh``, one row per recipe and optimizer step.
+"""A Markdown table of the runs of ``benchmarks/gpu_checks.sh``, one row per recipe and optimizer step.
 
     python benchmarks/summarize_recipe_runs.py OUT_DIR [RECIPE ...]
 

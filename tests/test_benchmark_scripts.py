@@ -162,23 +162,25 @@ def test_timing_rewards_are_pure_and_the_hard_prompts_ones_are_entirely_incorrec
     assert hard_prompts_coin_flip_reward(messages, completions[:2]) == [-1.0, -1.0]
 
 
-def test_gpu_recipes_reports_dynamic_samplings_rounds_when_groups_are_replaced(tmp_path, tiny_model_dir):
-    """DAPO's recipe through benchmarks/gpu_recipes.sh with the hard-prompts reward: entirely incorrect groups are
-    dropped and only the shortfall is generated again, and the summary carries the rounds and groups per group kept."""
+def test_fullbatch_reports_dynamic_samplings_rounds_when_groups_are_replaced(tmp_path, tiny_model_dir):
+    """DAPO's recipe through gpu_checks.sh with the hard-prompts reward: entirely incorrect groups are dropped and only
+    the shortfall is generated again, and the summary carries the rounds and groups per group kept."""
     shapes = tmp_path / "shapes"
     shapes.mkdir()
     (shapes / "qwen15b").symlink_to(tiny_model_dir)
     extra = ("--use_vllm false --use_cpu true --bf16 false --accelerate_config none --max_completion_length 8 "
              "--overlong_buffer_length 2 --per_device_train_batch_size 16 --gradient_checkpointing false "
-             "--save_final_model false --save_strategy no --torch_num_threads 1 --dynamic_sampling_oversample 1.0 "
+             "--torch_num_threads 1 --dynamic_sampling_oversample 1.0 "
              "--reward_funcs benchmarks.timing_rewards:hard_prompts_coin_flip_reward")  # fmt: skip
-    env = {**ENV, "STEPS": "4", "PYTHON": sys.executable, "EXTRA": extra, "PYTHONPATH": str(ROOT)}
+    env = {**ENV, "STEPS": "4", "PYTHON": sys.executable, "EXTRA": extra, "SHAPES": str(shapes),
+           "RUNS": str(tmp_path / "runs")}  # fmt: skip
     done = subprocess.run(
-        ["bash", "benchmarks/gpu_recipes.sh", str(tmp_path / "out"), str(shapes), "dapo_qwen15b:4"],
+        ["bash", "benchmarks/gpu_checks.sh", "fullbatch", str(tmp_path / "results"), "dapo_qwen15b:4"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = json.loads((tmp_path / "out" / "summary.json").read_text())
+    (stage,) = (tmp_path / "runs").glob("fullbatch-*")
+    rows = json.loads((stage / "runs" / "summary.json").read_text())
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["completions"] == 64 for r in rows)
     # four groups a step: with a quarter of the prompts entirely incorrect, some step replaces groups, and an extra
     # round is the shortfall over the informative fraction, not a whole generation batch (which would be 2.0)
@@ -190,7 +192,7 @@ def test_gpu_recipes_reports_dynamic_samplings_rounds_when_groups_are_replaced(t
 
 
 def _run_folder(tmp_path, recipe: str, records: list[dict], command_tail: str = "") -> Path:
-    """A run folder as gpu_recipes.sh leaves it, its metrics written by hand."""
+    """A run folder as gpu_checks.sh leaves it, its metrics written by hand."""
     folder = tmp_path / recipe
     (folder / "run").mkdir(parents=True)
     (folder / "command.txt").write_text(
