@@ -96,6 +96,7 @@ def test_real_shapes_builds_a_checkpoint_with_the_qwen2_tokenizer(tmp_path):
     assert len(tokenizer) <= model.config.vocab_size
 
 
+@pytest.mark.slow
 def test_fullbatch_runs_a_recipe_through_the_users_command_and_summarizes_it(tmp_path, tiny_model_dir):
     """``gpu_checks.sh fullbatch`` on CPU (the tiny model standing in for the shape): the recipe through ``egpo-trl
     train`` with the coin-flip reward, its command recorded with the per-device batch, the table, the summary and the
@@ -162,6 +163,7 @@ def test_timing_rewards_are_pure_and_the_hard_prompts_ones_are_entirely_incorrec
     assert hard_prompts_coin_flip_reward(messages, completions[:2]) == [-1.0, -1.0]
 
 
+@pytest.mark.slow
 def test_fullbatch_reports_dynamic_samplings_rounds_when_groups_are_replaced(tmp_path, tiny_model_dir):
     """DAPO's recipe through gpu_checks.sh with the hard-prompts reward: entirely incorrect groups are dropped and only
     the shortfall is generated again, and the summary carries the rounds and groups per group kept."""
