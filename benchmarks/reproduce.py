@@ -1,43 +1,22 @@
 """A reproduction of the paper's comparison (Tables 1-3) on the shipped tiny math model, every run through ``egpo-trl train``.
 
-GRPO, DAPO (with dynamic sampling), EDGE-GRPO (with and without Guided Error Correction), NSR and EGPO, plus the
-EGPO ablations C1-C6, each trained with the same budget (the tiny CPU recipes: same model, data, steps, sampling
-and learning rate; only the method's fields differ) for several seeds, then scored on the synthetic task's
-held-out ``test`` split, which never shares a problem with the training split.
+GRPO, DAPO (with dynamic sampling), EDGE-GRPO (with and without Guided Error Correction), NSR, EGPO and the EGPO
+ablations C1-C6, each trained with the same budget (the tiny CPU recipes; only the method's fields differ) for several
+seeds, then scored on the synthetic task's held-out ``test`` split. ``--task tiny`` (default) runs the tiny recipes
+as they are, levels 1-5; ``--task active`` levels 4-6, where about a third of the groups are entirely incorrect, so
+NSR and EGPO's clamp act (150 held-out problems x 8 samples; 5 seeds for GRPO, DAPO, both EDGE-GRPO variants and
+EGPO, 3 for the rest), and each trained model is also sampled with ``egpo-trl eval`` and read by ``egpo-trl diagnose``
+(the entropy's ROC-AUC and gap, Table 3) before and after training.
 
-Two tasks (``--task``):
-
-* ``tiny`` (default): the tiny recipes as they are, levels 1-5. The starting model is right about half the time
-  and few groups of 8 are entirely incorrect, so NSR and EGPO's clamp seldom act.
-* ``active``: levels 4, 5 and 6 of the same generator (four to six operations), where about a third of the groups
-  are entirely incorrect, so NSR fires, EGPO's weights spread against the clamp bounds and GRPO's zero-advantage
-  groups are common (BENCHMARKS.md gives the measured shares). Held-out: 150 problems (50 per level) x 8 samples.
-  Defaults: 5 seeds (0-4) for GRPO, DAPO, both EDGE-GRPO variants (GEC only on all-incorrect groups,
-  ``edge_gec_scope: all_incorrect_groups``, and no GEC) and EGPO; 3 (0-2) for the rest. Each run's trained model is
-  also sampled again on the held-out problems with ``egpo-trl eval`` and read by ``egpo-trl diagnose``: the ROC-AUC
-  of the entropy for predicting an incorrect answer in the thinking and in the answer (Table 3), and the entropy
-  gap, before (the starting model, once per seed) and after training.
-
-Usage::
-
-    # the full comparison on the active task, all runs side by side on one GPU (several processes per card)
-    python benchmarks/reproduce.py --task active --device cuda --parallel 16 --output /tmp/repro
-    # the same on the GPUs of one host: run i goes to card i % (number of visible cards)
     python benchmarks/reproduce.py --task active --device cuda --parallel 46 --threads 1 --output /tmp/repro
-    # a CPU smoke run of the pipeline
     python benchmarks/reproduce.py --task active --methods GRPO EGPO --seeds 0 --max-steps 3 --eval-size 12 \\
-        --parallel 1 --output /tmp/reproduce_smoke
-    # the tiny task
-    python benchmarks/reproduce.py --seeds 0 1 2 --parallel 12 --device cuda
+        --parallel 1 --output /tmp/reproduce_smoke   # a CPU smoke run
 
-Writes each run's folder (metrics.jsonl, heldout.json, training_curves.png, log.txt; with diagnostics also the
-trained model and ``diagnostics/``) under ``--output``, then ``reproduction.json`` (one object per run: method,
-seed, accuracy before and after with their sampling errors, the share of all-incorrect groups over the first 10
-steps, the shares of EGPO weights at each clamp bound, the mean weights of correct and incorrect completions, the
-entropy gap and AUCs before and after, the card), ``summary.json`` (the same, kept for older readers) and
-``tables.md``: per-method means over seeds and paired differences against GRPO (same seed) with a paired t-test
-and a two-sided sign test, and ``headline.png``: each method's accuracy change and its paired difference against
-GRPO, seed by seed. Finished runs are read back, not trained again (``--rerun`` retrains them).
+With several visible GPUs, run i goes to card i % (number of cards). Writes each run's folder under ``--output``,
+then ``reproduction.json`` (one object per run: accuracies before and after with their sampling errors, the
+all-incorrect share, EGPO's clamp shares and weights, the entropy gap and AUCs, the card), ``summary.json`` (the
+same), ``tables.md`` (per-method means over seeds, paired differences against GRPO with a paired t-test and a sign
+test) and ``headline.png``. Finished runs are read back, not trained again (``--rerun`` retrains them).
 """
 
 from __future__ import annotations

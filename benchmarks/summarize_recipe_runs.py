@@ -1,4 +1,4 @@
-"""A Markdown table of the runs of ``benchmarks/gpu_recipes.sh``, one row per recipe and optimizer step.
+"""A Markdown table of the runs of ``benchmarks/gpu_checks.sh``, one row per recipe and optimizer step.
 
     python benchmarks/summarize_recipe_runs.py OUT_DIR [RECIPE ...]
 
@@ -9,9 +9,8 @@ old-policy log-prob pass, Guided Error Correction (EDGE-GRPO), the rest (scoring
 optimizer step), completion tokens per second, the importance-sampling ratio, loss, gradient norm, DAPO's generation
 rounds, and the peak GPU memory the driver reported (vLLM's pool included, less what ``memory_ballast.py`` held).
 
-Compare steps by the clock. TRL's ``step_time`` adds up the host's time inside a step's ``training_step`` calls, one
-per micro-batch; a call returns once its work is queued on the GPU, and the Trainer waits for that work outside the
-call, so ``step_time`` leaves out a share of the GPU's time that differs between methods. Standard library plus PyYAML.
+Compare steps by the clock: TRL's ``step_time`` adds up the host's time inside ``training_step`` calls, which return
+once their work is queued on the GPU. Standard library plus PyYAML.
 """
 
 from __future__ import annotations

@@ -73,40 +73,26 @@ def test_verdicts_of_rising_flat_short_and_stopped_runs():
 def test_bad_options_fail_before_anything_runs(tmp_path):
     with pytest.raises(SystemExit, match="twice --window"):
         canary.parse(["--mode", "cpu", "--steps", "6", "--output", str(tmp_path)])
-    with pytest.raises(SystemExit, match="share GPU"):
-        canary._gpu_sets(["0,1", "1,2"])
-    with pytest.raises(SystemExit, match="comma-separated"):
-        canary._gpu_sets(["0;1"])
     with pytest.raises(SystemExit, match="drop --no-vllm"):
         canary.parse(["--mode", "cpu", "--no-vllm", "--freeze-sampler", "--output", str(tmp_path)])
     args = canary.parse(["--mode", "gpu", "--gpus", "0,1", "--completions", "100", "--output", str(tmp_path)])
     args.model = "unused"
     with pytest.raises(SystemExit, match="multiple of per_device_train_batch_size x processes"):
         canary.plan_runs(args)
-    tiny = str(ROOT / "egpo_trl" / "assets" / "tiny-math-qwen2")
-    with pytest.raises(SystemExit, match="has hidden_size=128, the qwen15b shape 1536"):
-        canary._build_model(canary.parse(["--mode", "gpu", "--model", tiny, "--output", str(tmp_path)]))
-    # GPU mode on a machine without GPUs (or vLLM, or DeepSpeed) stops before building the model
-    result = run_canary("--mode", "gpu", "--output", str(tmp_path / "gpu"), timeout=120)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "canary: GPU mode" in result.stderr
-    assert not (tmp_path / "gpu" / "models").exists()
 
 
-def test_gpu_plan_overrides_the_paper_recipes_and_splits_the_gpus(tmp_path):
-    args = canary.parse(["--mode", "gpu", "--gpus", "0,1", "2,3", "--output", str(tmp_path), "--freeze-sampler"])
+def test_gpu_plan_overrides_the_paper_recipes(tmp_path):
+    args = canary.parse(["--mode", "gpu", "--gpus", "0,1", "--output", str(tmp_path), "--freeze-sampler"])
     args.model = "/models/qwen15b"
     egpo, grpo = canary.plan_runs(args)
-    assert (egpo["recipe"], egpo["gpus"]) == ("recipes/egpo_qwen15b.yaml", [0, 1])
-    assert (grpo["recipe"], grpo["gpus"]) == ("recipes/grpo_qwen15b.yaml", [2, 3])
+    assert (egpo["recipe"], grpo["recipe"]) == ("recipes/egpo_qwen15b.yaml", "recipes/grpo_qwen15b.yaml")
 
     def option(run, name):
         return run["command"][run["command"].index(name) + 1]
 
     assert egpo["command"][1:5] == ["-m", "egpo_trl.cli", "train", "recipes/egpo_qwen15b.yaml"]
-    assert [option(egpo, "--main_process_port"), option(grpo, "--main_process_port")] == ["29510", "29511"]
     for run in (egpo, grpo):
-        assert option(run, "--num_processes") == "2"
+        assert run["gpus"] == [0, 1] and option(run, "--num_processes") == "2"
         assert option(run, "--reward_funcs") == "canary_rewards:letters_reward"
         assert (option(run, "--max_steps"), option(run, "--learning_rate")) == ("30", "0.0002")
         assert option(run, "--max_completion_length") == "64"
@@ -122,7 +108,6 @@ def test_gpu_plan_overrides_the_paper_recipes_and_splits_the_gpus(tmp_path):
     args.model = "/models/qwen7b"
     runs = canary.plan_runs(args)
     assert [r["recipe"] for r in runs] == ["recipes/egpo_qwen7b.yaml", "recipes/grpo_qwen7b.yaml"]
-    assert all(r["gpus"] == [0, 1, 2, 3] for r in runs)  # one set: the two runs go one after the other
     assert [option(r, "--gradient_accumulation_steps") for r in runs] == ["16", "16"]  # 2 per GPU x 4 x 16
 
 

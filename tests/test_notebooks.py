@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 from pathlib import Path
 
@@ -118,9 +119,10 @@ def test_install_cell_outside_the_environment_names_the_fix(name, tmp_path):
 
     # IPython's magics and shell lines (Colab only) become `pass` for plain Python
     code = re.sub(r"^(\s*)[%!].*$", r"\1pass", "".join(_read(name)["cells"][1]["source"]), flags=re.M)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run(
-        [sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60
-    )  # -S: no site-packages, so egpo_trl is not importable
+        [sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60, env=env
+    )  # -S and no PYTHONPATH: egpo_trl is not importable
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: egpo_trl is not importable by this kernel's Python"), result.stderr
