@@ -1,12 +1,6 @@
-"""The old policy's log-probs from the loss's own forward (``egpo_entropy_logps="loss_forward"``).
-
-Where TRL computes no old-policy log-probs (one optimizer step per generation batch, no importance sampling), EGPO
-would need a no-grad pass over the batch for its weights. Instead, the shuffled rows are grouped so that a *block* of
-consecutive micro-batches holds whole groups; the block's micro-batches run their forwards only, and its last one
-computes EGPO's weights from their log-probs, then TRL's loss of each micro-batch with the weighted advantages,
-backpropagated one at a time (one backward of the sum under DDP, whose synchronisation is armed by the forward).
-Base advantages are computed when the batch is scored.
-"""
+"""The old policy's log-probs from the loss's own forward (``egpo_entropy_logps="loss_forward"``): rows are grouped
+so that a block of micro-batches holds whole groups; the block runs its forwards, computes EGPO's weights from their
+log-probs, then backpropagates TRL's loss of each micro-batch with the weighted advantages."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""Exact resume: what a checkpoint holds beyond the Trainer's own so that a resumed run continues the same run.
-
-Beyond the weights, optimizer, scheduler and RNG states, GRPO keeps the generation-batch buffer and micro-step
-counter, the metrics and loss not yet logged, Guided Error Correction's draw counter and the later epochs' prompt
-order. :class:`ExactResumeMixin` saves them (``egpo_resume_state.pt``, one per process) with the process count,
-batch shape and settings they belong to, and restores them only where all of these match (else it warns). A Ctrl-C
-saves the checkpoint of the last finished step from a snapshot taken at its end, and is held back over the optimizer
-update so that it never lands in a half-applied one. vLLM colocate samples each prompt with its own seed
-(:func:`generation_seed`), a function of its place in the run.
-"""
+"""Exact resume: :class:`ExactResumeMixin` saves what GRPO keeps beyond the Trainer's checkpoint (generation buffer,
+unlogged metrics, Guided Error Correction's draws, prompt order) in ``egpo_resume_state.pt`` and restores it where the
+run's shape matches; a Ctrl-C saves the last finished step, and vLLM colocate seeds each prompt by its place in the
+run."""
 
 from __future__ import annotations
 
