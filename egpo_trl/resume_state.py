@@ -45,8 +45,7 @@ class _FinishedRun(Exception):
 
 
 class _StopWhenFinished(TrainerCallback):
-    """Ends ``Trainer.train`` at ``on_train_begin`` (the checkpoint loaded, ``state.max_steps`` this run's) when the
-    run has nothing left to train."""
+    """Ends ``Trainer.train`` at ``on_train_begin`` when the resumed run has nothing left to train."""
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.max_steps > 0 and state.global_step >= state.max_steps:
@@ -54,9 +53,7 @@ class _StopWhenFinished(TrainerCallback):
 
 
 class _SigintHold:
-    """Holds a Ctrl-C back from :meth:`start` to :meth:`stop` (a second one interrupts at once, setting ``forced``),
-    in the main thread and only over Python's own handler; ``enabled=False`` does nothing. ``pending``: one held when
-    an error ended a span."""
+    """Holds a Ctrl-C back from :meth:`start` to :meth:`stop` in the main thread; a second one interrupts at once."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -87,8 +84,7 @@ class _SigintHold:
         self._previous, self.active = previous, True
 
     def stop(self, raise_held: bool = True) -> None:
-        """Puts the previous handler back; raises a held ``KeyboardInterrupt`` or, without ``raise_held``, keeps it
-        ``pending``."""
+        """Puts the previous handler back; raises a held ``KeyboardInterrupt`` or, without ``raise_held``, keeps it."""
         if not self.active:
             return
         signal.signal(signal.SIGINT, self._previous)
@@ -99,8 +95,7 @@ class _SigintHold:
 
 
 def generation_seed(seed: int, global_step: int, call: int, instance: int, index: int) -> int:
-    """The sampling seed, in ``[0, 2**63)``, of prompt ``index`` of generation ``call`` (numbered within the step;
-    evaluation ``-1 - n``) of vLLM ``instance`` at ``global_step``: a function of its place in the run only."""
+    """The sampling seed of prompt ``index`` of generation ``call`` of vLLM ``instance``, from its place in the run."""
     key = f"egpo-generation:{seed}:{global_step}:{call}:{instance}:{index}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2**63 - 1)
 
@@ -137,8 +132,7 @@ def _optimizer_steps(optimizer) -> int | None:
 
 
 class ExactResumeMixin:
-    """Exact-resume checkpoints, a Ctrl-C checkpoint at the last step boundary and per-prompt vLLM seeds; sits
-    before ``GRPOTrainer`` in a subclass's bases."""
+    """Exact-resume checkpoints, a Ctrl-C checkpoint at the last step boundary and per-prompt vLLM seeds."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -149,8 +143,7 @@ class ExactResumeMixin:
         self._egpo_seed_vllm_sampling()
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
-        """``Trainer.train``; resumed at the run's last step it loads the checkpoint, says there is nothing to train
-        and ends as a finished run does, without a step."""
+        """``Trainer.train``; resumed at the run's last step it loads the checkpoint and ends without a step."""
         stop = _StopWhenFinished()
         if resume_from_checkpoint:
             self.callback_handler.callbacks.insert(0, stop)
@@ -354,8 +347,7 @@ class ExactResumeMixin:
         return _optimizer_steps(self.optimizer), int(engine_steps) if engine_steps is not None else None
 
     def save_interrupt_checkpoint(self) -> str | None:
-        """After an interruption inside a step, save the checkpoint of the last finished one (its state put back);
-        returns why nothing was saved, or ``None``."""
+        """After an interruption inside a step, save the last finished step; returns why not, or ``None``."""
         boundary = self._egpo_boundary
         step = self.state.global_step
         if boundary is None or boundary["global_step"] != step:
@@ -371,8 +363,7 @@ class ExactResumeMixin:
         return None
 
     def _egpo_seed_vllm_sampling(self) -> None:
-        """Seed each prompt of a vLLM colocate generation with :func:`generation_seed` (unless ``generation_kwargs``
-        sets a ``seed``; server mode keeps its state in the server)."""
+        """Seed each prompt of a colocated vLLM generation with :func:`generation_seed` (unless one is given)."""
         generation = getattr(self, "vllm_generation", None)
         llm = getattr(generation, "llm", None)
         if not getattr(self, "use_vllm", False) or llm is None or getattr(generation, "mode", None) != "colocate":
