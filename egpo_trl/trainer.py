@@ -80,8 +80,7 @@ def _judged_rows(result: AdvantageOutput, scored: torch.Tensor | None) -> tuple[
 
 
 def vllm_out_of_memory_message(args, processes: int, error: BaseException) -> str | None:
-    """The error for a colocated vLLM engine running out of GPU memory while it generates, naming the fix (``None``
-    where ``error`` is not that)."""
+    """The error for a colocated vLLM engine running out of GPU memory, naming the fix (``None`` for other errors)."""
     if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate"):
         return None
     text = str(error)
@@ -98,8 +97,7 @@ def vllm_out_of_memory_message(args, processes: int, error: BaseException) -> st
 
 
 def _random_training_forward(model: torch.nn.Module) -> bool:
-    """Whether a training-mode forward of ``model`` is random: a dropout module with p > 0, or a random setting
-    (dropout, router jitter, layer drop, drop path) in the model's config or a PEFT adapter's."""
+    """Whether a training-mode forward of ``model`` is random: active dropout, or a random setting in its configs."""
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
             return True
@@ -281,8 +279,7 @@ class EGPOTrainer(
         compute_aux_loss=False,
         **others,
     ):
-        """TRL's log-prob pass, on rows shifted past their prompt padding where ``egpo_shift_prompt_padding`` and
-        :func:`~egpo_trl.old_logps.can_realign` allow it."""
+        """TRL's log-prob pass, on rows shifted past their prompt padding where ``can_realign`` allows it."""
         if (
             getattr(self.args, "egpo_shift_prompt_padding", False)
             and not compute_aux_loss

@@ -1,6 +1,5 @@
 """DAPO's dynamic sampling (``dynamic_sampling``), a mixin of :class:`~egpo_trl.trainer.EGPOTrainer`: extra rounds
-of prompts from ``train_dataset`` until the generation batch holds only informative groups, decided on gathered
-tensors so that every process keeps the same groups."""
+of prompts until the generation batch holds only informative groups, the same on every process."""
 
 from __future__ import annotations
 

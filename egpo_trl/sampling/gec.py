@@ -1,6 +1,5 @@
 """EDGE-GRPO's Guided Error Correction (``edge_gec``), a mixin of :class:`~egpo_trl.trainer.EGPOTrainer`: incorrect
-completions are rewritten before TRL scores them (continued after a reflection cue, given the reference answer, or
-replaced by the reference solution) and trained on as if sampled."""
+completions are rewritten before TRL scores them and trained on as if sampled."""
 
 from __future__ import annotations
 
