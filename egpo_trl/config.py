@@ -213,8 +213,7 @@ class EGPOConfig(GRPOConfig):
         default="completion",
         metadata={
             "help": "Tokens the entropy proxy averages over: 'completion' (paper Eq. 5), 'thinking' (inside "
-            "<think>...</think>) or 'answer' (after </think>). A completion without </think> falls back to all of it, "
-            "with a warning and the egpo/frac_entropy_scope_fallback metric.",
+            "<think>...</think>) or 'answer' (after </think>); a completion without </think> uses all of it.",
             "choices": list(ENTROPY_SCOPES),
         },
     )
@@ -274,7 +273,7 @@ class EGPOConfig(GRPOConfig):
         default=1.0,
         metadata={
             "help": "dynamic_sampling: the first round generates f times the generation batch's groups (extra prompts "
-            "from train_dataset), so that one round usually yields enough informative groups. Must be >= 1."
+            "from train_dataset). Must be >= 1."
         },
     )
     dynamic_sampling_metric: str = field(
@@ -289,8 +288,7 @@ class EGPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "DAPO's soft overlong punishment: buffer length before max_completion_length over which a length "
-            "penalty (a reward function named overlong_penalty) grows linearly from 0 to -overlong_penalty_factor. None "
-            "(default) adds no penalty."
+            "penalty (reward function overlong_penalty) grows linearly to -overlong_penalty_factor. None: no penalty."
         },
     )
     overlong_penalty_factor: float = field(
@@ -301,8 +299,8 @@ class EGPOConfig(GRPOConfig):
         default=False,
         metadata={
             "help": "EDGE-GRPO's Guided Error Correction: before scoring, incorrect completions are at random continued "
-            "after a reflection cue, given the reference answer, or replaced by the reference solution (the "
-            "'solution' column, else the answer). Needs an 'answer' column; works with transformers and vLLM."
+            "after a reflection cue, given the reference answer, or replaced by the reference solution. Needs an "
+            "'answer' column."
         },
     )
     edge_gec_scope: str = field(
