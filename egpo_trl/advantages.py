@@ -1,10 +1,8 @@
 r"""Advantage estimators: one vectorised function per method, registered by name.
 
-Rows come as TRL lays them out: consecutive groups of ``num_generations`` completions of one prompt. Every estimator
-takes ``(rewards[B], entropies[B] | None, num_generations, *, correct=None, **options)`` and returns an
-:class:`AdvantageOutput`. Equation numbers are those of the EGPO paper ("Know What You Know: Metacognitive Entropy
-Calibration for Verifiable RL Reasoning"); the baselines are GRPO (as TRL computes it, also DAPO's), NSR (Zhu et al.
-2025) and EDGE-GRPO (Zhang et al. 2025, arXiv 2507.21848).
+Rows are consecutive groups of ``num_generations`` completions of one prompt; every estimator takes ``(rewards[B],
+entropies[B] | None, num_generations, *, correct=None, **options)`` and returns an :class:`AdvantageOutput`. Equation
+numbers are the EGPO paper's; baselines are GRPO, NSR (Zhu et al. 2025) and EDGE-GRPO (arXiv 2507.21848).
 """
 
 from __future__ import annotations

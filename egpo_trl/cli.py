@@ -1,8 +1,5 @@
-"""``egpo-trl``: one command line for training, evaluation, diagnostics and data building.
-
-Each sub-command lives in its own module and is imported only when used, so ``egpo-trl --help``
-stays fast and a missing optional dependency only affects the command that needs it.
-"""
+"""``egpo-trl``: one command line for training, evaluation, diagnostics and data building; each sub-command's module
+is imported only when used."""
 
 from __future__ import annotations
 

@@ -51,8 +51,7 @@ _SAMPLING_FIELDS: dict[str, tuple[object, ...]] = {
     "min_p": (0, 0.0),
     "repetition_penalty": (1, 1.0),
 }
-#: Values of TRL's ``vllm_importance_sampling_mode`` that weight a whole completion by one ratio, the product of its
-#: tokens' ratios: a per-token gap of any sign compounds over the completion and the weight collapses.
+#: ``vllm_importance_sampling_mode`` values that weight a whole completion by the product of its tokens' ratios.
 SEQUENCE_IMPORTANCE_SAMPLING_MODES: tuple[str, ...] = ("sequence_truncate", "sequence_mask")
 
 # Numeric fields: (name, lowest, highest, lowest excluded); None: any finite number.
@@ -148,9 +147,8 @@ def oversampling_layout_error(args: Any) -> str | None:
 @dataclass
 class EGPOConfig(GRPOConfig):
     r"""
-    Configuration class for [`EGPOTrainer`]: every field of TRL's [`~trl.GRPOConfig`], plus the fields of EGPO
-    (`egpo_*`) and its baselines (`nsr_*`, `edge_grpo_*`, `edge_gec*`, `dynamic_sampling*`, `overlong_*`). Each field's
-    `help` documents it (`egpo-trl train --help-all`); field names are a recipe's YAML keys and the command-line flags.
+    Configuration class for [`EGPOTrainer`]: TRL's [`~trl.GRPOConfig`] plus the fields of EGPO and its baselines,
+    each documented by its `help` (`egpo-trl train --help-all`).
     """
 
     advantage_estimator: str = field(
@@ -208,16 +206,14 @@ class EGPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Name of the binary (+1/-1 or 1/0) reward function that decides correct (reward > 0) vs "
-            "incorrect. Unset: the only reward function, or boxed_accuracy_reward among several; otherwise refused "
-            "where the verdict is needed. Mixed groups' advantages use the weighted sum of all rewards, as in GRPO."
+            "incorrect. Unset: the only reward function, or boxed_accuracy_reward among several."
         },
     )
     egpo_entropy_scope: str = field(
         default="completion",
         metadata={
             "help": "Tokens the entropy proxy averages over: 'completion' (paper Eq. 5), 'thinking' (inside "
-            "<think>...</think>) or 'answer' (after </think>). A completion without </think> falls back to all of it, "
-            "with a warning and the egpo/frac_entropy_scope_fallback metric.",
+            "<think>...</think>) or 'answer' (after </think>); a completion without </think> uses all of it.",
             "choices": list(ENTROPY_SCOPES),
         },
     )
@@ -225,9 +221,8 @@ class EGPOConfig(GRPOConfig):
         default="policy",
         metadata={
             "help": "Where the entropy proxy's log-probs come from when TRL computes no old-policy log-probs: "
-            "'policy', one no-grad pass of the policy (as verl computes pi_old); 'sampler', vLLM's sampling log-probs "
-            "(plain sampling only); 'loss_forward', the loss's own forward, each group's backwards held until its "
-            "weights are known (egpo and edge_grpo only; refused, naming the reason, where it cannot serve).",
+            "'policy' (one no-grad pass), 'sampler' (vLLM's sampling log-probs) or 'loss_forward' (the loss's own "
+            "forward; egpo and edge_grpo only).",
             "choices": list(ENTROPY_LOGPS),
         },
     )
@@ -241,10 +236,8 @@ class EGPOConfig(GRPOConfig):
     egpo_shift_prompt_padding: bool = field(
         default=True,
         metadata={
-            "help": "Shift rows past their prompt padding (original positions, no attention mask) in the loss's "
-            "forward and TRL's log-prob passes, so that SDPA runs its causal kernel; the values are TRL's up to "
-            "rounding. Llama/Mistral/Qwen decoders with SDPA or eager attention only, anything else runs unchanged. "
-            "false: TRL's passes as GRPOTrainer runs them."
+            "help": "Shift rows past their prompt padding in the log-prob passes so that SDPA runs its causal kernel "
+            "(Llama/Mistral/Qwen decoders; values equal TRL's up to rounding). false: TRL's passes unchanged."
         },
     )
     nsr_positive_weight: float = field(
@@ -266,22 +259,21 @@ class EGPOConfig(GRPOConfig):
         default=False,
         metadata={
             "help": "DAPO's dynamic sampling: drop uninformative groups (see dynamic_sampling_metric) and generate for "
-            "more prompts until the generation batch holds only informative groups, or dynamic_sampling_max_rounds. "
-            "An extra round generates only the shortfall."
+            "more prompts until the generation batch holds only informative groups, or dynamic_sampling_max_rounds."
         },
     )
     dynamic_sampling_max_rounds: int = field(
         default=10,
         metadata={
-            "help": "Most generation rounds for one generation batch, the first included. When they do not yield "
-            "enough informative groups, a warning is logged and uninformative groups complete the batch. Must be >= 1."
+            "help": "Most generation rounds for one generation batch, the first included; past it uninformative "
+            "groups complete the batch. Must be >= 1."
         },
     )
     dynamic_sampling_oversample: float = field(
         default=1.0,
         metadata={
             "help": "dynamic_sampling: the first round generates f times the generation batch's groups (extra prompts "
-            "from train_dataset), so that one round usually yields enough informative groups. Must be >= 1."
+            "from train_dataset). Must be >= 1."
         },
     )
     dynamic_sampling_metric: str = field(
@@ -296,8 +288,7 @@ class EGPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "DAPO's soft overlong punishment: buffer length before max_completion_length over which a length "
-            "penalty (a reward function named overlong_penalty) grows linearly from 0 to -overlong_penalty_factor. None "
-            "(default) adds no penalty."
+            "penalty (reward function overlong_penalty) grows linearly to -overlong_penalty_factor. None: no penalty."
         },
     )
     overlong_penalty_factor: float = field(
@@ -308,8 +299,8 @@ class EGPOConfig(GRPOConfig):
         default=False,
         metadata={
             "help": "EDGE-GRPO's Guided Error Correction: before scoring, incorrect completions are at random continued "
-            "after a reflection cue, given the reference answer, or replaced by the reference solution (the "
-            "'solution' column, else the answer). Needs an 'answer' column; works with transformers and vLLM."
+            "after a reflection cue, given the reference answer, or replaced by the reference solution. Needs an "
+            "'answer' column."
         },
     )
     edge_gec_scope: str = field(
@@ -471,8 +462,7 @@ class EGPOConfig(GRPOConfig):
             raise ValueError(loss_forward_error(problems))
 
     def _loss_forward_launch(self) -> tuple[int, str | None]:
-        """The run's process count and distributed engine (``"DeepSpeed"``, ``"FSDP"`` or ``None``), as
-        ``loss_forward``'s checks see them; ``egpo-trl train --dry-run`` substitutes the launch's own."""
+        """The run's process count and distributed engine (``"DeepSpeed"``, ``"FSDP"`` or ``None``)."""
         return self.world_size, _distributed_engine(self)
 
     def _validate_egpo(self) -> None:
@@ -538,8 +528,7 @@ class EGPOConfig(GRPOConfig):
         self._validate_aggregation()
 
     def _validate_aggregation(self) -> None:
-        """``normalize_then_sum`` needs an estimator that takes the aggregated GRPO advantages (``group_advantages``):
-        ``grpo`` (TRL's, exactly), ``egpo`` and ``edge_grpo`` (on top of them). ``nsr`` has no group baseline."""
+        """``normalize_then_sum`` needs an estimator taking ``group_advantages``: ``grpo``, ``egpo`` or ``edge_grpo``."""
         if self.multi_objective_aggregation != "normalize_then_sum":
             return
         estimator = ADVANTAGE_ESTIMATORS.get(self.advantage_estimator)
@@ -556,9 +545,7 @@ class EGPOConfig(GRPOConfig):
             )
 
     def _validate_importance_sampling(self) -> None:
-        """Refuse vLLM sampling options that TRL's sequence-level importance-sampling correction would silently turn
-        into a vanishing loss: the product of every token's ratio collapses over a long completion. The token modes
-        bound each token's ratio on its own, so they accept whatever ``GRPOConfig`` accepts."""
+        """Refuse vLLM sampling options under which TRL's sequence-level importance-sampling ratio would collapse."""
         if not (self.use_vllm and self.vllm_importance_sampling_correction):
             return
         mode = self.vllm_importance_sampling_mode

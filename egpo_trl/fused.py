@@ -1,12 +1,6 @@
-"""The old policy's log-probs from the loss's own forward (``egpo_entropy_logps="loss_forward"``).
-
-Where TRL computes no old-policy log-probs (one optimizer step per generation batch, no importance sampling), EGPO
-would need a no-grad pass over the batch for its weights. Instead, the shuffled rows are grouped so that a *block* of
-consecutive micro-batches holds whole groups; the block's micro-batches run their forwards only, and its last one
-computes EGPO's weights from their log-probs, then TRL's loss of each micro-batch with the weighted advantages,
-backpropagated one at a time (one backward of the sum under DDP, whose synchronisation is armed by the forward).
-Base advantages are computed when the batch is scored.
-"""
+"""The old policy's log-probs from the loss's own forward (``egpo_entropy_logps="loss_forward"``): rows are grouped
+so that a block of micro-batches holds whole groups; the block runs its forwards, computes EGPO's weights from their
+log-probs, then backpropagates TRL's loss of each micro-batch with the weighted advantages."""
 
 from __future__ import annotations
 
@@ -35,8 +29,8 @@ CORRECT_KEY = "egpo_fused_correct"
 MASK_KEY = "egpo_fused_mask"
 ROW_KEY = "egpo_fused_row"
 
-#: The DeepSpeed release ``loss_forward`` was checked with (benchmarks/loss_forward_check.py): its ZeRO optimizers
-#: close a micro-step with ``clear_backward_seen_flag``, which the block calls after each of its backwards.
+#: The DeepSpeed release ``loss_forward`` was checked with (ZeRO's ``clear_backward_seen_flag``, called per backward).
+
 DEEPSPEED_CHECKED = "0.19"
 
 
@@ -85,8 +79,7 @@ def group_first_order(groups: torch.Tensor) -> torch.Tensor:
 
 
 def shuffle_then(prepare, generation_batch, reorders):
-    """``prepare(generation_batch)`` (TRL's ``_prepare_inputs``) with each of ``reorders`` (batch -> permutation or
-    ``None``) applied right after TRL shuffles a new generation batch."""
+    """TRL's ``_prepare_inputs`` with each of ``reorders`` (batch -> permutation) applied after TRL's shuffle."""
     from trl.trainer import grpo_trainer
 
     original = grpo_trainer.shuffle_sequence_dict
@@ -120,8 +113,7 @@ def reorder_rows(batch: dict[str, Any], permutation: torch.Tensor) -> dict[str, 
 
 
 def reentrant_checkpointing(kwargs: dict | None) -> bool:
-    """Whether checkpointing with these ``gradient_checkpointing_kwargs`` is reentrant (none given: it is not; given
-    without ``use_reentrant``: PyTorch's default, it is)."""
+    """Whether checkpointing with these ``gradient_checkpointing_kwargs`` is reentrant."""
     if not kwargs:
         return False
     value = kwargs.get("use_reentrant")
@@ -150,8 +142,7 @@ def loss_forward_problems(
 
 
 class LossForwardEntropyMixin:
-    """``egpo_entropy_logps="loss_forward"`` for :class:`~egpo_trl.trainer.EGPOTrainer`, which calls these methods
-    from its init, ``_prepare_inputs``, ``training_step``, scoring, ``compute_loss`` and log-prob forward."""
+    """``egpo_entropy_logps="loss_forward"`` for :class:`~egpo_trl.trainer.EGPOTrainer`."""
 
     def _check_loss_forward_entropy(self) -> None:
         args = self.args
@@ -229,8 +220,7 @@ class LossForwardEntropyMixin:
         return shuffle_then(prepare, generation_batch, [group])
 
     def _fused_training_step(self, model, inputs, step):
-        """A micro-batch that does not end its block is prepared and kept, without forward or backward; the block's
-        last one runs ``step`` (the parents' ``training_step``)."""
+        """Keep a micro-batch that does not end its block; the block's last one runs ``step``."""
         if (self._step % self.args.steps_per_generation + 1) % self._fused_block == 0:
             return step()
         start = time.perf_counter()

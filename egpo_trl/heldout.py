@@ -1,8 +1,5 @@
-"""Held-out accuracy under sampling, printed by ``egpo-trl train`` before and after training.
-
-It samples the model in memory with the evaluation's :class:`~egpo_trl.evaluation.backends.TransformersBackend`;
-full benchmark evaluation is ``egpo-trl eval``.
-"""
+"""Held-out accuracy under sampling, printed by ``egpo-trl train`` before and after training, sampled in memory with
+the evaluation's :class:`~egpo_trl.evaluation.backends.TransformersBackend`."""
 
 from __future__ import annotations
 
@@ -62,11 +59,8 @@ def generate_completions(
     batch_size: int = 128,
     seed: int | None = 0,
 ) -> list[str]:
-    """One sampled completion per prompt (chat messages or plain text); ``temperature=0`` is greedy.
-
-    ``seed`` seeds torch once and restores torch's, Python's and NumPy's random state afterwards; ``None`` samples
-    from the current state. The model's training mode is restored.
-    """
+    """One sampled completion per prompt (``temperature=0`` greedy); ``seed`` seeds torch once and restores the random
+    states afterwards."""
     settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
     backend = TransformersBackend(model, tokenizer=tokenizer, batch_size=batch_size)
     ids = [
@@ -109,11 +103,8 @@ def heldout_accuracy(
     seed: int | None = 0,
     reward_func: Callable[..., list[float | None]] = boxed_accuracy_reward,
 ) -> HeldoutResult:
-    """Accuracy on ``dataset`` (``prompt``, ``answer``, optional ``level``) over ``num_samples`` completions each.
-
-    A completion is correct when ``reward_func`` gives it ``+1``; ``None`` (no verdict) is left out and counted.
-    Sampling options are those of :func:`generate_completions`.
-    """
+    """Accuracy on ``dataset`` (``prompt``, ``answer``, optional ``level``) over ``num_samples`` completions each; a
+    completion is correct when ``reward_func`` gives it ``+1``, and ``None`` verdicts are counted apart."""
     if len(dataset) == 0:
         raise ValueError("The held-out set is empty; give at least one problem.")
     repeat = lambda column: [value for value in dataset[column] for _ in range(num_samples)]  # noqa: E731

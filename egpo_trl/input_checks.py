@@ -83,13 +83,10 @@ def training_value_problems(args) -> list[str]:
     return problems
 
 
-# ``generation_kwargs`` keys that replace a value TRL 1.16 sets itself on every generation call (they are applied
-# after TRL's own), with the setting that controls it (``None``: TRL's value is the only one that works). TRL asks
-# vLLM for ``logprobs=0``, the sampled token's log-prob alone, and keeps the first of those it gets back: with more,
-# vLLM sorts them by rank and the first is the most probable token's, so importance-sampling ratios and the
-# ``sampler`` entropy proxy would read another token's log-prob. ``n`` and ``num_return_sequences`` change how many
-# completions come back per prompt, ``max_tokens`` and ``max_new_tokens`` their length limit (vLLM's and
-# transformers' names). A value equal to TRL's own changes nothing and is accepted.
+# ``generation_kwargs`` keys that replace a value TRL 1.16 sets itself on every generation call, with the setting that
+# controls it (``None``: only TRL's value works). With ``logprobs`` > 0 vLLM returns the most probable token's log-prob
+# first, so the sampled token's would be misread. A value equal to TRL's own is accepted.
+
 _TRL_GENERATION_KWARGS: dict[str, str | None] = {
     "logprobs": None,
     "n": "num_generations",
@@ -100,9 +97,7 @@ _TRL_GENERATION_KWARGS: dict[str, str | None] = {
 
 
 def _trl_generation_values(args: Any) -> dict[str, Any]:
-    """The values of ``_TRL_GENERATION_KWARGS`` that leave every TRL generation call as it is. TRL changes ``n``
-    per call under vLLM's server mode and the length per call for Guided Error Correction and evaluation, so no value
-    of those is safe."""
+    """The values of ``_TRL_GENERATION_KWARGS`` that leave every TRL generation call as it is."""
     server = getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"
     never = object()
     return {
@@ -115,9 +110,7 @@ def _trl_generation_values(args: Any) -> dict[str, Any]:
 
 
 def generation_kwargs_problem(args: Any) -> str | None:
-    """One line naming what in ``args.generation_kwargs`` cannot work, with the fix: keys TRL sets itself (see
-    ``_TRL_GENERATION_KWARGS``) given another value, and settings that make a group's completions identical (greedy
-    or beam search, one seed for every copy of a prompt); ``None`` when there is none."""
+    """One line naming what in ``args.generation_kwargs`` cannot work, with the fix; ``None`` when nothing."""
     kwargs = args.generation_kwargs or {}
     trl_values = _trl_generation_values(args)
     problems = []
@@ -204,8 +197,7 @@ def builtin_model_path(name_or_path: str) -> str:
 
 
 def model_problem(name: str) -> str | None:
-    """Why the model ``name`` (``builtin:`` resolved) cannot be loaded, seen without the network: a local path that
-    does not exist, or a folder that is not a saved model; ``None`` otherwise (a Hub id is not checked)."""
+    """Why the model ``name`` cannot be loaded, seen without the network; ``None`` otherwise."""
     path = Path(name).expanduser()
     if path.is_dir() and not any((path / f).is_file() for f in ("config.json", "adapter_config.json")):
         return (
@@ -223,9 +215,7 @@ def model_problem(name: str) -> str | None:
 
 
 def resolve_model_name(model: Any) -> Any:
-    """``builtin:<name>`` -> the shipped model's folder, and ``egpo_trl/assets/<name>`` -> that folder from any
-    current folder; anything else (a model object, a Hub id, an existing path) unchanged. ``ValueError`` in one line
-    (:func:`model_problem`): what the Python API and ``egpo-trl train`` both say."""
+    """``builtin:<name>`` and ``egpo_trl/assets/<name>`` -> the shipped model's folder; anything else unchanged."""
     if not isinstance(model, str):
         return model
     model = builtin_model_path(model)
@@ -239,8 +229,7 @@ def resolve_model_name(model: Any) -> Any:
 
 
 def required_columns(reward_funcs: Sequence[Any]) -> dict[str, str]:
-    """Dataset columns the reward functions need (parameters without a default that TRL does not pass itself),
-    each mapped to the name of a function that needs it."""
+    """Dataset columns the reward functions need, each mapped to the name of a function that needs it."""
     needed: dict[str, str] = {}
     import torch
 
@@ -264,8 +253,7 @@ def required_columns(reward_funcs: Sequence[Any]) -> dict[str, str]:
 def _dataset_problem(
     dataset: Any, reward_funcs: Sequence[Any], args: Any = None, environment: bool = False
 ) -> str | None:
-    """One line naming the columns ``train_dataset`` lacks, what expects each (the trainer, a reward function's
-    parameter, ``edge_gec``) and the rename that supplies it from the dataset's own columns; ``None`` when none."""
+    """One line naming the columns ``train_dataset`` lacks, what expects each and the rename that supplies it."""
     columns = getattr(dataset, "column_names", None)
     if isinstance(columns, dict):  # a DatasetDict
         return (
@@ -309,8 +297,7 @@ STOCHASTIC_KEYS = ("dropout", "pdrop", "jitter", "layerdrop", "drop_path", "stoc
 
 
 def stochastic_settings(config: dict, prefix: str = "") -> list[str]:
-    """The keys of a model or adapter config (as a dict; a sub-config's as ``name.key``) that set a dropout, jitter,
-    layer-drop or drop-path value above 0 (:data:`STOCHASTIC_KEYS`)."""
+    """The keys of a model or adapter config dict that set a dropout, jitter, layer-drop or drop-path above 0."""
     found = []
     for key, value in config.items():
         if isinstance(value, dict):
@@ -323,8 +310,7 @@ def stochastic_settings(config: dict, prefix: str = "") -> list[str]:
 
 
 def config_makes_forward_random(config: dict) -> bool:
-    """Whether a model or adapter config (as a dict, sub-configs included) makes a training-mode forward random
-    (:func:`stochastic_settings`)."""
+    """Whether a model or adapter config dict makes a training-mode forward random."""
     return bool(stochastic_settings(config))
 
 
@@ -351,9 +337,7 @@ def _cached_model_config(model: str) -> dict | None:
 
 
 def loss_forward_input_problems(model: Any, peft_config: Any, model_init_kwargs: dict | None) -> list[str]:
-    """What makes ``egpo_entropy_logps="loss_forward"`` impossible that can be seen before the model loads: a random
-    training forward set in the PEFT adapter's config (``lora_dropout``, LoHa's rank dropout, ...) or in the model's
-    ``config.json`` (with ``model_init_kwargs``' overrides). The trainer checks the loaded model again."""
+    """What makes ``egpo_entropy_logps="loss_forward"`` impossible, seen before the model loads (random forwards)."""
     problems = []
     if peft_config is not None:
         values = peft_config if isinstance(peft_config, dict) else getattr(peft_config, "to_dict", dict)()

@@ -112,8 +112,7 @@ def _option(argv: Sequence[str], recipe: dict[str, Any], name: str) -> Any:
 
 
 def plan_launch(argv: Sequence[str]) -> LaunchPlan:
-    """The launch of ``argv``: the command line's launch options, else the recipe's; ``num_processes`` defaults to
-    the GPUs this machine sees times ``num_machines``."""
+    """The launch of ``argv``: the command line's launch options, else the recipe's (default: GPUs x machines)."""
     argv = list(argv)
     recipe = option_value(argv, "config")
     data = load_recipe(recipe, "recipe") if recipe else {}
@@ -428,8 +427,7 @@ def _check_loss_forward(args, model_args, report: DryRunReport, plan: LaunchPlan
 
 
 def _parse_for_dry_run(argv: list[str], report: DryRunReport, plan: LaunchPlan | None):
-    """``parse_args`` for the launch's process count and engine rather than this process's, and without a GPU for
-    bf16; problems go to ``report``."""
+    """``parse_args`` for the launch's process count and engine, without a GPU for bf16; problems go to ``report``."""
     from egpo_trl.config import EGPOConfig
 
     launch = (plan.world_size, plan.engine) if plan is not None else (1, None)
@@ -648,8 +646,7 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
 
 
 def batch_summary(argv: Sequence[str], args: Any, world: int) -> tuple[str, str | None]:
-    """The completions and prompts of one optimizer step over all processes, and a note when they differ from the
-    recipe's own (its batch sizes over its ``num_processes``, or its accelerate config's)."""
+    """The completions and prompts of one optimizer step over all processes, with a note where the recipe's differ."""
     per_device, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     batch = per_device * world * accumulation
     line = (

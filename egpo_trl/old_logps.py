@@ -1,11 +1,6 @@
 """Per-token log-probs of the completion tokens with every row shifted left past its prompt padding
-(``egpo_shift_prompt_padding``).
-
-Each row keeps its original positions as ``position_ids`` and has only right padding, so the forward needs no attention
-mask and PyTorch's SDPA runs its causal kernel; every token sees the same tokens at the same positions as in TRL's
-``_get_per_token_logps_and_entropies``. :func:`can_realign` says where that holds; elsewhere TRL's layout is used. The
-log-probs come from TRL's fused LM head (``fused_lm_head=True``), as in TRL's pass.
-"""
+(``egpo_shift_prompt_padding``): each row keeps its original ``position_ids`` and has only right padding, so the
+forward needs no attention mask and SDPA runs its causal kernel; the tokens and positions are TRL's."""
 
 from __future__ import annotations
 
@@ -32,10 +27,7 @@ FORWARD_KEYS = (
 
 
 def completion_widths(completion_mask: torch.Tensor) -> torch.Tensor:
-    """Per row, the number of completion columns up to and including its last scored token (0 for a row with none).
-
-    Columns after it carry no label in TRL's pass (their log-probs are 0 there too), so they can be cut.
-    """
+    """Per row, the number of completion columns up to and including its last scored token (0 for none)."""
     columns = torch.arange(1, completion_mask.size(1) + 1, device=completion_mask.device)
     return (columns * (completion_mask != 0)).amax(dim=1) if completion_mask.size(1) else completion_mask.sum(dim=1)
 
@@ -83,15 +75,9 @@ def _prepends_virtual_tokens(model: torch.nn.Module) -> bool:
 
 
 def can_realign(model: torch.nn.Module, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> bool:
-    """Whether the pass may shift rows past their prompt padding and run without an attention mask.
-
-    True for a decoder of :data:`REALIGN_MODEL_TYPES` with full causal attention in every layer under PyTorch's SDPA
-    or eager attention (never FlashAttention, which reads packed sequences from ``position_ids``), when every prompt
-    mask is zeros then ones and every completion mask ones then zeros, and every row with a scored token has a
-    prompt token before it. Never for rotary scalings whose frequencies follow the largest position of a forward
-    (``dynamic``, ``longrope``), nor under a PEFT prompt-learning adapter that prepends virtual tokens to the input
-    (prompt tuning, P-tuning; prefix tuning keeps the layout and is allowed).
-    """
+    """Whether the pass may shift rows past their prompt padding: a :data:`REALIGN_MODEL_TYPES` decoder with full
+    causal SDPA or eager attention and no position-dependent rotary scaling or virtual-token adapter, on
+    left-padded prompts and right-padded completions."""
     config = _unwrapped_config(model)
     if config is None or getattr(config, "model_type", None) not in REALIGN_MODEL_TYPES:
         return False
@@ -136,15 +122,8 @@ def _realigned_forward(
     autocast: Callable[[], AbstractContextManager],
     full_width: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One micro-batch with every row shifted left past its prompt padding: ``[rows, width]`` log-probs (and
-    entropies) of the completion tokens, 0 after each row's ``widths``. The forward is cut to its longest row, or
-    with ``full_width`` keeps TRL's width (prompt plus completion columns).
-
-    In TRL's layout a row's real tokens are contiguous, from column ``pad`` (its prompt padding) to the end of its
-    completion, and column ``c`` has position ``c``. Here row ``i`` starts at column 0 with ``position_ids`` ``pad_i,
-    pad_i + 1, ...``: the same tokens at the same positions, with only right padding, which a causal model never
-    attends to from an earlier token. So no attention mask is passed.
-    """
+    """One micro-batch shifted past its prompt padding: ``[rows, width]`` log-probs (and entropies) of the completion
+    tokens, 0 after each row's ``widths``; cut to the longest row unless ``full_width``."""
     prompt_width = prompt_ids.size(1)
     width = completion_ids.size(1)
     device = prompt_ids.device
@@ -181,15 +160,8 @@ def shifted_logps(
     autocast: Callable[[], AbstractContextManager] = nullcontext,
     full_width: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """TRL's ``_get_per_token_logps_and_entropies`` for a text-only batch, with every row shifted past its prompt
-    padding (see :func:`can_realign`, which the caller checks): ``batch_size`` rows per forward (all by default), the
-    last ``logits_to_keep`` columns scored, each forward cut to its longest row, or with ``full_width`` kept at the
-    batch's width, so that passes over the same rows in other groupings run the backbone at the same shapes. Works
-    with and without gradients.
-
-    Returns ``(logps, entropies)``, each ``[B, logits_to_keep]``, 0 where the completion mask is 0 after a row's last
-    scored token (TRL's fused head gives 0 there too); ``entropies`` is ``None`` unless ``compute_entropy``.
-    """
+    """TRL's ``_get_per_token_logps_and_entropies`` for a text-only batch on rows shifted past their prompt padding
+    (see :func:`can_realign`); returns ``(logps, entropies)`` of shape ``[B, logits_to_keep]``."""
     prompt_ids, completion_ids = input_ids[:, :-logits_to_keep], input_ids[:, -logits_to_keep:]
     prompt_mask, completion_mask = attention_mask[:, :-logits_to_keep], attention_mask[:, -logits_to_keep:]
     widths = completion_widths(completion_mask)

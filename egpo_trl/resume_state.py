@@ -1,13 +1,7 @@
-"""Exact resume: what a checkpoint holds beyond the Trainer's own so that a resumed run continues the same run.
-
-Beyond the weights, optimizer, scheduler and RNG states, GRPO keeps the generation-batch buffer and micro-step
-counter, the metrics and loss not yet logged, Guided Error Correction's draw counter and the later epochs' prompt
-order. :class:`ExactResumeMixin` saves them (``egpo_resume_state.pt``, one per process) with the process count,
-batch shape and settings they belong to, and restores them only where all of these match (else it warns). A Ctrl-C
-saves the checkpoint of the last finished step from a snapshot taken at its end, and is held back over the optimizer
-update so that it never lands in a half-applied one. vLLM colocate samples each prompt with its own seed
-(:func:`generation_seed`), a function of its place in the run.
-"""
+"""Exact resume: :class:`ExactResumeMixin` saves what GRPO keeps beyond the Trainer's checkpoint (generation buffer,
+unlogged metrics, Guided Error Correction's draws, prompt order) in ``egpo_resume_state.pt`` and restores it where the
+run's shape matches; a Ctrl-C saves the last finished step, and vLLM colocate seeds each prompt by its place in the
+run."""
 
 from __future__ import annotations
 
@@ -51,8 +45,7 @@ class _FinishedRun(Exception):
 
 
 class _StopWhenFinished(TrainerCallback):
-    """Ends ``Trainer.train`` at ``on_train_begin`` (the checkpoint loaded, ``state.max_steps`` this run's) when the
-    run has nothing left to train."""
+    """Ends ``Trainer.train`` at ``on_train_begin`` when the resumed run has nothing left to train."""
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.max_steps > 0 and state.global_step >= state.max_steps:
@@ -60,9 +53,7 @@ class _StopWhenFinished(TrainerCallback):
 
 
 class _SigintHold:
-    """Holds a Ctrl-C back from :meth:`start` to :meth:`stop` (a second one interrupts at once, setting ``forced``),
-    in the main thread and only over Python's own handler; ``enabled=False`` does nothing. ``pending``: one held when
-    an error ended a span."""
+    """Holds a Ctrl-C back from :meth:`start` to :meth:`stop` in the main thread; a second one interrupts at once."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
@@ -93,8 +84,7 @@ class _SigintHold:
         self._previous, self.active = previous, True
 
     def stop(self, raise_held: bool = True) -> None:
-        """Puts the previous handler back; raises a held ``KeyboardInterrupt`` or, without ``raise_held``, keeps it
-        ``pending``."""
+        """Puts the previous handler back; raises a held ``KeyboardInterrupt`` or, without ``raise_held``, keeps it."""
         if not self.active:
             return
         signal.signal(signal.SIGINT, self._previous)
@@ -105,8 +95,7 @@ class _SigintHold:
 
 
 def generation_seed(seed: int, global_step: int, call: int, instance: int, index: int) -> int:
-    """The sampling seed, in ``[0, 2**63)``, of prompt ``index`` of generation ``call`` (numbered within the step;
-    evaluation ``-1 - n``) of vLLM ``instance`` at ``global_step``: a function of its place in the run only."""
+    """The sampling seed of prompt ``index`` of generation ``call`` of vLLM ``instance``, from its place in the run."""
     key = f"egpo-generation:{seed}:{global_step}:{call}:{instance}:{index}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2**63 - 1)
 
@@ -143,8 +132,7 @@ def _optimizer_steps(optimizer) -> int | None:
 
 
 class ExactResumeMixin:
-    """Exact-resume checkpoints, a Ctrl-C checkpoint at the last step boundary and per-prompt vLLM seeds; sits
-    before ``GRPOTrainer`` in a subclass's bases."""
+    """Exact-resume checkpoints, a Ctrl-C checkpoint at the last step boundary and per-prompt vLLM seeds."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -155,8 +143,7 @@ class ExactResumeMixin:
         self._egpo_seed_vllm_sampling()
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
-        """``Trainer.train``; resumed at the run's last step it loads the checkpoint, says there is nothing to train
-        and ends as a finished run does, without a step."""
+        """``Trainer.train``; resumed at the run's last step it loads the checkpoint and ends without a step."""
         stop = _StopWhenFinished()
         if resume_from_checkpoint:
             self.callback_handler.callbacks.insert(0, stop)
@@ -360,8 +347,7 @@ class ExactResumeMixin:
         return _optimizer_steps(self.optimizer), int(engine_steps) if engine_steps is not None else None
 
     def save_interrupt_checkpoint(self) -> str | None:
-        """After an interruption inside a step, save the checkpoint of the last finished one (its state put back);
-        returns why nothing was saved, or ``None``."""
+        """After an interruption inside a step, save the last finished step; returns why not, or ``None``."""
         boundary = self._egpo_boundary
         step = self.state.global_step
         if boundary is None or boundary["global_step"] != step:
@@ -377,8 +363,7 @@ class ExactResumeMixin:
         return None
 
     def _egpo_seed_vllm_sampling(self) -> None:
-        """Seed each prompt of a vLLM colocate generation with :func:`generation_seed` (unless ``generation_kwargs``
-        sets a ``seed``; server mode keeps its state in the server)."""
+        """Seed each prompt of a colocated vLLM generation with :func:`generation_seed` (unless one is given)."""
         generation = getattr(self, "vllm_generation", None)
         llm = getattr(generation, "llm", None)
         if not getattr(self, "use_vllm", False) or llm is None or getattr(generation, "mode", None) != "colocate":

@@ -1,38 +1,9 @@
-"""Thinking / answer segments of a completion, on token positions.
+"""Thinking / answer segments of a completion on token positions (paper Sec. 5.4, Table 3).
 
-Reasoning models such as DeepSeek-R1-Distill write their reasoning inside ``<think>...</think>`` and the
-final answer after ``</think>``. The paper (Sec. 5.4, Table 3) measures the entropy proxy of Eq. 5 separately
-on the two segments: the **thinking entropy** (TE) over the reasoning trace and the **answer entropy** (AE)
-over the final answer. This module is the one place that decides which completion tokens belong to which
-segment; evaluation, diagnostics and training all use it.
-
-The boundary is found on token ids, not on decoded text, and works for both kinds of tokenizer:
-
-* ``</think>`` is a single (added or special) token, as in DeepSeek-R1-Distill-Qwen and Qwen3;
-* ``</think>`` is spelled with several ordinary tokens (``"</"``, ``"think"``, ``">\\n\\n"``, ...), whose
-  split depends on the surrounding text, so no fixed id sequence can be searched for.
-
-Each token id is decoded once per tokenizer into a transition table of a string-matching automaton
-(Knuth-Morris-Pratt over the characters of the tag, advanced one whole token at a time). Finding the tag
-in a batch is then a handful of vectorised gathers over ``[B, T]``, with no Python loop over rows or
-positions.
-
-Segmentation rule
------------------
-For one completion with valid tokens ``0 .. n-1`` (``mask == 1``):
-
-* the **closing tag** is the first occurrence of ``</think>``; the tokens that spell it belong to neither
-  segment (a token that mixes tag characters and text, such as ``".</"``, counts as part of the tag);
-* the **thinking segment** is every token before the closing tag, except a leading ``<think>`` tag and
-  anything before it (when the opening tag is in the completion; chat templates of reasoning models
-  often put it in the prompt instead);
-* the **answer segment** is every valid token after the closing tag (the end-of-sequence token included,
-  as in the training mask);
-* **without a closing tag** the whole completion (after an opening tag, if any) is thinking and the answer
-  segment is empty. A completion cut off by the length limit before ``</think>`` has not answered, and a
-  model that never writes the tags has no separate answer to measure. The answer entropy of such a
-  completion is undefined: :func:`segment_entropy` returns ``NaN`` for it, diagnostics leave it out of
-  the answer-side statistics, and :func:`scope_mask` can fall back to the whole completion for training.
+The closing tag is the first ``</think>``, found on token ids whether it is one token or several (a string-matching
+automaton advanced one token at a time); its tokens belong to neither segment. Thinking is everything before it,
+after a leading ``<think>`` if any; the answer is every valid token after it. Without a closing tag the whole
+completion is thinking and the answer is empty (its entropy ``NaN``).
 """
 
 from __future__ import annotations
@@ -89,10 +60,7 @@ def _token_strings(tokenizer: Any) -> list[str]:
 
 
 def _build_table(strings: list[str], tag: str) -> torch.Tensor:
-    """``table[s, v]``: the automaton state after token ``v`` read from state ``s`` (``len(tag)`` = match).
-
-    Row ``len(tag)`` is all zeros: a completed match does not continue into the next token.
-    """
+    """``table[s, v]``: the automaton state after token ``v`` read from state ``s``."""
     length = len(tag)
     rows = [[0] * len(strings) for _ in range(length + 1)]
     suffixes = tuple(tag[start:] for start in range(1, length))
@@ -135,18 +103,7 @@ def _transition_table(tokenizer: Any, tag: str, device: torch.device) -> torch.T
 def tag_spans(
     completion_ids: torch.Tensor, mask: torch.Tensor, tokenizer: Any, tag: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token span of the first occurrence of ``tag`` in each row, whatever the tokenization of the tag.
-
-    Args:
-        completion_ids: ``LongTensor[B, T]`` of token ids.
-        mask: ``Tensor[B, T]``, non-zero on the positions to search (padding excluded).
-        tokenizer: the tokenizer that produced the ids (anything with ``batch_decode`` and ``len``).
-        tag: the text to find, e.g. ``"</think>"``.
-
-    Returns:
-        ``(found, start, end)``: ``BoolTensor[B]`` whether the row contains the tag, and ``LongTensor[B]``
-        positions of the first and last token that spell it (inclusive; ``T`` where not found).
-    """
+    """Token span of the first ``tag`` in each ``[B, T]`` row: ``(found, start, end)``."""
     if completion_ids.dim() != 2 or mask.shape != completion_ids.shape:
         raise ValueError(
             f"completion_ids and mask must both be [B, T]; got {tuple(completion_ids.shape)} and {tuple(mask.shape)}."
@@ -197,20 +154,7 @@ def segment_spans(
     think_start: str = DEFAULT_THINK_START,
     think_end: str = DEFAULT_THINK_END,
 ) -> SegmentSpans:
-    """Token ranges ``[start, end)`` of the thinking and answer segments of each row (module rule).
-
-    Args:
-        completion_ids: ``LongTensor[B, T]``, completion token ids (prompt excluded).
-        mask: ``Tensor[B, T]``, 1 on completion tokens and 0 on padding. Valid tokens are expected to
-            form a prefix of each row (right padding), as in TRL's ``completion_mask``.
-        tokenizer: the tokenizer of the ids.
-        think_start / think_end: the tags around the reasoning.
-
-    Returns:
-        :class:`SegmentSpans` of ``LongTensor[B]``: ``thinking_start``, ``thinking_end``, ``answer_start``,
-        ``answer_end`` and ``has_answer`` (``BoolTensor[B]``, whether the row has a closing tag).
-        An empty answer segment has ``answer_start == answer_end``.
-    """
+    """Token ranges ``[start, end)`` of the thinking and answer segments of each right-padded row."""
     valid = mask != 0
     batch, length = completion_ids.shape
     positions = torch.arange(length, device=completion_ids.device).expand(batch, length)
@@ -237,23 +181,7 @@ def segment_masks(
     think_start: str = DEFAULT_THINK_START,
     think_end: str = DEFAULT_THINK_END,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masks of the thinking and answer segments of a batch of completions (see the module's rule).
-
-    Args:
-        completion_ids: ``LongTensor[B, T]``, completion token ids (prompt excluded).
-        mask: ``Tensor[B, T]``, 1 on completion tokens and 0 on padding (TRL's ``completion_mask``).
-        tokenizer: the tokenizer of the ids; ``</think>`` may be one token or several.
-        think_start / think_end: the tags around the reasoning.
-
-    Returns:
-        ``(thinking_mask, answer_mask)``, both ``[B, T]`` with the dtype of ``mask``, disjoint, and zero
-        wherever ``mask`` is zero. Tag tokens belong to neither. A row without ``</think>`` has an all-zero
-        answer mask and its whole completion as thinking.
-
-    Example:
-        >>> thinking, answer = segment_masks(ids, completion_mask, tokenizer)  # doctest: +SKIP
-        >>> answer_entropy = segment_entropy(per_token_logps, answer)  # doctest: +SKIP
-    """
+    """``(thinking_mask, answer_mask)`` of a ``[B, T]`` batch of completions, disjoint and zero outside ``mask``."""
     spans = segment_spans(completion_ids, mask, tokenizer, think_start, think_end)
     batch, length = completion_ids.shape
     positions = torch.arange(length, device=completion_ids.device).expand(batch, length)
@@ -264,17 +192,7 @@ def segment_masks(
 
 
 def segment_entropy(per_token_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Entropy proxy (paper Eq. 5) of each row over the positions of a segment mask: mean of ``-log p``.
-
-    The same computation as :func:`egpo_trl.advantages.sequence_entropy`, which it calls.
-
-    Args:
-        per_token_logps: ``Tensor[B, T]``, log-probabilities of the sampled tokens.
-        mask: ``Tensor[B, T]``, the positions to average over (a segment mask or the completion mask).
-
-    Returns:
-        ``Tensor[B]`` (float32), ``NaN`` for rows whose mask is empty.
-    """
+    """Entropy proxy (paper Eq. 5) of each row over a segment mask: mean of ``-log p``, ``NaN`` for an empty mask."""
     from egpo_trl.advantages import sequence_entropy
 
     return sequence_entropy(per_token_logps, mask)
@@ -289,21 +207,8 @@ def scope_mask(
     think_start: str = DEFAULT_THINK_START,
     think_end: str = DEFAULT_THINK_END,
 ) -> torch.Tensor:
-    """The mask to average the entropy proxy over for an entropy ``scope`` (the ``egpo_entropy_scope`` option).
-
-    Args:
-        completion_ids: ``LongTensor[B, T]``.
-        mask: ``Tensor[B, T]``, the completion mask.
-        tokenizer: the tokenizer of the ids.
-        scope: ``"completion"`` (paper Eq. 5, the whole completion), ``"thinking"`` (inside
-            ``<think>...</think>``) or ``"answer"`` (after ``</think>``, the paper's RQ4 suggestion).
-        empty: what a row whose segment is empty gets. ``"completion"`` (default) falls back to its whole
-            completion, so every row keeps a finite entropy (EGPO's group weights need one per rollout);
-            ``"keep"`` returns the empty mask, so :func:`segment_entropy` gives ``NaN`` for that row.
-
-    Returns:
-        ``Tensor[B, T]`` with the dtype of ``mask``.
-    """
+    """The mask for an entropy ``scope``; a row with an empty segment falls back to its whole completion unless
+    ``empty="keep"``."""
     if scope not in ENTROPY_SCOPES:
         raise ValueError(f"Unknown entropy scope {scope!r}; choose one of {ENTROPY_SCOPES}.")
     if empty not in ("completion", "keep"):

@@ -1,13 +1,10 @@
 """``egpo-trl train``: train a policy with EGPO (or a baseline estimator) from a YAML recipe.
 
-    egpo-trl train recipes/demo_tiny_cpu.yaml [--field value ...]
-    egpo-trl train recipes/egpo_qwen15b.yaml --dry-run
+    egpo-trl train recipes/demo_tiny_cpu.yaml [--field value ...] [--dry-run]
     accelerate launch recipes/egpo_qwen15b.yaml      # or: python recipes/egpo_qwen15b.yaml
 
-The recipe's keys are the fields of :class:`~egpo_trl.script.args.TrainScriptArguments`, :class:`~egpo_trl.EGPOConfig`
-and TRL's ``ModelConfig``; flags override the file. A recipe naming an ``accelerate_config`` is run through
-``accelerate launch`` (:mod:`egpo_trl.launch`). A run writes ``metrics.jsonl``, ``training_curves.png``,
-``heldout.json`` and the trained model into ``output_dir``; Ctrl-C saves a checkpoint and prints the resume command.
+Recipe keys are the fields of :class:`~egpo_trl.script.args.TrainScriptArguments`, :class:`~egpo_trl.EGPOConfig` and
+TRL's ``ModelConfig``; flags override the file.
 """
 
 from __future__ import annotations

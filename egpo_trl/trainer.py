@@ -1,11 +1,6 @@
-"""``EGPOTrainer``: TRL's ``GRPOTrainer`` with EGPO's entropy-calibrated advantages.
-
-After ``GRPOTrainer._generate_and_score_completions`` the trainer takes the old policy's per-token log-probs of the
-scored completion tokens (from TRL's old log-probs, vLLM's sampling log-probs, one no-grad pass, or the loss's own
-forward: ``egpo_entropy_logps``), turns them into one entropy proxy per completion, gathers rewards and entropies
-across processes, computes the advantages with the configured estimator and keeps this process's slice. The features
-(dynamic sampling, Guided Error Correction, ``loss_forward``, exact resume) are mixins called from the overrides here.
-"""
+"""``EGPOTrainer``: TRL's ``GRPOTrainer`` with EGPO's entropy-calibrated advantages, computed on the gathered rewards
+and per-completion entropy proxies of each generation batch. Dynamic sampling, Guided Error Correction,
+``loss_forward`` and exact resume are mixins."""
 
 from __future__ import annotations
 
@@ -45,8 +40,6 @@ from egpo_trl.rewards import make_overlong_penalty_reward
 from egpo_trl.sampling.dynamic import DynamicSamplingMixin, vllm_sequences_for_oversampling
 from egpo_trl.sampling.gec import SOLUTION_ANSWER_SUFFIX, GuidedErrorCorrectionMixin, boxed_safe_prefix  # noqa: F401
 
-# SOLUTION_ANSWER_SUFFIX and boxed_safe_prefix live with Guided Error Correction and stay importable from here.
-
 logger = logging.getLogger(__name__)
 
 __all__ = ["EGPOTrainer"]
@@ -62,11 +55,9 @@ ENTROPY_SOURCE_CODES = {
     "training_forward": 4,
     "loss_forward": 5,
 }
-# Each row's index in its generation batch (this process's rows), carried through TRL's shuffling and splitting so
-# that the loss's forward can hand its log-probs back to the deferred entropy metrics.
+# Each row's index in this process's generation batch, so the loss's forward can return its log-probs to the metrics.
 _ROW_KEY = "egpo_row_index"
-# Per-row completion lengths and truncation of a generation round (after Guided Error Correction), carried in the
-# batch (so that dynamic sampling regroups them with their rows) until the batch's length metrics are logged.
+# Per-row completion lengths and truncation, carried in the batch until its length metrics are logged.
 _LENGTHS_KEY = "egpo_completion_lengths"
 _TRUNCATED_KEY = "egpo_completion_truncated"
 # TRL's importance-sampling correction multiplies the loss by its ratios: below this mean, the run is told.
@@ -89,8 +80,7 @@ def _judged_rows(result: AdvantageOutput, scored: torch.Tensor | None) -> tuple[
 
 
 def vllm_out_of_memory_message(args, processes: int, error: BaseException) -> str | None:
-    """The error for a colocated vLLM engine running out of GPU memory while it generates, naming the fix (``None``
-    where ``error`` is not that)."""
+    """The error for a colocated vLLM engine running out of GPU memory, naming the fix (``None`` for other errors)."""
     if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate"):
         return None
     text = str(error)
@@ -107,8 +97,7 @@ def vllm_out_of_memory_message(args, processes: int, error: BaseException) -> st
 
 
 def _random_training_forward(model: torch.nn.Module) -> bool:
-    """Whether a training-mode forward of ``model`` is random: a dropout module with p > 0, or a random setting
-    (dropout, router jitter, layer drop, drop path) in the model's config or a PEFT adapter's."""
+    """Whether a training-mode forward of ``model`` is random: active dropout, or a random setting in its configs."""
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
             return True
@@ -126,13 +115,9 @@ def _random_training_forward(model: torch.nn.Module) -> bool:
 class EGPOTrainer(
     ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionMixin, LossForwardEntropyMixin, GRPOTrainer
 ):
-    """Trainer for Entropy-Guided Policy Optimization (EGPO), a drop-in replacement for TRL's ``GRPOTrainer``.
-
-    It takes ``GRPOTrainer``'s arguments; ``args`` is an :class:`~egpo_trl.EGPOConfig`. A completion is correct when
-    the reward function named by ``egpo_correctness_reward`` (by default the package's ``boxed_accuracy_reward``)
-    gives it a reward > 0; that function must be a binary verifier where group types are read. Logs TRL's metrics
-    and ``egpo/*`` (group types, weights, entropies of correct and incorrect completions, ``egpo/entropy_source``),
-    ``dynamic_sampling/*`` and ``gec/*``.
+    """Entropy-Guided Policy Optimization (EGPO), a drop-in replacement for TRL's ``GRPOTrainer`` taking an
+    :class:`~egpo_trl.EGPOConfig`. A completion is correct when the binary reward named by ``egpo_correctness_reward``
+    gives it a reward > 0. Logs TRL's metrics plus ``egpo/*``, ``dynamic_sampling/*`` and ``gec/*``.
     """
 
     _tag_names = ["trl", "egpo"]
@@ -156,9 +141,7 @@ class EGPOTrainer(
                 "CUDA_VISIBLE_DEVICES=0."
             )
         reward_funcs = self._with_overlong_reward(reward_funcs, args)
-        # Which reward function decides correct versus incorrect: refused now, before any model loads, when several
-        # could and the configuration needs the verdict (see egpo_trl/correctness.py). Where TRL will refuse the
-        # reward functions' weights or processing classes for their number, TRL's error comes first.
+        # Pick the correctness reward before any model loads; TRL's own error on mismatched reward counts comes first.
         environment = kwargs.get("environment_factory") is not None or (
             len(pos_args) > 10 and pos_args[10] is not None
         )
@@ -169,7 +152,6 @@ class EGPOTrainer(
         correctness_index = None
         if counts <= {len(correctness_names)}:
             correctness_index = correctness_reward_index(reward_funcs, args, complete=not environment)
-        # An oversampled first round of dynamic sampling runs at once in the colocated engine (sampling/dynamic.py).
         with vllm_sequences_for_oversampling(args):
             super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
 
@@ -180,7 +162,6 @@ class EGPOTrainer(
                 generation.generation_kwargs = {**kwargs, "detokenize": False}  # args.generation_kwargs stays as given
         self._egpo_estimator = get_advantage_estimator(args.advantage_estimator)
         self._egpo_entropy_input = get_entropy_input(self._egpo_estimator)
-        #: What needs a binary correctness reward (see _egpo_correct), as named in the error.
         self._egpo_binary_features = binary_correctness_features(args)
         if correctness_index is None or list(self.reward_func_names) != correctness_names:
             # Environments added reward functions of their own (get_reward): decide again with all of them.
@@ -197,7 +178,7 @@ class EGPOTrainer(
         self._egpo_capture_entropy = False  # capture the entropies of TRL's next old-log-prob pass
         self._egpo_captured_entropies: torch.Tensor | None = None
         self._egpo_round_inputs: list[dict[str, Any]] | None = None
-        #: What the last generation batch computed (global tensors), for inspection and tests.
+        #: What the last generation batch computed (global tensors), for inspection.
         self.egpo_last_batch: dict[str, Any] = {}
 
     def vllm_kv_cache_tokens(self) -> int | None:
@@ -298,9 +279,7 @@ class EGPOTrainer(
         compute_aux_loss=False,
         **others,
     ):
-        """TRL's log-prob pass, or with ``egpo_shift_prompt_padding`` the same on rows shifted past their prompt padding
-        where :func:`~egpo_trl.old_logps.can_realign` allows it (text only, no MoE auxiliary loss). Where TRL compares
-        two passes over the same rows (old-policy or reference log-probs) they keep TRL's full width."""
+        """TRL's log-prob pass, on rows shifted past their prompt padding where ``can_realign`` allows it."""
         if (
             getattr(self.args, "egpo_shift_prompt_padding", False)
             and not compute_aux_loss
@@ -337,7 +316,6 @@ class EGPOTrainer(
 
     def _generate(self, prompts: list):
         gec = getattr(self, "_egpo_round_inputs", None) is not None and self.args.edge_gec and self.model.training
-        # GuidedErrorCorrectionMixin: the continuations share the round's vLLM wake-up and weight sync.
         with self._gec_vllm_awake() if gec else nullcontext():
             with self._egpo_timed("generation_s"):
                 try:
@@ -358,7 +336,6 @@ class EGPOTrainer(
             for name, value in self._egpo_length_metrics(lengths, truncated).items():
                 if metrics.get(name):
                     metrics[name][-1] = value
-            # ... and counted their tokens in num_tokens: count the rewritten ones' instead.
             self.state.num_input_tokens_seen += self.accelerator.gather(lengths - sampled_lengths).sum().item()
             metrics["num_tokens"] = [self.state.num_input_tokens_seen]
         return result
@@ -394,8 +371,7 @@ class EGPOTrainer(
         }
 
     def _egpo_reward_metrics(self, rewards_per_func: torch.Tensor, num_generations: int) -> dict[str, float]:
-        """TRL's reward metrics (``rewards/<name>/mean|std``, ``reward``, ``reward_std``, ``frac_reward_zero_std``) of
-        the global rewards ``rewards_per_func``, computed as ``GRPOTrainer`` computes them."""
+        """TRL's reward metrics of the global rewards ``rewards_per_func``, computed as ``GRPOTrainer`` does."""
         values: dict[str, float] = {}
         for i, name in enumerate(self.reward_func_names):
             values[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
@@ -448,9 +424,7 @@ class EGPOTrainer(
         return output
 
     def _egpo_check_any_correct(self, rewards_per_func: torch.Tensor) -> None:
-        """Warn once when no completion sampled in the run's first ``NO_CORRECT_WARNING_STEPS`` optimizer steps was
-        correct (usually a setup problem); stop looking at the first correct one or a correctness reward that is not
-        binary."""
+        """Warn once when no completion of the run's first ``NO_CORRECT_WARNING_STEPS`` optimizer steps was correct."""
         seen = getattr(self, "_egpo_incorrect_seen", 0)
         if seen is None:
             return
@@ -531,7 +505,6 @@ class EGPOTrainer(
     ) -> dict[str, Any]:
         """Advantages of the final generation batch from its gathered rewards and entropies, written back for TRL."""
         if self._fused_active(mode):
-            # egpo_entropy_logps="loss_forward": base advantages now, EGPO's weights with the loss's forwards.
             result = self._fused_finish(output, rewards_per_func, num_generations)
             output.pop(_LENGTHS_KEY, None)
             output.pop(_TRUNCATED_KEY, None)
@@ -557,7 +530,6 @@ class EGPOTrainer(
         process_slice = slice(self.accelerator.process_index * local, (self.accelerator.process_index + 1) * local)
         output["advantages"] = result.advantages[process_slice].to(output["advantages"].dtype)
 
-        # The completions table shows the advantages the loss uses.
         logged = self._logs["advantages"]
         for _ in range(min(len(logged), result.advantages.numel())):
             logged.pop()
@@ -587,8 +559,7 @@ class EGPOTrainer(
 
     # ------------------------------------------------------------------ entropies
     def _egpo_loss_mask(self, output: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The tokens the entropy proxy averages over, and for a ``thinking``/``answer`` scope which rows fell back to
-        their whole completion because their segment is empty (``None`` for the ``completion`` scope)."""
+        """The tokens the entropy proxy averages over, and which rows fell back to their whole completion."""
         mask = output["completion_mask"]
         if output.get("tool_mask") is not None:
             mask = mask * output["tool_mask"]
@@ -602,9 +573,7 @@ class EGPOTrainer(
         return torch.where(fallback.unsqueeze(1), mask, chosen), fallback
 
     def _egpo_entropies(self, output: dict[str, Any], mode: str = "train") -> dict[str, Any]:
-        """Global per-completion entropies of this generation batch: ``nll`` (the Eq. 5 proxy, ``[B_global]``, or
-        ``None``), ``shannon`` (for estimators that read it), ``source`` of the log-probs, ``extra_pass`` and
-        ``deferred`` (metrics the loss's forwards complete)."""
+        """Global per-completion entropies of this generation batch (``nll`` is the Eq. 5 proxy) and their source."""
         token_entropies = output.pop(_TOKEN_ENTROPY_KEY, None)
         need_nll = self._egpo_entropy_input == "nll" or self.args.egpo_entropy_metrics
         need_shannon = self._egpo_entropy_input == "shannon"
@@ -618,10 +587,8 @@ class EGPOTrainer(
                 and not distribution_changing_sampling_options(self.args)
                 and self.args.egpo_entropy_logps == "sampler"
             ):
-                # Plain sampling: vLLM's log-probs are the policy's at the temperature (up to the engines' rounding).
                 logps, source = output["sampling_per_token_logps"], "sampling_per_token_logps"
-                # Guided Error Correction's injected tokens have no sampling log-prob (NaN): then the policy's pass
-                # below gives the whole batch (the same answer on every process, as the pass may be collective).
+                # Tokens injected by Guided Error Correction have no sampling log-prob: every process falls back.
                 local = torch.isnan(logps).logical_and(mask != 0).any().float().view(1)
                 if bool(self.accelerator.gather(local).any()):
                     logps, source = None, "none"
@@ -635,8 +602,7 @@ class EGPOTrainer(
         deferred = None
         metrics_only = self._egpo_entropy_input == "none"
         if need_nll and logps is None and metrics_only and self._egpo_defers_entropy_metrics(mode):
-            # Only the metrics need the proxy, and the loss's forward of each row computes the old policy's log-probs
-            # anyway: take them from there instead of a pass of their own.
+            # Only the metrics need the proxy: take the log-probs from the loss's forwards.
             rows, columns = output["completion_ids"].shape
             deferred = {
                 "mask": mask,
@@ -669,15 +635,12 @@ class EGPOTrainer(
         }
 
     def _egpo_training_forward_is_random(self, arguments: bool = True) -> bool:
-        """Whether the policy's training-mode forward is random: active dropout (:func:`_random_training_forward`),
-        or (``arguments``) NEFTune's noise on the input embeddings, which ``Trainer.train`` switches on for training
-        forwards."""
+        """Whether the policy's training-mode forward is random: active dropout, or (``arguments``) NEFTune noise."""
         noise = arguments and bool(getattr(self.args, "neftune_noise_alpha", None))
         return noise or _random_training_forward(self.model)
 
     def _egpo_defers_entropy_metrics(self, mode: str) -> bool:
-        """Whether this training batch's ``egpo/entropy_*`` metrics come from the loss's own forwards: TRL computes no
-        old log-probs (so each row's loss forward runs with the weights that sampled it) and the forward is not random."""
+        """Whether this batch's ``egpo/entropy_*`` metrics come from the loss's forwards."""
         if mode != "train" or self._trl_computes_old_logps():
             return False
         if getattr(self, "_egpo_random_training_forward", None) is None:
@@ -736,8 +699,8 @@ class EGPOTrainer(
             )
 
     def _egpo_warn_scope_fallback(self, fallback: torch.Tensor) -> None:
-        """Warn once per run when completions of a ``thinking``/``answer`` entropy scope fall back to the whole
-        completion."""
+        """Warn once per run when completions of a segment entropy scope fall back to the whole completion."""
+
         if not fallback.any() or getattr(self, "_egpo_scope_fallback_warned", False):
             return
         self._egpo_scope_fallback_warned = True
@@ -817,11 +780,9 @@ class EGPOTrainer(
         correct, incorrect_value = self._egpo_correct(rewards_per_func)
         no_verdict = torch.isnan(rewards_per_func[:, self._egpo_correctness_index])
         if no_verdict.any():
-            # The correctness reward gave some rows no verdict (None): neither correct nor incorrect (NaN).
             correct = correct.float().masked_fill(no_verdict, float("nan"))
             if getattr(self._egpo_estimator, "binary_correctness", False):
-                # Advantages built on the verdict: such a row is unscored (advantage 0, out of the group statistics)
-                # whatever the other reward functions gave it. GRPO's advantages stay TRL's.
+                # A row without a verdict is unscored (advantage 0, out of the group statistics).
                 rewards_per_func = rewards_per_func.masked_fill(no_verdict.unsqueeze(1), float("nan"))
         rewards = weighted_reward_sum(rewards_per_func, self.reward_weights)  # exactly as GRPOTrainer forms it
         kwargs = self._estimator_kwargs()
@@ -830,8 +791,7 @@ class EGPOTrainer(
                 rewards_per_func, self.reward_weights.to(device), num_generations
             )
         if "nsr_scale" in kwargs:
-            # Half the gap between a correct and an incorrect reward of the correctness function, weighted as in
-            # the reward sum: 1 for the paper's +1/-1 reward, 0.5 for a 1/0 reward.
+            # Half the weighted gap between a correct and an incorrect reward: 1 for +1/-1, 0.5 for 1/0.
             weight = float(self.reward_weights[self._egpo_correctness_index])
             kwargs["nsr_scale"] = weight * (1.0 - incorrect_value) / 2
         return self._egpo_estimator(
@@ -843,8 +803,7 @@ class EGPOTrainer(
         )
 
     def _egpo_correct(self, rewards_per_func: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """Which completions are correct (correctness reward > 0) and an incorrect one's reward (-1 or 0); a correctness
-        reward that is not binary is refused where group types are read."""
+        """Which completions are correct (correctness reward > 0) and an incorrect one's reward (-1 or 0)."""
         values = rewards_per_func[:, self._egpo_correctness_index]
         scored = values[~torch.isnan(values)]
         distinct = set(scored.unique().tolist())
@@ -872,8 +831,7 @@ class EGPOTrainer(
         num_generations: int,
         scored: torch.Tensor | None = None,
     ) -> None:
-        """Log the ``egpo/*`` metrics of a generation batch; rows without a verdict (not ``scored``) are left out of
-        the per-correctness means."""
+        """Log a generation batch's ``egpo/*`` metrics; rows without a verdict are out of the per-correctness means."""
         metrics = self._metrics[mode]
         group_type = result.group_type[::num_generations]
         for name, code in (

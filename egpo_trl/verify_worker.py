@@ -1,8 +1,5 @@
-"""The math-verify worker process of :func:`egpo_trl.rewards.answers_match`, run by its path without the package.
-
-The caller kills it past a wall-clock deadline; a comparison past ``cpu_seconds`` of CPU time is "no match". Protocol:
-one JSON line ``[predicted, gold, cpu_seconds]`` per request on stdin, ``1`` or ``0`` per answer on stdout.
-"""
+"""The math-verify worker process of :func:`egpo_trl.rewards.answers_match`: one JSON line ``[predicted, gold,
+cpu_seconds]`` per request on stdin, ``1`` or ``0`` per answer on stdout (``0`` past ``cpu_seconds`` of CPU time)."""
 
 from __future__ import annotations
 

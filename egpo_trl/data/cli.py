@@ -1,8 +1,5 @@
-"""``egpo-trl data build --config recipes/data/openr1_stable_10k.yaml [--SETTING VALUE ...]``.
-
-Every setting of :class:`~egpo_trl.data.openr1.OpenR1DataConfig` overrides the recipe from the command line;
-lists and mappings are YAML, e.g. ``--subset_ratios '{default: 0.9, extended: 0.1}'``.
-"""
+"""``egpo-trl data build --config recipes/data/openr1_stable_10k.yaml [--SETTING VALUE ...]``: every setting of
+:class:`~egpo_trl.data.openr1.OpenR1DataConfig` overrides the recipe; lists and mappings are YAML."""
 
 from __future__ import annotations
 

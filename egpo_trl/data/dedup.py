@@ -1,8 +1,5 @@
-"""Near-duplicate detection with MinHash-LSH (datasketch), for deduplicating a problem pool and decontaminating it.
-
-Problems become sets of word n-gram shingles of their normalised text; LSH proposes candidates and each is
-checked against the estimated Jaccard similarity, so near duplicates are exactly the pairs at or above the threshold.
-"""
+"""Near-duplicate detection with MinHash-LSH (datasketch) over word n-gram shingles, for deduplicating a problem
+pool and decontaminating it."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Build an RL training pool from OpenR1-Math-220k (or any pool in its schema): the paper's *OpenR1-Stable-10k*.
-
-The stages of :data:`STAGES` run in order (paper appendix, Table 4), each switched and parameterised by a field
-of :class:`OpenR1DataConfig`. The row-level stages run on a stream, chunk by chunk, so only the surviving
-problems are held in memory; the output does not depend on the chunk size.
-"""
+"""Build the paper's *OpenR1-Stable-10k* RL pool from OpenR1-Math-220k (or any pool in its schema), running the
+stages of :data:`STAGES` in order (paper appendix, Table 4) on a stream, chunk by chunk."""
 
 from __future__ import annotations
 
@@ -345,12 +341,9 @@ class _Candidate:
 
 
 def sample_pool(candidates: Sequence[Any], config: OpenR1DataConfig) -> tuple[list[Any], dict[str, Any]]:
-    """Draw ``pool_size`` problems split by ``subset_ratios``, each subset by ``bucket_ratios``.
-
-    Each (subset, bucket) cell is shuffled with a seed of its own and its quota taken from the front; short
-    cells are filled (``fill_shortfall``) from the same subset's other buckets, then from other subsets.
-    Returns the pool and a summary of quotas, available and taken counts, and fills.
-    """
+    """Draw ``pool_size`` problems split by ``subset_ratios``, each subset by ``bucket_ratios``; short cells are
+    filled (``fill_shortfall``) from the subset's other buckets, then from other subsets. Returns the pool and a
+    summary."""
     subsets = list(config.subset_ratios)
     present = {candidate.bucket for candidate in candidates}
     buckets = sorted(config.bucket_ratios, key=lambda name: (-config.bucket_ratios[name], BUCKETS.index(name)))
@@ -769,12 +762,9 @@ def _check_output_dir(output_dir: Path, overwrite: bool) -> None:
 
 
 def build_openr1_dataset(config: OpenR1DataConfig, command: str | None = None) -> BuildResult:
-    """Run the recipe of ``config`` and write ``config.output_dir`` atomically.
+    """Run the recipe of ``config`` and write ``config.output_dir`` atomically: ``dataset/``, the parquet files,
+    ``report.md``, ``stats.json``, ``removed.jsonl`` and ``build_config.yaml``."""
 
-    Writes ``dataset/`` (``save_to_disk``: ``train`` and ``validation`` with columns ``prompt``, ``answer``,
-    ``problem``, ``id``, ``subset``, ``bucket``, ``source``), the parquet files, ``report.md``, ``stats.json``,
-    ``removed.jsonl`` and ``build_config.yaml``. An earlier build is replaced only once the new one is complete.
-    """
     from egpo_trl.data.report import render_report
 
     started = time.time()

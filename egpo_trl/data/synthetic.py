@@ -1,9 +1,5 @@
-"""Synthetic multi-step arithmetic with verifiable answers, for demos, tests and the shipped tiny model.
-
-A level-*n* problem chains *n* additions and subtractions of numbers from 0 to 30 (``Compute 23 + 8 - 15.``);
-its worked solution is ``<think>23+8=31, 31-15=16</think> \\boxed{16}``. A problem's split is a stable hash
-of its expression, so splits never share a problem whatever seeds and sizes built them.
-"""
+"""Synthetic multi-step arithmetic with verifiable answers (``Compute 23 + 8 - 15.``), for demos, tests and the tiny
+model; a problem's split is a stable hash of its expression, so splits never share a problem."""
 
 from __future__ import annotations
 
@@ -129,11 +125,7 @@ def make_arithmetic_dataset(
     system_prompt: str | None = None,
     instruction: str | None = DEFAULT_INSTRUCTION,
 ) -> Dataset:
-    """``num_problems`` distinct problems of one split, spread evenly over ``levels``, in a seeded shuffled order.
-
-    Columns: ``prompt`` (chat messages), ``answer``, ``level``, ``id``, ``problem`` (the question) and
-    ``solution`` (a worked solution). A level with too few distinct problems in the split is an error.
-    """
+    """``num_problems`` distinct problems of one split, spread evenly over ``levels``, in a seeded shuffled order."""
     if split not in SPLITS:
         raise ValueError(f"Unknown split {split!r}; choose one of {list(SPLITS)}.")
     if num_problems < 1:

@@ -1,8 +1,5 @@
-"""``egpo-trl diagnose RUN``: entropy of correct vs incorrect completions in ``egpo-trl eval`` records.
-
-Writes ``diagnostics.md``/``.json`` (per scope: ROC-AUC for predicting an incorrect answer, paper Table 3, and the
-entropy gap, Sec. 5.4, with bootstrap intervals over problems), ``entropies.csv`` and four figures.
-"""
+"""``egpo-trl diagnose RUN``: entropy of correct vs incorrect completions in ``egpo-trl eval`` records (ROC-AUC,
+entropy gap, bootstrap intervals, figures)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Entropy of evaluation records per segment (paper Eq. 5), ROC-AUC for predicting incorrect answers, bootstrap.
-
-"Positive" is an incorrect answer, as in the paper's Table 3: an AUC above 0.5 means higher entropy goes with
-wrong answers.
-"""
+"""Entropy of evaluation records per segment (paper Eq. 5), ROC-AUC for predicting incorrect answers (the positive
+class, as in Table 3), bootstrap."""
 
 from __future__ import annotations
 
@@ -63,11 +60,7 @@ def entropy_table(
     think_end: str = DEFAULT_THINK_END,
     batch_size: int = 256,
 ) -> EntropyTable:
-    """Per-completion entropy over the whole completion and each segment.
-
-    Segments come from the records' ``thinking_span``/``answer_span``, or, with a ``tokenizer``, from their
-    ``completion_ids``. Records without tokens or without a verdict (``correct`` null) are left out.
-    """
+    """Per-completion entropy over the whole completion and each segment, of records with tokens and a verdict."""
     records = [record for record in records if record.get("logprobs")]
     unscored = sum(record.get("correct") is None for record in records)
     if unscored:

@@ -1,9 +1,5 @@
-"""Generation backends for evaluation: batched ``transformers`` generation and vLLM.
-
-Both return, for each prompt (token ids), the sampled completion with ``log pi(y_t | x, y_<t)`` of every sampled
-token under the model's raw logits (before temperature, top-k and top-p; vLLM's ``raw_logprobs``), so records do
-not depend on the backend or on the decoding settings.
-"""
+"""Generation backends for evaluation (batched ``transformers`` and vLLM), both returning each sampled token's
+log-prob under the model's raw logits, so records do not depend on the backend or the decoding settings."""
 
 from __future__ import annotations
 
@@ -30,11 +26,7 @@ MODEL_FAMILY_MAX_NEW_TOKENS = (
 
 
 def default_max_new_tokens(model_name: str, tokenizer: Any = None) -> tuple[int, str]:
-    """``(tokens, reason)``: 16384 for a reasoning model, else 3072 (the paper's budgets).
-
-    A chat template that writes ``<think>``/``</think>`` decides first (``tokenizer``, or the one in a local
-    ``model_name`` folder), then the model's name.
-    """
+    """``(tokens, reason)``: 16384 for a reasoning model (by chat template, else by name), else 3072 (the paper's)."""
     if tokenizer is None and os.path.isdir(model_name):
         try:
             from transformers import AutoTokenizer
@@ -118,11 +110,7 @@ class _SampledTokenLogprobs:
 
 
 class TransformersBackend:
-    """Batched sampling with ``model.generate``.
-
-    ``model_name_or_path`` is a name or folder (loaded on ``device``, default CUDA when available, in ``dtype``;
-    ``auto`` is float32 on CPU), or a loaded model, sampled as it is (``tokenizer`` is then required).
-    """
+    """Batched sampling with ``model.generate`` of a model name, folder or loaded model (with ``tokenizer``)."""
 
     name = "transformers"
 

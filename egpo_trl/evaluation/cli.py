@@ -1,9 +1,8 @@
-"""``egpo-trl eval``: pass@1 of a model on math benchmarks under the paper's protocol, or a comparison of runs.
+"""``egpo-trl eval``: pass@1 of a model on math benchmarks under the paper's protocol, or a comparison of runs; an
+interrupted run continues in the same ``--output-dir``.
 
-    egpo-trl eval --model Qwen/Qwen2.5-Math-1.5B --output-dir runs/base   # Table 1's five benchmarks, k=8
-    egpo-trl eval --compare runs/base runs/egpo                           # side by side, with deltas
-
-Started again with the same ``--output-dir``, an interrupted run continues where it stopped.
+    egpo-trl eval --model Qwen/Qwen2.5-Math-1.5B --output-dir runs/base
+    egpo-trl eval --compare runs/base runs/egpo
 """
 
 from __future__ import annotations

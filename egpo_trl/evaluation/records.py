@@ -1,7 +1,4 @@
-"""Per-sample evaluation records, one JSON line per finished ``(problem, sample)``, appended as they finish.
-
-A line torn by a crash is skipped on reading and never overwritten.
-"""
+"""Per-sample evaluation records, one JSON line per finished ``(problem, sample)``; a torn line is skipped."""
 
 from __future__ import annotations
 

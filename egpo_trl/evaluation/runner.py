@@ -148,12 +148,8 @@ def evaluate(
     label: str | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Evaluate ``model_name`` (loaded in ``backend``) on ``benchmarks``, ``num_samples`` samples per problem.
-
-    A run in ``output_dir`` is continued (same protocol; finished samples skipped). Each request's seed derives from
-    ``seed`` and its key; ``chat_template`` is ``auto`` (when the tokenizer has one), ``on`` or ``off``; records are
-    written every ``chunk_size`` sequences. Returns the summary, also written to ``summary.json``/``summary.md``.
-    """
+    """Evaluate ``model_name`` on ``benchmarks`` with ``num_samples`` samples per problem, continuing a run in
+    ``output_dir``; returns the summary, also written to ``summary.json``/``summary.md``."""
     from tqdm.auto import tqdm
 
     if num_samples < 1:

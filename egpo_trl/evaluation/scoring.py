@@ -1,8 +1,5 @@
-"""Reference answers and scoring: the last ``\\boxed{}`` compared with :func:`egpo_trl.rewards.answers_match`.
-
-``math``: the reference as given; ``gsm8k``: the number after ``####``; ``minerva``: units and degrees dropped,
-``1.2e-8`` read as ``1.2 \\times 10^{-8}``; ``choice``: the correct choice, named by letter or by text.
-"""
+"""Reference answers and scoring: the last ``\\boxed{}`` compared with :func:`egpo_trl.rewards.answers_match`, after
+each benchmark's normalisation (``math``, ``gsm8k``, ``minerva``, ``choice``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """DAPO's dynamic sampling (``dynamic_sampling``), a mixin of :class:`~egpo_trl.trainer.EGPOTrainer`: extra rounds
-of prompts from ``train_dataset`` until the generation batch holds only informative groups, decided on gathered
-tensors so that every process keeps the same groups."""
+of prompts until the generation batch holds only informative groups, the same on every process."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ MIN_INFORMATIVE_FRACTION = Fraction(1, 10)
 
 
 def first_round_extra_groups(oversample: float, target: int, processes: int) -> int:
-    """The groups an oversampled first round adds to ``target``: ``ceil((oversample - 1) * target)`` rounded up to a
-    multiple of ``processes`` (``oversample`` read as written: 1.1 is 11/10)."""
+    """The groups an oversampled first round adds to ``target``, rounded up to a multiple of ``processes``."""
     extra = math.ceil((Fraction(repr(float(oversample))) - 1) * target)
     return math.ceil(extra / processes) * processes if extra > 0 else 0
 
@@ -39,8 +37,7 @@ def largest_oversample(distinct: int, target: int, processes: int) -> Fraction |
 
 
 def filter_mismatch(args: Any) -> str | None:
-    """What DAPO's filter (which judges groups as GRPO does) drops that the run's estimator learns from, or keeps that
-    it gives no advantage; ``None`` when they agree."""
+    """What DAPO's filter drops that the run's estimator learns from, or keeps that it ignores; ``None`` if neither."""
     estimator, metric = args.advantage_estimator, args.dynamic_sampling_metric
     if estimator == "egpo":
         learns = {"entirely incorrect": bool(args.egpo_nsr), "entirely correct": False}
@@ -72,8 +69,7 @@ def first_round_groups(args: Any, processes: int) -> tuple[int, int]:
 
 
 def oversampled_max_num_seqs(args: Any, processes: int | None = None) -> int:
-    """The sequences one colocated vLLM engine receives in an oversampled first round (``processes`` defaults to
-    ``args.world_size``)."""
+    """The sequences one colocated vLLM engine receives in an oversampled first round."""
     processes = args.world_size if processes is None else processes
     _, extra = first_round_groups(args, processes)
     local_rows = args.per_device_train_batch_size * args.steps_per_generation
@@ -151,8 +147,7 @@ class DynamicSamplingMixin:
             )
 
     def _informative_groups(self, rewards_per_func: torch.Tensor, num_generations: int) -> torch.Tensor:
-        """``bool[G]``: groups neither all correct nor all incorrect (``"correctness"``), or whose scored total rewards
-        are not all equal (``"reward"``)."""
+        """``bool[G]``: groups that are informative by ``dynamic_sampling_metric``."""
         if self.args.dynamic_sampling_metric == "correctness":
             values = rewards_per_func[:, self._egpo_correctness_index].view(-1, num_generations)
             scored = ~torch.isnan(values)
@@ -167,9 +162,7 @@ class DynamicSamplingMixin:
     def _dynamic_sampling(
         self, inputs: list[dict[str, Any]], num_generations: int
     ) -> tuple[dict[str, Any], torch.Tensor, dict[str, Any]]:
-        """Generate ``inputs`` (plus the oversampled groups), then rounds sized by the shortfall over the informative
-        fraction, until ``G`` groups are informative or the round cap is hit (uninformative groups then fill the
-        batch); keep the first ``G``, the batch's own first."""
+        """Generate rounds until ``G`` groups are informative or the round cap is hit, the batch's own kept first."""
         local_rows = len(inputs)
         processes = self.accelerator.num_processes
         global_rows = local_rows * processes
@@ -257,8 +250,7 @@ class DynamicSamplingMixin:
         return output, rewards_per_func, sampling
 
     def _keep_batch_metrics(self, marks, used, output, rewards_per_func, num_generations) -> None:
-        """Reward and length metrics computed again for the kept batch; any other metric keeps the values of the
-        rounds in ``used`` (``marks``: list lengths before each round)."""
+        """Reward and length metrics recomputed for the kept batch; other metrics keep the ``used`` rounds' values."""
         metrics = self._metrics["train"]
         recomputed = self._egpo_reward_metrics(rewards_per_func, num_generations)
         lengths, truncated = output.get("egpo_completion_lengths"), output.get("egpo_completion_truncated")
@@ -291,8 +283,7 @@ class DynamicSamplingMixin:
         ]
 
     def _extra_prompts(self, inputs: list[dict[str, Any]]) -> Iterator[int]:
-        """``train_dataset`` indices for extra groups, in a seeded order (the same on every process and after a resume)
-        that skips prompts already in the batch until every distinct prompt is used."""
+        """``train_dataset`` indices for extra groups in a seeded order, skipping prompts already in the batch."""
         from accelerate.utils import gather_object
 
         prompts = self.train_dataset.select_columns(["prompt"])
@@ -370,8 +361,7 @@ class DynamicSamplingMixin:
 
     @contextmanager
     def _logs_for_round(self, global_rows: int) -> Iterator[None]:
-        """TRL's completions-table logs replaced by empty ones during a round, and restored (with every column the
-        round logged) afterwards."""
+        """TRL's completions-table logs emptied during a round and restored afterwards."""
         logs = self._logs
 
         def fresh(values):

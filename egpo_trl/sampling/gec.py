@@ -1,6 +1,5 @@
 """EDGE-GRPO's Guided Error Correction (``edge_gec``), a mixin of :class:`~egpo_trl.trainer.EGPOTrainer`: incorrect
-completions are rewritten before TRL scores them (continued after a reflection cue, given the reference answer, or
-replaced by the reference solution) and trained on as if sampled."""
+completions are rewritten before TRL scores them and trained on as if sampled."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ _SPLIT_CHARACTER_TOKENS = 16
 
 
 def _open_boxed_start(text: str) -> int | None:
-    """Where ``text`` must be cut to leave no ``\\boxed{`` open (or no trailing part of the command, ``... \\box``);
-    ``None`` when it stops outside one."""
+    """Where ``text`` must be cut to leave no ``\\boxed{`` open; ``None`` when it stops outside one."""
     depth, open_boxes = 0, []  # the open boxes' starts, with the brace depth each opened at
     for match in _BRACES.finditer(text):
         if match.group() == "}":
@@ -60,8 +58,7 @@ def _complete_length(text: str) -> int:
 
 
 def boxed_safe_prefix(ids: list[int], decode) -> list[int]:
-    """The longest prefix of ``ids`` whose text (``decode``) does not stop inside a ``\\boxed{}``: a bisection on
-    decoded lengths, repeated while an earlier box is open."""
+    """The longest prefix of ``ids`` whose decoded text does not stop inside a ``\\boxed{}`` (a bisection)."""
     n = len(ids)
     while n > 0:
         start = _open_boxed_start(decode(ids[:n]))
@@ -90,8 +87,7 @@ def shortened(ids: list[int], limit: int, decode) -> list[int]:
 
 
 def pad_continuation_batch(prompts: list[list[int]], counts: list[int], filler: list[int]) -> list[list[int]]:
-    """This process's continuation prompts padded with ``filler`` to the largest of every process's ``counts`` (at
-    least one): TRL's vLLM generation assumes equal numbers on every process."""
+    """This process's continuation prompts padded with ``filler`` to the largest of every process's ``counts``."""
     width = max(max(counts, default=0), 1)
     if len(prompts) > width:
         raise ValueError(
@@ -165,9 +161,7 @@ class GuidedErrorCorrectionMixin:
             )
 
     def _guided_error_correction(self, prompts: list, result: tuple) -> tuple:
-        """GEC on one round (``result``: TRL's ``_generate`` output): each eligible incorrect completion is, with the
-        configured probabilities, continued after the cue, given the answer, or replaced by the row's ``solution``
-        (boxing the answer where it does not), shortened to fit ``max_completion_length`` and ended with EOS."""
+        """GEC on one round of TRL's ``_generate`` output: rewrite each eligible incorrect completion at random."""
         prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images = result
         args = self.args
         inputs = self._egpo_round_inputs
@@ -366,8 +360,7 @@ class GuidedErrorCorrectionMixin:
             generation._llm_weights_sleeping = True
 
     def _gec_score_sampled(self, inputs, prompts, completions, completion_ids):
-        """TRL's rewards of the sampled completions, with what the reward functions logged taken out of TRL's pending
-        logs for :meth:`_gec_rescore` to log once."""
+        """TRL's rewards of the sampled completions, their reward logs kept for :meth:`_gec_rescore` to log once."""
         before = {id(p): {k: len(v) for k, v in p.items()} for p in (self._pending_extra_logs, self._pending_metrics)}
         rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_ids)
         taken = []
@@ -384,8 +377,7 @@ class GuidedErrorCorrectionMixin:
         return rewards_per_func, taken[0], taken[1]
 
     def _gec_rescore(self, calculate, inputs, prompts, completions, completion_ids_list) -> torch.Tensor:
-        """TRL's scoring (``calculate``) of a rewritten round, each reward function called on the rewritten rows
-        only, so that every completion is scored once and logged once."""
+        """TRL's scoring of a rewritten round, calling each reward function on the rewritten rows only."""
         state, self._gec_scored = self._gec_scored, None
         cached, rows, n = state["rewards"], state["changed"], len(prompts)
         extra: dict[str, list] = {}

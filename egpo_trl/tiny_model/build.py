@@ -1,9 +1,5 @@
-"""Build the tiny math reasoning model: ``python -m egpo_trl.tiny_model.build --output DIR``.
-
-A byte-level BPE tokenizer, a ``Qwen2ForCausalLM`` with untied embeddings, supervised fine-tuning on slipped worked
-solutions of the synthetic task's ``train`` split, an evaluation on its ``test`` split, and a model card. Seeded on a
-fixed number of threads, the same arguments and torch version on the same kind of CPU give the same weights.
-"""
+"""Build the tiny math reasoning model (``python -m egpo_trl.tiny_model.build --output DIR``): a byte-level BPE
+tokenizer and a small ``Qwen2ForCausalLM`` fine-tuned on the synthetic task, evaluated, with a model card."""
 
 from __future__ import annotations
 
