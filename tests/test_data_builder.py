@@ -371,6 +371,23 @@ def test_reads_a_local_copy_of_the_hub_repository(built, tmp_path):
     assert result.stats["content_sha256"] == built.stats["content_sha256"]
 
 
+def test_data_files_kind_is_read_from_the_matched_files(tmp_path):
+    """A glob without an extension, or an upper-case suffix, reads the files it matches."""
+    import shutil
+
+    from egpo_trl.data.openr1 import InputSpec
+
+    (tmp_path / "data").mkdir()
+    shutil.copy(FIXTURE / "default.parquet", tmp_path / "DEF.PARQUET")
+    shutil.copy(FIXTURE / "extended.jsonl", tmp_path / "data" / "train-00000.jsonl")
+    for pattern in ("DEF.PARQUET", "data/train-*"):
+        rows = list(InputSpec(subset="default", data_files=[str(tmp_path / pattern)], limit=3).stream())
+        assert len(rows) == 3 and all(row["problem"] for row in rows)
+    (tmp_path / "data" / "train-00001.csv").write_text("problem\n")
+    with pytest.raises(ValueError, match="all be parquet or all be jsonl/json"):
+        next(iter(InputSpec(subset="default", data_files=[str(tmp_path / "data/train-*")]).stream()))
+
+
 def _absolute_inputs() -> str:
     values = yaml.safe_load(RECIPE.read_text())["inputs"]
     for spec in values:

@@ -87,12 +87,20 @@ class InputSpec:
 
         columns = {"columns": self.columns} if self.columns else {}
         if self.data_files:
-            files = [os.path.expanduser(name) for name in self.data_files]
-            if not all(map(glob.glob, files)):
-                raise FileNotFoundError(f"input {self.subset!r}: no file matches one of {files} (cwd {os.getcwd()}).")
-            kinds = {"parquet" if n.endswith(".parquet") else "json" if ".json" in n else None for n in files}
+            files = [sorted(glob.glob(os.path.expanduser(name))) for name in self.data_files]
+            if not all(files):
+                raise FileNotFoundError(
+                    f"input {self.subset!r}: no file matches one of {self.data_files} (cwd {os.getcwd()})."
+                )
+            files = [n for matches in files for n in matches]
+            kinds = {
+                "parquet" if n.lower().endswith(".parquet") else "json" if ".json" in n.lower() else None
+                for n in files
+            }
             if len(kinds) != 1 or None in kinds:
-                raise ValueError(f"input {self.subset!r}: data_files must all be parquet or all be jsonl/json.")
+                raise ValueError(
+                    f"input {self.subset!r}: data_files must all be parquet or all be jsonl/json, got {files}."
+                )
             kind = kinds.pop()
             columns = columns if kind == "parquet" else {}
             stream = load_dataset(kind, data_files=files, split="train", streaming=True, **columns)
