@@ -477,6 +477,21 @@ def test_missing_columns_and_bad_cli_values(tmp_path, capsys):
         data_main(["build", "--config", str(RECIPE), "--no_such_setting", "1"])
 
 
+def test_a_recipe_without_a_tokenizer(tmp_path, capsys):
+    """`tokenizer: null` builds when no token limit is set, and otherwise stops in one line."""
+    values = yaml.safe_load(RECIPE.read_text())
+    values["inputs"] = json.loads(_absolute_inputs())
+    values.update(tokenizer=None, output_dir=str(tmp_path / "out"), decontaminate=False)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    assert data_main(["build", "--config", str(recipe)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "tokenizer is null but max_prompt_tokens counts tokens" in error
+    no_limits = [f"--{name}=null" for name in ("max_prompt_tokens", "max_response_tokens", "final_max_prompt_tokens")]
+    assert data_main(["build", "--config", str(recipe), *no_limits]) == 0
+    assert (tmp_path / "out" / "train.parquet").exists()
+
+
 def test_build_without_the_hub_stops_in_one_line(monkeypatch, capsys, tmp_path):
     """Offline, or with the Hub out of reach, the build says so at once instead of retrying for half a minute."""
     import time

@@ -130,7 +130,10 @@ class OpenR1DataConfig:
         "The pools to read, each {subset, path | data_files, name, split, revision, columns, limit}; `subset` labels "
         "the rows for `subset_ratios`. Default: OpenR1-Math-220k `default` and `extended` from the Hub, streamed.",
     )
-    tokenizer: str = _setting("Qwen/Qwen2.5-Math-1.5B", "Tokenizer (hub name or local path) that counts tokens.")
+    tokenizer: str | None = _setting(
+        "Qwen/Qwen2.5-Math-1.5B",
+        "Tokenizer (hub name or local path) that counts tokens (null: none, no token limits).",
+    )
     output_dir: str = _setting("outputs/data/openr1_stable_10k", "Where the dataset, report and removal log go.")
     overwrite: bool = _setting(False, "Replace an earlier output of this builder in `output_dir` (never another).")
     seed: int = _setting(42, "Seed of the pool sampling and of the validation split.")
@@ -212,6 +215,8 @@ class OpenR1DataConfig:
         for name in ("max_prompt_tokens", "max_response_tokens", "final_max_prompt_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or null (disabled), got {getattr(self, name)}.")
+            if getattr(self, name) is not None and not self.tokenizer:
+                raise ValueError(f"tokenizer is null but {name} counts tokens: set a tokenizer, or {name}: null.")
         if not 0 <= self.val_size < self.pool_size:
             raise ValueError(f"val_size must be >= 0 and smaller than pool_size ({self.pool_size}): {self.val_size}.")
         if self.min_generations < 0:
