@@ -492,6 +492,21 @@ def test_a_recipe_without_a_tokenizer(tmp_path, capsys):
     assert (tmp_path / "out" / "train.parquet").exists()
 
 
+def test_no_chat_template_warning_names_the_tokenizer_when_prompts_are_counted(tmp_path, caplog):
+    import shutil
+
+    tokenizer = tmp_path / "plain-tokenizer"
+    shutil.copytree(FIXTURE / "tokenizer", tokenizer, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    settings = {"tokenizer": str(tokenizer), "decontaminate": False, "final_max_prompt_tokens": None}
+    with caplog.at_level("WARNING", logger="egpo_trl.data.openr1"):
+        build_openr1_dataset(fixture_config(tmp_path / "responses", max_prompt_tokens=None, **settings))
+    assert "no chat template" not in caplog.text  # only response lengths were counted
+    with caplog.at_level("WARNING", logger="egpo_trl.data.openr1"):
+        build_openr1_dataset(fixture_config(tmp_path / "prompts", **settings))
+    warnings = [r.getMessage() for r in caplog.records if "no chat template" in r.getMessage()]
+    assert warnings == [f"Tokenizer {tokenizer} has no chat template: counting the prompts' text only."]
+
+
 def test_build_without_the_hub_stops_in_one_line(monkeypatch, capsys, tmp_path):
     """Offline, or with the Hub out of reach, the build says so at once instead of retrying for half a minute."""
     import time

@@ -483,8 +483,10 @@ class _Builder:
                 f"could not load the tokenizer {self.config.tokenizer!r} ({error}). Set `tokenizer` to a hub name "
                 "or a local folder holding tokenizer files."
             ) from error
-        if not tokenizer.chat_template:
-            logger.warning("Tokenizer %s has no chat template: counting the messages' text only.", tokenizer)
+        if not tokenizer.chat_template and (self.config.max_prompt_tokens or self.config.final_max_prompt_tokens):
+            logger.warning(
+                "Tokenizer %s has no chat template: counting the prompts' text only.", self.config.tokenizer
+            )
         return tokenizer
 
     def prompt_messages(self, problem: str) -> list[dict[str, str]]:
