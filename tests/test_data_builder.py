@@ -371,6 +371,23 @@ def test_reads_a_local_copy_of_the_hub_repository(built, tmp_path):
     assert result.stats["content_sha256"] == built.stats["content_sha256"]
 
 
+def test_data_files_kind_is_read_from_the_matched_files(tmp_path):
+    """A glob without an extension, or an upper-case suffix, reads the files it matches."""
+    import shutil
+
+    from egpo_trl.data.openr1 import InputSpec
+
+    (tmp_path / "data").mkdir()
+    shutil.copy(FIXTURE / "default.parquet", tmp_path / "DEF.PARQUET")
+    shutil.copy(FIXTURE / "extended.jsonl", tmp_path / "data" / "train-00000.jsonl")
+    for pattern in ("DEF.PARQUET", "data/train-*"):
+        rows = list(InputSpec(subset="default", data_files=[str(tmp_path / pattern)], limit=3).stream())
+        assert len(rows) == 3 and all(row["problem"] for row in rows)
+    (tmp_path / "data" / "train-00001.csv").write_text("problem\n")
+    with pytest.raises(ValueError, match="all be parquet or all be jsonl/json"):
+        next(iter(InputSpec(subset="default", data_files=[str(tmp_path / "data/train-*")]).stream()))
+
+
 def _absolute_inputs() -> str:
     values = yaml.safe_load(RECIPE.read_text())["inputs"]
     for spec in values:
@@ -458,6 +475,36 @@ def test_missing_columns_and_bad_cli_values(tmp_path, capsys):
     assert "--pool_size expects an integer" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         data_main(["build", "--config", str(RECIPE), "--no_such_setting", "1"])
+
+
+def test_a_recipe_without_a_tokenizer(tmp_path, capsys):
+    """`tokenizer: null` builds when no token limit is set, and otherwise stops in one line."""
+    values = yaml.safe_load(RECIPE.read_text())
+    values["inputs"] = json.loads(_absolute_inputs())
+    values.update(tokenizer=None, output_dir=str(tmp_path / "out"), decontaminate=False)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(values))
+    assert data_main(["build", "--config", str(recipe)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "tokenizer is null but max_prompt_tokens counts tokens" in error
+    no_limits = [f"--{name}=null" for name in ("max_prompt_tokens", "max_response_tokens", "final_max_prompt_tokens")]
+    assert data_main(["build", "--config", str(recipe), *no_limits]) == 0
+    assert (tmp_path / "out" / "train.parquet").exists()
+
+
+def test_no_chat_template_warning_names_the_tokenizer_when_prompts_are_counted(tmp_path, caplog):
+    import shutil
+
+    tokenizer = tmp_path / "plain-tokenizer"
+    shutil.copytree(FIXTURE / "tokenizer", tokenizer, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    settings = {"tokenizer": str(tokenizer), "decontaminate": False, "final_max_prompt_tokens": None}
+    with caplog.at_level("WARNING", logger="egpo_trl.data.openr1"):
+        build_openr1_dataset(fixture_config(tmp_path / "responses", max_prompt_tokens=None, **settings))
+    assert "no chat template" not in caplog.text  # only response lengths were counted
+    with caplog.at_level("WARNING", logger="egpo_trl.data.openr1"):
+        build_openr1_dataset(fixture_config(tmp_path / "prompts", **settings))
+    warnings = [r.getMessage() for r in caplog.records if "no chat template" in r.getMessage()]
+    assert warnings == [f"Tokenizer {tokenizer} has no chat template: counting the prompts' text only."]
 
 
 def test_build_without_the_hub_stops_in_one_line(monkeypatch, capsys, tmp_path):

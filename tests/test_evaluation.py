@@ -370,6 +370,14 @@ def test_resume_after_kill(tiny_model_dir, tmp_path):
     assert json.loads((out / "run.json").read_text())["resumed"]
 
 
+def test_cli_bad_sampling_setting_names_the_field(tiny_model_dir, tmp_path, capsys):
+    for flag, value, message in (("--top-p", "0", "top_p must be in (0, 1]"), ("--top-k", "-1", "top_k must be >= 0")):
+        assert eval_main(["--model", tiny_model_dir, "--output-dir", str(tmp_path), flag, value]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and error.startswith(f"egpo-trl eval: {message}")
+        assert "max_new_tokens" not in error  # no placeholder values
+
+
 def test_cli_compare(tmp_path, capsys):
     for name, score in (("base", 10.0), ("tuned", 12.5)):
         (tmp_path / name).mkdir()

@@ -94,6 +94,7 @@ def test_levels_given_as_a_string():
         ({"split": "dev"}, "Unknown split"),
         ({"levels": (0,)}, "choose among"),
         ({"levels": "1,x"}, "comma-separated"),
+        ({"levels": "1 2"}, "comma-separated integers such as .1,2,3."),
         ({"num_problems": 0}, "at least 1"),
         ({"levels": (1,), "num_problems": 5000, "split": "test"}, "too few distinct problems"),
     ],

@@ -75,7 +75,7 @@ def hub_problem(config) -> str | None:
 
     remote = [spec.path for spec in config.inputs if spec.path and not os.path.exists(os.path.expanduser(spec.path))]
     tokenizer = config.tokenizer
-    if not os.path.exists(os.path.expanduser(tokenizer)):
+    if tokenizer and not os.path.exists(os.path.expanduser(tokenizer)):
         if not isinstance(try_to_load_from_cache(tokenizer, "tokenizer_config.json"), str):
             remote.append(f"the tokenizer {tokenizer}")
     if not remote:

@@ -87,12 +87,20 @@ class InputSpec:
 
         columns = {"columns": self.columns} if self.columns else {}
         if self.data_files:
-            files = [os.path.expanduser(name) for name in self.data_files]
-            if not all(map(glob.glob, files)):
-                raise FileNotFoundError(f"input {self.subset!r}: no file matches one of {files} (cwd {os.getcwd()}).")
-            kinds = {"parquet" if n.endswith(".parquet") else "json" if ".json" in n else None for n in files}
+            files = [sorted(glob.glob(os.path.expanduser(name))) for name in self.data_files]
+            if not all(files):
+                raise FileNotFoundError(
+                    f"input {self.subset!r}: no file matches one of {self.data_files} (cwd {os.getcwd()})."
+                )
+            files = [n for matches in files for n in matches]
+            kinds = {
+                "parquet" if n.lower().endswith(".parquet") else "json" if ".json" in n.lower() else None
+                for n in files
+            }
             if len(kinds) != 1 or None in kinds:
-                raise ValueError(f"input {self.subset!r}: data_files must all be parquet or all be jsonl/json.")
+                raise ValueError(
+                    f"input {self.subset!r}: data_files must all be parquet or all be jsonl/json, got {files}."
+                )
             kind = kinds.pop()
             columns = columns if kind == "parquet" else {}
             stream = load_dataset(kind, data_files=files, split="train", streaming=True, **columns)
@@ -122,7 +130,10 @@ class OpenR1DataConfig:
         "The pools to read, each {subset, path | data_files, name, split, revision, columns, limit}; `subset` labels "
         "the rows for `subset_ratios`. Default: OpenR1-Math-220k `default` and `extended` from the Hub, streamed.",
     )
-    tokenizer: str = _setting("Qwen/Qwen2.5-Math-1.5B", "Tokenizer (hub name or local path) that counts tokens.")
+    tokenizer: str | None = _setting(
+        "Qwen/Qwen2.5-Math-1.5B",
+        "Tokenizer (hub name or local path) that counts tokens (null: none, no token limits).",
+    )
     output_dir: str = _setting("outputs/data/openr1_stable_10k", "Where the dataset, report and removal log go.")
     overwrite: bool = _setting(False, "Replace an earlier output of this builder in `output_dir` (never another).")
     seed: int = _setting(42, "Seed of the pool sampling and of the validation split.")
@@ -204,6 +215,8 @@ class OpenR1DataConfig:
         for name in ("max_prompt_tokens", "max_response_tokens", "final_max_prompt_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or null (disabled), got {getattr(self, name)}.")
+            if getattr(self, name) is not None and not self.tokenizer:
+                raise ValueError(f"tokenizer is null but {name} counts tokens: set a tokenizer, or {name}: null.")
         if not 0 <= self.val_size < self.pool_size:
             raise ValueError(f"val_size must be >= 0 and smaller than pool_size ({self.pool_size}): {self.val_size}.")
         if self.min_generations < 0:
@@ -470,8 +483,10 @@ class _Builder:
                 f"could not load the tokenizer {self.config.tokenizer!r} ({error}). Set `tokenizer` to a hub name "
                 "or a local folder holding tokenizer files."
             ) from error
-        if not tokenizer.chat_template:
-            logger.warning("Tokenizer %s has no chat template: counting the messages' text only.", tokenizer)
+        if not tokenizer.chat_template and (self.config.max_prompt_tokens or self.config.final_max_prompt_tokens):
+            logger.warning(
+                "Tokenizer %s has no chat template: counting the prompts' text only.", self.config.tokenizer
+            )
         return tokenizer
 
     def prompt_messages(self, problem: str) -> list[dict[str, str]]:

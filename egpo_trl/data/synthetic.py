@@ -107,7 +107,7 @@ def format_prompt(
 
 
 def _parse_levels(levels: int | str | Iterable[int]) -> list[int]:
-    if isinstance(levels, str) and not levels.replace(" ", "").replace(",", "").isdigit():
+    if isinstance(levels, str) and not all(part.strip().isdigit() for part in levels.split(",") if part.strip()):
         raise ValueError(f"levels={levels!r}: give comma-separated integers such as '1,2,3'.")
     levels = [levels] if isinstance(levels, int) else levels.split(",") if isinstance(levels, str) else levels
     levels = sorted(set(int(level) for level in levels if str(level).strip()))

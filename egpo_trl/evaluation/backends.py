@@ -57,8 +57,15 @@ class SamplingSettings:
     max_new_tokens: int = FALLBACK_MAX_NEW_TOKENS
 
     def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_new_tokens < 1:
-            raise ValueError(f"Need temperature >= 0, 0 < top_p <= 1, top_k >= 0, max_new_tokens >= 1: {self}.")
+        checks = {
+            "temperature": (self.temperature >= 0, ">= 0 (0 is greedy)"),
+            "top_p": (0 < self.top_p <= 1, "in (0, 1] (1 turns it off)"),
+            "top_k": (self.top_k >= 0, ">= 0 (0 turns it off)"),
+            "max_new_tokens": (self.max_new_tokens >= 1, ">= 1"),
+        }
+        for name, (ok, wanted) in checks.items():
+            if not ok:
+                raise ValueError(f"{name} must be {wanted}, got {getattr(self, name)}.")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
