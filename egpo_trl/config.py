@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import math
 import os
@@ -17,38 +16,25 @@ from egpo_trl.advantages import ADVANTAGE_ESTIMATORS, CLAMP_MODES, ENTROPY_NORMA
 logger = logging.getLogger(__name__)
 
 # The sampling fields of GRPOConfig that TRL hands to vLLM, with their neutral values (1 == 1.0, 0 == 0.0).
-_SAMPLING_FIELDS: dict[str, tuple[object, ...]] = {
-    "top_p": (1,),
-    "top_k": (0, -1),
-    "min_p": (0,),
-    "repetition_penalty": (1,),
-}
+_SAMPLING_FIELDS: dict[str, tuple[object, ...]] = dict(top_p=(1,), top_k=(0, -1), min_p=(0,), repetition_penalty=(1,))
 # vLLM ``SamplingParams`` keys that change the distribution vLLM samples from, with the values that leave it unchanged
 # (empty: any value changes it; temperature: the config's); in ``generation_kwargs`` they override the fields.
 _DISTRIBUTION_CHANGING_KWARGS: dict[str, tuple[object, ...]] = {
     "temperature": (),
     **_SAMPLING_FIELDS,
-    "min_tokens": (0,),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    **dict.fromkeys(
-        ("logit_bias", "allowed_token_ids", "bad_words", "guided_decoding", "structured_outputs", "logits_processors"),
-        (),
-    ),
+    **dict.fromkeys(("min_tokens", "presence_penalty", "frequency_penalty"), (0,)),
+    **dict.fromkeys(("logit_bias", "allowed_token_ids", "bad_words", "guided_decoding", "structured_outputs"), ()),
+    "logits_processors": (),
 }
 #: ``vllm_importance_sampling_mode`` values that weight a whole completion by the product of its tokens' ratios.
 SEQUENCE_IMPORTANCE_SAMPLING_MODES: tuple[str, ...] = ("sequence_truncate", "sequence_mask")
-# Numeric fields: name -> (lowest, highest, lowest excluded); None: no bound (then any finite number).
+# Numeric fields by rule: (lowest, highest, lowest excluded) -> names; None: no bound (then any finite number).
 _NUMBERS = {
-    "egpo_lambda_min": (0.0, None, True),
-    "egpo_lambda_max": (None, None, False),
-    "egpo_entropy_eps": (0.0, None, True),
-    "nsr_positive_weight": (0.0, None, False),
-    "dynamic_sampling_oversample": (1.0, None, False),
-    "overlong_penalty_factor": (0.0, None, False),
-    "edge_gec_reflect_prob": (0.0, 1.0, False),
-    "edge_gec_answer_prob": (0.0, 1.0, False),
-    "edge_gec_solution_prob": (0.0, 1.0, False),
+    (0.0, None, True): ("egpo_lambda_min", "egpo_entropy_eps"),
+    (None, None, False): ("egpo_lambda_max",),
+    (0.0, None, False): ("nsr_positive_weight", "overlong_penalty_factor"),
+    (1.0, None, False): ("dynamic_sampling_oversample",),
+    (0.0, 1.0, False): ("edge_gec_reflect_prob", "edge_gec_answer_prob", "edge_gec_solution_prob"),
 }
 # Integer fields that must be >= 1 (None allowed for overlong_buffer_length: no penalty).
 _COUNTS = ("dynamic_sampling_max_rounds", "edge_gec_max_new_tokens", "overlong_buffer_length")
@@ -65,13 +51,7 @@ def trl_computes_old_logps(config) -> bool:
 def distribution_changing_sampling_options(config) -> dict[str, object]:
     """The sampling options of ``config`` (``{name: value}``) that make vLLM sample from another distribution than
     the policy's at ``temperature``, which TRL's trainer-side log-probs describe."""
-    kwargs = getattr(config, "generation_kwargs", None)
-    if isinstance(kwargs, str):  # GRPOConfig takes a JSON string too
-        try:
-            kwargs = json.loads(kwargs)
-        except ValueError:
-            kwargs = None
-    kwargs = kwargs if isinstance(kwargs, dict) else {}
+    kwargs = config.generation_kwargs if isinstance(config.generation_kwargs, dict) else {}  # JSON: parsed by then
     found: dict[str, object] = {}
     for name, neutral in _SAMPLING_FIELDS.items():
         value = getattr(config, name, None)
@@ -129,104 +109,82 @@ class EGPOConfig(GRPOConfig):
     advantage_estimator: str = field(
         default="egpo",
         metadata={
-            "help": "Advantage estimator: 'egpo' (the paper's method), 'grpo' (TRL's GRPO), 'nsr', 'edge_grpo', or "
-            "another one registered in egpo_trl.advantages.ADVANTAGE_ESTIMATORS."
+            "help": "'egpo' (the paper), 'grpo' (TRL's), 'nsr', 'edge_grpo', or a name in ADVANTAGE_ESTIMATORS."
         },
     )
-    egpo_lambda_min: float = field(
-        default=0.8, metadata={"help": "Lower clip bound lambda_min of the EGPO entropy weight (paper Eq. 9); > 0."}
-    )
-    egpo_lambda_max: float = field(
-        default=2.0, metadata={"help": "Upper clip bound lambda_max of the EGPO entropy weight (paper Eq. 9)."}
-    )
+    egpo_lambda_min: float = field(default=0.8, metadata={"help": "Lower clip bound of the EGPO weight (Eq. 9); > 0."})
+    egpo_lambda_max: float = field(default=2.0, metadata={"help": "Upper clip bound of the EGPO weight (Eq. 9)."})
     egpo_entropy_eps: float = field(
-        default=1e-6, metadata={"help": "epsilon_H in the raw weight mean(H) / (H_i + epsilon_H) (paper Eq. 8); > 0."}
+        default=1e-6, metadata={"help": "epsilon_H in mean(H) / (H_i + epsilon_H) (Eq. 8)."}
     )
     egpo_clamp: str = field(
         default="asymmetric",
         metadata={
-            "help": "How raw EGPO weights are bounded: 'asymmetric' (paper Eq. 9), 'symmetric' (ablation C1), "
-            "'negative_only' (C2), 'positive_only' (C3) or 'none' (w = 1).",
+            "help": "Weight bounds: 'asymmetric' (paper Eq. 9), ablations 'symmetric' (C1), 'negative_only' (C2), "
+            "'positive_only' (C3), or 'none' (w = 1).",
             "choices": list(CLAMP_MODES),
         },
     )
     egpo_renorm: str = field(
         default="none",
         metadata={
-            "help": "Renormalise weights to mean 1 per group: 'none' (paper), 'after_clamp' (C5) or 'before_clamp' (C6).",
+            "help": "Renormalise weights to group mean 1: 'none' (paper), 'after_clamp' (C5) or 'before_clamp' (C6).",
             "choices": list(RENORM_MODES),
         },
     )
     egpo_nsr: bool = field(
         default=True,
-        metadata={
-            "help": "Negative sample reinforcement: all-incorrect groups get base advantage -1 (paper Sec. 3.2)."
-        },
+        metadata={"help": "Negative sample reinforcement: all-incorrect groups get advantage -1 (Sec. 3.2)."},
     )
     egpo_nsr_weighting: str = field(
         default="entropy",
-        metadata={
-            "help": "Weights on all-incorrect groups: 'entropy' (paper) or 'unit' (ablation C4: w = 1).",
-            "choices": list(NSR_WEIGHTINGS),
-        },
+        metadata={"help": "All-incorrect groups' weights: 'entropy' or 'unit' (C4).", "choices": list(NSR_WEIGHTINGS)},
     )
     egpo_correctness_reward: str | None = field(
         default=None,
         metadata={
-            "help": "Name of the binary reward function that decides correct (reward > 0). Unset: the only reward "
-            "function, or boxed_accuracy_reward among several."
+            "help": "The binary reward function deciding correctness (unset: the only one, or boxed_accuracy_reward)."
         },
     )
     egpo_entropy_scope: str = field(
         default="completion",
         metadata={
-            "help": "Tokens the entropy proxy averages over: 'completion' (paper Eq. 5), 'thinking' (inside "
-            "<think>...</think>) or 'answer' (after </think>).",
+            "help": "Tokens the entropy proxy averages: 'completion' (Eq. 5), 'thinking' or 'answer' (around </think>).",
             "choices": ["completion", "thinking", "answer"],
         },
     )
     egpo_entropy_logps: str = field(
         default="policy",
         metadata={
-            "help": "Source of the entropy proxy's log-probs when TRL computes no old-policy ones: 'policy' (a no-grad "
-            "pass), 'sampler' (vLLM's) or 'loss_forward' (the loss's own forward; egpo and edge_grpo only).",
+            "help": "Entropy proxy's log-probs where TRL computes none: 'policy' (a no-grad pass), 'sampler' (vLLM's) "
+            "or 'loss_forward' (the loss's forward; egpo and edge_grpo).",
             "choices": ["policy", "sampler", "loss_forward"],
         },
     )
     egpo_entropy_metrics: bool = field(
-        default=True,
-        metadata={"help": "Log the egpo/entropy_* metrics also for estimators that do not use entropy (grpo, nsr)."},
+        default=True, metadata={"help": "Log the egpo/entropy_* metrics also for grpo and nsr, which ignore entropy."}
     )
     egpo_shift_prompt_padding: bool = field(
         default=True,
         metadata={
-            "help": "Shift rows past their prompt padding in the log-prob passes so that SDPA runs its causal kernel "
-            "(same values up to rounding). false: TRL's passes unchanged."
+            "help": "Shift rows past prompt padding in the log-prob passes so that SDPA uses its causal kernel."
         },
     )
     nsr_positive_weight: float = field(
-        default=0.0,
-        metadata={
-            "help": "advantage_estimator='nsr': the advantage of a correct completion (0: NSR alone; 0.1: "
-            "Weighted-REINFORCE)."
-        },
+        default=0.0, metadata={"help": "nsr: a correct completion's advantage (0: NSR; 0.1: Weighted-REINFORCE)."}
     )
     edge_grpo_entropy_normalization: str = field(
         default="group",
         metadata={
-            "help": "advantage_estimator='edge_grpo': normalise entropy by the mean over its 'group' (paper) or 'batch'.",
+            "help": "edge_grpo: normalise entropy by the mean over its 'group' (paper) or the 'batch'.",
             "choices": list(ENTROPY_NORMALIZATIONS),
         },
     )
     dynamic_sampling: bool = field(
-        default=False,
-        metadata={
-            "help": "DAPO's dynamic sampling: drop uninformative groups and generate more until the batch is full."
-        },
+        default=False, metadata={"help": "DAPO's dynamic sampling: replace uninformative groups by new generations."}
     )
     dynamic_sampling_max_rounds: int = field(
-        default=10,
-        metadata={"help": "Most generation rounds per batch; past it uninformative groups complete the batch."},
+        default=10, metadata={"help": "Most generation rounds per batch; then uninformative groups fill it."}
     )
     dynamic_sampling_oversample: float = field(
         default=1.0, metadata={"help": "The first round generates this many times the batch's groups (>= 1)."}
@@ -234,16 +192,15 @@ class EGPOConfig(GRPOConfig):
     dynamic_sampling_metric: str = field(
         default="correctness",
         metadata={
-            "help": "What makes a group uninformative: 'correctness' (all correct or all incorrect, DAPO's) or "
-            "'reward' (all with the same total reward).",
+            "help": "A group is uninformative when all are correct or all incorrect ('correctness', DAPO's) or all "
+            "have the same total reward ('reward').",
             "choices": ["correctness", "reward"],
         },
     )
     overlong_buffer_length: int | None = field(
         default=None,
         metadata={
-            "help": "DAPO's soft overlong punishment: the length before max_completion_length over which the "
-            "overlong_penalty reward falls linearly to -overlong_penalty_factor. None: no penalty."
+            "help": "DAPO's overlong penalty grows over this many tokens before max_completion_length; None: off."
         },
     )
     overlong_penalty_factor: float = field(
@@ -251,15 +208,12 @@ class EGPOConfig(GRPOConfig):
     )
     edge_gec: bool = field(
         default=False,
-        metadata={
-            "help": "EDGE-GRPO's Guided Error Correction of incorrect completions before scoring (needs an 'answer' "
-            "column)."
-        },
+        metadata={"help": "EDGE-GRPO's Guided Error Correction of incorrect completions ('answer' column)."},
     )
     edge_gec_scope: str = field(
         default="incorrect",
         metadata={
-            "help": "Completions GEC may change: every 'incorrect' one or only those of 'all_incorrect_groups'.",
+            "help": "Completions GEC may change: every 'incorrect' one or those of 'all_incorrect_groups' only.",
             "choices": ["incorrect", "all_incorrect_groups"],
         },
     )
@@ -270,11 +224,7 @@ class EGPOConfig(GRPOConfig):
         default=0.25, metadata={"help": "Probability that GEC appends the reference answer to a completion."}
     )
     edge_gec_solution_prob: float = field(
-        default=0.25,
-        metadata={
-            "help": "Probability that GEC replaces a completion by the 'solution' column; the three probabilities "
-            "sum to at most 1."
-        },
+        default=0.25, metadata={"help": "Probability that GEC uses the 'solution' column; the three sum to <= 1."}
     )
     edge_gec_reflection_cue: str = field(
         default=" Hold on, something in this solution is wrong. Let me check it again.",
@@ -282,7 +232,7 @@ class EGPOConfig(GRPOConfig):
     )
     edge_gec_answer_template: str = field(
         default="\nHold on, something in this solution is wrong. Checking it again, the answer is \\boxed{{answer}}.",
-        metadata={"help": "Text that gives the reference answer in place of '{answer}', e.g. \\boxed{{answer}}."},
+        metadata={"help": "Text giving the reference answer in place of '{answer}', e.g. \\boxed{{answer}}."},
     )
     edge_gec_max_new_tokens: int = field(
         default=256, metadata={"help": "Most tokens the policy generates after the reflection cue."}
@@ -395,7 +345,7 @@ class EGPOConfig(GRPOConfig):
             raise ValueError(
                 "max_steps=0 is not a length: use a positive number of steps, or -1 for num_train_epochs."
             )
-        for name, (low, high, strict) in _NUMBERS.items():
+        for (low, high, strict), name in ((rule, name) for rule, names in _NUMBERS.items() for name in names):
             value = getattr(self, name)
             number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if (
