@@ -245,14 +245,17 @@ class EGPOConfig(GRPOConfig):
                 f"num_generations must be at least 2 (completions per prompt: a group's advantages compare them), got "
                 f"{self.num_generations}."
             )
+        from egpo_trl.input_checks import batch_shape_problem, training_value_problems
+
+        problems = training_value_problems(self)
+        if problems:
+            raise ValueError(f"EGPOConfig: {'; '.join(problems)}.")
         given = (self.steps_per_generation, self.generation_batch_size)
         try:
             super().__post_init__()
         except ValueError as error:  # the line the CLI gives, in the fields users set
             if "divisible by num_generations" not in str(error):
                 raise
-            from egpo_trl.input_checks import batch_shape_problem
-
             sizes = (self.per_device_train_batch_size, self.world_size, self.gradient_accumulation_steps)
             raise ValueError(batch_shape_problem(*sizes, self.num_generations, *given) or str(error)) from None
         self._validate_egpo()

@@ -42,6 +42,7 @@ def test_defaults_are_the_papers(tmp_path):
         ({"egpo_lambda_max": float("nan")}, "finite number"),
         ({"num_generations": 0}, "num_generations must be at least 2"),  # TRL divides by it first
         ({"num_generations": 1}, "num_generations must be at least 2"),
+        ({"learning_rate": -1e-4, "top_p": 1.5}, "EGPOConfig: learning_rate must be >= 0 (the paper"),  # as the CLI
     ],
 )
 def test_bad_values_are_refused_with_the_fix(tmp_path, kwargs, message):
