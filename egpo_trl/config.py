@@ -319,16 +319,16 @@ class EGPOConfig(GRPOConfig):
         world_size, engine = self._loss_forward_launch()
         if engine == "FSDP":
             problems.append("it has not been checked under FSDP yet")
-        if engine == "DeepSpeed" and deepspeed_problem():
-            problems.append(deepspeed_problem())
+        if engine == "DeepSpeed" and (old_deepspeed := deepspeed_problem()):
+            problems.append(old_deepspeed)
+        # DDP's and ZeRO's gradient hooks take one report per weight and backward; reentrant checkpointing gives more.
+        reentrant = self.gradient_checkpointing and reentrant_checkpointing(self.gradient_checkpointing_kwargs)
         several = world_size > 1 or engine is not None
-        blocks = block_size(self.per_device_train_batch_size, self.num_generations)
-        if self.gradient_checkpointing and reentrant_checkpointing(self.gradient_checkpointing_kwargs) and several:
-            if blocks > 1:  # DDP's and ZeRO's gradient hooks take one report per weight and backward
-                problems.append(
-                    "reentrant gradient checkpointing cannot hold several forwards for one backward under data "
-                    "parallelism or DeepSpeed; set gradient_checkpointing_kwargs: {use_reentrant: false}"
-                )
+        if reentrant and several and block_size(self.per_device_train_batch_size, self.num_generations) > 1:
+            problems.append(
+                "reentrant gradient checkpointing cannot hold several forwards for one backward under data "
+                "parallelism or DeepSpeed; set gradient_checkpointing_kwargs: {use_reentrant: false}"
+            )
         if problems + found:
             raise ValueError(loss_forward_error(problems + found))
 
@@ -345,9 +345,7 @@ class EGPOConfig(GRPOConfig):
                     f"{name}={getattr(self, name)!r} is not supported; set it to one of: {', '.join(allowed)}."
                 )
         if self.max_steps == 0:  # transformers would train one step while saying it trains by epochs
-            raise ValueError(
-                "max_steps=0 is not a length: use a positive number of steps, or -1 for num_train_epochs."
-            )
+            raise ValueError("max_steps=0 is not a length: set a number of steps, or -1 to use num_train_epochs.")
         for (low, high, strict), name in ((rule, name) for rule, names in _NUMBERS.items() for name in names):
             value = getattr(self, name)
             number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -398,10 +396,8 @@ class EGPOConfig(GRPOConfig):
     def _validate_importance_sampling(self) -> None:
         """Refuse vLLM sampling options under which TRL's sequence-level importance-sampling ratio would collapse."""
         mode = self.vllm_importance_sampling_mode
-        if (
-            not (self.use_vllm and self.vllm_importance_sampling_correction)
-            or mode not in SEQUENCE_IMPORTANCE_SAMPLING_MODES
-        ):
+        correcting = self.use_vllm and self.vllm_importance_sampling_correction
+        if not correcting or mode not in SEQUENCE_IMPORTANCE_SAMPLING_MODES:
             return
         options = distribution_changing_sampling_options(self)
         if options:
@@ -418,7 +414,8 @@ class EGPOConfig(GRPOConfig):
         if self.dynamic_sampling_oversample != 1.0 and not self.dynamic_sampling:
             raise ValueError(
                 f"dynamic_sampling_oversample={self.dynamic_sampling_oversample:g} sizes dynamic sampling's first "
-                "round, but dynamic_sampling is off; set dynamic_sampling: true, or dynamic_sampling_oversample: 1.0."
+                "round, but dynamic_sampling is off; set dynamic_sampling: true, or dynamic_sampling_oversample: 1.0 "
+                "(with a recipe that sets it, add --dynamic_sampling_oversample 1.0 to --dynamic_sampling false)."
             )
         layout = oversampling_layout_error(self)
         if layout:
