@@ -625,14 +625,14 @@ def test_values_and_rewards_that_trl_accepts_are_not_refused(tmp_path):
     rewards = [env_reward, torch.nn.Linear(2, 1), "some-org/some-reward-model", column_reward]
     assert required_columns(rewards) == {"answer": "column_reward", "level": "column_reward"}
 
-    args = EGPOConfig(
+    fields = dict(
         output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=4,
         max_steps=1, report_to="none", top_k=-1, max_grad_norm=-1.0,
     )  # fmt: skip
     # top_k=-1 is vLLM's "off" (as 0 is): accepted with vLLM; transformers' generation would refuse it mid-run.
-    problems = training_value_problems(args)
-    assert len(problems) == 1 and "top_k=-1 turns top-k off in vLLM only" in problems[0] and "top_k=0" in problems[0]
-    args.use_vllm = True
+    with pytest.raises(ValueError, match=r"^EGPOConfig: top_k=-1 turns top-k off in vLLM only.*use top_k=0\.$"):
+        EGPOConfig(**fields)
+    args = EGPOConfig(**fields, use_vllm=True)
     assert training_value_problems(args) == []
     args.top_k = -2
     assert training_value_problems(args) == ["top_k must be >= -1 (0, -1 or unset: off), got -2"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from egpo_trl.input_checks import batch_shape_problem, training_value_problems  # noqa: F401 - launch imports it here
+from egpo_trl.input_checks import batch_shape_problem  # noqa: F401 - launch imports it here
 from egpo_trl.script.outputs import PLOT_FILE
 from egpo_trl.script.recipe import MARKER_KEY, load_recipe
 
@@ -222,9 +222,6 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
         raise SystemExit("egpo-trl train: torch_num_threads must be >= 0 (0 or unset keeps torch's default).")
     if script_args.eval_size < 0 or script_args.eval_num_samples < 1:
         raise SystemExit("egpo-trl train: eval_size must be >= 0 and eval_num_samples >= 1.")
-    problems = training_value_problems(training_args)
-    if problems:
-        raise SystemExit(f"egpo-trl train: {'; '.join(problems)}.")
     if isinstance(script_args.reward_funcs, str):  # a YAML scalar (TRL's parser keeps a recipe's value as written)
         raise SystemExit(f"egpo-trl train: reward_funcs must be a list, e.g. [{script_args.reward_funcs}].")
     _check_correctness_reward(script_args, training_args)
