@@ -35,10 +35,12 @@ from egpo_trl.fused import LossForwardEntropyMixin
 from egpo_trl.heldout import NO_CORRECT_CAUSES
 from egpo_trl.input_checks import check_trainer_inputs, config_makes_forward_random
 from egpo_trl.old_logps import FORWARD_KEYS as _FORWARD_KEYS
+from egpo_trl.old_logps import can_realign, shifted_logps
 from egpo_trl.resume_state import ExactResumeMixin
 from egpo_trl.rewards import make_overlong_penalty_reward
 from egpo_trl.sampling.dynamic import DynamicSamplingMixin, vllm_sequences_for_oversampling
-from egpo_trl.sampling.gec import SOLUTION_ANSWER_SUFFIX, GuidedErrorCorrectionMixin, boxed_safe_prefix  # noqa: F401
+from egpo_trl.sampling.gec import GuidedErrorCorrectionMixin
+from egpo_trl.segments import segment_masks
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +49,8 @@ __all__ = ["EGPOTrainer"]
 # Per-token entropies captured from TRL's old-log-prob pass travel in the batch under this key until used.
 _TOKEN_ENTROPY_KEY = "egpo_token_entropies"
 #: ``egpo/entropy_source``: where the entropy proxy's log-probs came from (the same for every advantage estimator).
-ENTROPY_SOURCE_CODES = {
-    "none": 0,
-    "old_per_token_logps": 1,
-    "forward": 2,
-    "sampling_per_token_logps": 3,
-    "training_forward": 4,
-    "loss_forward": 5,
-}
+_SOURCES = ("none", "old_per_token_logps", "forward", "sampling_per_token_logps", "training_forward", "loss_forward")
+ENTROPY_SOURCE_CODES = {source: code for code, source in enumerate(_SOURCES)}
 # Each row's index in this process's generation batch, so the loss's forward can return its log-probs to the metrics.
 _ROW_KEY = "egpo_row_index"
 # Per-row completion lengths and truncation, carried in the batch until its length metrics are logged.
@@ -71,29 +67,10 @@ def _mean_of(values: torch.Tensor, where: torch.Tensor) -> float | None:
     return values[where].mean().item() if where.any() else None
 
 
-def _judged_rows(result: AdvantageOutput, scored: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _judged_rows(result: AdvantageOutput, scored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The correct and the incorrect rows among those with a verdict (``scored``) in a scored group."""
-    if scored is None:
-        scored = torch.ones_like(result.correct)
     scored = scored.to(result.correct.device)
     return result.correct & scored, ~result.correct & scored & (result.group_type != -1)
-
-
-def vllm_out_of_memory_message(args, processes: int, error: BaseException) -> str | None:
-    """The error for a colocated vLLM engine running out of GPU memory, naming the fix (``None`` for other errors)."""
-    if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate"):
-        return None
-    text = str(error)
-    if not isinstance(error, RuntimeError) or "out of memory" not in text.lower() or "CPUAllocator" in text:
-        return None  # not an out-of-memory error, or the host's memory
-    share = args.vllm_gpu_memory_utilization
-    return (
-        f"vLLM ran out of GPU memory while generating: its share of each GPU (vllm_gpu_memory_utilization={share}) "
-        f"does not fit beside what training keeps there ({processes} process{'es' * (processes != 1)}). Lower "
-        "vllm_gpu_memory_utilization (the start-up line 'vLLM's KV cache holds ...' says how many sequences a share "
-        "holds at once), or, where ZeRO-3 or FSDP shard the training state, train on more processes so that each "
-        f"GPU holds less of it. vLLM said: {text.strip().splitlines()[0] if text.strip() else type(error).__name__}"
-    )
 
 
 def _random_training_forward(model: torch.nn.Module) -> bool:
@@ -101,14 +78,10 @@ def _random_training_forward(model: torch.nn.Module) -> bool:
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
             return True
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "to_dict") and config_makes_forward_random(config.to_dict()):
-            return True
         adapters = getattr(module, "peft_config", None)
-        if isinstance(adapters, dict):
-            for adapter in adapters.values():
-                if hasattr(adapter, "to_dict") and config_makes_forward_random(adapter.to_dict()):
-                    return True
+        configs = [getattr(module, "config", None), *(adapters.values() if isinstance(adapters, dict) else ())]
+        if any(hasattr(config, "to_dict") and config_makes_forward_random(config.to_dict()) for config in configs):
+            return True
     return False
 
 
@@ -129,16 +102,11 @@ class EGPOTrainer(
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = EGPOConfig(f"{model_name.split('/')[-1]}-EGPO")
         elif not isinstance(args, EGPOConfig):
-            raise TypeError(
-                f"EGPOTrainer needs an EGPOConfig, got {type(args).__name__}. Build one with the same fields, e.g. "
-                "`EGPOConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init})`."
-            )
+            raise TypeError(f"EGPOTrainer needs an EGPOConfig, got {type(args).__name__}.")
         if args.n_gpu > 1:
             raise ValueError(
-                f"This process sees {args.n_gpu} GPUs, so Trainer would wrap the model in nn.DataParallel, which GRPO "
-                "and EGPO cannot use (groups and rewards are laid out per process). Run one process per GPU "
-                "(`accelerate launch`, or a recipe with `accelerate_config`), or make one GPU visible: "
-                "CUDA_VISIBLE_DEVICES=0."
+                f"This process sees {args.n_gpu} GPUs (nn.DataParallel): run one process per GPU with `accelerate "
+                "launch`, or make one GPU visible (CUDA_VISIBLE_DEVICES=0)."
             )
         reward_funcs = self._with_overlong_reward(reward_funcs, args)
         # Pick the correctness reward before any model loads; TRL's own error on mismatched reward counts comes first.
@@ -167,8 +135,6 @@ class EGPOTrainer(
             # Environments added reward functions of their own (get_reward): decide again with all of them.
             correctness_index = correctness_reward_index(self.reward_funcs, args, names=self.reward_func_names)
         self._egpo_correctness_index = correctness_index
-        if args.egpo_entropy_scope != "completion":
-            from egpo_trl.segments import segment_masks  # noqa: F401  (fail at init, not at the first step)
         if args.dynamic_sampling:
             self._check_dynamic_sampling()
         if args.edge_gec:
@@ -177,6 +143,10 @@ class EGPOTrainer(
         self._egpo_rewards_per_func: torch.Tensor | None = None
         self._egpo_capture_entropy = False  # capture the entropies of TRL's next old-log-prob pass
         self._egpo_captured_entropies: torch.Tensor | None = None
+        self._egpo_loss_rows = self._egpo_deferred_entropies = None
+        self._egpo_timings = self._egpo_sampled_rewards = None  # of the generation batch being made
+        self._egpo_incorrect_seen: int | None = 0  # completions, all incorrect, seen before the first correct one
+        self._egpo_warned: set[str] = set()
         self._egpo_round_inputs: list[dict[str, Any]] | None = None
         #: What the last generation batch computed (global tensors), for inspection.
         self.egpo_last_batch: dict[str, Any] = {}
@@ -186,14 +156,10 @@ class EGPOTrainer(
         generation = getattr(self, "vllm_generation", None)
         if not getattr(self, "use_vllm", False) or getattr(generation, "mode", None) != "colocate":
             return None
-        try:
-            cache = generation.llm.llm_engine.vllm_config.cache_config
+        try:  # set by the engine once its KV cache exists
+            tokens = generation.llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens
         except AttributeError:
             return None
-        tokens = getattr(cache, "kv_cache_size_tokens", None)  # set by the engine once its KV cache exists
-        if not tokens:  # an older vLLM: its blocks (one KV cache group, as for the decoders trained here)
-            blocks, block_size = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
-            tokens = blocks * block_size if isinstance(blocks, int) and isinstance(block_size, int) else None
         return int(tokens) if isinstance(tokens, (int, float)) and tokens > 0 else None
 
     @staticmethod
@@ -204,32 +170,25 @@ class EGPOTrainer(
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if any(getattr(func, "__name__", None) == "overlong_penalty" for func in funcs):
             raise ValueError(
-                "overlong_buffer_length is set and the reward functions already include overlong_penalty; remove one "
-                "of them (the trainer adds the penalty itself when overlong_buffer_length is set)."
+                "overlong_buffer_length adds overlong_penalty itself: remove it from the reward functions."
             )
         if args.reward_weights is not None and len(args.reward_weights) != len(funcs) + 1:
             raise ValueError(
-                f"With overlong_buffer_length set the trainer adds a reward function (overlong_penalty, last), so "
-                f"reward_weights needs {len(funcs) + 1} entries, got {len(args.reward_weights)}: append its weight "
-                "(1.0) or leave reward_weights unset."
+                f"overlong_buffer_length adds a reward function (overlong_penalty, last): reward_weights needs "
+                f"{len(funcs) + 1} entries, got {len(args.reward_weights)}."
             )
-        penalty = make_overlong_penalty_reward(
-            args.max_completion_length, args.overlong_buffer_length, args.overlong_penalty_factor
-        )
-        return [*funcs, penalty]
+        length, factor = args.overlong_buffer_length, args.overlong_penalty_factor
+        return [*funcs, make_overlong_penalty_reward(args.max_completion_length, length, factor)]
 
     # ------------------------------------------------------------------ TRL hooks
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        if getattr(self, "_gec_scored", None) is not None:
-            # Guided Error Correction scored this round before rewriting it: re-score the rewritten rows only.
-            rewards_per_func = self._gec_rescore(  # GuidedErrorCorrectionMixin
-                super()._calculate_rewards, inputs, prompts, completions, completion_ids_list
-            )
+        batch = (inputs, prompts, completions, completion_ids_list)
+        if getattr(self, "_gec_scored", None) is not None:  # Guided Error Correction: re-score the rewritten rows
+            rewards_per_func = self._gec_rescore(super()._calculate_rewards, *batch)
         else:
-            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-            sampled = getattr(self, "_egpo_sampled_rewards", None)
-            if sampled is not None:  # the completions as sampled, before Guided Error Correction rewrites any
-                sampled.append(rewards_per_func)
+            rewards_per_func = super()._calculate_rewards(*batch)
+            if self._egpo_sampled_rewards is not None:  # the completions as sampled, before any is rewritten
+                self._egpo_sampled_rewards.append(rewards_per_func)
         self._egpo_rewards_per_func = rewards_per_func  # gathered over processes, [B_global, num_funcs]
         return rewards_per_func
 
@@ -242,89 +201,59 @@ class EGPOTrainer(
         finally:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            timings = getattr(self, "_egpo_timings", None)
-            if timings is not None:
-                timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+            if self._egpo_timings is not None:
+                self._egpo_timings[name] = self._egpo_timings.get(name, 0.0) + time.perf_counter() - start
 
     def _get_per_token_logps_and_entropies(self, model, *args, compute_entropy=False, **kwargs):
         if getattr(self, "_fused", False) and torch.is_grad_enabled():
             cached = self._fused_cached_forward()  # the loss of a block: its forward already ran (egpo_trl/fused.py)
             if cached is not None:
                 return cached
-        if not torch.is_grad_enabled():  # an old-policy (or reference) pass, not the loss's forward
-            with self._egpo_timed("old_logps_s"):
-                return self._egpo_no_grad_logps(model, *args, compute_entropy=compute_entropy, **kwargs)
-        result = self._egpo_trl_pass(model, *args, compute_entropy=compute_entropy, **kwargs)
-        if getattr(self, "_egpo_loss_rows", None) is not None and self._egpo_deferred_entropies is not None:
-            self._egpo_record_loss_logps(result[0])  # the loss's forward: the deferred entropy metrics' log-probs
-        return result
-
-    def _egpo_no_grad_logps(self, model, *args, compute_entropy=False, **kwargs):
-        if getattr(self, "_egpo_capture_entropy", False):
-            # TRL's old-log-prob pass of this generation batch: have it return the Shannon entropies too.
-            self._egpo_capture_entropy = False
-            logps, entropies, aux_loss = self._egpo_trl_pass(model, *args, compute_entropy=True, **kwargs)
+        if torch.is_grad_enabled():
+            result = self._egpo_trl_pass(model, *args, compute_entropy=compute_entropy, **kwargs)
+            if self._egpo_loss_rows is not None:
+                self._egpo_record_loss_logps(result[0])  # the loss's forward: the deferred entropy metrics' log-probs
+            return result
+        # An old-policy (or reference) pass; TRL's old-log-prob pass of a batch also returns the Shannon entropies.
+        capture, self._egpo_capture_entropy = self._egpo_capture_entropy, False
+        with self._egpo_timed("old_logps_s"):
+            logps, entropies, aux = self._egpo_trl_pass(
+                model, *args, compute_entropy=compute_entropy or capture, **kwargs
+            )
+        if capture:
             self._egpo_captured_entropies = entropies
-            return logps, entropies if compute_entropy else None, aux_loss
-        return self._egpo_trl_pass(model, *args, compute_entropy=compute_entropy, **kwargs)
+        return logps, entropies if compute_entropy else None, aux
 
-    def _egpo_trl_pass(
-        self,
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        batch_size=None,
-        compute_entropy=False,
-        compute_aux_loss=False,
-        **others,
-    ):
+    def _egpo_trl_pass(self, model, input_ids, attention_mask, logits_to_keep, **kwargs):
         """TRL's log-prob pass, on rows shifted past their prompt padding where ``can_realign`` allows it."""
+        others = {k: v for k, v in kwargs.items() if k not in ("batch_size", "compute_entropy", "compute_aux_loss")}
         if (
-            getattr(self.args, "egpo_shift_prompt_padding", False)
-            and not compute_aux_loss
+            self.args.egpo_shift_prompt_padding
+            and not kwargs.get("compute_aux_loss")
             and not getattr(self, "aux_loss_enabled", False)
             and logits_to_keep > 0
             and all(value is None for value in others.values())
         ):
-            from egpo_trl.old_logps import can_realign, shifted_logps
-
-            unwrapped = self.accelerator.unwrap_model(model)
             prompt_mask, completion_mask = attention_mask[:, :-logits_to_keep], attention_mask[:, -logits_to_keep:]
-            if can_realign(unwrapped, prompt_mask, completion_mask):
+            if can_realign(self.accelerator.unwrap_model(model), prompt_mask, completion_mask):
                 logps, entropies = shifted_logps(
                     model,
                     input_ids,
                     attention_mask,
                     logits_to_keep,
-                    batch_size=batch_size,
-                    compute_entropy=compute_entropy,
+                    batch_size=kwargs.get("batch_size"),
+                    compute_entropy=kwargs.get("compute_entropy", False),
                     autocast=self.accelerator.autocast,
-                    full_width=self._trl_computes_old_logps() or self.beta != 0.0,
+                    full_width=trl_computes_old_logps(self.args) or self.beta != 0.0,
                 )
                 return logps, entropies, None
-        return super()._get_per_token_logps_and_entropies(
-            model,
-            input_ids,
-            attention_mask,
-            logits_to_keep,
-            batch_size=batch_size,
-            compute_entropy=compute_entropy,
-            compute_aux_loss=compute_aux_loss,
-            **others,
-        )
+        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, **kwargs)
 
     def _generate(self, prompts: list):
         gec = getattr(self, "_egpo_round_inputs", None) is not None and self.args.edge_gec and self.model.training
         with self._gec_vllm_awake() if gec else nullcontext():
             with self._egpo_timed("generation_s"):
-                try:
-                    result = super()._generate(prompts)
-                except RuntimeError as error:
-                    message = vllm_out_of_memory_message(self.args, self.accelerator.num_processes, error)
-                    if message is None:
-                        raise
-                    raise RuntimeError(message) from error
+                result = super()._generate(prompts)
             if gec:
                 sampled_lengths = self._egpo_completion_lengths(result[1], result[2])[0]
                 with self._egpo_timed("gec_s"):  # scoring, rewrites and continuations
@@ -340,9 +269,7 @@ class EGPOTrainer(
             metrics["num_tokens"] = [self.state.num_input_tokens_seen]
         return result
 
-    def _egpo_completion_lengths(
-        self, completion_ids: list, tool_mask: list | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _egpo_completion_lengths(self, completion_ids: list, tool_mask: list | None) -> tuple[torch.Tensor, ...]:
         """This process's completion lengths and whether each was truncated, counted as TRL's ``_generate`` does."""
         device = self.accelerator.device
         if tool_mask is not None:
@@ -360,15 +287,12 @@ class EGPOTrainer(
         terminated = lengths[~truncated]
         if terminated.numel() == 0:
             terminated = torch.zeros(1, device=lengths.device)
-        return {
-            "completions/mean_length": lengths.mean().item(),
-            "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": truncated.float().mean().item(),
-            "completions/mean_terminated_length": terminated.mean().item(),
-            "completions/min_terminated_length": terminated.min().item(),
-            "completions/max_terminated_length": terminated.max().item(),
-        }
+        values = {"completions/clipped_ratio": truncated.float().mean().item()}
+        for kind, rows in (("", lengths), ("terminated_", terminated)):
+            values.update(
+                {f"completions/{stat}_{kind}length": getattr(rows, stat)().item() for stat in ("mean", "min", "max")}
+            )
+        return values
 
     def _egpo_reward_metrics(self, rewards_per_func: torch.Tensor, num_generations: int) -> dict[str, float]:
         """TRL's reward metrics of the global rewards ``rewards_per_func``, computed as ``GRPOTrainer`` does."""
@@ -395,16 +319,8 @@ class EGPOTrainer(
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         sampling = None
-        if mode == "train" and getattr(self, "_egpo_deferred_entropies", None) is not None:
-            # the previous batch's loss did not compute log-probs for every row: its entropy metrics are not logged
+        if mode == "train":  # a batch whose loss did not see every row logs no egpo/entropy_* metrics
             self._egpo_deferred_entropies = None
-            if not getattr(self, "_egpo_deferred_warned", False) and self.accelerator.is_main_process:
-                self._egpo_deferred_warned = True
-                logger.warning(
-                    "The egpo/entropy_* metrics of a batch were not logged: its loss did not compute per-token "
-                    "log-probs for every row. Set egpo_entropy_metrics: false to skip them, or report this with your "
-                    "configuration."
-                )
         self._egpo_timings = {}
         self._egpo_sampled_rewards = []
         start = time.perf_counter()
@@ -425,28 +341,24 @@ class EGPOTrainer(
 
     def _egpo_check_any_correct(self, rewards_per_func: torch.Tensor) -> None:
         """Warn once when no completion of the run's first ``NO_CORRECT_WARNING_STEPS`` optimizer steps was correct."""
-        seen = getattr(self, "_egpo_incorrect_seen", 0)
-        if seen is None:
+        if self._egpo_incorrect_seen is None:  # told already, or a completion was correct
             return
         values = rewards_per_func[:, self._egpo_correctness_index]
         values = values[~torch.isnan(values)]
         if not set(values.unique().tolist()) <= {-1.0, 0.0}:
             self._egpo_incorrect_seen = None
             return
-        first_step = self._egpo_first_step = getattr(self, "_egpo_first_step", self.state.global_step)
-        self._egpo_incorrect_seen = seen + values.numel()
-        if self.state.global_step + 1 - first_step < NO_CORRECT_WARNING_STEPS:
-            return
-        if self.accelerator.is_main_process:
-            logger.warning(
+        self._egpo_first_step = getattr(self, "_egpo_first_step", self.state.global_step)
+        self._egpo_incorrect_seen += values.numel()
+        steps = self.state.global_step + 1 - self._egpo_first_step
+        if steps >= NO_CORRECT_WARNING_STEPS:
+            self._egpo_warn_once(
                 "No completion of the first %d optimizer steps was correct (%d completions, none scored above 0 by "
                 "the correctness reward %r): every group is entirely incorrect (egpo/frac_all_incorrect 1). %s",
-                self.state.global_step + 1 - first_step,
-                self._egpo_incorrect_seen,
-                self.reward_func_names[self._egpo_correctness_index],
+                *(steps, self._egpo_incorrect_seen, self.reward_func_names[self._egpo_correctness_index]),
                 NO_CORRECT_CAUSES,
             )
-        self._egpo_incorrect_seen = None
+            self._egpo_incorrect_seen = None
 
     def _egpo_check_importance_sampling(self, mode: str) -> None:
         """Warn when TRL's vLLM importance-sampling correction scales this batch's loss far below 1."""
@@ -456,101 +368,63 @@ class EGPOTrainer(
         self._egpo_low_is_batches = getattr(self, "_egpo_low_is_batches", 0) + 1
         if self._egpo_low_is_batches in (1, 10) or self._egpo_low_is_batches % 100 == 0:
             logger.warning(
-                "The vLLM importance-sampling ratios of this batch average %.3g (batch %d with a mean below %.2g): TRL "
-                "multiplies the loss by them, so the update is scaled towards zero. Check that the sampling options "
-                "leave the policy's distribution unchanged (top_p 1, top_k 0, no min_p, penalties or min_tokens), or "
-                "set vllm_importance_sampling_correction: false (the paper's recipes do; docs/multi_gpu.md).",
-                values[-1],
-                self._egpo_low_is_batches,
-                IS_RATIO_WARNING_THRESHOLD,
+                "The vLLM importance-sampling ratios of this batch average %.3g (batch %d below %.2g), scaling the "
+                "loss towards zero: keep the sampling options distribution-preserving or set "
+                "vllm_importance_sampling_correction: false.",
+                *(values[-1], self._egpo_low_is_batches, IS_RATIO_WARNING_THRESHOLD),
             )
 
     # ------------------------------------------------------------------ one generation round
-    def _trl_computes_old_logps(self) -> bool:
-        """Whether TRL 1.16's ``_generate_and_score_completions`` runs its old-log-prob pass (same rule as TRL)."""
-        return trl_computes_old_logps(self.args)
-
     def _generate_round(self, inputs: list[dict[str, Any]]) -> tuple[dict[str, Any], torch.Tensor]:
         """TRL's generation and scoring for ``inputs``: the local batch dict and the gathered rewards per function."""
-        self._egpo_rewards_per_func = None
-        self._egpo_captured_entropies = None
-        self._egpo_capture_entropy = self._egpo_entropy_input == "shannon" and self._trl_computes_old_logps()
-        self._egpo_round_inputs = inputs
-        self._egpo_round_lengths = None
-        self._gec_scored = None
+        self._egpo_rewards_per_func = self._egpo_captured_entropies = self._egpo_round_lengths = None
+        self._egpo_capture_entropy = self._egpo_entropy_input == "shannon" and trl_computes_old_logps(self.args)
+        self._egpo_round_inputs, self._gec_scored = inputs, None
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
-            self._egpo_capture_entropy = False
-            self._egpo_round_inputs = None
-            self._gec_scored = None
-        rewards_per_func = self._egpo_rewards_per_func
-        if self._egpo_captured_entropies is not None:
-            output[_TOKEN_ENTROPY_KEY] = self._egpo_captured_entropies
-            self._egpo_captured_entropies = None
-        lengths = getattr(self, "_egpo_round_lengths", None)
+            self._egpo_capture_entropy, self._egpo_round_inputs, self._gec_scored = False, None, None
+        entropies, self._egpo_captured_entropies = self._egpo_captured_entropies, None
+        if entropies is not None:
+            output[_TOKEN_ENTROPY_KEY] = entropies
+        lengths, self._egpo_round_lengths = self._egpo_round_lengths, None
         if lengths is not None and lengths[0].numel() == output["completion_ids"].size(0):
             output[_LENGTHS_KEY], output[_TRUNCATED_KEY] = lengths
-        self._egpo_round_lengths = None
-        self._egpo_rewards_per_func = None
+        rewards_per_func, self._egpo_rewards_per_func = self._egpo_rewards_per_func, None
         return output, rewards_per_func
 
-    def _egpo_finish(
-        self,
-        output: dict[str, Any],
-        rewards_per_func: torch.Tensor,
-        mode: str,
-        num_generations: int,
-        sampling: dict[str, Any] | None,
-    ) -> dict[str, Any]:
+    def _egpo_finish(self, output: dict, rewards_per_func: torch.Tensor, mode: str, num_generations: int, sampling):
         """Advantages of the final generation batch from its gathered rewards and entropies, written back for TRL."""
-        if self._fused_active(mode):
-            result = self._fused_finish(output, rewards_per_func, num_generations)
-            output.pop(_LENGTHS_KEY, None)
-            output.pop(_TRUNCATED_KEY, None)
-            self.egpo_last_batch = {
-                "rewards_per_func": rewards_per_func,
-                "entropies": None,
-                "token_entropies": None,
-                "result": result,
-                "entropy_source": "loss_forward",
-                "process_slice": self._fused_batch["rows"],
-                "num_generations": num_generations,
-            }
-            if sampling is not None:
-                self.egpo_last_batch["dynamic_sampling"] = sampling
-            return output
-        entropies = self._egpo_entropies(output, mode)
-        estimator_entropies = {"nll": entropies["nll"], "shannon": entropies["shannon"], "none": None}[
-            self._egpo_entropy_input
-        ]
-        result = self._egpo_compute(rewards_per_func, estimator_entropies, num_generations)
-
-        local = output["advantages"].shape[0]
-        process_slice = slice(self.accelerator.process_index * local, (self.accelerator.process_index + 1) * local)
-        output["advantages"] = result.advantages[process_slice].to(output["advantages"].dtype)
-
-        logged = self._logs["advantages"]
-        for _ in range(min(len(logged), result.advantages.numel())):
-            logged.pop()
-        logged.extend(result.advantages.tolist())
-
         output.pop(_LENGTHS_KEY, None)
         output.pop(_TRUNCATED_KEY, None)
-        # Rows without a correctness verdict are neither correct nor incorrect in the per-correctness metrics.
-        judged = ~torch.isnan(rewards_per_func[:, self._egpo_correctness_index])
-        self._egpo_log_metrics(mode, result, entropies, num_generations, scored=judged)
+        if self._fused_active(mode):
+            result = self._fused_finish(output, rewards_per_func, num_generations)
+            entropies = {"nll": None, "shannon": None, "source": "loss_forward"}
+            process_slice = self._fused_batch["rows"]
+        else:
+            entropies = self._egpo_entropies(output, mode)
+            estimator_entropies = {**entropies, "none": None}[self._egpo_entropy_input]
+            result = self._egpo_compute(rewards_per_func, estimator_entropies, num_generations)
+            local = output["advantages"].shape[0]
+            process_slice = slice(self.accelerator.process_index * local, (self.accelerator.process_index + 1) * local)
+            output["advantages"] = result.advantages[process_slice].to(output["advantages"].dtype)
+            logged = self._logs["advantages"]
+            for _ in range(min(len(logged), result.advantages.numel())):
+                logged.pop()
+            logged.extend(result.advantages.tolist())
+            # Rows without a correctness verdict are neither correct nor incorrect in the per-correctness metrics.
+            judged = ~torch.isnan(rewards_per_func[:, self._egpo_correctness_index])
+            self._egpo_log_metrics(mode, result, entropies, num_generations, scored=judged)
         self.egpo_last_batch = {
             "rewards_per_func": rewards_per_func,
+            "num_generations": num_generations,
             "entropies": entropies["nll"],
             "token_entropies": entropies["shannon"],
             "result": result,
             "entropy_source": entropies["source"],
             "process_slice": process_slice,
-            "num_generations": num_generations,
+            **({"dynamic_sampling": sampling} if sampling is not None else {}),
         }
-        if sampling is not None:
-            self.egpo_last_batch["dynamic_sampling"] = sampling
         if entropies.get("deferred") is not None:
             # The egpo/entropy_* metrics follow once the loss's forwards have seen every row of this batch.
             entropies["deferred"].update(mode=mode, result=result, scored=judged, batch=self.egpo_last_batch)
@@ -565,8 +439,6 @@ class EGPOTrainer(
             mask = mask * output["tool_mask"]
         if self.args.egpo_entropy_scope == "completion":
             return mask, None
-        from egpo_trl.segments import segment_masks
-
         thinking, answer = segment_masks(output["completion_ids"], mask, self.processing_class)
         chosen = thinking if self.args.egpo_entropy_scope == "thinking" else answer
         fallback = ((chosen != 0).sum(dim=1) == 0) & ((mask != 0).sum(dim=1) > 0)
@@ -592,23 +464,17 @@ class EGPOTrainer(
                 local = torch.isnan(logps).logical_and(mask != 0).any().float().view(1)
                 if bool(self.accelerator.gather(local).any()):
                     logps, source = None, "none"
-                    if not getattr(self, "_egpo_sampler_nan_warned", False) and self.accelerator.is_main_process:
-                        self._egpo_sampler_nan_warned = True
-                        logger.warning(
-                            "egpo_entropy_logps='sampler': this batch has tokens without a sampling log-prob (the text "
-                            "Guided Error Correction injects), so the entropy proxy of such batches comes from one "
-                            "no-grad pass of the policy (egpo/entropy_extra_pass logs it)."
-                        )
+                    self._egpo_warn_once(
+                        "egpo_entropy_logps='sampler': tokens without a sampling log-prob (injected by Guided Error "
+                        "Correction) make the entropy proxy of such batches take a no-grad pass."
+                    )
         deferred = None
         metrics_only = self._egpo_entropy_input == "none"
         if need_nll and logps is None and metrics_only and self._egpo_defers_entropy_metrics(mode):
             # Only the metrics need the proxy: take the log-probs from the loss's forwards.
             rows, columns = output["completion_ids"].shape
-            deferred = {
-                "mask": mask,
-                "logps": torch.zeros(rows, columns, dtype=torch.float32, device=mask.device),
-                "seen": torch.zeros(rows, dtype=torch.bool, device=mask.device),
-            }
+            seen = torch.zeros(rows, dtype=torch.bool, device=mask.device)
+            deferred = dict(mask=mask, logps=torch.zeros(rows, columns, device=mask.device), seen=seen)
             output[_ROW_KEY] = torch.arange(rows, device=mask.device)
             need_nll, source = False, "training_forward"
         extra_pass = (need_nll and logps is None) or (need_shannon and token_entropies is None)
@@ -625,27 +491,19 @@ class EGPOTrainer(
         if fallback is not None:
             fallback = self.accelerator.gather(fallback)
             self._egpo_warn_scope_fallback(fallback)
-        return {
-            "nll": nll,
-            "shannon": shannon,
-            "source": source,
-            "extra_pass": extra_pass,
-            "scope_fallback": fallback,
-            "deferred": deferred,
-        }
+        return dict(
+            nll=nll, shannon=shannon, source=source, extra_pass=extra_pass, scope_fallback=fallback, deferred=deferred
+        )
 
     def _egpo_training_forward_is_random(self, arguments: bool = True) -> bool:
         """Whether the policy's training-mode forward is random: active dropout, or (``arguments``) NEFTune noise."""
-        noise = arguments and bool(getattr(self.args, "neftune_noise_alpha", None))
-        return noise or _random_training_forward(self.model)
+        return (arguments and bool(self.args.neftune_noise_alpha)) or _random_training_forward(self.model)
 
     def _egpo_defers_entropy_metrics(self, mode: str) -> bool:
         """Whether this batch's ``egpo/entropy_*`` metrics come from the loss's forwards."""
-        if mode != "train" or self._trl_computes_old_logps():
-            return False
-        if getattr(self, "_egpo_random_training_forward", None) is None:
-            self._egpo_random_training_forward = self._egpo_training_forward_is_random()
-        return not self._egpo_random_training_forward
+        return (
+            mode == "train" and not trl_computes_old_logps(self.args) and not self._egpo_training_forward_is_random()
+        )
 
     def _prepare_inputs(self, generation_batch):
         if getattr(self, "_fused", False) and self.model.training:
@@ -660,26 +518,15 @@ class EGPOTrainer(
         return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if (
-            getattr(self, "_fused", False)
-            and model.training
-            and isinstance(inputs, dict)
-            and _FUSED_GROUP_KEY in inputs
-        ):
-            if return_outputs:
-                raise ValueError("The GRPOTrainer does not support returning outputs")
+        def loss_of(model, batch):
+            return super(EGPOTrainer, self).compute_loss(model, batch, return_outputs, num_items_in_batch)
 
-            def loss_of(model, batch):
-                return super(EGPOTrainer, self).compute_loss(model, batch, num_items_in_batch=num_items_in_batch)
-
+        if getattr(self, "_fused", False) and model.training and _FUSED_GROUP_KEY in inputs:
             return self._fused_block_loss(model, inputs, loss_of)
-        rows = inputs.get(_ROW_KEY) if isinstance(inputs, dict) else None
-        deferred = getattr(self, "_egpo_deferred_entropies", None)
-        self._egpo_loss_rows = rows if deferred is not None and model.training else None
+        deferred = self._egpo_deferred_entropies is not None and model.training
+        self._egpo_loss_rows = inputs.get(_ROW_KEY) if deferred else None
         try:
-            return super().compute_loss(
-                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-            )
+            return loss_of(model, inputs)
         finally:
             self._egpo_loss_rows = None
 
@@ -698,24 +545,20 @@ class EGPOTrainer(
                 deferred["mode"], self._egpo_entropy_values(deferred["result"], nll, deferred["scored"])
             )
 
+    def _egpo_warn_once(self, message: str, *values: Any) -> None:
+        """Log ``message`` once per run (on the main process)."""
+        if message not in self._egpo_warned:
+            self._egpo_warned.add(message)
+            if self.accelerator.is_main_process:
+                logger.warning(message, *values)
+
     def _egpo_warn_scope_fallback(self, fallback: torch.Tensor) -> None:
         """Warn once per run when completions of a segment entropy scope fall back to the whole completion."""
-
-        if not fallback.any() or getattr(self, "_egpo_scope_fallback_warned", False):
-            return
-        self._egpo_scope_fallback_warned = True
-        if self.accelerator.is_main_process:
-            scope = self.args.egpo_entropy_scope
-            reason = "no `</think>`" if scope == "answer" else "an empty thinking segment"
-            logger.warning(
-                "egpo_entropy_scope=%r: %d of %d completions of this batch have %s (cut off by max_completion_length, "
-                "or the model does not write the tags), so their entropy proxy is taken over the whole completion "
-                "instead; egpo/frac_entropy_scope_fallback logs the fraction at every step. Raise "
-                "max_completion_length, or use egpo_entropy_scope='completion'.",
-                scope,
-                int(fallback.sum()),
-                fallback.numel(),
-                reason,
+        if fallback.any():
+            self._egpo_warn_once(
+                "egpo_entropy_scope=%r: %d of %d completions have no %s segment, so their entropy proxy is taken over "
+                "the whole completion (egpo/frac_entropy_scope_fallback).",
+                *(self.args.egpo_entropy_scope, int(fallback.sum()), fallback.numel(), self.args.egpo_entropy_scope),
             )
 
     @torch.no_grad()
@@ -728,14 +571,15 @@ class EGPOTrainer(
         self.model.eval()  # no dropout: the proxy is the old policy's, and no RNG is consumed
         try:
             with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+                batch_size = (
+                    self.args.per_device_train_batch_size if training else self.args.per_device_eval_batch_size
+                )
                 logps, entropies, _ = self._get_per_token_logps_and_entropies(
                     self.model,
                     input_ids,
                     attention_mask,
                     output["completion_ids"].size(1),
-                    batch_size=self.args.per_device_train_batch_size
-                    if training
-                    else self.args.per_device_eval_batch_size,
+                    batch_size=batch_size,
                     compute_entropy=compute_entropy,
                     **forward_kwargs,
                 )
@@ -745,36 +589,21 @@ class EGPOTrainer(
 
     def _egpo_same_count_across_processes(self, count: int) -> int:
         """The largest of every process's ``count`` (under ZeRO-3 and FSDP every process runs as many forwards)."""
-        if self.accelerator.num_processes == 1:
-            return count
-        counts = self.accelerator.gather(torch.tensor([count], device=self.accelerator.device))
-        return int(counts.max())
+        return int(self.accelerator.gather(torch.tensor([count], device=self.accelerator.device)).max())
 
     # ------------------------------------------------------------------ advantages
     def _estimator_kwargs(self) -> dict[str, Any]:
         """The advantage options that the configured estimator's signature accepts."""
-        args = self.args
-        kwargs = {
-            "lambda_min": args.egpo_lambda_min,
-            "lambda_max": args.egpo_lambda_max,
-            "entropy_eps": args.egpo_entropy_eps,
-            "clamp": args.egpo_clamp,
-            "renorm": args.egpo_renorm,
-            "nsr": args.egpo_nsr,
-            "nsr_weighting": args.egpo_nsr_weighting,
-            "scale_rewards": self.scale_rewards,
-            "nsr_scale": 1.0,
-            "positive_weight": args.nsr_positive_weight,
-            "entropy_normalization": args.edge_grpo_entropy_normalization,
-        }
+        names = ("lambda_min", "lambda_max", "entropy_eps", "clamp", "renorm", "nsr", "nsr_weighting")
+        kwargs = {name: getattr(self.args, f"egpo_{name}") for name in names}
+        kwargs.update(scale_rewards=self.scale_rewards, nsr_scale=1.0, positive_weight=self.args.nsr_positive_weight)
+        kwargs["entropy_normalization"] = self.args.edge_grpo_entropy_normalization
         parameters = inspect.signature(self._egpo_estimator).parameters
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
             return kwargs
         return {key: value for key, value in kwargs.items() if key in parameters}
 
-    def _egpo_compute(
-        self, rewards_per_func: torch.Tensor, entropies: torch.Tensor | None, num_generations: int
-    ) -> AdvantageOutput:
+    def _egpo_compute(self, rewards_per_func: torch.Tensor, entropies: torch.Tensor | None, num_generations: int):
         """Advantages on the global batch from TRL's per-function rewards and the entropies."""
         device = rewards_per_func.device
         correct, incorrect_value = self._egpo_correct(rewards_per_func)
@@ -794,13 +623,8 @@ class EGPOTrainer(
             # Half the weighted gap between a correct and an incorrect reward: 1 for +1/-1, 0.5 for 1/0.
             weight = float(self.reward_weights[self._egpo_correctness_index])
             kwargs["nsr_scale"] = weight * (1.0 - incorrect_value) / 2
-        return self._egpo_estimator(
-            rewards,
-            entropies.to(device) if entropies is not None else None,
-            num_generations,
-            correct=correct,
-            **kwargs,
-        )
+        entropies = entropies.to(device) if entropies is not None else None
+        return self._egpo_estimator(rewards, entropies, num_generations, correct=correct, **kwargs)
 
     def _egpo_correct(self, rewards_per_func: torch.Tensor) -> tuple[torch.Tensor, float]:
         """Which completions are correct (correctness reward > 0) and an incorrect one's reward (-1 or 0)."""
@@ -813,40 +637,22 @@ class EGPOTrainer(
             shown = ", ".join(f"{v:g}" for v in sorted(distinct)[:6]) + (", ..." if len(distinct) > 6 else "")
             features = ", ".join(self._egpo_binary_features)
             raise ValueError(
-                f"{features} need(s) a binary correctness reward (the paper's +1/-1, or 1/0), but the reward function "
-                f"{name!r}, which decides correct (> 0) versus incorrect, returned {len(distinct)} distinct values in "
-                f"this batch ({shown}). With such rewards every positive completion would count as correct and every "
-                "group as entirely-correct, with advantage 0: nothing would train. Either add a binary verifier (such "
-                "as egpo_trl.rewards.boxed_accuracy_reward) and name it in egpo_correctness_reward (the other reward "
-                "functions still shape the mixed groups' advantages), or use advantage_estimator='grpo' (TRL's GRPO, "
-                "which takes any reward)."
+                f"{features} need(s) a binary correctness reward (+1/-1 or 1/0), but {name!r} returned {len(distinct)} "
+                f"distinct values in this batch ({shown}). Name a binary verifier (such as "
+                "egpo_trl.rewards.boxed_accuracy_reward) in egpo_correctness_reward, or use advantage_estimator='grpo'."
             )
         return values > 0, (0.0 if 0.0 in distinct else -1.0)
 
-    def _egpo_log_metrics(
-        self,
-        mode: str,
-        result: AdvantageOutput,
-        entropies: dict[str, Any],
-        num_generations: int,
-        scored: torch.Tensor | None = None,
-    ) -> None:
-        """Log a generation batch's ``egpo/*`` metrics; rows without a verdict are out of the per-correctness means."""
-        metrics = self._metrics[mode]
+    def _egpo_log_metrics(self, mode: str, result: AdvantageOutput, entropies: dict, num_generations: int, scored):
+        """Log a batch's ``egpo/*`` metrics; rows without a verdict (``~scored``) are out of the per-correctness means."""
         group_type = result.group_type[::num_generations]
-        for name, code in (
-            ("frac_all_correct", GROUP_ALL_CORRECT),
-            ("frac_mixed", GROUP_MIXED),
-            ("frac_all_incorrect", GROUP_ALL_INCORRECT),
-        ):
-            metrics[f"egpo/{name}"].append((group_type == code).float().mean().item())
-        if scored is not None:  # rows the correctness reward returned None for (math-verify gave no verdict, say)
-            metrics["egpo/frac_unscored"].append(1.0 - scored.float().mean().item())
+        codes = {"all_correct": GROUP_ALL_CORRECT, "mixed": GROUP_MIXED, "all_incorrect": GROUP_ALL_INCORRECT}
+        values = {f"frac_{name}": (group_type == code).float().mean().item() for name, code in codes.items()}
+        values["frac_unscored"] = 1.0 - scored.float().mean().item()
         correct, incorrect = _judged_rows(result, scored)
-        values = {
-            "weight_correct": _mean_of(result.weights, correct),
-            "weight_incorrect": _mean_of(result.weights, incorrect),
-        }
+        values.update(
+            weight_correct=_mean_of(result.weights, correct), weight_incorrect=_mean_of(result.weights, incorrect)
+        )
         if entropies["nll"] is not None:
             values.update(self._egpo_entropy_values(result, entropies["nll"], scored))
         if entropies["shannon"] is not None:
@@ -860,14 +666,11 @@ class EGPOTrainer(
 
     def _egpo_append_metrics(self, mode: str, values: dict[str, float | None]) -> None:
         """Append ``egpo/<name>`` values to this step's metrics, leaving out undefined means (``None``)."""
-        metrics = self._metrics[mode]
         for name, value in values.items():
             if value is not None:
-                metrics[f"egpo/{name}"].append(value)
+                self._metrics[mode][f"egpo/{name}"].append(value)
 
-    def _egpo_entropy_values(
-        self, result: AdvantageOutput, nll: torch.Tensor, scored: torch.Tensor | None
-    ) -> dict[str, float | None]:
+    def _egpo_entropy_values(self, result: AdvantageOutput, nll: torch.Tensor, scored: torch.Tensor) -> dict:
         """The ``egpo/entropy_*`` (and clamp-bound) metrics of a batch from its global entropy proxy ``nll``."""
         correct, incorrect = _judged_rows(result, scored)
         nll = nll.float().to(result.weights.device)

@@ -19,8 +19,8 @@ from egpo_trl.rewards import boxed_accuracy_reward, completion_text
 def test_a_shortened_completion_is_never_cut_inside_its_own_boxed_answer():
     from transformers import AutoTokenizer
 
+    from egpo_trl.sampling.gec import boxed_safe_prefix
     from egpo_trl.tiny_model import tiny_model_path
-    from egpo_trl.trainer import boxed_safe_prefix
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
     text = "<think>23+8=31, 31-15=16</think> \\boxed{16}"

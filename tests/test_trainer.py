@@ -317,48 +317,6 @@ def test_a_row_without_a_verdict_gets_no_advantage_from_the_other_reward_functio
     assert result.group_type.tolist() == [1] * 8
 
 
-def test_vllm_running_out_of_memory_while_generating_names_the_fix(tmp_path, tiny_model_dir, monkeypatch):
-    """An out-of-memory error while a colocated vLLM generates (PyTorch's, or the one vLLM's sleep-mode allocator
-    raises on wake-up) says which setting to lower; other errors, and runs without colocated vLLM, are left alone."""
-    trainer = EGPOTrainer(
-        tiny_model_dir, parity_reward, config(tmp_path, max_steps=1), train_dataset=make_prompt_dataset()
-    )
-
-    def raising(error):
-        def generate(self, prompts):
-            raise error
-
-        return generate
-
-    wake_up = RuntimeError("CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:62")
-    monkeypatch.setattr(GRPOTrainer, "_generate", raising(wake_up))
-    with pytest.raises(RuntimeError) as caught:  # no vLLM: as raised
-        trainer._generate(["1 + 1"])
-    assert caught.value is wake_up
-    monkeypatch.setattr(trainer.args, "use_vllm", True)
-    monkeypatch.setattr(trainer.args, "vllm_mode", "colocate")
-    monkeypatch.setattr(trainer.args, "vllm_gpu_memory_utilization", 0.65)
-    with pytest.raises(RuntimeError, match=r"vllm_gpu_memory_utilization=0\.65\) does not fit") as caught:
-        trainer._generate(["1 + 1"])
-    assert "Lower vllm_gpu_memory_utilization" in str(caught.value) and "cumem_allocator.cpp" in str(caught.value)
-    assert caught.value.__cause__ is wake_up
-    torch_oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
-    monkeypatch.setattr(GRPOTrainer, "_generate", raising(torch_oom))
-    with pytest.raises(RuntimeError, match="Tried to allocate 2.00 GiB") as caught:
-        trainer._generate(["1 + 1"])
-    assert caught.value.__cause__ is torch_oom
-    other = RuntimeError("CUDA error: an illegal memory access was encountered")
-    monkeypatch.setattr(GRPOTrainer, "_generate", raising(other))
-    with pytest.raises(RuntimeError) as caught:
-        trainer._generate(["1 + 1"])
-    assert caught.value is other
-    monkeypatch.setattr(trainer.args, "vllm_mode", "server")  # the server's memory is not this process's
-    monkeypatch.setattr(GRPOTrainer, "_generate", raising(wake_up))
-    with pytest.raises(RuntimeError) as caught:
-        trainer._generate(["1 + 1"])
-    assert caught.value is wake_up
-
-
 def test_nsr_stays_bounded_under_batch_scaling_when_no_completion_is_correct(tmp_path, tiny_model_dir):
     def always_wrong(completions, **kwargs):
         return [-1.0] * len(completions)
