@@ -496,6 +496,15 @@ def test_a_folder_left_by_a_failed_start_does_not_block_the_rerun(tmp_path):
     with pytest.raises(SystemExit, match="already holds another run"):
         prepare_output_dir(str(trained), overwrite=False, resuming=False)
     assert (trained / METRICS_FILE).is_file()
+    killed = tmp_path / "killed"  # a run killed while writing its last line
+    killed.mkdir()
+    (killed / METRICS_FILE).write_text(json.dumps({"step": 0, "heldout/accuracy": 0.4}) + '\n{"step": 1, "rew')
+    with pytest.raises(SystemExit, match="already holds another run"):
+        prepare_output_dir(str(killed), overwrite=False, resuming=False)
+    result = egpo_trl("train", str(DEMO_RECIPE), "--output_dir", str(killed), "--dry-run")
+    assert result.returncode == 1 and "Traceback" not in result.stderr and "already holds another run" in result.stdout
+    prepare_output_dir(str(killed), overwrite=True, resuming=False)()
+    assert not (killed / METRICS_FILE).exists()
 
 
 def test_reward_import_paths_resolve_from_the_current_folder(tmp_path, monkeypatch):
