@@ -373,6 +373,14 @@ def test_a_missing_model_is_one_line_in_train_and_eval(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert last_line(result.stderr).startswith("egpo-trl eval: the model ./no-such-model does not exist")
     assert not out.exists() and not list(tmp_path.iterdir())  # nothing left behind
+    elsewhere = str(tmp_path / "nowhere" / "assets" / "tiny-math-qwen2")  # not the shipped model's folder
+    result = egpo_trl("train", str(DEMO_RECIPE), "--model_name_or_path", elsewhere, cwd=tmp_path)
+    assert result.returncode == 1 and last_line(result.stderr).endswith(
+        f"egpo-trl train: the model {elsewhere} does not exist; check the path, or give a local model folder, a Hub id "
+        "such as Qwen/Qwen2.5-Math-1.5B, or builtin:tiny-math-qwen2."
+    )
+    result = egpo_trl("eval", "--model", elsewhere, "--benchmarks", "gsm8k", "--output-dir", str(out))
+    assert result.returncode == 1 and f"egpo-trl eval: the model {elsewhere} does not exist" in result.stderr
 
 
 def test_training_curves_have_labelled_axes_and_one_point_per_step():
