@@ -561,6 +561,20 @@ def test_a_recomputed_heldout_evaluation_before_training_replaces_the_stored_one
 
 
 @pytest.mark.slow
+def test_a_resume_whose_checkpoint_fails_to_load_leaves_the_earlier_runs_files(short_run, tmp_path):
+    """Resumed with other evaluation settings from a checkpoint that does not load: ``heldout.json`` and
+    ``metrics.jsonl`` keep the earlier run's evaluations before and after training, and no checkpoint is set aside."""
+    out = tmp_path / "run"
+    shutil.copytree(short_run, out)
+    (out / "checkpoint-1" / "optimizer.pt").write_bytes(b"not an optimizer state")
+    found = {name: _digest(out / name) for name in ("heldout.json", "metrics.jsonl")}
+    with pytest.raises(Exception):  # noqa: B017 - torch's own error for a corrupt file
+        main([*SHORT, "--output_dir", str(out), "--resume_from_checkpoint", str(out / "checkpoint-1"), *NEW_EVAL])
+    assert {name: _digest(out / name) for name in found} == found
+    assert (out / "checkpoint-2").is_dir() and not (out / "replaced").exists()
+
+
+@pytest.mark.slow
 def test_ctrl_c_then_resume_is_exact_with_entropy_metrics_from_the_loss_forward(tmp_path, monkeypatch):
     """GRPO takes its egpo/entropy_* metrics from the loss's forwards (two micro-batches per step here): a run
     stopped between them and resumed logs the same metrics, those included, and ends with the same weights."""
