@@ -333,8 +333,8 @@ def _finish(trainer, script_args, summary, heldout, records, settings, wall_star
         _put_record(output_dir, records["after"], "after")
         summary["heldout_after"] = records["after"]["accuracy"]
     if script_args.save_final_model:
-        trainer.save_state()  # trainer_state.json dates the final model (a later resume reads it)
         trainer.save_model(str(output_dir))
+        trainer.save_state()  # trainer_state.json, written last, dates a complete final model (a resume reads it)
     if is_main:
         files = [metrics_path]
         if records:
