@@ -220,7 +220,7 @@ def resolve_model_name(model: Any) -> Any:
         return model
     model = builtin_model_path(model)
     parts = Path(model).parts
-    if not Path(model).exists() and parts[-2:-1] == ("assets",) and (_ASSETS / parts[-1]).is_dir():
+    if not Path(model).exists() and parts[:-1] == ("egpo_trl", "assets") and (_ASSETS / parts[-1]).is_dir():
         return str(_ASSETS / parts[-1])
     problem = model_problem(model)
     if problem:

@@ -39,6 +39,10 @@ def _rows(out: Path) -> list[dict]:
     return rows
 
 
+def last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -425,13 +429,18 @@ def test_ctrl_c_after_the_last_step_keeps_the_trained_run(reference, tmp_path, m
     monkeypatch.setattr(heldout_module, "heldout_accuracy", interrupted)
     capsys.readouterr()
     assert main(run) == 130
-    assert "--resume_from_checkpoint true" in capsys.readouterr().err
+    assert last_line(capsys.readouterr().err) == (
+        f"Interrupted after the last step: {out / 'checkpoint-4'} holds the trained weights, but {out} lacks the "
+        "trained model of step 4 and the held-out evaluation after step 4 (load the weights from the checkpoint)."
+    )
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4"]
     assert not (out / "model.safetensors").exists()
     monkeypatch.undo()
     assert _digest(out / "checkpoint-4" / "model.safetensors") == ref_weights
     assert main([*run, "--resume_from_checkpoint", "true"]) == 0
-    assert "nothing to train: " in capsys.readouterr().out
+    printed = last_line(capsys.readouterr().out)
+    assert printed.startswith("egpo-trl train: nothing to train: ") and "left as they are" not in printed
+    assert f"{out} lacks the trained model of step 4 and the held-out evaluation after step 4" in printed
     assert not (out / "model.safetensors").exists()
 
 
@@ -558,6 +567,35 @@ def test_a_recomputed_heldout_evaluation_before_training_replaces_the_stored_one
     assert records[0] == {"step": 0, "heldout/accuracy": heldout["before"]["accuracy"], "heldout/stage": "before"}
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
     assert [r for r in _rows(out) if r.get("step") == 1] == [r for r in _rows(short_run) if r.get("step") == 1]
+
+
+@pytest.mark.slow
+def test_a_resume_whose_checkpoint_fails_to_load_leaves_the_earlier_runs_files(short_run, tmp_path):
+    """Resumed with other evaluation settings from a checkpoint that does not load: ``heldout.json`` and
+    ``metrics.jsonl`` keep the earlier run's evaluations before and after training, and no checkpoint is set aside."""
+    out = tmp_path / "run"
+    shutil.copytree(short_run, out)
+    (out / "checkpoint-1" / "optimizer.pt").write_bytes(b"not an optimizer state")
+    found = {name: _digest(out / name) for name in ("heldout.json", "metrics.jsonl")}
+    with pytest.raises(Exception):  # noqa: B017 - torch's own error for a corrupt file
+        main([*SHORT, "--output_dir", str(out), "--resume_from_checkpoint", str(out / "checkpoint-1"), *NEW_EVAL])
+    assert {name: _digest(out / name) for name in found} == found
+    assert (out / "checkpoint-2").is_dir() and not (out / "replaced").exists()
+
+
+@pytest.mark.slow
+def test_a_finished_run_whose_final_model_is_older_than_its_checkpoint_says_so(tmp_path, capsys):
+    """A run extended from step 1 to step 2 without saving its final model: resuming it has nothing to train and
+    says that output_dir still holds the model of step 1, not that its outputs are left as they are."""
+    out = tmp_path / "run"
+    assert main([*SHORT, "--output_dir", str(out), "--max_steps", "1"]) == 0
+    resume = [*SHORT, "--output_dir", str(out), "--resume_from_checkpoint", "true"]
+    assert main([*resume, "--save_final_model", "false"]) == 0
+    capsys.readouterr()
+    assert main(resume) == 0
+    printed = last_line(capsys.readouterr().out)
+    assert printed.startswith(f"egpo-trl train: nothing to train: {out / 'checkpoint-2'} is at step 2")
+    assert f"{out} lacks the trained model of step 2 (it holds that of step 1): load the trained weights" in printed
 
 
 @pytest.mark.slow

@@ -373,6 +373,14 @@ def test_a_missing_model_is_one_line_in_train_and_eval(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert last_line(result.stderr).startswith("egpo-trl eval: the model ./no-such-model does not exist")
     assert not out.exists() and not list(tmp_path.iterdir())  # nothing left behind
+    elsewhere = str(tmp_path / "nowhere" / "assets" / "tiny-math-qwen2")  # not the shipped model's folder
+    result = egpo_trl("train", str(DEMO_RECIPE), "--model_name_or_path", elsewhere, cwd=tmp_path)
+    assert result.returncode == 1 and last_line(result.stderr).endswith(
+        f"egpo-trl train: the model {elsewhere} does not exist; check the path, or give a local model folder, a Hub id "
+        "such as Qwen/Qwen2.5-Math-1.5B, or builtin:tiny-math-qwen2."
+    )
+    result = egpo_trl("eval", "--model", elsewhere, "--benchmarks", "gsm8k", "--output-dir", str(out))
+    assert result.returncode == 1 and f"egpo-trl eval: the model {elsewhere} does not exist" in result.stderr
 
 
 def test_training_curves_have_labelled_axes_and_one_point_per_step():
@@ -496,6 +504,15 @@ def test_a_folder_left_by_a_failed_start_does_not_block_the_rerun(tmp_path):
     with pytest.raises(SystemExit, match="already holds another run"):
         prepare_output_dir(str(trained), overwrite=False, resuming=False)
     assert (trained / METRICS_FILE).is_file()
+    killed = tmp_path / "killed"  # a run killed while writing its last line
+    killed.mkdir()
+    (killed / METRICS_FILE).write_text(json.dumps({"step": 0, "heldout/accuracy": 0.4}) + '\n{"step": 1, "rew')
+    with pytest.raises(SystemExit, match="already holds another run"):
+        prepare_output_dir(str(killed), overwrite=False, resuming=False)
+    result = egpo_trl("train", str(DEMO_RECIPE), "--output_dir", str(killed), "--dry-run")
+    assert result.returncode == 1 and "Traceback" not in result.stderr and "already holds another run" in result.stdout
+    prepare_output_dir(str(killed), overwrite=True, resuming=False)()
+    assert not (killed / METRICS_FILE).exists()
 
 
 def test_reward_import_paths_resolve_from_the_current_folder(tmp_path, monkeypatch):

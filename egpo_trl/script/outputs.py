@@ -44,7 +44,10 @@ def prepare_output_dir(
     metrics = path / METRICS_FILE
     never_trained = not checkpoints and {m.name for m in markers} <= {METRICS_FILE, HELDOUT_FILE} and metrics.is_file()
     if never_trained:  # what a start that failed before its first step left
-        never_trained = not any("loss" in r or "reward" in r for r in read_metrics(metrics))
+        try:
+            never_trained = not any("loss" in r or "reward" in r for r in read_metrics(metrics))
+        except (OSError, ValueError):  # a torn last line: a run that was killed
+            never_trained = False
     if not never_trained and overwrite and start_from and path.resolve() in Path(start_from).resolve().parents:
         raise SystemExit(
             f"egpo-trl train: the run starts from {start_from}, inside {path}, which --overwrite_output_dir would "

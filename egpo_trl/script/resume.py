@@ -67,11 +67,31 @@ def finished_message(training_args, checkpoint: str | Path, step: int, last_step
     else:
         setting = f"num_train_epochs={training_args.num_train_epochs:g} over this run's data and batch sizes"
         fix = "--num_train_epochs, or set --max_steps,"
+    head = f"egpo-trl train: nothing to train: {checkpoint} is at step {step} and the run stops at step {last_step} "
+    missing = missing_final_outputs(training_args.output_dir, step)
+    if missing:
+        return (
+            f"{head}({setting}); {training_args.output_dir} lacks {missing}: load the trained weights from the "
+            f"checkpoint (raise {fix} to train further)."
+        )
     return (
-        f"egpo-trl train: nothing to train: {checkpoint} is at step {step} and the run stops at step {last_step} "
-        f"({setting}); the outputs in {training_args.output_dir} are left as they are, and the checkpoint holds the "
-        f"trained weights (raise {fix} to train further)."
+        f"{head}({setting}); the outputs in {training_args.output_dir} are left as they are, and the checkpoint "
+        f"holds the trained weights (raise {fix} to train further)."
     )
+
+
+def missing_final_outputs(output_dir: str | Path, step: int) -> str | None:
+    """What ``output_dir`` lacks of the final outputs of a run that ended at ``step``: the trained model (dated by
+    the ``trainer_state.json`` beside it) and the held-out evaluation after training; ``None`` when it lacks none."""
+    output_dir, missing = Path(output_dir), []
+    state = output_dir / "trainer_state.json"
+    saved = json.loads(state.read_text()).get("global_step") if state.is_file() else None
+    if saved != step:
+        missing.append(f"the trained model of step {step}" + (f" (it holds that of step {saved})" if saved else ""))
+    heldout = output_dir / HELDOUT_FILE
+    if heldout.is_file() and (json.loads(heldout.read_text()).get("after") or {}).get("step") != step:
+        missing.append(f"the held-out evaluation after step {step}")
+    return " and ".join(missing) or None
 
 
 def trainer_last_step(trainer) -> int:
@@ -196,6 +216,13 @@ def interrupted_message(argv: Sequence[str], training_args) -> str:
     checkpoint = get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
     if checkpoint is None:
         return f"Interrupted before any checkpoint was saved; nothing to resume. Start again with:\n  {_command_line(argv)}"
+    state = Path(checkpoint) / "trainer_state.json"
+    state = json.loads(state.read_text()) if state.is_file() else {}
+    if 0 < state.get("max_steps", 0) <= state.get("global_step", 0):  # stopped after the last step: nothing to resume
+        missing = missing_final_outputs(output_dir, state["global_step"])
+        return f"Interrupted after the last step: {checkpoint} holds the trained weights" + (
+            f", but {output_dir} lacks {missing} (load the weights from the checkpoint)." if missing else "."
+        )
     command = _command_line(
         argv,
         drop=("output_dir", "resume_from_checkpoint", "overwrite_output_dir"),

@@ -144,8 +144,8 @@ def _heldout_settings(script_args, training_args, model_args, heldout) -> dict[s
 
 
 def _heldout(trainer, heldout, settings: dict[str, Any], batch_size: int, stage: str) -> dict[str, Any]:
-    """Evaluate the model on the held-out problems, print the result, write its record into ``metrics.jsonl`` and
-    return the one kept in ``heldout.json``."""
+    """Evaluate the model on the held-out problems, print the result and return the record kept in
+    ``heldout.json``."""
     from egpo_trl.heldout import heldout_accuracy
 
     start, step = time.time(), trainer.state.global_step
@@ -164,9 +164,21 @@ def _heldout(trainer, heldout, settings: dict[str, Any], batch_size: int, stage:
         f"{'   ' + levels if levels else ''}",
         flush=True,
     )
-    metrics = Path(trainer.args.output_dir) / METRICS_FILE
-    put_heldout_record(metrics, {"step": step, "heldout/accuracy": result.accuracy, "heldout/stage": stage})
     return {**result.to_dict(), **settings, "step": step}
+
+
+def _put_record(output_dir: Path, record: dict[str, Any], stage: str) -> None:
+    """Write a held-out evaluation's record of ``stage`` into ``metrics.jsonl``."""
+    put_heldout_record(
+        output_dir / METRICS_FILE,
+        {"step": record["step"], "heldout/accuracy": record["accuracy"], "heldout/stage": stage},
+    )
+
+
+def _write_before(output_dir: Path, records: dict[str, Any]) -> None:
+    """Write the evaluation before training into ``metrics.jsonl`` and ``heldout.json`` (kept for a resumed run)."""
+    _put_record(output_dir, records["before"], "before")
+    (output_dir / HELDOUT_FILE).write_text(json.dumps(records, indent=2) + "\n")
 
 
 def run(script_args: TrainScriptArguments, training_args, model_args) -> dict[str, Any]:
@@ -209,7 +221,7 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         return summary
     clear_output_dir()  # with --overwrite_output_dir: only now that the model, data and rewards have loaded
     is_main = trainer.accelerator.is_main_process
-    metrics_path, heldout_path = output_dir / METRICS_FILE, output_dir / HELDOUT_FILE
+    metrics_path = output_dir / METRICS_FILE
     resume_step = checkpoint_step(resume) if resume is not None else 0
     correctness_name = _correctness_name(trainer)
     from_reward = correctness_name in PLUS_MINUS_ONE
@@ -239,6 +251,7 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
         if capacity:
             print(capacity, flush=True)
     records: dict[str, Any] = {}  # what heldout.json holds
+    recomputed = None  # a resumed run's new evaluation before training, written once the checkpoint has loaded
     if heldout is not None and is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         stored = stored_heldout_before(output_dir, settings) if own_run else None
@@ -247,11 +260,14 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
             records["before"] = stored
         else:
             records["before"] = _heldout(trainer, heldout, settings, script_args.eval_batch_size, "before")
-            heldout_path.write_text(json.dumps(records, indent=2) + "\n")  # kept for a resumed run
+            if own_run:  # written once the checkpoint has loaded: a failed load leaves the earlier run's files
+                recomputed = dict(records)
+            else:
+                _write_before(output_dir, records)
         summary["heldout_before"] = records["before"]["accuracy"]
     trainer.accelerator.wait_for_everyone()
     if own_run:
-        trainer.add_callback(_SetAsideLaterHistory(trainer.accelerator, output_dir, resume_step))
+        trainer.add_callback(_SetAsideLaterHistory(trainer.accelerator, output_dir, resume_step, recomputed))
     try:
         train_output = trainer.train(resume_from_checkpoint=resume)
     except KeyboardInterrupt:
@@ -267,16 +283,19 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
 
 
 class _SetAsideLaterHistory(TrainerCallback):
-    """Once the checkpoint has loaded, moves the records and checkpoints of the steps after it to ``replaced/``."""
+    """Once the checkpoint has loaded, moves the records and checkpoints of the steps after it to ``replaced/`` and
+    writes a new evaluation before training (``recomputed``)."""
 
-    def __init__(self, accelerator, output_dir: Path, step: int):
-        self.accelerator, self.output_dir, self.step = accelerator, output_dir, step
+    def __init__(self, accelerator, output_dir: Path, step: int, recomputed: dict[str, Any] | None = None):
+        self.accelerator, self.output_dir, self.step, self.recomputed = accelerator, output_dir, step, recomputed
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.accelerator.is_main_process:
             folder = set_aside_later_history(self.output_dir, self.step)
             if folder is not None:
                 print(f"Resuming from step {self.step}: the later steps' records and checkpoints moved to {folder}.")
+            if self.recomputed is not None:
+                _write_before(self.output_dir, self.recomputed)
         self.accelerator.wait_for_everyone()  # set aside before any process looks for a checkpoint
 
 
@@ -311,10 +330,11 @@ def _finish(trainer, script_args, summary, heldout, records, settings, wall_star
     )
     if heldout is not None and is_main:
         records["after"] = _heldout(trainer, heldout, settings, script_args.eval_batch_size, "after")
+        _put_record(output_dir, records["after"], "after")
         summary["heldout_after"] = records["after"]["accuracy"]
     if script_args.save_final_model:
-        trainer.save_state()  # trainer_state.json dates the final model (a later resume reads it)
         trainer.save_model(str(output_dir))
+        trainer.save_state()  # trainer_state.json, written last, dates a complete final model (a resume reads it)
     if is_main:
         files = [metrics_path]
         if records:
