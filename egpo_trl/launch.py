@@ -312,38 +312,25 @@ def _check_model(script_args, training_args, model_args, report: DryRunReport) -
     try:
         path = resolve_model_path(model_args.model_name_or_path)
     except SystemExit as error:
-        report.problems.append(str(error).removeprefix(_PROG))
-        return
+        return report.problems.append(str(error).removeprefix(_PROG))
     problem = model_problem(path)
     if problem:
         return report.problems.append(problem)
     try:
         config = AutoConfig.from_pretrained(
-            path,
-            revision=model_args.model_revision,
-            trust_remote_code=training_args.trust_remote_code,
+            path, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
             local_files_only=True,
-        )
+        )  # fmt: skip
     except Exception:  # noqa: BLE001 - not available offline: nothing to check against
-        report.settings.append(("model context", f"not checked ({path} is not available locally)"))
-        report.settings.append(("checkpoint size", "not estimated (the model's config is not available locally)"))
-        return
+        return report.settings.append(("model context", f"not checked ({path} is not available locally)"))
     context = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if context is None:
-        report.settings.append(("model context", "not checked (the model config has no max_position_embeddings)"))
-    else:
+    if context is not None:
         report.settings.append(("model context", f"{context} tokens"))
-    if context is not None and total > context:
-        what = "max_prompt_length + max_completion_length" if prompt is not None else "max_completion_length"
-        report.problems.append(
-            f"{what} = {total} exceeds the model's context ({context} tokens); lower max_completion_length."
-        )
-    if context is not None and vllm and vllm_length > context:
-        report.problems.append(f"vllm_max_model_length={vllm_length} exceeds the model's context ({context} tokens).")
-    if context is not None and prompt is None:
-        report.notes.append(
-            "max_prompt_length is not set: only max_completion_length was checked against the model's context."
-        )
+        if total > context:
+            what = "max_prompt_length + max_completion_length" if prompt is not None else "max_completion_length"
+            report.problems.append(f"{what} = {total} exceeds the model's context ({context} tokens); lower it.")
+        if vllm and vllm_length > context:
+            report.problems.append(f"vllm_max_model_length={vllm_length} exceeds the model's context ({context}).")
     _check_disk(training_args, config, report)
 
 
@@ -353,18 +340,17 @@ _CHECKPOINT_BYTES_PER_PARAMETER = 14
 
 def _check_disk(training_args, config, report: DryRunReport) -> None:
     """How much disk the run's checkpoints take, against the free space where they go."""
-    try:  # the parameter count from the config alone, on the meta device
-        import torch
-        from transformers import AutoModelForCausalLM
+    import torch
+    from transformers import AutoModelForCausalLM
 
+    try:  # the parameter count from the config alone, on the meta device
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=training_args.trust_remote_code)
-        parameters = sum(p.numel() for p in model.parameters())
     except Exception:  # noqa: BLE001 - not a causal LM: nothing to estimate
-        return report.settings.append(("checkpoint size", "not estimated (not a causal language model)"))
+        return
+    parameters = sum(p.numel() for p in model.parameters())
     gb, checkpoint, final = 1e9, parameters * _CHECKPOINT_BYTES_PER_PARAMETER, parameters * 2
-    saves = training_args.save_strategy not in ("no", None)  # SaveStrategy is a str enum: NO == "no"
-    kept = training_args.save_total_limit
+    kept, saves = training_args.save_total_limit, training_args.save_strategy != "no"
     needed = final + (checkpoint * ((kept or 1) + 1) if saves else 0)  # one more while the oldest is rotated out
     folder = _existing(Path(training_args.output_dir).resolve())
     free = shutil.disk_usage(folder).free
@@ -375,19 +361,13 @@ def _check_disk(training_args, config, report: DryRunReport) -> None:
         (
             "checkpoint size",
             f"~{checkpoint / gb:.0f} GB each ({parameters / 1e9:.2f}B parameters x {_CHECKPOINT_BYTES_PER_PARAMETER} "
-            f"bytes: weights, fp32 master weights and Adam moments); {kept_text} ~{needed / gb:.0f} GB with the final "
-            f"model; {free / gb:.0f} GB free in {folder}",
+            f"bytes); {kept_text} ~{needed / gb:.0f} GB with the final model; {free / gb:.0f} GB free in {folder}",
         )
     )
     if saves and free < checkpoint + final:
         report.problems.append(
-            f"{folder} has {free / gb:.0f} GB free but one checkpoint takes ~{checkpoint / gb:.0f} GB (the Trainer also "
-            "saves one at the last step): point output_dir at a larger disk, or set save_strategy: no."
-        )
-    elif free < needed:
-        report.notes.append(
-            f"{folder} has {free / gb:.0f} GB free, less than the ~{needed / gb:.0f} GB the kept checkpoints and the "
-            "final model can take: lower save_total_limit or free some space."
+            f"{folder} has {free / gb:.0f} GB free but one checkpoint takes ~{checkpoint / gb:.0f} GB: point "
+            "output_dir at a larger disk, or set save_strategy: no."
         )
 
 
@@ -541,19 +521,6 @@ def _check_vllm(args, world: int, report: DryRunReport) -> None:
         report.problems.append(
             f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size} does not divide the {world} processes."
         )
-    if args.vllm_mode == "server":
-        report.notes.append("vllm_mode server: a `trl vllm-serve` server must be running before the launch.")
-    mode, length = args.vllm_importance_sampling_mode, args.max_completion_length
-    correction = args.vllm_importance_sampling_correction
-    report.settings.append(
-        ("vLLM importance sampling", f"on ({mode}, ratios capped at 3)" if correction else "off (the paper's setup)")
-    )
-    if correction and mode.startswith("sequence") and length >= 1024:
-        report.notes.append(
-            f"vllm_importance_sampling_mode={mode} weights the loss by a ratio summed over up to {length} tokens, "
-            "which drifts far below 1 from bf16 differences alone (docs/multi_gpu.md); prefer token_truncate, or turn "
-            "the correction off as the paper recipes do."
-        )
 
 
 def _dynamic_sampling_setting(args: Any, world: int) -> str:
@@ -593,27 +560,14 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
         if batch_note:
             report.notes.append(batch_note)
         precision = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
-        length = f"epochs {args.num_train_epochs:g}" if args.max_steps <= 0 else f"max_steps {args.max_steps}"
         report.settings += [
             ("model", model_args.model_name_or_path),
             ("dataset", f"{script_args.dataset_name} (split {script_args.dataset_train_split})"),
-            ("method", args.advantage_estimator),
             ("output_dir", args.output_dir),
-            ("completions per prompt", args.num_generations),
             ("batch", batch),
             ("generation batch", f"{generation_batch} completions every {steps_per_generation} step(s)"),
-            ("learning rate", args.learning_rate),
-            ("length", length),
-            ("max_prompt_length", script_args.max_prompt_length),
-            ("max_completion_length", args.max_completion_length),
-            ("sampling", f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"),
             ("precision", report.precision or precision),
-            ("gradient checkpointing", args.gradient_checkpointing),
-            ("report_to", ", ".join(args.report_to or []) or "none"),
-            ("project / run_name", f"{args.project} / {args.run_name}"),
         ]
-        if args.advantage_estimator == "egpo":
-            report.settings.append(("egpo lambda min / max", f"{args.egpo_lambda_min} / {args.egpo_lambda_max}"))
         if args.dynamic_sampling:
             report.settings.append(("dynamic sampling", _dynamic_sampling_setting(args, world)))
         own_steps = steps_per_generation if steps_per_generation != args.gradient_accumulation_steps else None
