@@ -16,7 +16,7 @@ from typing import Any
 from unittest import mock
 
 from egpo_trl.script.args import batch_shape_problem, option_value, parse_args
-from egpo_trl.script.data import SYNTHETIC_DATASET_PREFIX, column_problem
+from egpo_trl.script.data import SYNTHETIC_DATASET_PREFIX
 from egpo_trl.script.recipe import load_recipe, script_problem
 from egpo_trl.script.resolve import model_problem, resolve_model_path
 
@@ -225,42 +225,26 @@ class DryRunReport:
 
 
 def _check_dataset(script_args, report: DryRunReport) -> None:
-    name, split = script_args.dataset_name, script_args.dataset_train_split
-    path = Path(name).expanduser()
-    if name.startswith(SYNTHETIC_DATASET_PREFIX):
-        report.notes.append(f"dataset: built-in synthetic task {name}.")
-    elif path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "dataset_info.json").is_file()):
-        from datasets import DatasetDict, load_from_disk
+    """The run's own loading of a local or synthetic dataset; a Hub dataset is loaded at run time."""
+    from egpo_trl.script.data import load_datasets
 
-        try:
-            loaded = load_from_disk(str(path))
-        except Exception as error:  # noqa: BLE001 - any failure is reported
-            report.problems.append(f"dataset {path} cannot be read with load_from_disk: {error}")
-            return
-        splits = loaded if isinstance(loaded, DatasetDict) else {split: loaded}
-        if split not in splits:
-            report.problems.append(
-                f"dataset {path} has no split {split!r} (splits: {list(splits)}); set dataset_train_split."
+    name = script_args.dataset_name
+    path = Path(name).expanduser()
+    if not (path.exists() or name.startswith(SYNTHETIC_DATASET_PREFIX)):
+        if name.startswith((".", "/", "~")) or name.count("/") > 1 or path.suffix in (".json", ".jsonl", ".csv"):
+            return report.problems.append(
+                f"dataset {name} does not exist. Build OpenR1-Stable-10k with `egpo-trl data build --config "
+                "recipes/data/openr1_stable_10k.yaml` (it writes outputs/data/openr1_stable_10k/dataset), or point "
+                "dataset_name at a Hub dataset."
             )
-            return
-        problem = column_problem(splits[split].column_names, script_args)
-        if problem:
-            report.problems.append(problem.replace("the dataset", f"dataset {path}", 1))
-        report.settings.append(("train rows", len(splits[split])))
-    elif path.exists():
-        return
-    elif (
-        name.startswith((".", "/", "~"))
-        or name.count("/") > 1
-        or path.suffix in (".json", ".jsonl", ".csv", ".parquet")
-    ):
-        report.problems.append(
-            f"dataset {name} does not exist. Build OpenR1-Stable-10k with `egpo-trl data build --config "
-            "recipes/data/openr1_stable_10k.yaml` (it writes outputs/data/openr1_stable_10k/dataset), or point "
-            "dataset_name at a Hub dataset."
-        )
-    else:
-        report.notes.append(f"dataset: {name} is loaded from the Hugging Face Hub at run time (not checked).")
+        return report.notes.append(f"dataset: {name} is loaded from the Hugging Face Hub at run time (not checked).")
+    try:
+        train, _ = load_datasets(script_args)
+    except SystemExit as error:
+        return report.problems.append(str(error).removeprefix(_PROG))
+    except Exception as error:  # noqa: BLE001 - any failure is reported
+        return report.problems.append(f"dataset {name} cannot be read: {error}")
+    report.settings.append(("train rows", len(train)))
 
 
 def _existing(path: Path) -> Path:
@@ -560,12 +544,14 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
         if batch_note:
             report.notes.append(batch_note)
         precision = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
+        length = f"epochs {args.num_train_epochs:g}" if args.max_steps <= 0 else f"max_steps {args.max_steps}"
         report.settings += [
             ("model", model_args.model_name_or_path),
             ("dataset", f"{script_args.dataset_name} (split {script_args.dataset_train_split})"),
             ("output_dir", args.output_dir),
             ("batch", batch),
             ("generation batch", f"{generation_batch} completions every {steps_per_generation} step(s)"),
+            ("length", length),
             ("precision", report.precision or precision),
         ]
         if args.dynamic_sampling:
