@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from egpo_trl.script.args import batch_shape_problem, option_value, parse_args
+from egpo_trl.script.args import option_value, parse_args
 from egpo_trl.script.data import SYNTHETIC_DATASET_PREFIX
 from egpo_trl.script.recipe import load_recipe, script_problem
 from egpo_trl.script.resolve import model_problem, resolve_model_path
@@ -391,43 +391,36 @@ def _check_loss_forward(args, model_args, report: DryRunReport, plan: LaunchPlan
 
 
 def _parse_for_dry_run(argv: list[str], report: DryRunReport, plan: LaunchPlan | None):
-    """``parse_args`` for the launch's process count and engine, without a GPU for bf16; problems go to ``report``."""
+    """``parse_args`` for the launch's process count and engine; each problem goes to ``report`` and the parse is
+    retried past it (bf16 without a GPU, a batch the processes cannot split, ``loss_forward`` where it cannot run)."""
     from egpo_trl.config import EGPOConfig
 
     launch = (plan.world_size, plan.engine) if plan is not None else (1, None)
-
-    def parse(args, world: int = math.lcm(*range(1, 65))):  # a stand-in count every group size divides
+    world = launch[0]
+    for _ in range(4):
         try:
             with (
-                mock.patch.object(EGPOConfig, "world_size", property(lambda self: world)),
+                mock.patch.object(EGPOConfig, "world_size", property(lambda self, count=world: count)),
                 mock.patch.object(EGPOConfig, "_loss_forward_launch", lambda self: launch),
             ):
-                return parse_args(args)
+                return parse_args(argv)
         except SystemExit as error:
-            # A generation_batch_size sets steps_per_generation from the process count: parse for the launch's own.
-            if world == launch[0] or "must be divisible by the global batch size" not in str(error):
-                raise
-            return parse(args, launch[0])
-
-    try:
-        return parse(argv)
-    except SystemExit as error:
-        message = str(error)
-    if ("bf16" in message or "fp16" in message) and _visible_gpus() == 0:
-        report.needs_gpu.append("bf16" if "bf16" in message else "fp16")
-        precision = "bf16" if "--bf16" not in argv and "bf16" in message else "bf16/fp16"
-        report.precision = f"{precision} (as the recipe says; not checked without a GPU)"
-        argv = [*argv, "--bf16", "false", "--fp16", "false"]
-        try:
-            return parse(argv)
-        except SystemExit as second:
-            message = str(second)
-    report.problems.append(message.removeprefix(_PROG))
-    if "egpo_entropy_logps='loss_forward' cannot be used here" in message:
-        try:  # the other checks still run, on the settings with the no-grad pass instead
-            return parse([*argv, "--egpo_entropy_logps", "policy"])
-        except SystemExit as second:
-            report.problems.append(str(second).removeprefix(_PROG))
+            message = str(error).removeprefix(_PROG)
+        if ("bf16" in message or "fp16" in message) and _visible_gpus() == 0 and not report.needs_gpu:
+            report.needs_gpu.append("bf16" if "bf16" in message else "fp16")
+            precision = "bf16" if "--bf16" not in argv and "bf16" in message else "bf16/fp16"
+            report.precision = f"{precision} (as the recipe says; not checked without a GPU)"
+            argv = [*argv, "--bf16", "false", "--fp16", "false"]
+            continue
+        if world != launch[0] and "global batch size" in message:
+            return None  # the stand-in count below, not the launch's: the batch problem is already listed
+        report.problems.append(message)
+        if "not divisible by num_generations" in message:
+            world = math.lcm(*range(1, 65))  # a stand-in count every group size divides, for the other checks
+        elif "egpo_entropy_logps='loss_forward' cannot be used here" in message:
+            argv = [*argv, "--egpo_entropy_logps", "policy"]  # the other checks, on the no-grad pass instead
+        else:
+            return None
     return None
 
 
@@ -556,12 +549,6 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
         ]
         if args.dynamic_sampling:
             report.settings.append(("dynamic sampling", _dynamic_sampling_setting(args, world)))
-        own_steps = steps_per_generation if steps_per_generation != args.gradient_accumulation_steps else None
-        batch_problem = batch_shape_problem(
-            args.per_device_train_batch_size, world, args.gradient_accumulation_steps, args.num_generations, own_steps
-        )
-        if batch_problem:
-            report.problems.append(batch_problem)
         if args.use_vllm:
             _check_vllm(args, world, report)
         if plan is not None and plan.zero_stage == 3 and script_args.eval_size > 0:
