@@ -446,14 +446,9 @@ def _check_launch(plan: LaunchPlan, report: DryRunReport) -> None:
     report.settings += [("accelerate config", f"{plan.accelerate_config} ({kind})"), ("processes", plan.world_size)]
     per_machine = plan.world_size // plan.machines
     if plan.machines > 1:
-        port = plan.main_process_port or 29500
-        report.settings.append(
-            (
-                "machines",
-                f"{plan.machines} x {per_machine} processes; this one is rank {plan.machine_rank}, rendezvous at "
-                f"{plan.main_process_ip}:{port}",
-            )
-        )
+        rendezvous = f"rendezvous at {plan.main_process_ip}:{plan.main_process_port or 29500}"
+        rank = f"{plan.machines} x {per_machine} processes; this one is rank {plan.machine_rank}"
+        report.settings.append(("machines", f"{rank}, {rendezvous}"))
     if plan.engine == "DeepSpeed":
         report.settings.append(("DeepSpeed ZeRO stage", plan.zero_stage))
         if importlib.util.find_spec("deepspeed") is None:
