@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from egpo_trl.script.args import batch_shape_problem, option_value, parse_args
-from egpo_trl.script.data import SYNTHETIC_DATASET_PREFIX, column_problem
+from egpo_trl.script.args import option_value, parse_args
+from egpo_trl.script.data import SYNTHETIC_DATASET_PREFIX
 from egpo_trl.script.recipe import load_recipe, script_problem
 from egpo_trl.script.resolve import model_problem, resolve_model_path
 
@@ -225,42 +225,26 @@ class DryRunReport:
 
 
 def _check_dataset(script_args, report: DryRunReport) -> None:
-    name, split = script_args.dataset_name, script_args.dataset_train_split
-    path = Path(name).expanduser()
-    if name.startswith(SYNTHETIC_DATASET_PREFIX):
-        report.notes.append(f"dataset: built-in synthetic task {name}.")
-    elif path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "dataset_info.json").is_file()):
-        from datasets import DatasetDict, load_from_disk
+    """The run's own loading of a local or synthetic dataset; a Hub dataset is loaded at run time."""
+    from egpo_trl.script.data import load_datasets
 
-        try:
-            loaded = load_from_disk(str(path))
-        except Exception as error:  # noqa: BLE001 - any failure is reported
-            report.problems.append(f"dataset {path} cannot be read with load_from_disk: {error}")
-            return
-        splits = loaded if isinstance(loaded, DatasetDict) else {split: loaded}
-        if split not in splits:
-            report.problems.append(
-                f"dataset {path} has no split {split!r} (splits: {list(splits)}); set dataset_train_split."
+    name = script_args.dataset_name
+    path = Path(name).expanduser()
+    if not (path.exists() or name.startswith(SYNTHETIC_DATASET_PREFIX)):
+        if name.startswith((".", "/", "~")) or name.count("/") > 1 or path.suffix in (".json", ".jsonl", ".csv"):
+            return report.problems.append(
+                f"dataset {name} does not exist. Build OpenR1-Stable-10k with `egpo-trl data build --config "
+                "recipes/data/openr1_stable_10k.yaml` (it writes outputs/data/openr1_stable_10k/dataset), or point "
+                "dataset_name at a Hub dataset."
             )
-            return
-        problem = column_problem(splits[split].column_names, script_args)
-        if problem:
-            report.problems.append(problem.replace("the dataset", f"dataset {path}", 1))
-        report.settings.append(("train rows", len(splits[split])))
-    elif path.exists():
-        return
-    elif (
-        name.startswith((".", "/", "~"))
-        or name.count("/") > 1
-        or path.suffix in (".json", ".jsonl", ".csv", ".parquet")
-    ):
-        report.problems.append(
-            f"dataset {name} does not exist. Build OpenR1-Stable-10k with `egpo-trl data build --config "
-            "recipes/data/openr1_stable_10k.yaml` (it writes outputs/data/openr1_stable_10k/dataset), or point "
-            "dataset_name at a Hub dataset."
-        )
-    else:
-        report.notes.append(f"dataset: {name} is loaded from the Hugging Face Hub at run time (not checked).")
+        return report.notes.append(f"dataset: {name} is loaded from the Hugging Face Hub at run time (not checked).")
+    try:
+        train, _ = load_datasets(script_args)
+    except SystemExit as error:
+        return report.problems.append(str(error).removeprefix(_PROG))
+    except Exception as error:  # noqa: BLE001 - any failure is reported
+        return report.problems.append(f"dataset {name} cannot be read: {error}")
+    report.settings.append(("train rows", len(train)))
 
 
 def _existing(path: Path) -> Path:
@@ -312,38 +296,25 @@ def _check_model(script_args, training_args, model_args, report: DryRunReport) -
     try:
         path = resolve_model_path(model_args.model_name_or_path)
     except SystemExit as error:
-        report.problems.append(str(error).removeprefix(_PROG))
-        return
+        return report.problems.append(str(error).removeprefix(_PROG))
     problem = model_problem(path)
     if problem:
         return report.problems.append(problem)
     try:
         config = AutoConfig.from_pretrained(
-            path,
-            revision=model_args.model_revision,
-            trust_remote_code=training_args.trust_remote_code,
+            path, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
             local_files_only=True,
-        )
+        )  # fmt: skip
     except Exception:  # noqa: BLE001 - not available offline: nothing to check against
-        report.settings.append(("model context", f"not checked ({path} is not available locally)"))
-        report.settings.append(("checkpoint size", "not estimated (the model's config is not available locally)"))
-        return
+        return report.settings.append(("model context", f"not checked ({path} is not available locally)"))
     context = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if context is None:
-        report.settings.append(("model context", "not checked (the model config has no max_position_embeddings)"))
-    else:
+    if context is not None:
         report.settings.append(("model context", f"{context} tokens"))
-    if context is not None and total > context:
-        what = "max_prompt_length + max_completion_length" if prompt is not None else "max_completion_length"
-        report.problems.append(
-            f"{what} = {total} exceeds the model's context ({context} tokens); lower max_completion_length."
-        )
-    if context is not None and vllm and vllm_length > context:
-        report.problems.append(f"vllm_max_model_length={vllm_length} exceeds the model's context ({context} tokens).")
-    if context is not None and prompt is None:
-        report.notes.append(
-            "max_prompt_length is not set: only max_completion_length was checked against the model's context."
-        )
+        if total > context:
+            what = "max_prompt_length + max_completion_length" if prompt is not None else "max_completion_length"
+            report.problems.append(f"{what} = {total} exceeds the model's context ({context} tokens); lower it.")
+        if vllm and vllm_length > context:
+            report.problems.append(f"vllm_max_model_length={vllm_length} exceeds the model's context ({context}).")
     _check_disk(training_args, config, report)
 
 
@@ -353,18 +324,17 @@ _CHECKPOINT_BYTES_PER_PARAMETER = 14
 
 def _check_disk(training_args, config, report: DryRunReport) -> None:
     """How much disk the run's checkpoints take, against the free space where they go."""
-    try:  # the parameter count from the config alone, on the meta device
-        import torch
-        from transformers import AutoModelForCausalLM
+    import torch
+    from transformers import AutoModelForCausalLM
 
+    try:  # the parameter count from the config alone, on the meta device
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=training_args.trust_remote_code)
-        parameters = sum(p.numel() for p in model.parameters())
     except Exception:  # noqa: BLE001 - not a causal LM: nothing to estimate
-        return report.settings.append(("checkpoint size", "not estimated (not a causal language model)"))
+        return
+    parameters = sum(p.numel() for p in model.parameters())
     gb, checkpoint, final = 1e9, parameters * _CHECKPOINT_BYTES_PER_PARAMETER, parameters * 2
-    saves = training_args.save_strategy not in ("no", None)  # SaveStrategy is a str enum: NO == "no"
-    kept = training_args.save_total_limit
+    kept, saves = training_args.save_total_limit, training_args.save_strategy != "no"
     needed = final + (checkpoint * ((kept or 1) + 1) if saves else 0)  # one more while the oldest is rotated out
     folder = _existing(Path(training_args.output_dir).resolve())
     free = shutil.disk_usage(folder).free
@@ -375,19 +345,13 @@ def _check_disk(training_args, config, report: DryRunReport) -> None:
         (
             "checkpoint size",
             f"~{checkpoint / gb:.0f} GB each ({parameters / 1e9:.2f}B parameters x {_CHECKPOINT_BYTES_PER_PARAMETER} "
-            f"bytes: weights, fp32 master weights and Adam moments); {kept_text} ~{needed / gb:.0f} GB with the final "
-            f"model; {free / gb:.0f} GB free in {folder}",
+            f"bytes); {kept_text} ~{needed / gb:.0f} GB with the final model; {free / gb:.0f} GB free in {folder}",
         )
     )
     if saves and free < checkpoint + final:
         report.problems.append(
-            f"{folder} has {free / gb:.0f} GB free but one checkpoint takes ~{checkpoint / gb:.0f} GB (the Trainer also "
-            "saves one at the last step): point output_dir at a larger disk, or set save_strategy: no."
-        )
-    elif free < needed:
-        report.notes.append(
-            f"{folder} has {free / gb:.0f} GB free, less than the ~{needed / gb:.0f} GB the kept checkpoints and the "
-            "final model can take: lower save_total_limit or free some space."
+            f"{folder} has {free / gb:.0f} GB free but one checkpoint takes ~{checkpoint / gb:.0f} GB: point "
+            "output_dir at a larger disk, or set save_strategy: no."
         )
 
 
@@ -427,43 +391,36 @@ def _check_loss_forward(args, model_args, report: DryRunReport, plan: LaunchPlan
 
 
 def _parse_for_dry_run(argv: list[str], report: DryRunReport, plan: LaunchPlan | None):
-    """``parse_args`` for the launch's process count and engine, without a GPU for bf16; problems go to ``report``."""
+    """``parse_args`` for the launch's process count and engine; each problem goes to ``report`` and the parse is
+    retried past it (bf16 without a GPU, a batch the processes cannot split, ``loss_forward`` where it cannot run)."""
     from egpo_trl.config import EGPOConfig
 
     launch = (plan.world_size, plan.engine) if plan is not None else (1, None)
-
-    def parse(args, world: int = math.lcm(*range(1, 65))):  # a stand-in count every group size divides
+    world = launch[0]
+    for _ in range(4):
         try:
             with (
-                mock.patch.object(EGPOConfig, "world_size", property(lambda self: world)),
+                mock.patch.object(EGPOConfig, "world_size", property(lambda self, count=world: count)),
                 mock.patch.object(EGPOConfig, "_loss_forward_launch", lambda self: launch),
             ):
-                return parse_args(args)
+                return parse_args(argv)
         except SystemExit as error:
-            # A generation_batch_size sets steps_per_generation from the process count: parse for the launch's own.
-            if world == launch[0] or "must be divisible by the global batch size" not in str(error):
-                raise
-            return parse(args, launch[0])
-
-    try:
-        return parse(argv)
-    except SystemExit as error:
-        message = str(error)
-    if ("bf16" in message or "fp16" in message) and _visible_gpus() == 0:
-        report.needs_gpu.append("bf16" if "bf16" in message else "fp16")
-        precision = "bf16" if "--bf16" not in argv and "bf16" in message else "bf16/fp16"
-        report.precision = f"{precision} (as the recipe says; not checked without a GPU)"
-        argv = [*argv, "--bf16", "false", "--fp16", "false"]
-        try:
-            return parse(argv)
-        except SystemExit as second:
-            message = str(second)
-    report.problems.append(message.removeprefix(_PROG))
-    if "egpo_entropy_logps='loss_forward' cannot be used here" in message:
-        try:  # the other checks still run, on the settings with the no-grad pass instead
-            return parse([*argv, "--egpo_entropy_logps", "policy"])
-        except SystemExit as second:
-            report.problems.append(str(second).removeprefix(_PROG))
+            message = str(error).removeprefix(_PROG)
+        if ("bf16" in message or "fp16" in message) and _visible_gpus() == 0 and not report.needs_gpu:
+            report.needs_gpu.append("bf16" if "bf16" in message else "fp16")
+            precision = "bf16" if "--bf16" not in argv and "bf16" in message else "bf16/fp16"
+            report.precision = f"{precision} (as the recipe says; not checked without a GPU)"
+            argv = [*argv, "--bf16", "false", "--fp16", "false"]
+            continue
+        if world != launch[0] and "global batch size" in message:
+            return None  # the stand-in count below, not the launch's: the batch problem is already listed
+        report.problems.append(message)
+        if "not divisible by num_generations" in message:
+            world = math.lcm(*range(1, 65))  # a stand-in count every group size divides, for the other checks
+        elif "egpo_entropy_logps='loss_forward' cannot be used here" in message:
+            argv = [*argv, "--egpo_entropy_logps", "policy"]  # the other checks, on the no-grad pass instead
+        else:
+            return None
     return None
 
 
@@ -489,14 +446,9 @@ def _check_launch(plan: LaunchPlan, report: DryRunReport) -> None:
     report.settings += [("accelerate config", f"{plan.accelerate_config} ({kind})"), ("processes", plan.world_size)]
     per_machine = plan.world_size // plan.machines
     if plan.machines > 1:
-        port = plan.main_process_port or 29500
-        report.settings.append(
-            (
-                "machines",
-                f"{plan.machines} x {per_machine} processes; this one is rank {plan.machine_rank}, rendezvous at "
-                f"{plan.main_process_ip}:{port}",
-            )
-        )
+        rendezvous = f"rendezvous at {plan.main_process_ip}:{plan.main_process_port or 29500}"
+        rank = f"{plan.machines} x {per_machine} processes; this one is rank {plan.machine_rank}"
+        report.settings.append(("machines", f"{rank}, {rendezvous}"))
     if plan.engine == "DeepSpeed":
         report.settings.append(("DeepSpeed ZeRO stage", plan.zero_stage))
         if importlib.util.find_spec("deepspeed") is None:
@@ -541,19 +493,6 @@ def _check_vllm(args, world: int, report: DryRunReport) -> None:
         report.problems.append(
             f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size} does not divide the {world} processes."
         )
-    if args.vllm_mode == "server":
-        report.notes.append("vllm_mode server: a `trl vllm-serve` server must be running before the launch.")
-    mode, length = args.vllm_importance_sampling_mode, args.max_completion_length
-    correction = args.vllm_importance_sampling_correction
-    report.settings.append(
-        ("vLLM importance sampling", f"on ({mode}, ratios capped at 3)" if correction else "off (the paper's setup)")
-    )
-    if correction and mode.startswith("sequence") and length >= 1024:
-        report.notes.append(
-            f"vllm_importance_sampling_mode={mode} weights the loss by a ratio summed over up to {length} tokens, "
-            "which drifts far below 1 from bf16 differences alone (docs/multi_gpu.md); prefer token_truncate, or turn "
-            "the correction off as the paper recipes do."
-        )
 
 
 def _dynamic_sampling_setting(args: Any, world: int) -> str:
@@ -597,31 +536,14 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
         report.settings += [
             ("model", model_args.model_name_or_path),
             ("dataset", f"{script_args.dataset_name} (split {script_args.dataset_train_split})"),
-            ("method", args.advantage_estimator),
             ("output_dir", args.output_dir),
-            ("completions per prompt", args.num_generations),
             ("batch", batch),
             ("generation batch", f"{generation_batch} completions every {steps_per_generation} step(s)"),
-            ("learning rate", args.learning_rate),
             ("length", length),
-            ("max_prompt_length", script_args.max_prompt_length),
-            ("max_completion_length", args.max_completion_length),
-            ("sampling", f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"),
             ("precision", report.precision or precision),
-            ("gradient checkpointing", args.gradient_checkpointing),
-            ("report_to", ", ".join(args.report_to or []) or "none"),
-            ("project / run_name", f"{args.project} / {args.run_name}"),
         ]
-        if args.advantage_estimator == "egpo":
-            report.settings.append(("egpo lambda min / max", f"{args.egpo_lambda_min} / {args.egpo_lambda_max}"))
         if args.dynamic_sampling:
             report.settings.append(("dynamic sampling", _dynamic_sampling_setting(args, world)))
-        own_steps = steps_per_generation if steps_per_generation != args.gradient_accumulation_steps else None
-        batch_problem = batch_shape_problem(
-            args.per_device_train_batch_size, world, args.gradient_accumulation_steps, args.num_generations, own_steps
-        )
-        if batch_problem:
-            report.problems.append(batch_problem)
         if args.use_vllm:
             _check_vllm(args, world, report)
         if plan is not None and plan.zero_stage == 3 and script_args.eval_size > 0:

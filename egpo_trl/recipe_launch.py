@@ -39,16 +39,10 @@ def launch_parent_options(ppid: int | None = None, script: str | None = None) ->
     return None
 
 
-def _accelerate_default_config() -> str | None:
-    try:
-        from accelerate.commands.config import default_config_file
-    except Exception:  # noqa: BLE001 - an old or broken accelerate: no default config to honour
-        return None
-    return default_config_file if os.path.isfile(default_config_file) else None
-
-
 def run_as_script(path: str, argv: Sequence[str] | None = None) -> int:
     """Train the recipe ``path``: what ``python <recipe>.yaml`` and ``accelerate launch <recipe>.yaml`` run."""
+    from accelerate.commands.config import default_config_file
+
     from egpo_trl.train import main
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -66,7 +60,7 @@ def run_as_script(path: str, argv: Sequence[str] | None = None) -> int:
     if accelerate_config is None or str(accelerate_config).lower() in ("", "none", "null", "false"):
         return main(["--config", path, *argv])
     given = launch_parent_options()
-    default_config = _accelerate_default_config()
+    default_config = default_config_file if os.path.isfile(default_config_file) else None
     if given == [] and default_config is None:
         if rank != 0:
             return 0
@@ -82,13 +76,8 @@ def run_as_script(path: str, argv: Sequence[str] | None = None) -> int:
             argv = [*argv, "--main_process_port", str(_free_port())]  # the first launch still holds its port
         return main(["--config", path, *argv])
     if rank == 0:
-        source = (
-            shlex.join(given)
-            if given
-            else f"accelerate's default config {default_config}"
-            if default_config
-            else ("accelerate launch's settings")
-        )
+        default = f"accelerate's default config {default_config}" if default_config else "accelerate launch's settings"
+        source = shlex.join(given) if given else default
         print(
             f"Training with the launch's own settings ({source}; {world} process(es)), not the recipe's "
             f"accelerate_config {accelerate_config}.",
