@@ -295,6 +295,8 @@ class EGPOConfig(GRPOConfig):
                 f"gradient_accumulation_steps ({self.gradient_accumulation_steps}), so TRL computes the old policy's "
                 "log-probs itself (EGPO uses those at no extra cost)"
             )
+        if self.num_iterations > 1:
+            problems.append("num_iterations > 1 has TRL compute the old policy's log-probs itself")
         if self.use_vllm and self.vllm_importance_sampling_correction:
             problems.append("vLLM's importance-sampling correction has TRL compute the old policy's log-probs itself")
         # Grouping a block's rows changes which rows share a micro-batch: terms normalised per micro-batch change.

@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+from egpo_trl.input_checks import model_problem
 from egpo_trl.script.args import option_value, parse_args
 from egpo_trl.script.data import SYNTHETIC_DATASET_PREFIX
 from egpo_trl.script.recipe import load_recipe, script_problem
-from egpo_trl.script.resolve import model_problem, resolve_model_path
+from egpo_trl.script.resolve import resolve_model_path
 
 # Set by `accelerate launch` / torchrun in the processes they start.
 _LAUNCH_ENV_VARS = ("LOCAL_RANK", "WORLD_SIZE", "ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION")
@@ -231,19 +232,30 @@ def _check_dataset(script_args, report: DryRunReport) -> None:
     name = script_args.dataset_name
     path = Path(name).expanduser()
     if not (path.exists() or name.startswith(SYNTHETIC_DATASET_PREFIX)):
-        if name.startswith((".", "/", "~")) or name.count("/") > 1 or path.suffix in (".json", ".jsonl", ".csv"):
+        if (
+            name.startswith((".", "/", "~"))
+            or name.count("/") > 1
+            or path.suffix in (".json", ".jsonl", ".csv", ".parquet")
+        ):
             return report.problems.append(
                 f"dataset {name} does not exist. Build OpenR1-Stable-10k with `egpo-trl data build --config "
                 "recipes/data/openr1_stable_10k.yaml` (it writes outputs/data/openr1_stable_10k/dataset), or point "
                 "dataset_name at a Hub dataset."
             )
         return report.notes.append(f"dataset: {name} is loaded from the Hugging Face Hub at run time (not checked).")
+    import datasets
+
+    caching = datasets.is_caching_enabled()
+    datasets.disable_caching()  # the dry run writes nothing beside the user's dataset
     try:
         train, _ = load_datasets(script_args)
     except SystemExit as error:
         return report.problems.append(str(error).removeprefix(_PROG))
     except Exception as error:  # noqa: BLE001 - any failure is reported
         return report.problems.append(f"dataset {name} cannot be read: {error}")
+    finally:
+        if caching:
+            datasets.enable_caching()
     report.settings.append(("train rows", len(train)))
 
 

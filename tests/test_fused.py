@@ -131,6 +131,10 @@ def test_loss_forward_trains_as_the_no_grad_pass(tmp_path, tiny_model_dir, per_d
         (dict(advantage_estimator="grpo"), "serves EGPO's and EDGE-GRPO's estimators only"),
         (dict(advantage_estimator="edge_grpo", edge_grpo_entropy_normalization="batch"), "whole batch's mean"),
         (dict(num_iterations=2), r"x num_iterations \(2\) does not divide gradient_accumulation_steps"),
+        (  # divides, but a second pass over the batch finds its rows' log-probs gone
+            dict(gradient_accumulation_steps=4, steps_per_generation=2, num_iterations=2),
+            r"num_iterations > 1 has TRL compute",
+        ),
         (dict(loss_type="bnpo"), "'bnpo' averages over each micro-batch's tokens"),
         (dict(top_entropy_quantile=0.5), "threshold within each micro-batch"),
         (dict(entropy_coef=0.01), "entropy bonus"),

@@ -415,3 +415,28 @@ def test_dry_run_parses_a_generation_batch_size_for_the_launchs_process_count():
                                  "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4",
                                  "--dynamic_sampling_oversample", "1.5")  # fmt: skip
     assert len(problems) == 1 and "(2 x 4 = 8) must be a multiple of num_generations (16)" in problems[0]
+
+
+def test_dry_run_reads_a_local_dataset_without_writing_beside_it(tmp_path, capsys):
+    from datasets import Dataset
+
+    path = tmp_path / "ds"
+    Dataset.from_dict(
+        {"question": [f"{i}+1" for i in range(50)], "answer": [str(i + 1) for i in range(50)]}
+    ).save_to_disk(path)
+    before = sorted(path.iterdir())
+    template = ["--prompt_template", "{question} Put the final answer in \\boxed{{}}.", "--eval_size", "10"]
+    dry_run(
+        [
+            "--config",
+            "recipes/demo_tiny_cpu.yaml",
+            "--dataset_name",
+            str(path),
+            *template,
+            "--output_dir",
+            str(tmp_path / "o"),
+        ]
+    )
+    assert "train rows" in capsys.readouterr().out and sorted(path.iterdir()) == before
+    dry_run(["--config", "recipes/demo_tiny_cpu.yaml", "--dataset_name", str(tmp_path / "train.parquet")])
+    assert f"dataset {tmp_path / 'train.parquet'} does not exist" in capsys.readouterr().out

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from egpo_trl.input_checks import builtin_model_path, model_problem
+from egpo_trl.input_checks import builtin_model_path, resolve_model_name
 
 BUILTIN_MODEL_PREFIX = "builtin:"
 
@@ -29,12 +29,9 @@ def check_model_exists(
 ) -> str:
     """Fail in one line, before anything loads, when the model is neither a local folder nor on the Hub."""
     try:
-        path = builtin_model_path(name_or_path)
+        path = resolve_model_name(name_or_path)
     except ValueError as error:
         raise SystemExit(f"{prog}: {error}") from None
-    problem = model_problem(path)
-    if problem:
-        raise SystemExit(f"{prog}: {problem}")
     if Path(path).expanduser().exists():
         return path
     from transformers import AutoConfig
