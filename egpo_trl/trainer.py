@@ -95,6 +95,13 @@ class EGPOTrainer(
 
     _tag_names = ["trl", "egpo"]
     _name = "EGPO"
+    # Per-batch state, also there for a trainer built without __init__ (as TRL's own unit tests build one).
+    _egpo_rewards_per_func: torch.Tensor | None = None
+    _egpo_capture_entropy = False  # capture the entropies of TRL's next old-log-prob pass
+    _egpo_captured_entropies: torch.Tensor | None = None
+    _egpo_loss_rows = _egpo_deferred_entropies = None
+    _egpo_timings = _egpo_sampled_rewards = None  # of the generation batch being made
+    _egpo_incorrect_seen: int | None = 0  # completions, all incorrect, seen before the first correct one
 
     def __init__(self, model, reward_funcs=None, args: EGPOConfig | None = None, *pos_args: Any, **kwargs: Any):
         model = check_trainer_inputs(model, reward_funcs, args, pos_args, kwargs)  # before anything loads
@@ -140,12 +147,6 @@ class EGPOTrainer(
         if args.edge_gec:
             self._check_guided_error_correction()
         self._check_loss_forward_entropy()
-        self._egpo_rewards_per_func: torch.Tensor | None = None
-        self._egpo_capture_entropy = False  # capture the entropies of TRL's next old-log-prob pass
-        self._egpo_captured_entropies: torch.Tensor | None = None
-        self._egpo_loss_rows = self._egpo_deferred_entropies = None
-        self._egpo_timings = self._egpo_sampled_rewards = None  # of the generation batch being made
-        self._egpo_incorrect_seen: int | None = 0  # completions, all incorrect, seen before the first correct one
         self._egpo_warned: set[str] = set()
         self._egpo_round_inputs: list[dict[str, Any]] | None = None
         #: What the last generation batch computed (global tensors), for inspection.
