@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from egpo_trl.input_checks import model_problem
 from egpo_trl.script.args import option_value, parse_args
 from egpo_trl.script.data import SYNTHETIC_DATASET_PREFIX
 from egpo_trl.script.recipe import load_recipe, script_problem
@@ -309,9 +308,6 @@ def _check_model(script_args, training_args, model_args, report: DryRunReport) -
         path = resolve_model_path(model_args.model_name_or_path)
     except SystemExit as error:
         return report.problems.append(str(error).removeprefix(_PROG))
-    problem = model_problem(path)
-    if problem:
-        return report.problems.append(problem)
     try:
         config = AutoConfig.from_pretrained(
             path, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,

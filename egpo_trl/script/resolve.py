@@ -11,15 +11,15 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from egpo_trl.input_checks import builtin_model_path, resolve_model_name
+from egpo_trl.input_checks import resolve_model_name
 
 BUILTIN_MODEL_PREFIX = "builtin:"
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """``builtin:<name>`` -> the path of a model shipped in ``egpo_trl/assets``; anything else unchanged."""
+    """The model's folder or Hub id, as ``EGPOTrainer`` resolves it; a model that cannot be loaded fails in one line."""
     try:
-        return builtin_model_path(name_or_path)
+        return resolve_model_name(name_or_path)
     except ValueError as error:
         raise SystemExit(f"egpo-trl train: {error}") from None
 
@@ -29,9 +29,9 @@ def check_model_exists(
 ) -> str:
     """Fail in one line, before anything loads, when the model is neither a local folder nor on the Hub."""
     try:
-        path = resolve_model_name(name_or_path)
-    except ValueError as error:
-        raise SystemExit(f"{prog}: {error}") from None
+        path = resolve_model_path(name_or_path)
+    except SystemExit as error:
+        raise SystemExit(str(error).replace("egpo-trl train:", f"{prog}:", 1)) from None
     if Path(path).expanduser().exists():
         return path
     from transformers import AutoConfig
