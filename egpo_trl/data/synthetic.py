@@ -5,33 +5,17 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from datasets import Dataset
-
+from typing import Any
 
 DEFAULT_INSTRUCTION = "Think step by step inside <think></think>, then put the final answer in \\boxed{}."
-
 # Buckets of a stable 0-99 hash: test 0-9, validation 10-19, train 20-99.
 SPLITS: dict[str, range] = {"test": range(0, 10), "validation": range(10, 20), "train": range(20, 100)}
-
 QUESTION_TEMPLATES = ("Compute {expr}.", "What is {expr}?", "Calculate {expr}.", "Evaluate {expr}.")
-_MAX_VALUE = 999
-_MAX_MISSES = 5000
-
-
-@dataclass(frozen=True)
-class LevelSpec:
-    """A level: ``num_operations`` steps on operands in ``[0, max_operand]`` (the first in ``[1, max_operand]``)."""
-
-    num_operations: int
-    max_operand: int
-
-
-LEVELS: dict[int, LevelSpec] = {level: LevelSpec(num_operations=level, max_operand=30) for level in range(1, 7)}
+# Level n chains n operations on operands in [0, MAX_OPERAND] (the first in [1, MAX_OPERAND]).
+LEVELS = range(1, 7)
+MAX_OPERAND = 30
 
 
 @dataclass(frozen=True)
@@ -44,17 +28,13 @@ class ArithmeticProblem:
 
     @property
     def expression(self) -> str:
-        parts = [str(self.operands[0])]
-        for operator, operand in zip(self.operators, self.operands[1:]):
-            parts += [operator, str(operand)]
-        return " ".join(parts)
+        return " ".join([str(self.operands[0])] + [f"{op} {n}" for op, n in zip(self.operators, self.operands[1:])])
 
     def steps(self) -> list[tuple[int, str, int, int]]:
         total, steps = self.operands[0], []
         for operator, operand in zip(self.operators, self.operands[1:]):
-            result = total + operand if operator == "+" else total - operand
-            steps.append((total, operator, operand, result))
-            total = result
+            steps.append((total, operator, operand, total + operand if operator == "+" else total - operand))
+            total = steps[-1][3]
         return steps
 
     @property
@@ -66,7 +46,7 @@ class ArithmeticProblem:
         return hashlib.blake2b(self.expression.encode(), digest_size=8).hexdigest()
 
     def solution(self) -> str:
-        thoughts = ", ".join(f"{left}{operator}{right}={result}" for left, operator, right, result in self.steps())
+        thoughts = ", ".join(f"{left}{op}{right}={result}" for left, op, right, result in self.steps())
         return f"<think>{thoughts}</think> \\boxed{{{self.answer}}}"
 
 
@@ -77,19 +57,18 @@ def split_of(problem: ArithmeticProblem) -> str:
 
 
 def sample_problem(level: int, rng: random.Random) -> ArithmeticProblem:
-    """Draw one problem of ``level`` with ``rng``; subtractions never take the running total below zero."""
+    """Draw one problem of ``level`` with ``rng``; the running total stays in [0, 999]."""
     if level not in LEVELS:
-        raise ValueError(f"Unknown level {level}; the arithmetic task has levels {sorted(LEVELS)}.")
-    spec = LEVELS[level]
-    total = rng.randint(1, spec.max_operand)
+        raise ValueError(f"Unknown level {level}; the arithmetic task has levels {list(LEVELS)}.")
+    total = rng.randint(1, MAX_OPERAND)
     operands, operators = [total], []
-    for _ in range(spec.num_operations):
-        if total > 0 and (total + spec.max_operand > _MAX_VALUE or rng.random() < 0.5):
-            operand = rng.randint(0, min(total, spec.max_operand))
+    for _ in range(level):
+        if total > 0 and (total + MAX_OPERAND > 999 or rng.random() < 0.5):
+            operand = rng.randint(0, min(total, MAX_OPERAND))
             operators.append("-")
             total -= operand
         else:
-            operand = rng.randint(0, spec.max_operand)
+            operand = rng.randint(0, MAX_OPERAND)
             operators.append("+")
             total += operand
         operands.append(operand)
@@ -100,21 +79,8 @@ def format_prompt(
     question: str, system_prompt: str | None = None, instruction: str | None = DEFAULT_INSTRUCTION
 ) -> list[dict[str, str]]:
     """TRL's conversational prompt: an optional system message, then the question with ``instruction`` appended."""
-    content = question if not instruction else f"{question} {instruction}"
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": content})
-    return messages
-
-
-def _parse_levels(levels: int | str | Iterable[int]) -> list[int]:
-    if isinstance(levels, str) and not all(part.strip().isdigit() for part in levels.split(",") if part.strip()):
-        raise ValueError(f"levels={levels!r}: give comma-separated integers such as '1,2,3'.")
-    levels = [levels] if isinstance(levels, int) else levels.split(",") if isinstance(levels, str) else levels
-    levels = sorted(set(int(level) for level in levels if str(level).strip()))
-    unknown = [level for level in levels if level not in LEVELS]
-    if not levels or unknown:
-        raise ValueError(f"levels={levels}: choose among {sorted(LEVELS)}.")
-    return levels
+    return messages + [{"role": "user", "content": f"{question} {instruction}" if instruction else question}]
 
 
 def make_arithmetic_dataset(
@@ -124,13 +90,22 @@ def make_arithmetic_dataset(
     seed: int = 0,
     system_prompt: str | None = None,
     instruction: str | None = DEFAULT_INSTRUCTION,
-) -> Dataset:
-    """``num_problems`` distinct problems of one split, spread evenly over ``levels``, in a seeded shuffled order."""
+):
+    """``num_problems`` distinct problems of one split, spread evenly over ``levels`` (e.g. ``"1,2,3"``), in a seeded
+    shuffled order."""
+    from datasets import Dataset
+
     if split not in SPLITS:
         raise ValueError(f"Unknown split {split!r}; choose one of {list(SPLITS)}.")
     if num_problems < 1:
         raise ValueError(f"num_problems must be at least 1, got {num_problems}.")
-    levels = _parse_levels(levels)
+    if isinstance(levels, str):
+        if not all(part.strip().isdigit() for part in levels.split(",") if part.strip()):
+            raise ValueError(f"levels={levels!r}: give comma-separated integers such as '1,2,3'.")
+        levels = [part for part in levels.split(",") if part.strip()]
+    levels = sorted({int(level) for level in ([levels] if isinstance(levels, int) else levels)})
+    if not levels or any(level not in LEVELS for level in levels):
+        raise ValueError(f"levels={levels}: choose among {list(LEVELS)}.")
     rng = random.Random(f"egpo-arithmetic/{split}/{seed}")
     rows: list[dict[str, Any]] = []
     for index, level in enumerate(levels):
@@ -141,7 +116,7 @@ def make_arithmetic_dataset(
             problem = sample_problem(level, rng)
             if problem.expression in seen or split_of(problem) != split:
                 misses += 1
-                if misses > _MAX_MISSES:
+                if misses > 5000:
                     raise ValueError(
                         f"Level {level} has too few distinct problems in the {split!r} split for {wanted} rows (found "
                         f"{len(seen)}); ask for fewer problems or include higher levels."
@@ -161,8 +136,6 @@ def make_arithmetic_dataset(
                 }
             )
     rng.shuffle(rows)
-    from datasets import Dataset
-
     return Dataset.from_list(rows)
 
 
@@ -170,7 +143,7 @@ def make_arithmetic_dataset(
 SYNTHETIC_TASKS = {"arithmetic": make_arithmetic_dataset}
 
 
-def load_synthetic_task(name: str, **kwargs: Any) -> Dataset:
+def load_synthetic_task(name: str, **kwargs: Any):
     """The built-in synthetic task ``name`` (:data:`SYNTHETIC_TASKS`) built with ``kwargs``."""
     if name not in SYNTHETIC_TASKS:
         raise ValueError(f"Unknown synthetic task {name!r}; built-in tasks: {sorted(SYNTHETIC_TASKS)}.")
