@@ -112,9 +112,7 @@ class InputSpec:
 
 
 def _setting(default: Any, help: str) -> Any:
-    if callable(default):
-        return field(default_factory=default, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+    return field(**{"default_factory" if callable(default) else "default": default}, metadata={"help": help})
 
 
 @dataclass
@@ -214,12 +212,9 @@ class OpenR1DataConfig:
             if not isinstance(ratios, dict) or not ratios:
                 raise ValueError(f"{name} must be a non-empty mapping such as {{default: 0.85, extended: 0.15}}.")
             ratios = {str(key): float(value) for key, value in ratios.items()}
-            if any(value < 0 for value in ratios.values()) or not math.isclose(
-                sum(ratios.values()), 1.0, abs_tol=1e-6
-            ):
-                raise ValueError(
-                    f"{name} must be non-negative and sum to 1, got {ratios} (sum {sum(ratios.values()):g})."
-                )
+            total = sum(ratios.values())
+            if any(value < 0 for value in ratios.values()) or not math.isclose(total, 1.0, abs_tol=1e-6):
+                raise ValueError(f"{name} must be non-negative and sum to 1, got {ratios} (sum {total:g}).")
             setattr(self, name, ratios)
         if set(self.bucket_ratios) - set(BUCKETS):
             raise ValueError(f"bucket_ratios has unknown buckets {sorted(set(self.bucket_ratios) - set(BUCKETS))}.")
@@ -231,7 +226,7 @@ class OpenR1DataConfig:
         for name in ("max_prompt_tokens", "max_response_tokens", "final_max_prompt_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or null (disabled), got {getattr(self, name)}.")
-            if getattr(self, name) is not None and not self.tokenizer:
+            if getattr(self, name) and not self.tokenizer:
                 raise ValueError(f"tokenizer is null but {name} counts tokens: set a tokenizer, or {name}: null.")
         if not 0 <= self.val_size < self.pool_size:
             raise ValueError(f"val_size must be >= 0 and smaller than pool_size ({self.pool_size}): {self.val_size}.")
@@ -562,44 +557,32 @@ class _Builder:
         rows = self.run_stage("min_generations", rows, lambda rows: map(self.generations_verdict, rows))
         rows = self.run_stage("length", rows, *length_checks)
         rows = self.run_stage("boxed_match", rows, lambda rows: map(self.boxed_verdict, rows))
-        if rows and (c.decontaminate or c.deduplicate):
-            for row, signature in zip(
-                rows, minhashes([row["problem"] for row in rows], c.minhash_num_perm, c.shingle_size)
-            ):
-                row["_minhash"] = signature
+        problems = [row["problem"] for row in rows] if c.decontaminate or c.deduplicate else []
+        for row, signature in zip(rows, minhashes(problems, c.minhash_num_perm, c.shingle_size) if problems else []):
+            row["_minhash"] = signature
         rows = self.run_stage("decontamination", rows, lambda rows: map(self.contamination_verdict, rows))
         rows = self.run_stage("deduplication", rows, lambda rows: map(self.duplicate_verdict, rows))
-        return [
-            _Candidate(
-                row["_id"],
-                row["_subset"],
-                row["_index"],
-                row["problem"].strip(),
-                next((_answer_text(a) for a in row["answer"] if not is_empty_answer(a)), "")
-                if isinstance(row["answer"], (list, tuple))
-                else _answer_text(row["answer"]),
-                str(row.get("source") or "unknown"),
-                correctness_bucket(row, c.correctness_source),
-            )
-            for row in rows
-        ]
+        candidates = []
+        for row in rows:
+            answer = row["answer"]
+            if isinstance(answer, (list, tuple)):  # the first non-empty value
+                answer = next((item for item in answer if not is_empty_answer(item)), "")
+            values = (row["problem"].strip(), _answer_text(answer), str(row.get("source") or "unknown"))
+            bucket = correctness_bucket(row, c.correctness_source)
+            candidates.append(_Candidate(row["_id"], row["_subset"], row["_index"], *values, bucket))
+        return candidates
 
     def read_chunks(self, spec: InputSpec):
         """The rows of ``spec`` in chunks of ``chunk_size``, each tagged with its ``_id``, ``_subset`` and ``_index``."""
         c, index = self.config, 0
+        uses = {
+            "generations": c.min_generations > 0 or c.boxed_match_filter or c.response_length_source != "solution",
+            "correctness_math_verify": c.correctness_source in ("math_verify", "either"),
+            "correctness_llama": c.correctness_source in ("llama", "either"),
+            "solution": c.max_response_tokens is not None and c.response_length_source == "solution",
+        }
+        needed = {"problem", "answer"} | {name for name, used in uses.items() if used}
         for batch in spec.stream().iter(batch_size=c.chunk_size):
-            needed = {"problem", "answer"} | {
-                name
-                for name, used in {
-                    "generations": c.min_generations > 0
-                    or c.boxed_match_filter
-                    or c.response_length_source != "solution",
-                    "correctness_math_verify": c.correctness_source in ("math_verify", "either"),
-                    "correctness_llama": c.correctness_source in ("llama", "either"),
-                    "solution": c.max_response_tokens is not None and c.response_length_source == "solution",
-                }.items()
-                if used
-            }
             if needed - set(batch):
                 raise ValueError(
                     f"input {spec.subset!r} ({spec.describe()}) lacks the column(s) {sorted(needed - set(batch))} of "

@@ -43,8 +43,8 @@ def render_report(stats: dict[str, Any]) -> str:
         rows_in, rows_out = stage["rows_in"], stage["rows_out"]
         per_subset = ", ".join(f"{s} {rows_in.get(s, 0) - rows_out.get(s, 0)}" for s in subsets)
         name = stage["name"] if stage["enabled"] else f"{stage['name']} (off)"
-        setting, removed = stage["setting"], stage["removed"]
-        rows.append([number, name, setting, sum(rows_in.values()), removed, sum(rows_out.values()), per_subset])
+        rows.append([number, name, stage["setting"], sum(rows_in.values()), stage["removed"]])
+        rows[-1] += [sum(rows_out.values()), per_subset]
     lines += ["## Stages", ""]
     lines += _table(["#", "stage", "setting", "rows in", "removed", "rows out", "removed per subset"], rows)
     lines += [
@@ -56,8 +56,7 @@ def render_report(stats: dict[str, Any]) -> str:
     reasons = [[s["name"], reason, n] for s in stats["stages"] for reason, n in sorted(s["reasons"].items())]
     if reasons:
         lines += ["### Removal reasons", ""] + _table(["stage", "reason", "rows"], reasons)
-    via = stats.get("boxed_match_via") or {}
-    if via:
+    if via := stats.get("boxed_match_via"):
         lines += [
             f"Boxed match: {via.get('solution', 0)} problems matched through the reference solution, "
             f"{via.get('generation', 0)} only through a recorded generation.",
@@ -73,21 +72,12 @@ def render_report(stats: dict[str, Any]) -> str:
     lines += ["## Candidates by correctness bucket", ""] + _table(["subset"] + buckets + ["total"], rows)
 
     lines += ["## Pool", "", f"Requested {sampling['requested']} problems, drew {pool['size']}.", ""]
-    lines += ["| subset | target share | actual |", "| --- | --- | --- |"]
-    for subset in subsets:
-        actual = _share(pool["subsets"].get(subset, 0), pool["size"])
-        lines.append(f"| {subset} | {config['subset_ratios'][subset]:.2f} | {actual} |")
-    lines += [""]
+    rows = [[s, f"{config['subset_ratios'][s]:.2f}", _share(pool["subsets"].get(s, 0), pool["size"])] for s in subsets]
+    lines += _table(["subset", "target share", "actual"], rows)
     rows = [
-        [
-            cell["subset"],
-            cell["bucket"],
-            f"{config['bucket_ratios'].get(cell['bucket'], 0.0):.2f}",
-            cell["quota"],
-            cell["available"],
-            _share(pool["cells"].get(f"{cell['subset']}/{cell['bucket']}", 0), pool["subsets"].get(cell["subset"], 0)),
-        ]
-        for cell in sampling["cells"]
+        [c["subset"], c["bucket"], f"{config['bucket_ratios'].get(c['bucket'], 0.0):.2f}", c["quota"], c["available"]]
+        + [_share(pool["cells"].get(f"{c['subset']}/{c['bucket']}", 0), pool["subsets"].get(c["subset"], 0))]
+        for c in sampling["cells"]
     ]
     lines += _table(["subset", "bucket", "target share", "quota", "available", "in pool (share of subset)"], rows)
     if sampling["filled"]:
@@ -96,13 +86,14 @@ def render_report(stats: dict[str, Any]) -> str:
     if sampling.get("source_cap"):
         lines += [f"At most {sampling['source_cap']} problems per `source`.", ""]
 
-    rows = []
-    for name, split in splits.items():
-        shares = [
+    rows = [
+        [name, split["rows"]]
+        + [
             ", ".join(f"{k} {_share(v, split['rows'])}" for k, v in split[key].items())
             for key in ("subsets", "buckets")
         ]
-        rows.append([name, split["rows"], *shares])
+        for name, split in splits.items()
+    ]
     lines += ["## Splits", ""] + _table(["split", "rows", "subsets", "buckets"], rows)
 
     decontam, dedup = stages["decontamination"], stages["deduplication"]
@@ -110,8 +101,8 @@ def render_report(stats: dict[str, Any]) -> str:
         "## Decontamination",
         "",
         f"{decontam['removed']} rows removed as near duplicates of evaluation problems.",
-        "",
     ]
+    lines += [""]
     if stats.get("contamination_by_benchmark"):
         lines += _table(["benchmark", "rows removed"], sorted(stats["contamination_by_benchmark"].items()))
     if decontam["examples"]:
