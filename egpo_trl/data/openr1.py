@@ -50,6 +50,8 @@ _MARKER = "build_config.yaml"
 _OPENR1_COLUMNS = "problem solution answer source uuid generations correctness_math_verify correctness_llama".split()
 RECORD_COLUMNS = ["prompt", "answer", "problem", "id", "subset", "bucket", "source"]
 _Candidate = namedtuple("_Candidate", "id subset index problem answer source bucket")
+# What build_openr1_dataset produced: the splits (a DatasetDict), the statistics and where they were written.
+BuildResult = namedtuple("BuildResult", "dataset stats output_dir report_path")
 
 
 @dataclass
@@ -384,16 +386,6 @@ def sample_pool(candidates: Sequence[Any], config: OpenR1DataConfig) -> tuple[li
                     )
     summary["size"] = len(pool)
     return pool, summary
-
-
-@dataclass
-class BuildResult:
-    """What :func:`build_openr1_dataset` produced: the splits (a ``DatasetDict``), the statistics and their folder."""
-
-    dataset: Any
-    stats: dict[str, Any]
-    output_dir: Path
-    report_path: Path
 
 
 class _Builder:

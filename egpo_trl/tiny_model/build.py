@@ -132,15 +132,11 @@ def build_model(tokenizer: Any, config: BuildConfig) -> torch.nn.Module:
     """A freshly initialised ``Qwen2ForCausalLM`` sized by ``config``, untied embeddings, vocabulary of ``tokenizer``."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
+    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
     model = Qwen2ForCausalLM(
         Qwen2Config(
             vocab_size=len(tokenizer),
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_hidden_layers=config.num_hidden_layers,
-            num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_key_value_heads,
-            max_position_embeddings=config.max_position_embeddings,
+            **{name: getattr(config, name) for name in sizes + ("max_position_embeddings",)},
             tie_word_embeddings=False,
             bos_token_id=None,
             eos_token_id=tokenizer.eos_token_id,
@@ -216,21 +212,10 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, config: BuildConfig) -> dic
     from egpo_trl.heldout import heldout_accuracy
 
     test = make_arithmetic_dataset("test", config.eval_problems, levels=config.levels, seed=config.seed)
-    results = {}
-    for name, temperature, samples in (
-        (f"temperature_{config.eval_temperature:g}", config.eval_temperature, config.eval_samples),
-        ("greedy", 0.0, 1),
-    ):
-        result = heldout_accuracy(
-            model,
-            tokenizer,
-            test,
-            max_new_tokens=config.max_new_tokens,
-            num_samples=samples,
-            temperature=temperature,
-            batch_size=200,
-            seed=config.seed,
-        )
+    results, options = {}, {"max_new_tokens": config.max_new_tokens, "batch_size": 200, "seed": config.seed}
+    sampled = f"temperature_{config.eval_temperature:g}"
+    for name, temperature, samples in ((sampled, config.eval_temperature, config.eval_samples), ("greedy", 0.0, 1)):
+        result = heldout_accuracy(model, tokenizer, test, num_samples=samples, temperature=temperature, **options)
         results[name] = result.to_dict()
     results["example_completion"] = {
         "prompt": tokenizer.apply_chat_template(test[0]["prompt"], add_generation_prompt=True, tokenize=False),
@@ -257,8 +242,8 @@ subtractions, reasoning inside `<think>...</think>` and answering in `\\boxed{{}
 
 It is **imperfect on purpose**. It was fine-tuned on worked solutions from a sloppy teacher that
 slips on {slip_percent:.0f}% of the steps (a result off by 1, 2 or 10), so it knows the procedure (greedy
-decoding is right {greedy_all:.0%} of the time) but, sampled at temperature {eval_temperature:g}, it repeats the
-teacher's slips and is right only {sampled_all:.0%} of the time, less on longer chains. Sampled groups
+decoding is right {greedy[accuracy]:.0%} of the time) but, sampled at temperature {eval_temperature:g}, it repeats the
+teacher's slips and is right only {sampled[accuracy]:.0%} of the time, less on longer chains. Sampled groups
 therefore hold correct and incorrect answers in useful proportions, and a slip is exactly the kind
 of mistake that outcome-reward RL can remove: the reward says which completions went wrong, and the
 policy learns to stop slipping.
@@ -269,7 +254,7 @@ from egpo_trl.tiny_model import tiny_model_path
 
 model = AutoModelForCausalLM.from_pretrained(tiny_model_path())
 tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
-messages = [{{"role": "user", "content": "Compute 23 + 8 - 15. {instruction}"}}]
+messages = [{{"role": "user", "content": "Compute 23 + 8 - 15. Think step by step inside <think></think>, then put the final answer in \\\\boxed{{}}."}}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 output = model.generate(**inputs, max_new_tokens=96, do_sample=True, temperature=1.0)
 print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
@@ -282,9 +267,9 @@ ChatML (as Qwen2 chat models); the user turn is the question followed by the ins
 generation prompt opens the assistant turn:
 
 ```
-{example_prompt}```
+{example[prompt]}```
 
-A sampled completion (temperature {eval_temperature:g}): `{example_completion}`
+A sampled completion (temperature {eval_temperature:g}): `{example[completion]}`
 
 ## How it was made
 
@@ -297,7 +282,7 @@ A sampled completion (temperature {eval_temperature:g}): `{example_completion}`
   ordinary added tokens (they survive `skip_special_tokens=True`).
 - **Architecture**: `Qwen2ForCausalLM`, hidden size {hidden_size}, {num_hidden_layers} layers,
   {num_attention_heads} attention heads ({num_key_value_heads} key/value heads), MLP size {intermediate_size},
-  `tie_word_embeddings=False`, float32, {num_params} parameters.
+  `tie_word_embeddings=False`, float32, {num_parameters:,} parameters.
 - **Data**: the synthetic arithmetic task of `egpo_trl.data.synthetic`, levels {levels} (level *n*
   chains *n* operations on numbers from 0 to 30). Only the `train` split is used; a problem's split
   is fixed by a hash of the problem, so the `test` split below is unseen.
@@ -315,8 +300,8 @@ greedy decoding. A completion is correct when its last `\\boxed{{}}` matches the
 
 | level | {level_header} | all |
 | --- | {level_rule} | --- |
-| sampled, T={eval_temperature:g} | {sampled_row} | **{sampled_all:.1%}** |
-| greedy | {greedy_row} | {greedy_all:.1%} |
+| sampled, T={eval_temperature:g} | {sampled_row} | **{sampled[accuracy]:.1%}** |
+| greedy | {greedy_row} | {greedy[accuracy]:.1%} |
 
 {trained_by}
 
@@ -332,8 +317,7 @@ code end to end, not to be evaluated on real benchmarks.
 def _write_model_card(output: Path, config: BuildConfig, info: dict[str, Any], tokenizer: Any, name: str) -> None:
     levels = [int(level) for level in config.levels.split(",")]
     sampled = info["evaluation"][f"temperature_{config.eval_temperature:g}"]
-    greedy = info["evaluation"]["greedy"]
-    example = info["evaluation"]["example_completion"]
+    greedy, example = info["evaluation"]["greedy"], info["evaluation"]["example_completion"]
     shipped = name == SHIPPED_NAME and config == BuildConfig(num_threads=config.num_threads)
     changed = " ".join(
         f"--{key.replace('_', '-')} {value}"
@@ -379,11 +363,9 @@ def _write_model_card(output: Path, config: BuildConfig, info: dict[str, Any], t
         trained_by=trained_by,
         reproducibility=reproducibility,
         num_params_m=info["num_parameters"] / 1e6,
-        num_params=f"{info['num_parameters']:,}",
-        instruction="Think step by step inside <think></think>, then put the final answer in \\\\boxed{}.",
-        example_prompt=example["prompt"],
-        example_completion=example["completion"],
-        machine=info["machine"],
+        sampled=sampled,
+        greedy=greedy,
+        example=example,
         build_minutes=info["build_seconds"] / 60,
         load_note=f" on a machine shared with other jobs (15-minute load average {load:.1f} at the end)"
         if load > 1.5
@@ -396,9 +378,8 @@ def _write_model_card(output: Path, config: BuildConfig, info: dict[str, Any], t
         level_rule=" | ".join("---" for _ in levels),
         sampled_row=" | ".join(f"{sampled['by_level'][str(level)]:.1%}" for level in levels),
         greedy_row=" | ".join(f"{greedy['by_level'][str(level)]:.1%}" for level in levels),
-        sampled_all=sampled["accuracy"],
-        greedy_all=greedy["accuracy"],
         **asdict(config),
+        **info,
     )
     (output / "README.md").write_text(card)
 
@@ -471,9 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--output", required=True, help="directory to write the model to")
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace --output even if it is not a previous tiny-model build"
-    )
+    parser.add_argument("--overwrite", action="store_true", help="replace --output even if not an earlier build")
     for name, value in asdict(BuildConfig()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, help=f"build {name}")
     args = vars(parser.parse_args(argv))
