@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -121,7 +122,8 @@ def test_problems_follow_their_level_and_their_solution_is_right(level, seed):
     assert all(0 <= operand <= MAX_OPERAND for operand in problem.operands)
     # Left-to-right evaluation of + and - is Python's, and every running total stays in [0, 999].
     assert problem.answer == eval(problem.expression)  # noqa: S307 - digits, spaces, + and - only
-    assert all(0 <= result <= 999 for *_, result in problem.steps())
+    signed = [n if op == "+" else -n for op, n in zip(problem.operators, problem.operands[1:])]
+    assert all(0 <= total <= 999 for total in itertools.accumulate(signed, initial=problem.operands[0]))
     assert extract_last_boxed(problem.solution()) == str(problem.answer)
     assert split_of(problem) in SPLITS
 

@@ -232,14 +232,10 @@ class OpenR1DataConfig:
                 raise ValueError(f"tokenizer is null but {name} counts tokens: set a tokenizer, or {name}: null.")
         if not 0 <= self.val_size < self.pool_size:
             raise ValueError(f"val_size must be >= 0 and smaller than pool_size ({self.pool_size}): {self.val_size}.")
-        if self.min_generations < 0:
-            raise ValueError(f"min_generations must be >= 0, got {self.min_generations}.")
         if not 0.0 < self.minhash_threshold <= 1.0:
             raise ValueError(f"minhash_threshold must be in (0, 1], got {self.minhash_threshold}.")
         if self.max_source_fraction is not None and not 0.0 < self.max_source_fraction <= 1.0:
             raise ValueError(f"max_source_fraction must be in (0, 1] or null, got {self.max_source_fraction}.")
-        if self.decontaminate and not self.decontamination_benchmarks:
-            raise ValueError("decontaminate is true but decontamination_benchmarks is empty.")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> OpenR1DataConfig:
@@ -393,25 +389,19 @@ class _Builder:
         self.config, self.command, self.removal_log = config, command, removal_log
         c = config
         minhash = f"num_perm={c.minhash_num_perm}, threshold={c.minhash_threshold}"
+        answers = f"single value: {c.require_single_value_answer}; drop empty: {c.drop_empty_answers}"
+        final = c.final_max_prompt_tokens
+        lengths = f"prompt <= {c.max_prompt_tokens}; {c.response_length_source} <= {c.max_response_tokens} tokens"
         stages = {
-            "answer": (
-                c.require_single_value_answer or c.drop_empty_answers,
-                f"single value: {c.require_single_value_answer}; drop empty: {c.drop_empty_answers}",
-            ),
+            "answer": (c.require_single_value_answer or c.drop_empty_answers, answers),
             "min_generations": (c.min_generations > 0, f">= {c.min_generations} generations"),
-            "length": (
-                c.max_prompt_tokens is not None or c.max_response_tokens is not None,
-                f"prompt <= {c.max_prompt_tokens}; {c.response_length_source} <= {c.max_response_tokens} tokens",
-            ),
+            "length": (c.max_prompt_tokens is not None or c.max_response_tokens is not None, lengths),
             "boxed_match": (c.boxed_match_filter, "solution or any generation"),
             "decontamination": (c.decontaminate, f"{', '.join(c.decontamination_benchmarks)}; {minhash}"),
             "deduplication": (c.deduplicate, minhash),
             "sampling": (True, f"pool {c.pool_size}; subsets {c.subset_ratios}; buckets {c.bucket_ratios}"),
             "validation_split": (c.val_size > 0, f"{c.val_size} held out"),
-            "final_prompt_length": (
-                c.final_max_prompt_tokens is not None,
-                f"prompt <= {c.final_max_prompt_tokens} tokens",
-            ),
+            "final_prompt_length": (c.final_max_prompt_tokens is not None, f"prompt <= {final} tokens"),
         }
         self.stages = {
             name: {"name": name, "description": STAGES[name], "enabled": on, "setting": setting, "rows_in": Counter()}
@@ -431,17 +421,15 @@ class _Builder:
     def tokenizer(self):
         from transformers import AutoTokenizer
 
+        name = self.config.tokenizer
         try:
-            tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer)
+            tokenizer = AutoTokenizer.from_pretrained(name)
         except Exception as error:
             raise ValueError(
-                f"could not load the tokenizer {self.config.tokenizer!r} ({error}). Set `tokenizer` to a hub name "
-                "or a local folder holding tokenizer files."
+                f"could not load the tokenizer {name!r} ({error}); set `tokenizer` to a hub name or a local folder."
             ) from error
         if not tokenizer.chat_template and (self.config.max_prompt_tokens or self.config.final_max_prompt_tokens):
-            logger.warning(
-                "Tokenizer %s has no chat template: counting the prompts' text only.", self.config.tokenizer
-            )
+            logger.warning("Tokenizer %s has no chat template: counting the prompts' text only.", name)
         return tokenizer
 
     def prompt_messages(self, problem: str) -> list[dict[str, str]]:

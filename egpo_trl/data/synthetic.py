@@ -16,6 +16,8 @@ QUESTION_TEMPLATES = ("Compute {expr}.", "What is {expr}?", "Calculate {expr}.",
 # Level n chains n operations on operands in [0, MAX_OPERAND] (the first in [1, MAX_OPERAND]).
 LEVELS = range(1, 7)
 MAX_OPERAND = 30
+# The slips of the imperfect teacher: how far a slipped result lands from the right one.
+SLIP_OFFSETS = (-10, -2, -1, 1, 2, 10)
 
 
 @dataclass(frozen=True)
@@ -30,24 +32,26 @@ class ArithmeticProblem:
     def expression(self) -> str:
         return " ".join([str(self.operands[0])] + [f"{op} {n}" for op, n in zip(self.operators, self.operands[1:])])
 
-    def steps(self) -> list[tuple[int, str, int, int]]:
-        total, steps = self.operands[0], []
-        for operator, operand in zip(self.operators, self.operands[1:]):
-            steps.append((total, operator, operand, total + operand if operator == "+" else total - operand))
-            total = steps[-1][3]
-        return steps
-
     @property
     def answer(self) -> int:
-        return ([self.operands[0]] + [result for *_, result in self.steps()])[-1]
+        return self.operands[0] + sum(n if op == "+" else -n for op, n in zip(self.operators, self.operands[1:]))
 
     @property
     def uid(self) -> str:
         return hashlib.blake2b(self.expression.encode(), digest_size=8).hexdigest()
 
-    def solution(self) -> str:
-        thoughts = ", ".join(f"{left}{op}{right}={result}" for left, op, right, result in self.steps())
-        return f"<think>{thoughts}</think> \\boxed{{{self.answer}}}"
+    def solution(self, rng: random.Random | None = None, slip_prob: float = 0.0) -> str:
+        """The worked solution; with ``rng``, each step's result slips by a small offset with probability
+        ``slip_prob`` and later steps carry on from it (the imperfect teacher of the tiny model)."""
+        total, thoughts = self.operands[0], []
+        for operator, operand in zip(self.operators, self.operands[1:]):
+            result = total + operand if operator == "+" else total - operand
+            if slip_prob > 0 and rng.random() < slip_prob:
+                offset = rng.choice(SLIP_OFFSETS)
+                result += offset if result + offset >= 0 else 0
+            thoughts.append(f"{total}{operator}{operand}={result}")
+            total = result
+        return f"<think>{', '.join(thoughts)}</think> \\boxed{{{total}}}"
 
 
 def split_of(problem: ArithmeticProblem) -> str:

@@ -24,7 +24,6 @@ from egpo_trl.data.synthetic import (
     LEVELS,
     QUESTION_TEMPLATES,
     SPLITS,
-    ArithmeticProblem,
     format_prompt,
     make_arithmetic_dataset,
     sample_problem,
@@ -40,8 +39,6 @@ CHAT_TEMPLATE = (
 )
 BUILD_INFO_FILE = "build_info.json"
 SHIPPED_NAME = "tiny-math-qwen2"
-# The slips of the imperfect teacher: how far a slipped result lands from the right one.
-SLIP_OFFSETS = (-10, -2, -1, 1, 2, 10)
 
 
 @dataclass
@@ -72,27 +69,13 @@ class BuildConfig:
     tokenizer_corpus_size: int = 5000
 
 
-def slipped_solution(problem: ArithmeticProblem, rng: random.Random, slip_prob: float) -> str:
-    """A worked solution whose steps each slip by a small offset with probability ``slip_prob``; later steps carry on."""
-    total, thoughts = problem.operands[0], []
-    for operator, operand in zip(problem.operators, problem.operands[1:]):
-        result = total + operand if operator == "+" else total - operand
-        if slip_prob > 0 and rng.random() < slip_prob:
-            offset = rng.choice(SLIP_OFFSETS)
-            if result + offset >= 0:
-                result += offset
-        thoughts.append(f"{total}{operator}{operand}={result}")
-        total = result
-    return f"<think>{', '.join(thoughts)}</think> \\boxed{{{total}}}"
-
-
 def _sample_train_example(level: int, rng: random.Random, slip_prob: float) -> tuple[list[dict[str, str]], str]:
     """One (prompt messages, worked solution with slips) of ``level`` from the ``train`` split."""
     while True:
         problem = sample_problem(level, rng)
         if split_of(problem) == "train":
             question = rng.choice(QUESTION_TEMPLATES).format(expr=problem.expression)
-            return format_prompt(question), slipped_solution(problem, rng, slip_prob)
+            return format_prompt(question), problem.solution(rng, slip_prob)
 
 
 def build_tokenizer(corpus: list[str], vocab_size: int) -> Any:
