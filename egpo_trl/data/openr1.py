@@ -587,9 +587,7 @@ class _Builder:
             for rows in self.read_chunks(spec):
                 rows_read[spec.subset] += len(rows)
                 candidates += self.process_chunk(rows)
-                logger.info(
-                    "%s: %d rows read, %d candidates so far", spec.subset, rows_read[spec.subset], len(candidates)
-                )
+                logger.info("%s: %d rows read, %d candidates", spec.subset, rows_read[spec.subset], len(candidates))
         candidate_buckets = Counter((cand.subset, cand.bucket) for cand in candidates)
 
         self.stages["sampling"]["rows_in"].update(cand.subset for cand in candidates)
@@ -604,39 +602,20 @@ class _Builder:
         splits = {"train": order[c.val_size :], "validation": order[: c.val_size]}
         self.stages["validation_split"]["rows_out"].update(cand.subset for cand in splits["train"])
         for name, members in splits.items():  # stage 9 on both splits
-            rows = [
-                {"_id": m.id, "_subset": m.subset, "_index": m.index, "problem": m.problem, "_c": m} for m in members
-            ]
-            rows = self.run_stage(
-                "final_prompt_length",
-                rows,
-                lambda rows, split=name: self.prompt_verdicts(rows, c.final_max_prompt_tokens, split=split),
-            )
-            splits[name] = [row["_c"] for row in rows]
+            rows = [dict(_id=m.id, _subset=m.subset, _index=m.index, problem=m.problem, _c=m) for m in members]
+            check = functools.partial(self.prompt_verdicts, limit=c.final_max_prompt_tokens, split=name)
+            splits[name] = [row["_c"] for row in self.run_stage("final_prompt_length", rows, check)]
 
-        dataset = DatasetDict(
-            {
-                name: Dataset.from_list(
-                    [
-                        {"prompt": self.prompt_messages(m.problem)} | {k: getattr(m, k) for k in RECORD_COLUMNS[1:]}
-                        for m in members
-                    ]
-                )
-                if members
-                else Dataset.from_dict({key: [] for key in RECORD_COLUMNS})
-                for name, members in splits.items()
-            }
-        )
+        dataset, hashes, empty = DatasetDict(), {}, {key: [] for key in RECORD_COLUMNS}
+        for name, members in splits.items():
+            records = [{"prompt": self.prompt_messages(m.problem), **m._asdict()} for m in members]
+            records = [{key: record[key] for key in RECORD_COLUMNS} for record in records]
+            split = dataset[name] = Dataset.from_list(records) if records else Dataset.from_dict(empty)
+            text = "".join(json.dumps(row, sort_keys=True, ensure_ascii=False) + "\n" for row in split)
+            hashes[name] = hashlib.sha256(text.encode("utf-8")).hexdigest()
 
         def shares(rows, key):
-            counts = Counter(getattr(row, key) for row in rows)
-            return {name: counts[name] for name in sorted(counts)}
-
-        def content_hash(split) -> str:
-            digest = hashlib.sha256()
-            for row in split:
-                digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False).encode("utf-8") + b"\n")
-            return digest.hexdigest()
+            return dict(sorted(Counter(getattr(row, key) for row in rows).items()))
 
         stats = {
             "command": self.command,
@@ -668,7 +647,7 @@ class _Builder:
                 name: {"rows": len(rows), "subsets": shares(rows, "subset"), "buckets": shares(rows, "bucket")}
                 for name, rows in splits.items()
             },
-            "content_sha256": {name: content_hash(split) for name, split in dataset.items()},
+            "content_sha256": hashes,
             "config": dataclasses.asdict(c),
             "elapsed_s": round(time.time() - started, 1),
         }
@@ -683,16 +662,11 @@ def build_openr1_dataset(config: OpenR1DataConfig, command: str | None = None) -
     started = time.time()
     output_dir = Path(config.output_dir).expanduser().resolve()
     if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
-        if not config.overwrite:
-            raise FileExistsError(
-                f"output_dir {output_dir} already exists and is not empty. Pass `--overwrite true` to replace an "
-                "earlier build there, or choose another `output_dir`."
-            )
-        if not (output_dir / _MARKER).is_file():
-            raise FileExistsError(
-                f"output_dir {output_dir} is not empty and was not written by this builder (no {_MARKER}); refusing "
-                "to replace it even with `overwrite: true`. Choose another `output_dir`."
-            )
+        ours = (output_dir / _MARKER).is_file()
+        if not (ours and config.overwrite):
+            why = "pass `--overwrite true` to replace the earlier build there" if ours else "it was not written by "
+            why += "" if ours else f"this builder (no {_MARKER}), so even `overwrite: true` does not replace it"
+            raise FileExistsError(f"output_dir {output_dir} is not empty: {why}; or choose another `output_dir`.")
     staging = output_dir.parent / f".{output_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
