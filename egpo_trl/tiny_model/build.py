@@ -29,6 +29,7 @@ from egpo_trl.data.synthetic import (
     sample_problem,
     split_of,
 )
+from egpo_trl.tiny_model import TINY_MODEL_NAME
 
 # ChatML, as used by Qwen2 chat models. The generation prompt opens the assistant turn.
 CHAT_TEMPLATE = (
@@ -38,7 +39,6 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 BUILD_INFO_FILE = "build_info.json"
-SHIPPED_NAME = "tiny-math-qwen2"
 
 
 @dataclass
@@ -89,12 +89,9 @@ def build_tokenizer(corpus: list[str], vocab_size: int) -> Any:
     )
     tokenizer.decoder = decoders.ByteLevel()
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        vocab_size=vocab_size, min_frequency=2, special_tokens=special, initial_alphabet=alphabet, show_progress=False
     )
     tokenizer.train_from_iterator(corpus, trainer=trainer)
     tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in ("<think>", "</think>")])
@@ -181,9 +178,8 @@ def supervised_finetune(model: torch.nn.Module, tokenizer: Any, config: BuildCon
         running += loss.item()
         if (step + 1) % log_every == 0 or step + 1 == config.sft_steps:
             elapsed, loss = time.time() - start, running / ((step % log_every) + 1)
-            history.append(
-                {"step": step + 1, "loss": loss, "lr": scheduler.get_last_lr()[0], "time_s": round(elapsed, 1)}
-            )
+            lr = scheduler.get_last_lr()[0]
+            history.append({"step": step + 1, "loss": loss, "lr": lr, "time_s": round(elapsed, 1)})
             print(f"  sft step {step + 1}/{config.sft_steps}  loss {loss:.4f}  ({elapsed:.0f}s)", flush=True)
             running = 0.0
     model.eval()
@@ -301,7 +297,7 @@ def _write_model_card(output: Path, config: BuildConfig, info: dict[str, Any], t
     levels = [int(level) for level in config.levels.split(",")]
     sampled = info["evaluation"][f"temperature_{config.eval_temperature:g}"]
     greedy, example = info["evaluation"]["greedy"], info["evaluation"]["example_completion"]
-    shipped = name == SHIPPED_NAME and config == BuildConfig(num_threads=config.num_threads)
+    shipped = name == TINY_MODEL_NAME and config == BuildConfig(num_threads=config.num_threads)
     changed = " ".join(
         f"--{key.replace('_', '-')} {value}"
         for key, value in asdict(config).items()
@@ -312,14 +308,14 @@ def _write_model_card(output: Path, config: BuildConfig, info: dict[str, Any], t
             "It ships with\negpo_trl so that `make demo` can train a real policy with EGPO on a laptop CPU, offline."
         )
         command = (
-            f"`make tiny-model`, i.e. `python -m egpo_trl.tiny_model.build --output egpo_trl/assets/{SHIPPED_NAME}`"
+            f"`make tiny-model`, i.e. `python -m egpo_trl.tiny_model.build --output egpo_trl/assets/{TINY_MODEL_NAME}`"
         )
         trained_by = (
             "`make demo` trains this model with EGPO on the same task and reports the held-out accuracy before\n"
             "and after (see the project README for measured numbers)."
         )
     else:
-        purpose = f"It is built by\nthe recipe of `{SHIPPED_NAME}`, the tiny model shipped with egpo_trl, with other settings."
+        purpose = f"It is built by\nthe recipe of `{TINY_MODEL_NAME}`, the tiny model shipped with egpo_trl, with other settings."
         command = f"`python -m egpo_trl.tiny_model.build --output {name} {changed}`"
         trained_by = (
             "Train it with EGPO like the shipped model: `egpo-trl train --config recipes/demo_tiny_cpu.yaml\n"
@@ -369,6 +365,8 @@ def _write_model_card(output: Path, config: BuildConfig, info: dict[str, Any], t
 
 def build(config: BuildConfig, output: Path) -> dict[str, Any]:
     """Run the whole build and save the model, tokenizer, build record and model card in ``output``."""
+    from transformers import set_seed
+
     start, cpu_start = time.time(), time.process_time()
     if config.num_threads > 0:  # a fixed thread count fixes the order of floating-point sums
         torch.set_num_threads(config.num_threads)
@@ -378,8 +376,7 @@ def build(config: BuildConfig, output: Path) -> dict[str, Any]:
     levels = [int(level) for level in config.levels.split(",")]
     if any(level not in LEVELS for level in levels):
         raise SystemExit(f"--levels {config.levels}: choose among {list(LEVELS)}.")
-    random.seed(config.seed)
-    torch.manual_seed(config.seed)
+    set_seed(config.seed)
 
     print(f"[1/4] training the tokenizer on {config.tokenizer_corpus_size} conversations", flush=True)
     rng, corpus = random.Random(f"tokenizer/{config.seed}"), []
@@ -390,8 +387,7 @@ def build(config: BuildConfig, output: Path) -> dict[str, Any]:
     tokenizer = build_tokenizer(corpus, config.vocab_size)
 
     print("[2/4] building the model", flush=True)
-    random.seed(config.seed)
-    torch.manual_seed(config.seed)
+    set_seed(config.seed)
     model = build_model(tokenizer, config).to(device)
     num_parameters = sum(p.numel() for p in model.parameters())
     print(f"  Qwen2ForCausalLM with {num_parameters:,} parameters, vocabulary {len(tokenizer)}", flush=True)
