@@ -327,8 +327,7 @@ def sample_pool(candidates: Sequence[Any], config: OpenR1DataConfig) -> tuple[li
     """Draw ``pool_size`` problems split by ``subset_ratios``, each subset by ``bucket_ratios``; short cells are
     filled (``fill_shortfall``) from the subset's other buckets, then from other subsets. Returns the pool and a
     summary."""
-    subsets = list(config.subset_ratios)
-    present = {candidate.bucket for candidate in candidates}
+    subsets, present = list(config.subset_ratios), {candidate.bucket for candidate in candidates}
     buckets = sorted(config.bucket_ratios, key=lambda name: (-config.bucket_ratios[name], BUCKETS.index(name)))
     buckets += [name for name in BUCKETS if name in present and name not in buckets]
     cells: dict[tuple[str, str], list[Any]] = {(s, b): [] for s in subsets for b in buckets}
@@ -337,14 +336,10 @@ def sample_pool(candidates: Sequence[Any], config: OpenR1DataConfig) -> tuple[li
     for (subset, bucket), members in cells.items():
         random.Random(f"{config.seed}:{subset}:{bucket}").shuffle(members)
 
-    cap = None
-    if config.max_source_fraction is not None:
-        cap = max(1, math.floor(config.max_source_fraction * min(config.pool_size, len(candidates))))
-    per_source: Counter = Counter()
+    fraction, pool, taken, per_source = config.max_source_fraction, [], Counter(), Counter()
+    cap = None if fraction is None else max(1, math.floor(fraction * min(config.pool_size, len(candidates))))
     subset_quota = apportion(config.pool_size, config.subset_ratios)
     summary: dict[str, Any] = {"cells": [], "filled": [], "requested": config.pool_size, "source_cap": cap}
-    pool: list[Any] = []
-    taken: Counter = Counter()
 
     def take(cell: tuple[str, str], count: int) -> list[Any]:
         chosen, rest = [], []
@@ -377,9 +372,8 @@ def sample_pool(candidates: Sequence[Any], config: OpenR1DataConfig) -> tuple[li
                 chosen = take(cell, wanted) if wanted > 0 else []
                 wanted -= len(chosen)
                 if chosen:
-                    summary["filled"].append(
-                        {"subset": cell[0], "bucket": cell[1], "count": len(chosen), "for": subset or "any subset"}
-                    )
+                    filled = {"subset": cell[0], "bucket": cell[1], "count": len(chosen)}
+                    summary["filled"].append(filled | {"for": subset or "any subset"})
     summary["size"] = len(pool)
     return pool, summary
 

@@ -129,16 +129,11 @@ def make_arithmetic_dataset(
             misses = 0
             seen.add(problem.expression)
             question = rng.choice(QUESTION_TEMPLATES).format(expr=problem.expression)
+            prompt = format_prompt(question, system_prompt=system_prompt, instruction=instruction)
             rows.append(
-                {
-                    "prompt": format_prompt(question, system_prompt=system_prompt, instruction=instruction),
-                    "answer": str(problem.answer),
-                    "level": level,
-                    "id": f"arith-{problem.uid}",
-                    "problem": question,
-                    "solution": problem.solution(),
-                }
+                {"prompt": prompt, "answer": str(problem.answer), "level": level, "id": f"arith-{problem.uid}"}
             )
+            rows[-1].update(problem=question, solution=problem.solution())
     rng.shuffle(rows)
     return Dataset.from_list(rows)
 
