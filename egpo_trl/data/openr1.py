@@ -42,10 +42,6 @@ STAGES = {
     "validation_split": "validation problems held out of the pool",
     "final_prompt_length": "prompts longer than `final_max_prompt_tokens` dropped",
 }
-_CHOICES = {
-    "response_length_source": ("solution", "shortest_generation", "all_generations"),
-    "correctness_source": ("math_verify", "llama", "either"),
-}
 _MARKER = "build_config.yaml"
 _OPENR1_COLUMNS = "problem solution answer source uuid generations correctness_math_verify correctness_llama".split()
 RECORD_COLUMNS = ["prompt", "answer", "problem", "id", "subset", "bucket", "source"]
@@ -89,27 +85,18 @@ class InputSpec:
         from datasets import load_dataset
 
         columns = {"columns": self.columns} if self.columns else {}
-        if self.path:
-            stream = load_dataset(
-                self.path, self.name, split=self.split, revision=self.revision, streaming=True, **columns
-            )
-        else:
+        source, options = (self.path, self.name), {"split": self.split, "revision": self.revision}
+        if self.data_files:
             files = [sorted(glob.glob(os.path.expanduser(name))) for name in self.data_files]
             if not all(files):
-                raise FileNotFoundError(
-                    f"input {self.subset!r}: no file matches one of {self.data_files} (cwd {os.getcwd()})."
-                )
+                raise FileNotFoundError(f"input {self.subset!r}: no file matches {self.data_files}, cwd {os.getcwd()}")
             files = [name for matches in files for name in matches]
-            kinds = {
-                "parquet" if n.lower().endswith(".parquet") else "json" if ".json" in n.lower() else 0 for n in files
-            }
-            if len(kinds) != 1 or 0 in kinds:
-                raise ValueError(
-                    f"input {self.subset!r}: data_files must all be parquet or all be jsonl/json, got {files}."
-                )
-            kind = kinds.pop()
+            kind = "parquet" if all(name.lower().endswith(".parquet") for name in files) else "json"
+            if kind == "json" and not all(".json" in name.lower() for name in files):
+                raise ValueError(f"{self.subset!r}: data_files must all be parquet or all be jsonl/json: {files}")
+            source, options = (kind,), {"data_files": files, "split": "train"}
             columns = columns if kind == "parquet" else {}
-            stream = load_dataset(kind, data_files=files, split="train", streaming=True, **columns)
+        stream = load_dataset(*source, streaming=True, **options, **columns)
         return stream if self.limit is None else stream.take(self.limit)
 
 
@@ -206,9 +193,12 @@ class OpenR1DataConfig:
         subsets = [spec.subset for spec in self.inputs]
         if not subsets or len(set(subsets)) != len(subsets):
             raise ValueError(f"`inputs` must hold at least one pool, with distinct subset labels; got {subsets}.")
-        for name, choices in _CHOICES.items():
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}.")
+        for name, choices in (
+            ("response_length_source", "solution, shortest_generation, all_generations"),
+            ("correctness_source", "math_verify, llama, either"),
+        ):
+            if getattr(self, name) not in choices.split(", "):
+                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {choices}.")
         for name in ("subset_ratios", "bucket_ratios"):
             ratios = getattr(self, name)
             if not isinstance(ratios, dict) or not ratios:
@@ -324,9 +314,8 @@ def apportion(total: int, ratios: dict[str, float]) -> dict[str, int]:
 
 
 def sample_pool(candidates: Sequence[Any], config: OpenR1DataConfig) -> tuple[list[Any], dict[str, Any]]:
-    """Draw ``pool_size`` problems split by ``subset_ratios``, each subset by ``bucket_ratios``; short cells are
-    filled (``fill_shortfall``) from the subset's other buckets, then from other subsets. Returns the pool and a
-    summary."""
+    """The pool and its summary: ``pool_size`` problems split by ``subset_ratios``, each subset by ``bucket_ratios``;
+    short cells are filled (``fill_shortfall``) from the subset's other buckets, then from other subsets."""
     subsets, present = list(config.subset_ratios), {candidate.bucket for candidate in candidates}
     buckets = sorted(config.bucket_ratios, key=lambda name: (-config.bucket_ratios[name], BUCKETS.index(name)))
     buckets += [name for name in BUCKETS if name in present and name not in buckets]
