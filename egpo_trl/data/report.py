@@ -26,16 +26,9 @@ def render_report(stats: dict[str, Any]) -> str:
     lines = ["# Training-data build report", ""]
     if stats.get("command"):
         lines += ["Command:", "", "```bash", stats["command"], "```", ""]
-    lines += [
-        f"- Seed: `{stats['seed']}`",
-        f"- Tokenizer: `{stats['tokenizer']}`",
-        f"- Rows read: {stats['rows_read']}",
-        f"- Output: train {splits['train']['rows']} rows, validation {splits['validation']['rows']} rows",
-        f"- Build time: {stats['elapsed_s']} s",
-        "",
-        "## Inputs",
-        "",
-    ]
+    lines += [f"- Seed: `{stats['seed']}`\n- Tokenizer: `{stats['tokenizer']}`\n- Rows read: {stats['rows_read']}"]
+    lines += [f"- Output: train {splits['train']['rows']} rows, validation {splits['validation']['rows']} rows"]
+    lines += [f"- Build time: {stats['elapsed_s']} s\n\n## Inputs\n"]
     lines += _table(["subset", "read from", "rows"], [[i["subset"], i["source"], i["rows"]] for i in stats["inputs"]])
 
     rows = []
@@ -47,21 +40,19 @@ def render_report(stats: dict[str, Any]) -> str:
         rows[-1] += [sum(rows_out.values()), per_subset]
     lines += ["## Stages", ""]
     lines += _table(["#", "stage", "setting", "rows in", "removed", "rows out", "removed per subset"], rows)
-    lines += [
+    lines.append(
         "Stages 1-6 run on the stream of input rows; `sampling` draws the pool from the surviving candidates; "
         "`validation_split` moves its removed rows to the validation split; `final_prompt_length` applies to both "
-        "splits.",
-        "",
-    ]
+        "splits.\n"
+    )
     reasons = [[s["name"], reason, n] for s in stats["stages"] for reason, n in sorted(s["reasons"].items())]
     if reasons:
         lines += ["### Removal reasons", ""] + _table(["stage", "reason", "rows"], reasons)
     if via := stats.get("boxed_match_via"):
-        lines += [
+        lines.append(
             f"Boxed match: {via.get('solution', 0)} problems matched through the reference solution, "
-            f"{via.get('generation', 0)} only through a recorded generation.",
-            "",
-        ]
+            f"{via.get('generation', 0)} only through a recorded generation.\n"
+        )
 
     buckets = sorted({entry["bucket"] for entry in stats["candidates"]})
     counts = {(entry["subset"], entry["bucket"]): entry["count"] for entry in stats["candidates"]}
@@ -136,14 +127,10 @@ def render_report(stats: dict[str, Any]) -> str:
         lines += [f"### {stage['name']}", ""] + _table(["row"] + keys + ["problem"], rows)
 
     lines += [
-        "## Outputs",
-        "",
-        "- `dataset/`: `datasets.DatasetDict` (`load_from_disk`) with `train` and `validation`; columns `prompt` "
-        "(chat messages), `answer`, `problem`, `id`, `subset`, `bucket`, `source`",
+        "## Outputs\n\n- `dataset/`: `datasets.DatasetDict` (`load_from_disk`) with `train` and `validation`; columns "
+        "`prompt` (chat messages), `answer`, `problem`, `id`, `subset`, `bucket`, `source`",
         "- `train.parquet`, `validation.parquet`" if config.get("save_parquet") else "- no parquet files",
-        "- `removed.jsonl`: one line per removed row (stage, reason, id, details)",
-        "- `stats.json`, `build_config.yaml`",
-        "",
+        "- `removed.jsonl`: one line per removed row (stage, reason, id, details)\n- `stats.json`, `build_config.yaml`\n",
     ]
     lines += _table(["split", "content SHA-256"], sorted(stats["content_sha256"].items()))
     settings = yaml.safe_dump(config, sort_keys=False, allow_unicode=True).rstrip()
