@@ -77,43 +77,24 @@ def render_report(stats: dict[str, Any]) -> str:
     if sampling.get("source_cap"):
         lines += [f"At most {sampling['source_cap']} problems per `source`.", ""]
 
-    rows = [
-        [name, split["rows"]]
-        + [
+    rows = []
+    for name, split in splits.items():
+        shares = [
             ", ".join(f"{k} {_share(v, split['rows'])}" for k, v in split[key].items())
             for key in ("subsets", "buckets")
         ]
-        for name, split in splits.items()
-    ]
+        rows.append([name, split["rows"], *shares])
     lines += ["## Splits", ""] + _table(["split", "rows", "subsets", "buckets"], rows)
 
     decontam, dedup = stages["decontamination"], stages["deduplication"]
-    lines += [
-        "## Decontamination",
-        "",
-        f"{decontam['removed']} rows removed as near duplicates of evaluation problems.",
-    ]
-    lines += [""]
+    lines += [f"## Decontamination\n\n{decontam['removed']} rows removed as near duplicates of evaluation problems.\n"]
     if stats.get("contamination_by_benchmark"):
         lines += _table(["benchmark", "rows removed"], sorted(stats["contamination_by_benchmark"].items()))
     if decontam["examples"]:
-        rows = [
-            [
-                e["id"],
-                f"{e['benchmark']} ({e['benchmark_index']})",
-                e["similarity"],
-                e["problem"],
-                e["benchmark_problem"],
-            ]
-            for e in decontam["examples"]
-        ]
+        keys, examples = ("similarity", "problem", "benchmark_problem"), decontam["examples"]
+        rows = [[e["id"], f"{e['benchmark']} ({e['benchmark_index']})", *(e[k] for k in keys)] for e in examples]
         lines += _table(["row", "benchmark (row)", "similarity", "problem", "benchmark problem"], rows)
-    lines += [
-        "## Deduplication",
-        "",
-        f"{dedup['removed']} rows removed as near duplicates of an earlier pool row.",
-        "",
-    ]
+    lines += [f"## Deduplication\n\n{dedup['removed']} rows removed as near duplicates of an earlier pool row.\n"]
     if dedup["examples"]:
         rows = [[e["id"], e["kept_id"], e["similarity"], e["problem"], e["kept_problem"]] for e in dedup["examples"]]
         lines += _table(["removed row", "kept row", "similarity", "removed problem", "kept problem"], rows)
