@@ -89,14 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     for setting in dataclasses.fields(OpenR1DataConfig):
         default = setting.default if setting.default_factory is dataclasses.MISSING else setting.default_factory()
         default = "(see the recipe)" if setting.name == "inputs" else default
-        flag = _TYPES[setting.name][0] == "bool"
-        build.add_argument(
-            f"--{setting.name}",
-            metavar="BOOL" if flag else "VALUE",
-            nargs="?" if flag else None,
-            const="true" if flag else None,
-            help=f"{setting.metadata['help']} (default: {default})".replace("%", "%%"),
-        )
+        flag = {"metavar": "BOOL", "nargs": "?", "const": "true"} if _TYPES[setting.name][0] == "bool" else {}
+        described = f"{setting.metadata['help']} (default: {default})".replace("%", "%%")
+        build.add_argument(f"--{setting.name}", **({"metavar": "VALUE"} | flag), help=described)
     args = vars(parser.parse_args(argv))
     command = args.pop("command", None)
     if command is None:
@@ -107,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = parse_overrides(args)
         config = OpenR1DataConfig.from_yaml(config_path, overrides) if config_path else OpenR1DataConfig(**overrides)
-        problem = hub_problem(config)
-        if problem:
+        if problem := hub_problem(config):
             print(f"egpo-trl data {command}: {problem}", file=sys.stderr)
             return 2
         result = build_openr1_dataset(config, command=shlex.join(["egpo-trl", "data", *argv]))

@@ -604,9 +604,7 @@ class _Builder:
             "command": self.command,
             "seed": c.seed,
             "tokenizer": c.tokenizer,
-            "inputs": [
-                {"subset": spec.subset, "source": spec.describe(), "rows": rows_read[spec.subset]} for spec in c.inputs
-            ],
+            "inputs": [{"subset": s.subset, "source": s.describe(), "rows": rows_read[s.subset]} for s in c.inputs],
             "rows_read": sum(rows_read.values()),
             "stages": [
                 {k: dict(v) if isinstance(v, Counter) else v for k, v in stage.items()}
@@ -615,10 +613,7 @@ class _Builder:
             ],
             "boxed_match_via": dict(self.boxed_match_via),
             "contamination_by_benchmark": dict(self.contamination),
-            "candidates": [
-                {"subset": subset, "bucket": bucket, "count": count}
-                for (subset, bucket), count in sorted(candidate_buckets.items())
-            ],
+            "candidates": [{"subset": s, "bucket": b, "count": n} for (s, b), n in sorted(candidate_buckets.items())],
             "sampling": sampling,
             "pool": {
                 "size": len(pool),
