@@ -95,15 +95,9 @@ def build_tokenizer(corpus: list[str], vocab_size: int) -> Any:
     )
     tokenizer.train_from_iterator(corpus, trainer=trainer)
     tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in ("<think>", "</think>")])
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token=special[2],
-        pad_token=special[0],
-        additional_special_tokens=[special[1]],
-        padding_side="left",
-        model_max_length=256,
-        clean_up_tokenization_spaces=False,
-    )
+    options = {"eos_token": special[2], "pad_token": special[0], "additional_special_tokens": [special[1]]}
+    options |= {"padding_side": "left", "model_max_length": 256, "clean_up_tokenization_spaces": False}
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, **options)
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped
 
@@ -112,27 +106,19 @@ def build_model(tokenizer: Any, config: BuildConfig) -> torch.nn.Module:
     """A freshly initialised ``Qwen2ForCausalLM`` sized by ``config``, untied embeddings, vocabulary of ``tokenizer``."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
-    model = Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=len(tokenizer),
-            **{name: getattr(config, name) for name in sizes + ("max_position_embeddings",)},
-            tie_word_embeddings=False,
-            bos_token_id=None,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-            use_cache=True,
-        )
-    )
+    sizes = "hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads max_position_embeddings"
+    options = {name: getattr(config, name) for name in sizes.split()} | {"tie_word_embeddings": False}
+    options |= {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    options |= {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "use_cache": True}
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), **options))
+    ids = {"eos_token_id": [tokenizer.eos_token_id], "pad_token_id": tokenizer.pad_token_id}
     model.generation_config = GenerationConfig(
         do_sample=True,
         temperature=config.eval_temperature,
         top_p=1.0,
         top_k=0,
         max_new_tokens=config.max_new_tokens,
-        eos_token_id=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
+        **ids,
     )
     return model
 
