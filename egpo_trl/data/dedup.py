@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 from datasketch import MinHash, MinHashLSH
 
 BENCHMARK_DIR = Path(__file__).resolve().parent / "benchmarks"
@@ -82,8 +83,6 @@ def load_benchmark_problems(names: Sequence[str]) -> list[BenchmarkProblem]:
                 f"({', '.join(DECONTAMINATION_BENCHMARKS)}) nor an existing .jsonl/.json/.parquet file."
             )
         if path.suffix == ".parquet":
-            import pyarrow.parquet as pq
-
             rows = pq.read_table(path).to_pylist()
         elif path.suffix == ".json":
             rows = json.loads(path.read_text(encoding="utf-8"))

@@ -314,8 +314,7 @@ def apportion(total: int, ratios: dict[str, float]) -> dict[str, int]:
 
 
 def sample_pool(candidates: Sequence[Any], config: OpenR1DataConfig) -> tuple[list[Any], dict[str, Any]]:
-    """The pool and its summary: ``pool_size`` problems split by ``subset_ratios``, each subset by ``bucket_ratios``;
-    short cells are filled (``fill_shortfall``) from the subset's other buckets, then from other subsets."""
+    """``pool_size`` problems by ``subset_ratios`` and ``bucket_ratios`` (short cells filled), and a summary."""
     subsets, present = list(config.subset_ratios), {candidate.bucket for candidate in candidates}
     buckets = sorted(config.bucket_ratios, key=lambda name: (-config.bucket_ratios[name], BUCKETS.index(name)))
     buckets += [name for name in BUCKETS if name in present and name not in buckets]
@@ -391,8 +390,7 @@ class _Builder:
             | {"rows_out": Counter(), "removed": 0, "reasons": Counter(), "examples": []}
             for name, (on, setting) in stages.items()
         }
-        self.boxed_match_via: Counter = Counter()
-        self.contamination: Counter = Counter()
+        self.boxed_match_via, self.contamination = Counter(), Counter()
         self.pool_index = NearDuplicateIndex(c.minhash_threshold, c.minhash_num_perm)
         self.pool_members: list[tuple[str, str]] = []  # (id, problem) of the rows in `pool_index`, by position
         if c.decontaminate:
@@ -423,13 +421,11 @@ class _Builder:
         return messages + [{"role": "user", "content": content}]
 
     def token_counts(self, texts: list[str]) -> list[int]:
-        if not texts:
-            return []
-        return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]]
+        encoded = self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
+        return [len(ids) for ids in encoded]
 
     def run_stage(self, name: str, rows: list[dict], *checks) -> list[dict]:
-        """Drop the rows each ``check(rows) -> verdicts`` rejects (a verdict: ``None`` or ``(reason, details)``)
-        in turn when the stage is on; count rows in and out and log the removed ones."""
+        """The rows no ``check(rows)`` rejects with a ``(reason, details)`` verdict, counted and logged."""
         stats = self.stages[name]
         stats["rows_in"].update(row["_subset"] for row in rows)
         for check in checks if stats["enabled"] else ():
@@ -633,8 +629,7 @@ class _Builder:
 
 
 def build_openr1_dataset(config: OpenR1DataConfig, command: str | None = None) -> BuildResult:
-    """Run the recipe of ``config`` and write ``config.output_dir`` atomically: ``dataset/``, the parquet files,
-    ``report.md``, ``stats.json``, ``removed.jsonl`` and ``build_config.yaml``."""
+    """Run the recipe of ``config`` and write ``config.output_dir`` (dataset, report, statistics) atomically."""
     from egpo_trl.data.report import render_report
 
     started = time.time()

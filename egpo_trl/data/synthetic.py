@@ -41,8 +41,7 @@ class ArithmeticProblem:
         return hashlib.blake2b(self.expression.encode(), digest_size=8).hexdigest()
 
     def solution(self, rng: random.Random | None = None, slip_prob: float = 0.0) -> str:
-        """The worked solution; with ``rng``, each step's result slips by a small offset with probability
-        ``slip_prob`` and later steps carry on from it (the imperfect teacher of the tiny model)."""
+        """The worked solution; with ``rng``, each step slips by a small offset with probability ``slip_prob``."""
         total, thoughts = self.operands[0], []
         for operator, operand in zip(self.operators, self.operands[1:]):
             result = total + operand if operator == "+" else total - operand

@@ -182,10 +182,8 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, config: BuildConfig) -> dic
     for name, temperature, samples in ((sampled, config.eval_temperature, config.eval_samples), ("greedy", 0.0, 1)):
         result = heldout_accuracy(model, tokenizer, test, num_samples=samples, temperature=temperature, **options)
         results[name] = result.to_dict()
-    results["example_completion"] = {
-        "prompt": tokenizer.apply_chat_template(test[0]["prompt"], add_generation_prompt=True, tokenize=False),
-        "completion": result.completions[0],
-    }
+    prompt = tokenizer.apply_chat_template(test[0]["prompt"], add_generation_prompt=True, tokenize=False)
+    results["example_completion"] = {"prompt": prompt, "completion": result.completions[0]}
     return results
 
 
@@ -383,6 +381,8 @@ def build(config: BuildConfig, output: Path) -> dict[str, Any]:
 
     print(f"[4/4] evaluating on {config.eval_problems} held-out problems", flush=True)
     evaluation = evaluate(model, tokenizer, config)
+    machine = f"{platform.machine()} CPU ({os.cpu_count()} cores), {torch.get_num_threads()} torch thread(s)"
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else machine
     info = {
         "config": asdict(config),
         "num_parameters": num_parameters,
@@ -391,12 +391,7 @@ def build(config: BuildConfig, output: Path) -> dict[str, Any]:
         "build_seconds": round(time.time() - start, 1),
         "build_cpu_seconds": round(time.process_time() - cpu_start, 1),
         "load_average": os.getloadavg()[2] if hasattr(os, "getloadavg") else None,
-        "machine": (
-            f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-            if device.type == "cuda"
-            else f"{platform.machine()} CPU ({os.cpu_count()} cores), {torch.get_num_threads()} torch thread(s), "
-            f"torch {torch.__version__}"
-        ),
+        "machine": f"{machine}, torch {torch.__version__}",
         "splits": {name: [bucket.start, bucket.stop] for name, bucket in SPLITS.items()},
     }
     with tempfile.TemporaryDirectory(dir=output.parent) as staging:
