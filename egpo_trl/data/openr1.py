@@ -414,11 +414,9 @@ class _Builder:
         return tokenizer
 
     def prompt_messages(self, problem: str) -> list[dict[str, str]]:
-        content = problem.strip()
-        if self.config.user_instruction:
-            content = f"{content}\n{self.config.user_instruction}"
-        messages = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
-        return messages + [{"role": "user", "content": content}]
+        system, instruction = self.config.system_prompt, self.config.user_instruction
+        content = f"{problem.strip()}\n{instruction}" if instruction else problem.strip()
+        return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
 
     def token_counts(self, texts: list[str]) -> list[int]:
         encoded = self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
@@ -533,7 +531,7 @@ class _Builder:
 
     def read_chunks(self, spec: InputSpec):
         """The rows of ``spec`` in chunks of ``chunk_size``, each tagged with its ``_id``, ``_subset`` and ``_index``."""
-        c, index = self.config, 0
+        c, indices = self.config, itertools.count()
         uses = {
             "generations": c.min_generations > 0 or c.boxed_match_filter or c.response_length_source != "solution",
             "correctness_math_verify": c.correctness_source in ("math_verify", "either"),
@@ -548,10 +546,9 @@ class _Builder:
                     f"OpenR1-Math-220k's schema; it has {sorted(batch)}. Add them, or disable the stages that need them."
                 )
             rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-            for row in rows:
-                row.update(_id=str(row.get("uuid") or f"{spec.subset}-{index:07d}"), _subset=spec.subset, _index=index)
-                row["problem"] = str(row.get("problem") or "")
-                index += 1
+            for row, index in zip(rows, indices):
+                uid = row.get("uuid") or f"{spec.subset}-{index:07d}"
+                row.update(_id=str(uid), _subset=spec.subset, _index=index, problem=str(row.get("problem") or ""))
             yield rows
 
     def build(self, started: float) -> tuple[Any, dict[str, Any]]:

@@ -125,8 +125,7 @@ def build_model(tokenizer: Any, config: BuildConfig) -> torch.nn.Module:
 
 def supervised_finetune(model: torch.nn.Module, tokenizer: Any, config: BuildConfig, log_every: int = 100) -> list:
     """Fine-tune on a stream of worked solutions (completion tokens only), AdamW with warm-up and cosine decay; returns the log."""
-    levels = [int(level) for level in config.levels.split(",")]
-    rng = random.Random(f"sft/{config.seed}")
+    levels, rng = [int(level) for level in config.levels.split(",")], random.Random(f"sft/{config.seed}")
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay, betas=(0.9, 0.98)
     )
@@ -319,6 +318,7 @@ def _write_model_card(output: Path, config: BuildConfig, info: dict[str, Any], t
             "scores may\ndiffer slightly."
         )
     load = info.get("load_average") or 0
+    shared = f" on a machine shared with other jobs (15-minute load average {load:.1f} at the end)"
     card = MODEL_CARD.format(
         name=name,
         purpose=purpose,
@@ -330,9 +330,7 @@ def _write_model_card(output: Path, config: BuildConfig, info: dict[str, Any], t
         greedy=greedy,
         example=example,
         build_minutes=info["build_seconds"] / 60,
-        load_note=f" on a machine shared with other jobs (15-minute load average {load:.1f} at the end)"
-        if load > 1.5
-        else "",
+        load_note=shared if load > 1.5 else "",
         slip_percent=100 * config.slip_prob,
         vocab=len(tokenizer),
         final_loss=info["sft_history"][-1]["loss"],
