@@ -95,9 +95,7 @@ def load_benchmark_problems(names: Sequence[str]) -> list[BenchmarkProblem]:
     return problems
 
 
-def benchmark_index(
-    names: Sequence[str], threshold: float, num_perm: int, shingle_size: int
-) -> tuple[list[BenchmarkProblem], NearDuplicateIndex]:
+def benchmark_index(names: Sequence[str], threshold: float, num_perm: int, shingle_size: int) -> tuple:
     """The problems of ``names`` and a read-only index of their signatures, reused while no file of them changes."""
     stamps = tuple((name, os.stat(name).st_mtime_ns if os.path.isfile(name) else 0) for name in names)
     return _benchmark_index(stamps, threshold, num_perm, shingle_size)

@@ -102,11 +102,10 @@ def make_arithmetic_dataset(
         raise ValueError(f"Unknown split {split!r}; choose one of {list(SPLITS)}.")
     if num_problems < 1:
         raise ValueError(f"num_problems must be at least 1, got {num_problems}.")
-    if isinstance(levels, str):
-        if not all(part.strip().isdigit() for part in levels.split(",") if part.strip()):
-            raise ValueError(f"levels={levels!r}: give comma-separated integers such as '1,2,3'.")
-        levels = [part for part in levels.split(",") if part.strip()]
-    levels = sorted({int(level) for level in ([levels] if isinstance(levels, int) else levels)})
+    parts = levels.split(",") if isinstance(levels, str) else [levels] if isinstance(levels, int) else levels
+    if isinstance(levels, str) and not all(part.strip().isdigit() for part in parts if part.strip()):
+        raise ValueError(f"levels={levels!r}: give comma-separated integers such as '1,2,3'.")
+    levels = sorted({int(part) for part in parts if str(part).strip()})
     if not levels or any(level not in LEVELS for level in levels):
         raise ValueError(f"levels={levels}: choose among {list(LEVELS)}.")
     rng = random.Random(f"egpo-arithmetic/{split}/{seed}")
