@@ -184,10 +184,8 @@ class OpenR1DataConfig:
 
     def __post_init__(self) -> None:
         known = {f.name for f in dataclasses.fields(InputSpec)}
-        for spec in self.inputs:
-            if not isinstance(spec, InputSpec) and (
-                not isinstance(spec, dict) or set(spec) - known or "subset" not in spec
-            ):
+        for spec in [spec for spec in self.inputs if not isinstance(spec, InputSpec)]:
+            if not isinstance(spec, dict) or set(spec) - known or "subset" not in spec:
                 raise ValueError(f"each input is a mapping with `subset` and some of {sorted(known)}, got {spec!r}.")
         self.inputs = [spec if isinstance(spec, InputSpec) else InputSpec(**spec) for spec in self.inputs]
         subsets = [spec.subset for spec in self.inputs]
@@ -383,7 +381,7 @@ class _Builder:
             "deduplication": (c.deduplicate, minhash),
             "sampling": (True, f"pool {c.pool_size}; subsets {c.subset_ratios}; buckets {c.bucket_ratios}"),
             "validation_split": (c.val_size > 0, f"{c.val_size} held out"),
-            "final_prompt_length": (c.final_max_prompt_tokens is not None, f"prompt <= {final} tokens"),
+            "final_prompt_length": (final is not None, f"prompt <= {final} tokens"),
         }
         self.stages = {
             name: {"name": name, "description": STAGES[name], "enabled": on, "setting": setting, "rows_in": Counter()}

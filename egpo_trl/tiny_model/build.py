@@ -111,15 +111,9 @@ def build_model(tokenizer: Any, config: BuildConfig) -> torch.nn.Module:
     options |= {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
     options |= {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "use_cache": True}
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), **options))
+    sampling = {"do_sample": True, "temperature": config.eval_temperature, "top_p": 1.0, "top_k": 0}
     ids = {"eos_token_id": [tokenizer.eos_token_id], "pad_token_id": tokenizer.pad_token_id}
-    model.generation_config = GenerationConfig(
-        do_sample=True,
-        temperature=config.eval_temperature,
-        top_p=1.0,
-        top_k=0,
-        max_new_tokens=config.max_new_tokens,
-        **ids,
-    )
+    model.generation_config = GenerationConfig(**sampling, max_new_tokens=config.max_new_tokens, **ids)
     return model
 
 
