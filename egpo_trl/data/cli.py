@@ -31,9 +31,9 @@ def parse_overrides(values: dict[str, str]) -> dict[str, Any]:
             value = yaml.safe_load(text)
         except yaml.YAMLError as error:
             raise ValueError(f"--{name} {text!r} is not valid YAML: {error}") from None
-        if base in _WANTED and not (value is None and optional):
-            number = isinstance(value, (int, float) if base == "float" else int) and not isinstance(value, bool)
-            if not (isinstance(value, bool) if base == "bool" else number):
+        expected = {"bool": (bool,), "int": (int,), "float": (int, float)}.get(base)
+        if expected and not (value is None and optional):
+            if not isinstance(value, expected) or (base != "bool" and isinstance(value, bool)):
                 raise ValueError(f"--{name} expects {_WANTED[base]}, got {text!r}.")
             value = float(value) if base == "float" else value
         parsed[name] = value
