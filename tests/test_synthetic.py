@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from egpo_trl.data.synthetic import (
     DEFAULT_INSTRUCTION,
     LEVELS,
+    MAX_OPERAND,
     SPLITS,
     SYNTHETIC_TASKS,
     ArithmeticProblem,
@@ -115,13 +117,13 @@ def test_registry_of_synthetic_tasks():
 @given(level=st.sampled_from(sorted(LEVELS)), seed=st.integers(0, 10**6))
 def test_problems_follow_their_level_and_their_solution_is_right(level, seed):
     problem = sample_problem(level, random.Random(seed))
-    spec = LEVELS[level]
     assert problem.level == level
-    assert len(problem.operators) == spec.num_operations
-    assert all(0 <= operand <= spec.max_operand for operand in problem.operands)
+    assert len(problem.operators) == level
+    assert all(0 <= operand <= MAX_OPERAND for operand in problem.operands)
     # Left-to-right evaluation of + and - is Python's, and every running total stays in [0, 999].
     assert problem.answer == eval(problem.expression)  # noqa: S307 - digits, spaces, + and - only
-    assert all(0 <= result <= 999 for *_, result in problem.steps())
+    signed = [n if op == "+" else -n for op, n in zip(problem.operators, problem.operands[1:])]
+    assert all(0 <= total <= 999 for total in itertools.accumulate(signed, initial=problem.operands[0]))
     assert extract_last_boxed(problem.solution()) == str(problem.answer)
     assert split_of(problem) in SPLITS
 

@@ -13,42 +13,17 @@ from typing import Any
 
 import yaml
 
+from egpo_trl.data.openr1 import OpenR1DataConfig, build_openr1_dataset
 
-def _build_parser() -> argparse.ArgumentParser:
-    from egpo_trl.data.openr1 import OpenR1DataConfig
-
-    parser = argparse.ArgumentParser(prog="egpo-trl data", description="Build training datasets.")
-    commands = parser.add_subparsers(dest="command", metavar="{build}")
-    build = commands.add_parser(
-        "build",
-        help="build the OpenR1-Stable pool (or the same recipe on another pool)",
-        description="Build an RL training pool from OpenR1-Math-220k-style data. Settings given here override the "
-        "recipe; lists and mappings are YAML (e.g. --subset_ratios '{default: 0.9, extended: 0.1}').",
-        argument_default=argparse.SUPPRESS,
-    )
-    build.add_argument("--config", help="YAML recipe, e.g. recipes/data/openr1_stable_10k.yaml")
-    for setting in dataclasses.fields(OpenR1DataConfig):
-        default = setting.default if setting.default_factory is dataclasses.MISSING else setting.default_factory()
-        default = "(see the recipe)" if setting.name == "inputs" else default
-        flag = setting.type == "bool"
-        build.add_argument(
-            f"--{setting.name}",
-            metavar="BOOL" if flag else "VALUE",
-            nargs="?" if flag else None,
-            const="true" if flag else None,
-            help=f"{setting.metadata['help']} (default: {default})".replace("%", "%%"),
-        )
-    return parser
+_TYPES = {f.name: (str(f.type).split(" |")[0], "None" in str(f.type)) for f in dataclasses.fields(OpenR1DataConfig)}
+_WANTED = {"bool": "true or false", "int": "an integer", "float": "a number"}
 
 
 def parse_overrides(values: dict[str, str]) -> dict[str, Any]:
     """Command-line strings as setting values: text settings as given (``null``: none), the others read as YAML."""
-    from egpo_trl.data.openr1 import OpenR1DataConfig
-
-    types = {f.name: str(f.type) for f in dataclasses.fields(OpenR1DataConfig)}
     parsed: dict[str, Any] = {}
     for name, text in values.items():
-        base, optional = types[name].split(" |")[0], "None" in types[name]
+        base, optional = _TYPES[name]
         if base == "str":
             parsed[name] = None if optional and text.lower() in ("null", "none", "~") else text
             continue
@@ -59,14 +34,13 @@ def parse_overrides(values: dict[str, str]) -> dict[str, Any]:
         expected = {"bool": (bool,), "int": (int,), "float": (int, float)}.get(base)
         if expected and not (value is None and optional):
             if not isinstance(value, expected) or (base != "bool" and isinstance(value, bool)):
-                wanted = {"bool": "true or false", "int": "an integer", "float": "a number"}[base]
-                raise ValueError(f"--{name} expects {wanted}, got {text!r}.")
+                raise ValueError(f"--{name} expects {_WANTED[base]}, got {text!r}.")
             value = float(value) if base == "float" else value
         parsed[name] = value
     return parsed
 
 
-def hub_problem(config) -> str | None:
+def hub_problem(config: OpenR1DataConfig) -> str | None:
     """Why the build cannot read its Hub inputs or tokenizer here, in one line naming the fix (``None``: it can)."""
     import urllib.error
     import urllib.request
@@ -85,10 +59,8 @@ def hub_problem(config) -> str | None:
         "build where the Hub can be reached and copy the output folder here, or read local copies (an input's "
         "`data_files: [/data/openr1/data/train-*.parquet]`, `tokenizer: /path/to/model`)"
     )
-    if any(
-        os.environ.get(key, "").strip().lower() in ("1", "true", "yes", "on")
-        for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    ):
+    offline = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    if any(os.environ.get(key, "").strip().lower() in ("1", "true", "yes", "on") for key in offline):
         return f"{names} HF_HUB_OFFLINE is set; unset it, or {fix}."
     endpoint = constants.ENDPOINT.rstrip("/")
     try:
@@ -105,21 +77,32 @@ def hub_problem(config) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _build_parser()
+    parser = argparse.ArgumentParser(prog="egpo-trl data", description="Build training datasets.")
+    build = parser.add_subparsers(dest="command", metavar="{build}").add_parser(
+        "build",
+        help="build the OpenR1-Stable pool (or the same recipe on another pool)",
+        description="Build an RL training pool from OpenR1-Math-220k-style data. Settings given here override the "
+        "recipe; lists and mappings are YAML (e.g. --subset_ratios '{default: 0.9, extended: 0.1}').",
+        argument_default=argparse.SUPPRESS,
+    )
+    build.add_argument("--config", help="YAML recipe, e.g. recipes/data/openr1_stable_10k.yaml")
+    for setting in dataclasses.fields(OpenR1DataConfig):
+        default = setting.default if setting.default_factory is dataclasses.MISSING else setting.default_factory()
+        default = "(see the recipe)" if setting.name == "inputs" else default
+        flag = {"metavar": "BOOL", "nargs": "?", "const": "true"} if _TYPES[setting.name][0] == "bool" else {}
+        described = f"{setting.metadata['help']} (default: {default})".replace("%", "%%")
+        build.add_argument(f"--{setting.name}", **({"metavar": "VALUE"} | flag), help=described)
     args = vars(parser.parse_args(argv))
     command = args.pop("command", None)
     if command is None:
         parser.print_help()
-        return 0 if not argv else 2
-    from egpo_trl.data.openr1 import OpenR1DataConfig, build_openr1_dataset
-
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config_path = args.pop("config", None)
     try:
         overrides = parse_overrides(args)
         config = OpenR1DataConfig.from_yaml(config_path, overrides) if config_path else OpenR1DataConfig(**overrides)
-        problem = hub_problem(config)
-        if problem:
+        if problem := hub_problem(config):
             print(f"egpo-trl data {command}: {problem}", file=sys.stderr)
             return 2
         result = build_openr1_dataset(config, command=shlex.join(["egpo-trl", "data", *argv]))

@@ -9,15 +9,15 @@ import json
 import os
 import re
 import unicodedata
+from collections import namedtuple
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
+import pyarrow.parquet as pq
 from datasketch import MinHash, MinHashLSH
 
 BENCHMARK_DIR = Path(__file__).resolve().parent / "benchmarks"
-
 # Vendored evaluation sets: name -> (file inside BENCHMARK_DIR, field holding the problem text).
 DECONTAMINATION_BENCHMARKS: dict[str, tuple[str, str]] = {
     "math500": ("math500/test.jsonl", "problem"),
@@ -27,27 +27,24 @@ DECONTAMINATION_BENCHMARKS: dict[str, tuple[str, str]] = {
     "minerva_math": ("minerva_math/test.jsonl", "problem"),
     "mmlu_stem": ("mmlu_stem/test.jsonl", "question"),
 }
-
-_TOKEN_RE = re.compile(r"\w+|[^\w\s]")
-_SPACE_RE = re.compile(r"\s+")
-
-
-def normalize_problem(text: str) -> str:
-    """Canonical form of a problem statement for similarity: NFKC, lower case, no ``$``, single spaces."""
-    text = unicodedata.normalize("NFKC", text or "").lower()
-    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("$", " ")
-    return _SPACE_RE.sub(" ", text).strip()
+BenchmarkProblem = namedtuple("BenchmarkProblem", "benchmark index text")
 
 
 def shingles(text: str, size: int = 3) -> set[bytes]:
-    """The word ``size``-gram shingles of a problem (a text shorter than ``size`` units is one shingle)."""
-    tokens = _TOKEN_RE.findall(normalize_problem(text))
+    """The word ``size``-gram shingles of a problem (NFKC, lower case, no ``$``; a shorter text is one shingle)."""
+    text = unicodedata.normalize("NFKC", text or "").lower()
+    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("$", " ")
+    tokens = re.findall(r"\w+|[^\w\s]", text)
     return {" ".join(tokens[i : i + size]).encode("utf-8") for i in range(max(len(tokens) - size, 0) + 1)}
 
 
 def minhashes(texts: Sequence[str], num_perm: int = 128, shingle_size: int = 3) -> list[MinHash]:
     """MinHash signatures of ``texts`` (one per text, ``num_perm`` permutations, fixed hash seed)."""
     return MinHash.bulk((sorted(shingles(text, shingle_size)) for text in texts), num_perm=num_perm)
+
+
+def _band_key(band: bytes) -> bytes:
+    return hashlib.blake2b(band, digest_size=8).digest()
 
 
 class NearDuplicateIndex:
@@ -60,10 +57,9 @@ class NearDuplicateIndex:
         self._signatures: list[np.ndarray] = []
 
     def add(self, minhash: MinHash) -> int:
-        key = len(self._signatures)
-        self._lsh.insert(key, minhash, check_duplication=False)
+        self._lsh.insert(len(self._signatures), minhash, check_duplication=False)
         self._signatures.append(np.array(minhash.hashvalues, copy=True))
-        return key
+        return len(self._signatures) - 1
 
     def best_match(self, minhash: MinHash) -> tuple[int, float] | None:
         """``(position, estimated Jaccard)`` of the most similar stored item at or above the threshold (earliest on ties), or ``None``."""
@@ -73,18 +69,6 @@ class NearDuplicateIndex:
             if similarity >= self.threshold and (best is None or similarity > best[1]):
                 best = (key, similarity)
         return best
-
-
-def _band_key(band: bytes) -> bytes:
-    return hashlib.blake2b(band, digest_size=8).digest()
-
-
-class BenchmarkProblem(NamedTuple):
-    """One evaluation problem used for decontamination."""
-
-    benchmark: str
-    index: int
-    text: str
 
 
 def load_benchmark_problems(names: Sequence[str]) -> list[BenchmarkProblem]:
@@ -99,8 +83,6 @@ def load_benchmark_problems(names: Sequence[str]) -> list[BenchmarkProblem]:
                 f"({', '.join(DECONTAMINATION_BENCHMARKS)}) nor an existing .jsonl/.json/.parquet file."
             )
         if path.suffix == ".parquet":
-            import pyarrow.parquet as pq
-
             rows = pq.read_table(path).to_pylist()
         elif path.suffix == ".json":
             rows = json.loads(path.read_text(encoding="utf-8"))
@@ -113,9 +95,7 @@ def load_benchmark_problems(names: Sequence[str]) -> list[BenchmarkProblem]:
     return problems
 
 
-def benchmark_index(
-    names: Sequence[str], threshold: float, num_perm: int, shingle_size: int
-) -> tuple[list[BenchmarkProblem], NearDuplicateIndex]:
+def benchmark_index(names: Sequence[str], threshold: float, num_perm: int, shingle_size: int) -> tuple:
     """The problems of ``names`` and a read-only index of their signatures, reused while no file of them changes."""
     stamps = tuple((name, os.stat(name).st_mtime_ns if os.path.isfile(name) else 0) for name in names)
     return _benchmark_index(stamps, threshold, num_perm, shingle_size)

@@ -16,7 +16,7 @@ import random
 import re
 import shutil
 import time
-from collections import Counter
+from collections import Counter, namedtuple
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,13 +42,12 @@ STAGES = {
     "validation_split": "validation problems held out of the pool",
     "final_prompt_length": "prompts longer than `final_max_prompt_tokens` dropped",
 }
-_CHOICES = {
-    "response_length_source": ("solution", "shortest_generation", "all_generations"),
-    "correctness_source": ("math_verify", "llama", "either"),
-}
 _MARKER = "build_config.yaml"
 _OPENR1_COLUMNS = "problem solution answer source uuid generations correctness_math_verify correctness_llama".split()
 RECORD_COLUMNS = ["prompt", "answer", "problem", "id", "subset", "bucket", "source"]
+_Candidate = namedtuple("_Candidate", "id subset index problem answer source bucket")
+# What build_openr1_dataset produced: the splits (a DatasetDict), the statistics and where they were written.
+BuildResult = namedtuple("BuildResult", "dataset stats output_dir report_path")
 
 
 @dataclass
@@ -78,43 +77,31 @@ class InputSpec:
     def describe(self) -> str:
         if self.data_files:
             return f"local files {', '.join(self.data_files)}"
-        where = f"{self.path} (config {self.name or 'default'}, split {self.split}"
-        return where + (f", revision {self.revision})" if self.revision else ")")
+        revision = f", revision {self.revision}" if self.revision else ""
+        return f"{self.path} (config {self.name or 'default'}, split {self.split}{revision})"
 
     def stream(self):
         """The input as a streamed ``datasets.IterableDataset`` (``limit`` rows at most)."""
         from datasets import load_dataset
 
         columns = {"columns": self.columns} if self.columns else {}
+        source, options = (self.path, self.name), {"split": self.split, "revision": self.revision}
         if self.data_files:
             files = [sorted(glob.glob(os.path.expanduser(name))) for name in self.data_files]
             if not all(files):
-                raise FileNotFoundError(
-                    f"input {self.subset!r}: no file matches one of {self.data_files} (cwd {os.getcwd()})."
-                )
-            files = [n for matches in files for n in matches]
-            kinds = {
-                "parquet" if n.lower().endswith(".parquet") else "json" if ".json" in n.lower() else None
-                for n in files
-            }
-            if len(kinds) != 1 or None in kinds:
-                raise ValueError(
-                    f"input {self.subset!r}: data_files must all be parquet or all be jsonl/json, got {files}."
-                )
-            kind = kinds.pop()
+                raise FileNotFoundError(f"input {self.subset!r}: no file matches {self.data_files}, cwd {os.getcwd()}")
+            files = [name for matches in files for name in matches]
+            kind = "parquet" if all(name.lower().endswith(".parquet") for name in files) else "json"
+            if kind == "json" and not all(".json" in name.lower() for name in files):
+                raise ValueError(f"{self.subset!r}: data_files must all be parquet or all be jsonl/json: {files}")
+            source, options = (kind,), {"data_files": files, "split": "train"}
             columns = columns if kind == "parquet" else {}
-            stream = load_dataset(kind, data_files=files, split="train", streaming=True, **columns)
-        else:
-            stream = load_dataset(
-                self.path, self.name, split=self.split, revision=self.revision, streaming=True, **columns
-            )
+        stream = load_dataset(*source, streaming=True, **options, **columns)
         return stream if self.limit is None else stream.take(self.limit)
 
 
 def _setting(default: Any, help: str) -> Any:
-    if callable(default):
-        return field(default_factory=default, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+    return field(**{"default_factory" if callable(default) else "default": default}, metadata={"help": help})
 
 
 @dataclass
@@ -196,15 +183,29 @@ class OpenR1DataConfig:
     report_examples: int = _setting(5, "Examples of removed rows shown per stage in the report.")
 
     def __post_init__(self) -> None:
-        self.inputs = [spec if isinstance(spec, InputSpec) else _input_from_dict(spec) for spec in self.inputs]
+        known = {f.name for f in dataclasses.fields(InputSpec)}
+        for spec in [spec for spec in self.inputs if not isinstance(spec, InputSpec)]:
+            if not isinstance(spec, dict) or set(spec) - known or "subset" not in spec:
+                raise ValueError(f"each input is a mapping with `subset` and some of {sorted(known)}, got {spec!r}.")
+        self.inputs = [spec if isinstance(spec, InputSpec) else InputSpec(**spec) for spec in self.inputs]
         subsets = [spec.subset for spec in self.inputs]
         if not subsets or len(set(subsets)) != len(subsets):
             raise ValueError(f"`inputs` must hold at least one pool, with distinct subset labels; got {subsets}.")
-        for name, choices in _CHOICES.items():
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(choices)}.")
-        self.subset_ratios = _check_ratios("subset_ratios", self.subset_ratios)
-        self.bucket_ratios = _check_ratios("bucket_ratios", self.bucket_ratios)
+        for name, choices in (
+            ("response_length_source", "solution, shortest_generation, all_generations"),
+            ("correctness_source", "math_verify, llama, either"),
+        ):
+            if getattr(self, name) not in choices.split(", "):
+                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {choices}.")
+        for name in ("subset_ratios", "bucket_ratios"):
+            ratios = getattr(self, name)
+            if not isinstance(ratios, dict) or not ratios:
+                raise ValueError(f"{name} must be a non-empty mapping such as {{default: 0.85, extended: 0.15}}.")
+            ratios = {str(key): float(value) for key, value in ratios.items()}
+            total = sum(ratios.values())
+            if any(value < 0 for value in ratios.values()) or not math.isclose(total, 1.0, abs_tol=1e-6):
+                raise ValueError(f"{name} must be non-negative and sum to 1, got {ratios} (sum {total:g}).")
+            setattr(self, name, ratios)
         if set(self.bucket_ratios) - set(BUCKETS):
             raise ValueError(f"bucket_ratios has unknown buckets {sorted(set(self.bucket_ratios) - set(BUCKETS))}.")
         if set(self.subset_ratios) != set(subsets):
@@ -215,18 +216,14 @@ class OpenR1DataConfig:
         for name in ("max_prompt_tokens", "max_response_tokens", "final_max_prompt_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or null (disabled), got {getattr(self, name)}.")
-            if getattr(self, name) is not None and not self.tokenizer:
+            if getattr(self, name) and not self.tokenizer:
                 raise ValueError(f"tokenizer is null but {name} counts tokens: set a tokenizer, or {name}: null.")
         if not 0 <= self.val_size < self.pool_size:
             raise ValueError(f"val_size must be >= 0 and smaller than pool_size ({self.pool_size}): {self.val_size}.")
-        if self.min_generations < 0:
-            raise ValueError(f"min_generations must be >= 0, got {self.min_generations}.")
         if not 0.0 < self.minhash_threshold <= 1.0:
             raise ValueError(f"minhash_threshold must be in (0, 1], got {self.minhash_threshold}.")
         if self.max_source_fraction is not None and not 0.0 < self.max_source_fraction <= 1.0:
             raise ValueError(f"max_source_fraction must be in (0, 1] or null, got {self.max_source_fraction}.")
-        if self.decontaminate and not self.decontamination_benchmarks:
-            raise ValueError("decontaminate is true but decontamination_benchmarks is empty.")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> OpenR1DataConfig:
@@ -244,25 +241,6 @@ class OpenR1DataConfig:
             raise ValueError(f"{path}: a recipe must be a YAML mapping of settings, got {type(values).__name__}.")
         return cls.from_dict({**values, **(overrides or {})})
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def _input_from_dict(values: Any) -> InputSpec:
-    known = {f.name for f in dataclasses.fields(InputSpec)}
-    if not isinstance(values, dict) or set(values) - known or "subset" not in values:
-        raise ValueError(f"each input is a mapping with `subset` and some of {sorted(known)}, got {values!r}.")
-    return InputSpec(**values)
-
-
-def _check_ratios(name: str, ratios: Any) -> dict[str, float]:
-    if not isinstance(ratios, dict) or not ratios:
-        raise ValueError(f"{name} must be a non-empty mapping such as {{default: 0.85, extended: 0.15}}: {ratios!r}.")
-    ratios = {str(key): float(value) for key, value in ratios.items()}
-    if any(value < 0 for value in ratios.values()) or not math.isclose(sum(ratios.values()), 1.0, abs_tol=1e-6):
-        raise ValueError(f"{name} must be non-negative and sum to 1, got {ratios} (sum {sum(ratios.values()):g}).")
-    return ratios
-
 
 _THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _LATEX_SPACE_RE = re.compile(r"\\[,;:! ]")
@@ -270,17 +248,9 @@ _MULTI_WORD_RE = re.compile(r"\\text\s*\{\s*(?:or|and)\s*\}|\b(?:or|and)\b|\\q?q
 
 
 def _answer_text(answer: Any) -> str:
-    if answer is None:
-        return ""
     if isinstance(answer, float) and answer.is_integer():
         return str(int(answer))
-    return str(answer).strip()
-
-
-def _single_answer(answer: Any) -> str:
-    if isinstance(answer, (list, tuple)):
-        return next((_answer_text(item) for item in answer if not is_empty_answer(item)), "")
-    return _answer_text(answer)
+    return "" if answer is None else str(answer).strip()
 
 
 def is_empty_answer(answer: Any) -> bool:
@@ -311,8 +281,7 @@ def is_single_value_answer(answer: Any) -> bool:
 
 def correctness_bucket(row: dict[str, Any], source: str = "math_verify") -> str:
     """``mixed``, ``entirely_correct``, ``entirely_incorrect`` or ``unknown`` from the recorded correctness flags."""
-    verify = row.get("correctness_math_verify") or []
-    llama = row.get("correctness_llama") or []
+    verify, llama = row.get("correctness_math_verify") or [], row.get("correctness_llama") or []
     if source == "either":
         flags = [bool(a) or bool(b) for a, b in itertools.zip_longest(verify, llama, fillvalue=False)]
     else:
@@ -342,23 +311,9 @@ def apportion(total: int, ratios: dict[str, float]) -> dict[str, int]:
     return counts
 
 
-@dataclass(slots=True)
-class _Candidate:
-    id: str
-    subset: str
-    index: int
-    problem: str
-    answer: str
-    source: str
-    bucket: str
-
-
 def sample_pool(candidates: Sequence[Any], config: OpenR1DataConfig) -> tuple[list[Any], dict[str, Any]]:
-    """Draw ``pool_size`` problems split by ``subset_ratios``, each subset by ``bucket_ratios``; short cells are
-    filled (``fill_shortfall``) from the subset's other buckets, then from other subsets. Returns the pool and a
-    summary."""
-    subsets = list(config.subset_ratios)
-    present = {candidate.bucket for candidate in candidates}
+    """``pool_size`` problems by ``subset_ratios`` and ``bucket_ratios`` (short cells filled), and a summary."""
+    subsets, present = list(config.subset_ratios), {candidate.bucket for candidate in candidates}
     buckets = sorted(config.bucket_ratios, key=lambda name: (-config.bucket_ratios[name], BUCKETS.index(name)))
     buckets += [name for name in BUCKETS if name in present and name not in buckets]
     cells: dict[tuple[str, str], list[Any]] = {(s, b): [] for s in subsets for b in buckets}
@@ -367,14 +322,10 @@ def sample_pool(candidates: Sequence[Any], config: OpenR1DataConfig) -> tuple[li
     for (subset, bucket), members in cells.items():
         random.Random(f"{config.seed}:{subset}:{bucket}").shuffle(members)
 
-    cap = None
-    if config.max_source_fraction is not None:
-        cap = max(1, math.floor(config.max_source_fraction * min(config.pool_size, len(candidates))))
-    per_source: Counter = Counter()
+    fraction, pool, taken, per_source = config.max_source_fraction, [], Counter(), Counter()
+    cap = None if fraction is None else max(1, math.floor(fraction * min(config.pool_size, len(candidates))))
     subset_quota = apportion(config.pool_size, config.subset_ratios)
     summary: dict[str, Any] = {"cells": [], "filled": [], "requested": config.pool_size, "source_cap": cap}
-    pool: list[Any] = []
-    taken: Counter = Counter()
 
     def take(cell: tuple[str, str], count: int) -> list[Any]:
         chosen, rest = [], []
@@ -407,135 +358,88 @@ def sample_pool(candidates: Sequence[Any], config: OpenR1DataConfig) -> tuple[li
                 chosen = take(cell, wanted) if wanted > 0 else []
                 wanted -= len(chosen)
                 if chosen:
-                    summary["filled"].append(
-                        {"subset": cell[0], "bucket": cell[1], "count": len(chosen), "for": subset or "any subset"}
-                    )
+                    filled = {"subset": cell[0], "bucket": cell[1], "count": len(chosen)}
+                    summary["filled"].append(filled | {"for": subset or "any subset"})
     summary["size"] = len(pool)
     return pool, summary
 
 
-def _stage_stats(c: OpenR1DataConfig) -> dict[str, dict[str, Any]]:
-    """Each stage's switch, setting and counts, in the order ``stats.json`` lists them."""
-    minhash = f"num_perm={c.minhash_num_perm}, threshold={c.minhash_threshold}"
-    stages = {
-        "answer": (
-            c.require_single_value_answer or c.drop_empty_answers,
-            f"single value: {c.require_single_value_answer}; drop empty: {c.drop_empty_answers}",
-        ),
-        "min_generations": (c.min_generations > 0, f">= {c.min_generations} generations"),
-        "length": (
-            c.max_prompt_tokens is not None or c.max_response_tokens is not None,
-            f"prompt <= {c.max_prompt_tokens}; {c.response_length_source} <= {c.max_response_tokens} tokens",
-        ),
-        "boxed_match": (c.boxed_match_filter, "solution or any generation"),
-        "decontamination": (c.decontaminate, f"{', '.join(c.decontamination_benchmarks)}; {minhash}"),
-        "deduplication": (c.deduplicate, minhash),
-        "sampling": (True, f"pool {c.pool_size}; subsets {c.subset_ratios}; buckets {c.bucket_ratios}"),
-        "validation_split": (c.val_size > 0, f"{c.val_size} held out"),
-        "final_prompt_length": (
-            c.final_max_prompt_tokens is not None,
-            f"prompt <= {c.final_max_prompt_tokens} tokens",
-        ),
-    }
-    return {
-        name: {"name": name, "description": STAGES[name], "enabled": on, "setting": setting, "rows_in": Counter()}
-        | {"rows_out": Counter(), "removed": 0, "reasons": Counter(), "examples": []}
-        for name, (on, setting) in stages.items()
-    }
-
-
-@dataclass
-class BuildResult:
-    """What :func:`build_openr1_dataset` produced: the splits, the statistics and where they were written."""
-
-    dataset: Any  # datasets.DatasetDict with "train" and "validation"
-    stats: dict[str, Any]
-    output_dir: Path
-    report_path: Path
-
-
 class _Builder:
     def __init__(self, config: OpenR1DataConfig, command: str | None, removal_log) -> None:
-        self.config = config
-        self.command = command
-        self.removal_log = removal_log
-        self.stages = _stage_stats(config)
-        self.boxed_match_via: Counter = Counter()
-        self.contamination: Counter = Counter()
-        self.pool_index = NearDuplicateIndex(config.minhash_threshold, config.minhash_num_perm)
+        self.config, self.command, self.removal_log = config, command, removal_log
+        c = config
+        minhash = f"num_perm={c.minhash_num_perm}, threshold={c.minhash_threshold}"
+        answers = f"single value: {c.require_single_value_answer}; drop empty: {c.drop_empty_answers}"
+        final = c.final_max_prompt_tokens
+        lengths = f"prompt <= {c.max_prompt_tokens}; {c.response_length_source} <= {c.max_response_tokens} tokens"
+        stages = {
+            "answer": (c.require_single_value_answer or c.drop_empty_answers, answers),
+            "min_generations": (c.min_generations > 0, f">= {c.min_generations} generations"),
+            "length": (c.max_prompt_tokens is not None or c.max_response_tokens is not None, lengths),
+            "boxed_match": (c.boxed_match_filter, "solution or any generation"),
+            "decontamination": (c.decontaminate, f"{', '.join(c.decontamination_benchmarks)}; {minhash}"),
+            "deduplication": (c.deduplicate, minhash),
+            "sampling": (True, f"pool {c.pool_size}; subsets {c.subset_ratios}; buckets {c.bucket_ratios}"),
+            "validation_split": (c.val_size > 0, f"{c.val_size} held out"),
+            "final_prompt_length": (final is not None, f"prompt <= {final} tokens"),
+        }
+        self.stages = {
+            name: {"name": name, "description": STAGES[name], "enabled": on, "setting": setting, "rows_in": Counter()}
+            | {"rows_out": Counter(), "removed": 0, "reasons": Counter(), "examples": []}
+            for name, (on, setting) in stages.items()
+        }
+        self.boxed_match_via, self.contamination = Counter(), Counter()
+        self.pool_index = NearDuplicateIndex(c.minhash_threshold, c.minhash_num_perm)
         self.pool_members: list[tuple[str, str]] = []  # (id, problem) of the rows in `pool_index`, by position
-        if config.decontaminate:
+        if c.decontaminate:
             self.benchmark_problems, self.benchmark_index = benchmark_index(
-                config.decontamination_benchmarks,
-                config.minhash_threshold,
-                config.minhash_num_perm,
-                config.shingle_size,
+                c.decontamination_benchmarks, c.minhash_threshold, c.minhash_num_perm, c.shingle_size
             )
 
     @functools.cached_property
     def tokenizer(self):
         from transformers import AutoTokenizer
 
+        name = self.config.tokenizer
         try:
-            tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer)
+            tokenizer = AutoTokenizer.from_pretrained(name)
         except Exception as error:
             raise ValueError(
-                f"could not load the tokenizer {self.config.tokenizer!r} ({error}). Set `tokenizer` to a hub name "
-                "or a local folder holding tokenizer files."
+                f"could not load the tokenizer {name!r} ({error}); set `tokenizer` to a hub name or a local folder."
             ) from error
         if not tokenizer.chat_template and (self.config.max_prompt_tokens or self.config.final_max_prompt_tokens):
-            logger.warning(
-                "Tokenizer %s has no chat template: counting the prompts' text only.", self.config.tokenizer
-            )
+            logger.warning("Tokenizer %s has no chat template: counting the prompts' text only.", name)
         return tokenizer
 
     def prompt_messages(self, problem: str) -> list[dict[str, str]]:
-        content = problem.strip()
-        if self.config.user_instruction:
-            content = f"{content}\n{self.config.user_instruction}"
-        messages = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
-        return messages + [{"role": "user", "content": content}]
+        system, instruction = self.config.system_prompt, self.config.user_instruction
+        content = f"{problem.strip()}\n{instruction}" if instruction else problem.strip()
+        return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
 
-    def prompt_token_counts(self, problems: Sequence[str]) -> list[int]:
-        conversations = [self.prompt_messages(problem) for problem in problems]
-        if not conversations:
-            return []
-        if self.tokenizer.chat_template:
-            texts = self.tokenizer.apply_chat_template(conversations, tokenize=False, add_generation_prompt=True)
-        else:
-            texts = ["\n\n".join(message["content"] for message in messages) for messages in conversations]
-        return self.token_counts(texts)
-
-    def token_counts(self, texts: Sequence[str]) -> list[int]:
-        if not texts:
-            return []
-        return [len(ids) for ids in self.tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]]
-
-    def drop(self, stage: str, rows: list[dict], verdicts) -> list[dict]:
-        """Keep the rows whose verdict is ``None``; log the others' ``(reason, details)`` as removed by ``stage``."""
-        kept = []
-        for row, verdict in zip(rows, verdicts):
-            if verdict is None:
-                kept.append(row)
-                continue
-            stats = self.stages[stage]
-            stats["reasons"][verdict[0]] += 1
-            record = {"stage": stage, "reason": verdict[0], "id": row["_id"], "subset": row["_subset"]}
-            record.update(index=row["_index"], **verdict[1])
-            self.removal_log.write(json.dumps(record, ensure_ascii=False) + "\n")
-            if len(stats["examples"]) < self.config.report_examples:
-                example = {**record, "problem": _snippet(row.get("problem", ""))}
-                if "answer" in row:
-                    example["answer"] = _snippet(_answer_text(row["answer"]), 80)
-                stats["examples"].append(example)
-        return kept
+    def token_counts(self, texts: list[str]) -> list[int]:
+        encoded = self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
+        return [len(ids) for ids in encoded]
 
     def run_stage(self, name: str, rows: list[dict], *checks) -> list[dict]:
-        """Drop the rows each ``check(rows) -> verdicts`` rejects in turn when the stage is on; count rows in and out."""
+        """The rows no ``check(rows)`` rejects with a ``(reason, details)`` verdict, counted and logged."""
         stats = self.stages[name]
         stats["rows_in"].update(row["_subset"] for row in rows)
         for check in checks if stats["enabled"] else ():
-            rows = self.drop(name, rows, check(rows))
+            kept = []
+            for row, verdict in zip(rows, check(rows)):
+                if verdict is None:
+                    kept.append(row)
+                    continue
+                stats["reasons"][verdict[0]] += 1
+                record = {"stage": name, "reason": verdict[0], "id": row["_id"], "subset": row["_subset"]}
+                record.update(index=row["_index"], **verdict[1])
+                self.removal_log.write(json.dumps(record, ensure_ascii=False) + "\n")
+                if len(stats["examples"]) < self.config.report_examples:
+                    example = {**record, "problem": _snippet(row.get("problem", ""))}
+                    if "answer" in row:
+                        example["answer"] = _snippet(_answer_text(row["answer"]), 80)
+                    stats["examples"].append(example)
+            rows = kept
         stats["rows_out"].update(row["_subset"] for row in rows)
         return rows
 
@@ -551,8 +455,12 @@ class _Builder:
         return ("too_few_generations", {"generations": count}) if count < self.config.min_generations else None
 
     def prompt_verdicts(self, rows, limit, **details):
-        counts = self.prompt_token_counts([row["problem"] for row in rows])
-        return [("prompt_too_long", {"tokens": n, **details}) if n > limit else None for n in counts]
+        conversations = [self.prompt_messages(row["problem"]) for row in rows]
+        if conversations and self.tokenizer.chat_template:
+            texts = self.tokenizer.apply_chat_template(conversations, tokenize=False, add_generation_prompt=True)
+        else:
+            texts = ["\n\n".join(message["content"] for message in messages) for messages in conversations]
+        return [("prompt_too_long", {"tokens": n, **details}) if n > limit else None for n in self.token_counts(texts)]
 
     def response_verdicts(self, rows):
         source = self.config.response_length_source
@@ -604,73 +512,42 @@ class _Builder:
         rows = self.run_stage("min_generations", rows, lambda rows: map(self.generations_verdict, rows))
         rows = self.run_stage("length", rows, *length_checks)
         rows = self.run_stage("boxed_match", rows, lambda rows: map(self.boxed_verdict, rows))
-        if c.decontaminate or c.deduplicate:
-            signatures = (
-                minhashes([row["problem"] for row in rows], c.minhash_num_perm, c.shingle_size) if rows else []
-            )
-            for row, signature in zip(rows, signatures):
-                row["_minhash"] = signature
+        problems = [row["problem"] for row in rows] if c.decontaminate or c.deduplicate else []
+        for row, signature in zip(rows, minhashes(problems, c.minhash_num_perm, c.shingle_size) if problems else []):
+            row["_minhash"] = signature
         rows = self.run_stage("decontamination", rows, lambda rows: map(self.contamination_verdict, rows))
         rows = self.run_stage("deduplication", rows, lambda rows: map(self.duplicate_verdict, rows))
-        return [
-            _Candidate(
-                row["_id"],
-                row["_subset"],
-                row["_index"],
-                row["problem"].strip(),
-                _single_answer(row["answer"]),
-                str(row.get("source") or "unknown"),
-                correctness_bucket(row, c.correctness_source),
-            )
-            for row in rows
-        ]
+        candidates = []
+        for row in rows:
+            answer = row["answer"]
+            if isinstance(answer, (list, tuple)):  # the first non-empty value
+                answer = next((item for item in answer if not is_empty_answer(item)), "")
+            values = (row["problem"].strip(), _answer_text(answer), str(row.get("source") or "unknown"))
+            bucket = correctness_bucket(row, c.correctness_source)
+            candidates.append(_Candidate(row["_id"], row["_subset"], row["_index"], *values, bucket))
+        return candidates
 
     def read_chunks(self, spec: InputSpec):
         """The rows of ``spec`` in chunks of ``chunk_size``, each tagged with its ``_id``, ``_subset`` and ``_index``."""
-        index = 0
-        for batch in spec.stream().iter(batch_size=self.config.chunk_size):
-            if index == 0:
-                self.check_columns(spec, set(batch))
-            rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-            for row in rows:
-                row.update(_id=str(row.get("uuid") or f"{spec.subset}-{index:07d}"), _subset=spec.subset, _index=index)
-                row["problem"] = str(row.get("problem") or "")
-                index += 1
-            yield rows
-
-    def check_columns(self, spec: InputSpec, columns: set[str]) -> None:
-        c = self.config
-        needed = {"problem", "answer"} | {
-            name
-            for name, used in {
-                "generations": c.min_generations > 0 or c.boxed_match_filter or c.response_length_source != "solution",
-                "correctness_math_verify": c.correctness_source in ("math_verify", "either"),
-                "correctness_llama": c.correctness_source in ("llama", "either"),
-                "solution": c.max_response_tokens is not None and c.response_length_source == "solution",
-            }.items()
-            if used
+        c, indices = self.config, itertools.count()
+        uses = {
+            "generations": c.min_generations > 0 or c.boxed_match_filter or c.response_length_source != "solution",
+            "correctness_math_verify": c.correctness_source in ("math_verify", "either"),
+            "correctness_llama": c.correctness_source in ("llama", "either"),
+            "solution": c.max_response_tokens is not None and c.response_length_source == "solution",
         }
-        if needed - columns:
-            raise ValueError(
-                f"input {spec.subset!r} ({spec.describe()}) lacks the column(s) {sorted(needed - columns)} of "
-                f"OpenR1-Math-220k's schema; it has {sorted(columns)}. Add them, or disable the stages that need them."
-            )
-
-    def final_filter(self, splits: dict[str, list[_Candidate]]) -> dict[str, list[_Candidate]]:
-        """Stage 9: drop the prompts longer than ``final_max_prompt_tokens`` from both splits."""
-        limit = self.config.final_max_prompt_tokens
-        for name, members in splits.items():
-            rows = [
-                {"_id": m.id, "_subset": m.subset, "_index": m.index, "problem": m.problem, "_c": m} for m in members
-            ]
-            rows = self.run_stage(
-                "final_prompt_length", rows, lambda rows, split=name: self.prompt_verdicts(rows, limit, split=split)
-            )
-            splits[name] = [row["_c"] for row in rows]
-        return splits
-
-    def record(self, cand: _Candidate) -> dict[str, Any]:
-        return {"prompt": self.prompt_messages(cand.problem)} | {key: getattr(cand, key) for key in RECORD_COLUMNS[1:]}
+        needed = {"problem", "answer"} | {name for name, used in uses.items() if used}
+        for batch in spec.stream().iter(batch_size=c.chunk_size):
+            if needed - set(batch):
+                raise ValueError(
+                    f"input {spec.subset!r} ({spec.describe()}) lacks the column(s) {sorted(needed - set(batch))} of "
+                    f"OpenR1-Math-220k's schema; it has {sorted(batch)}. Add them, or disable the stages that need them."
+                )
+            rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+            for row, index in zip(rows, indices):
+                uid = row.get("uuid") or f"{spec.subset}-{index:07d}"
+                row.update(_id=str(uid), _subset=spec.subset, _index=index, problem=str(row.get("problem") or ""))
+            yield rows
 
     def build(self, started: float) -> tuple[Any, dict[str, Any]]:
         """Run the stages; the splits as a ``DatasetDict`` and the statistics of the build."""
@@ -684,9 +561,7 @@ class _Builder:
             for rows in self.read_chunks(spec):
                 rows_read[spec.subset] += len(rows)
                 candidates += self.process_chunk(rows)
-                logger.info(
-                    "%s: %d rows read, %d candidates so far", spec.subset, rows_read[spec.subset], len(candidates)
-                )
+                logger.info("%s: %d rows read, %d candidates", spec.subset, rows_read[spec.subset], len(candidates))
         candidate_buckets = Counter((cand.subset, cand.bucket) for cand in candidates)
 
         self.stages["sampling"]["rows_in"].update(cand.subset for cand in candidates)
@@ -700,28 +575,27 @@ class _Builder:
         random.Random(f"{c.seed}:validation").shuffle(order)
         splits = {"train": order[c.val_size :], "validation": order[: c.val_size]}
         self.stages["validation_split"]["rows_out"].update(cand.subset for cand in splits["train"])
-        splits = self.final_filter(splits)
+        for name, members in splits.items():  # stage 9 on both splits
+            rows = [dict(_id=m.id, _subset=m.subset, _index=m.index, problem=m.problem, _c=m) for m in members]
+            check = functools.partial(self.prompt_verdicts, limit=c.final_max_prompt_tokens, split=name)
+            splits[name] = [row["_c"] for row in self.run_stage("final_prompt_length", rows, check)]
 
-        dataset = DatasetDict(
-            {
-                name: Dataset.from_list([self.record(cand) for cand in members])
-                if members
-                else Dataset.from_dict({key: [] for key in RECORD_COLUMNS})
-                for name, members in splits.items()
-            }
-        )
+        dataset, hashes, empty = DatasetDict(), {}, {key: [] for key in RECORD_COLUMNS}
+        for name, members in splits.items():
+            records = [{"prompt": self.prompt_messages(m.problem), **m._asdict()} for m in members]
+            records = [{key: record[key] for key in RECORD_COLUMNS} for record in records]
+            split = dataset[name] = Dataset.from_list(records) if records else Dataset.from_dict(empty)
+            text = "".join(json.dumps(row, sort_keys=True, ensure_ascii=False) + "\n" for row in split)
+            hashes[name] = hashlib.sha256(text.encode("utf-8")).hexdigest()
 
         def shares(rows, key):
-            counts = Counter(getattr(row, key) for row in rows)
-            return {name: counts[name] for name in sorted(counts)}
+            return dict(sorted(Counter(getattr(row, key) for row in rows).items()))
 
         stats = {
             "command": self.command,
             "seed": c.seed,
             "tokenizer": c.tokenizer,
-            "inputs": [
-                {"subset": spec.subset, "source": spec.describe(), "rows": rows_read[spec.subset]} for spec in c.inputs
-            ],
+            "inputs": [{"subset": s.subset, "source": s.describe(), "rows": rows_read[s.subset]} for s in c.inputs],
             "rows_read": sum(rows_read.values()),
             "stages": [
                 {k: dict(v) if isinstance(v, Counter) else v for k, v in stage.items()}
@@ -730,10 +604,7 @@ class _Builder:
             ],
             "boxed_match_via": dict(self.boxed_match_via),
             "contamination_by_benchmark": dict(self.contamination),
-            "candidates": [
-                {"subset": subset, "bucket": bucket, "count": count}
-                for (subset, bucket), count in sorted(candidate_buckets.items())
-            ],
+            "candidates": [{"subset": s, "bucket": b, "count": n} for (s, b), n in sorted(candidate_buckets.items())],
             "sampling": sampling,
             "pool": {
                 "size": len(pool),
@@ -745,46 +616,25 @@ class _Builder:
                 name: {"rows": len(rows), "subsets": shares(rows, "subset"), "buckets": shares(rows, "bucket")}
                 for name, rows in splits.items()
             },
-            "content_sha256": {name: _content_hash(split) for name, split in dataset.items()},
-            "config": c.to_dict(),
+            "content_sha256": hashes,
+            "config": dataclasses.asdict(c),
             "elapsed_s": round(time.time() - started, 1),
         }
         return dataset, stats
 
 
-def _content_hash(dataset) -> str:
-    digest = hashlib.sha256()
-    for row in dataset:
-        digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False).encode("utf-8") + b"\n")
-    return digest.hexdigest()
-
-
-def _check_output_dir(output_dir: Path, overwrite: bool) -> None:
-    if not output_dir.exists() or (output_dir.is_dir() and not any(output_dir.iterdir())):
-        return
-    if not output_dir.is_dir():
-        raise FileExistsError(f"output_dir {output_dir} exists and is not a folder; choose another `output_dir`.")
-    if not overwrite:
-        raise FileExistsError(
-            f"output_dir {output_dir} already exists and is not empty. Pass `--overwrite true` to replace an earlier "
-            "build there, or choose another `output_dir`."
-        )
-    if not (output_dir / _MARKER).is_file():
-        raise FileExistsError(
-            f"output_dir {output_dir} is not empty and was not written by this builder (no {_MARKER}); refusing to "
-            "replace it even with `overwrite: true`. Choose another `output_dir`."
-        )
-
-
 def build_openr1_dataset(config: OpenR1DataConfig, command: str | None = None) -> BuildResult:
-    """Run the recipe of ``config`` and write ``config.output_dir`` atomically: ``dataset/``, the parquet files,
-    ``report.md``, ``stats.json``, ``removed.jsonl`` and ``build_config.yaml``."""
-
+    """Run the recipe of ``config`` and write ``config.output_dir`` (dataset, report, statistics) atomically."""
     from egpo_trl.data.report import render_report
 
     started = time.time()
     output_dir = Path(config.output_dir).expanduser().resolve()
-    _check_output_dir(output_dir, config.overwrite)
+    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
+        ours = (output_dir / _MARKER).is_file()
+        if not (ours and config.overwrite):
+            why = "pass `--overwrite true` to replace the earlier build there" if ours else "it was not written by "
+            why += "" if ours else f"this builder (no {_MARKER}), so even `overwrite: true` does not replace it"
+            raise FileExistsError(f"output_dir {output_dir} is not empty: {why}; or choose another `output_dir`.")
     staging = output_dir.parent / f".{output_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -792,14 +642,12 @@ def build_openr1_dataset(config: OpenR1DataConfig, command: str | None = None) -
         with open(staging / "removed.jsonl", "w", encoding="utf-8") as removal_log:
             dataset, stats = _Builder(config, command, removal_log).build(started)
         dataset.save_to_disk(str(staging / "dataset"))
-        if config.save_parquet:
-            for name, split in dataset.items():
-                split.to_parquet(str(staging / f"{name}.parquet"))
+        for name, split in dataset.items() if config.save_parquet else ():
+            split.to_parquet(str(staging / f"{name}.parquet"))
         (staging / "stats.json").write_text(json.dumps(stats, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         (staging / "report.md").write_text(render_report(stats), encoding="utf-8")
-        (staging / _MARKER).write_text(
-            yaml.safe_dump(config.to_dict(), sort_keys=False, allow_unicode=True), encoding="utf-8"
-        )
+        settings = yaml.safe_dump(dataclasses.asdict(config), sort_keys=False, allow_unicode=True)
+        (staging / _MARKER).write_text(settings, encoding="utf-8")
         backup = output_dir.parent / f".{output_dir.name}.previous-{os.getpid()}"
         if output_dir.exists():
             output_dir.rename(backup)

@@ -26,16 +26,9 @@ def render_report(stats: dict[str, Any]) -> str:
     lines = ["# Training-data build report", ""]
     if stats.get("command"):
         lines += ["Command:", "", "```bash", stats["command"], "```", ""]
-    lines += [
-        f"- Seed: `{stats['seed']}`",
-        f"- Tokenizer: `{stats['tokenizer']}`",
-        f"- Rows read: {stats['rows_read']}",
-        f"- Output: train {splits['train']['rows']} rows, validation {splits['validation']['rows']} rows",
-        f"- Build time: {stats['elapsed_s']} s",
-        "",
-        "## Inputs",
-        "",
-    ]
+    lines += [f"- Seed: `{stats['seed']}`\n- Tokenizer: `{stats['tokenizer']}`\n- Rows read: {stats['rows_read']}"]
+    lines += [f"- Output: train {splits['train']['rows']} rows, validation {splits['validation']['rows']} rows"]
+    lines += [f"- Build time: {stats['elapsed_s']} s\n\n## Inputs\n"]
     lines += _table(["subset", "read from", "rows"], [[i["subset"], i["source"], i["rows"]] for i in stats["inputs"]])
 
     rows = []
@@ -43,26 +36,23 @@ def render_report(stats: dict[str, Any]) -> str:
         rows_in, rows_out = stage["rows_in"], stage["rows_out"]
         per_subset = ", ".join(f"{s} {rows_in.get(s, 0) - rows_out.get(s, 0)}" for s in subsets)
         name = stage["name"] if stage["enabled"] else f"{stage['name']} (off)"
-        setting, removed = stage["setting"], stage["removed"]
-        rows.append([number, name, setting, sum(rows_in.values()), removed, sum(rows_out.values()), per_subset])
+        rows.append([number, name, stage["setting"], sum(rows_in.values()), stage["removed"]])
+        rows[-1] += [sum(rows_out.values()), per_subset]
     lines += ["## Stages", ""]
     lines += _table(["#", "stage", "setting", "rows in", "removed", "rows out", "removed per subset"], rows)
-    lines += [
+    lines.append(
         "Stages 1-6 run on the stream of input rows; `sampling` draws the pool from the surviving candidates; "
         "`validation_split` moves its removed rows to the validation split; `final_prompt_length` applies to both "
-        "splits.",
-        "",
-    ]
+        "splits.\n"
+    )
     reasons = [[s["name"], reason, n] for s in stats["stages"] for reason, n in sorted(s["reasons"].items())]
     if reasons:
         lines += ["### Removal reasons", ""] + _table(["stage", "reason", "rows"], reasons)
-    via = stats.get("boxed_match_via") or {}
-    if via:
-        lines += [
+    if via := stats.get("boxed_match_via"):
+        lines.append(
             f"Boxed match: {via.get('solution', 0)} problems matched through the reference solution, "
-            f"{via.get('generation', 0)} only through a recorded generation.",
-            "",
-        ]
+            f"{via.get('generation', 0)} only through a recorded generation.\n"
+        )
 
     buckets = sorted({entry["bucket"] for entry in stats["candidates"]})
     counts = {(entry["subset"], entry["bucket"]): entry["count"] for entry in stats["candidates"]}
@@ -73,21 +63,12 @@ def render_report(stats: dict[str, Any]) -> str:
     lines += ["## Candidates by correctness bucket", ""] + _table(["subset"] + buckets + ["total"], rows)
 
     lines += ["## Pool", "", f"Requested {sampling['requested']} problems, drew {pool['size']}.", ""]
-    lines += ["| subset | target share | actual |", "| --- | --- | --- |"]
-    for subset in subsets:
-        actual = _share(pool["subsets"].get(subset, 0), pool["size"])
-        lines.append(f"| {subset} | {config['subset_ratios'][subset]:.2f} | {actual} |")
-    lines += [""]
+    rows = [[s, f"{config['subset_ratios'][s]:.2f}", _share(pool["subsets"].get(s, 0), pool["size"])] for s in subsets]
+    lines += _table(["subset", "target share", "actual"], rows)
     rows = [
-        [
-            cell["subset"],
-            cell["bucket"],
-            f"{config['bucket_ratios'].get(cell['bucket'], 0.0):.2f}",
-            cell["quota"],
-            cell["available"],
-            _share(pool["cells"].get(f"{cell['subset']}/{cell['bucket']}", 0), pool["subsets"].get(cell["subset"], 0)),
-        ]
-        for cell in sampling["cells"]
+        [c["subset"], c["bucket"], f"{config['bucket_ratios'].get(c['bucket'], 0.0):.2f}", c["quota"], c["available"]]
+        + [_share(pool["cells"].get(f"{c['subset']}/{c['bucket']}", 0), pool["subsets"].get(c["subset"], 0))]
+        for c in sampling["cells"]
     ]
     lines += _table(["subset", "bucket", "target share", "quota", "available", "in pool (share of subset)"], rows)
     if sampling["filled"]:
@@ -106,32 +87,14 @@ def render_report(stats: dict[str, Any]) -> str:
     lines += ["## Splits", ""] + _table(["split", "rows", "subsets", "buckets"], rows)
 
     decontam, dedup = stages["decontamination"], stages["deduplication"]
-    lines += [
-        "## Decontamination",
-        "",
-        f"{decontam['removed']} rows removed as near duplicates of evaluation problems.",
-        "",
-    ]
+    lines += [f"## Decontamination\n\n{decontam['removed']} rows removed as near duplicates of evaluation problems.\n"]
     if stats.get("contamination_by_benchmark"):
         lines += _table(["benchmark", "rows removed"], sorted(stats["contamination_by_benchmark"].items()))
     if decontam["examples"]:
-        rows = [
-            [
-                e["id"],
-                f"{e['benchmark']} ({e['benchmark_index']})",
-                e["similarity"],
-                e["problem"],
-                e["benchmark_problem"],
-            ]
-            for e in decontam["examples"]
-        ]
+        keys, examples = ("similarity", "problem", "benchmark_problem"), decontam["examples"]
+        rows = [[e["id"], f"{e['benchmark']} ({e['benchmark_index']})", *(e[k] for k in keys)] for e in examples]
         lines += _table(["row", "benchmark (row)", "similarity", "problem", "benchmark problem"], rows)
-    lines += [
-        "## Deduplication",
-        "",
-        f"{dedup['removed']} rows removed as near duplicates of an earlier pool row.",
-        "",
-    ]
+    lines += [f"## Deduplication\n\n{dedup['removed']} rows removed as near duplicates of an earlier pool row.\n"]
     if dedup["examples"]:
         rows = [[e["id"], e["kept_id"], e["similarity"], e["problem"], e["kept_problem"]] for e in dedup["examples"]]
         lines += _table(["removed row", "kept row", "similarity", "removed problem", "kept problem"], rows)
@@ -145,14 +108,10 @@ def render_report(stats: dict[str, Any]) -> str:
         lines += [f"### {stage['name']}", ""] + _table(["row"] + keys + ["problem"], rows)
 
     lines += [
-        "## Outputs",
-        "",
-        "- `dataset/`: `datasets.DatasetDict` (`load_from_disk`) with `train` and `validation`; columns `prompt` "
-        "(chat messages), `answer`, `problem`, `id`, `subset`, `bucket`, `source`",
+        "## Outputs\n\n- `dataset/`: `datasets.DatasetDict` (`load_from_disk`) with `train` and `validation`; columns "
+        "`prompt` (chat messages), `answer`, `problem`, `id`, `subset`, `bucket`, `source`",
         "- `train.parquet`, `validation.parquet`" if config.get("save_parquet") else "- no parquet files",
-        "- `removed.jsonl`: one line per removed row (stage, reason, id, details)",
-        "- `stats.json`, `build_config.yaml`",
-        "",
+        "- `removed.jsonl`: one line per removed row (stage, reason, id, details)\n- `stats.json`, `build_config.yaml`\n",
     ]
     lines += _table(["split", "content SHA-256"], sorted(stats["content_sha256"].items()))
     settings = yaml.safe_dump(config, sort_keys=False, allow_unicode=True).rstrip()

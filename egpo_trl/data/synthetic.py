@@ -5,33 +5,19 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from datasets import Dataset
-
+from typing import Any
 
 DEFAULT_INSTRUCTION = "Think step by step inside <think></think>, then put the final answer in \\boxed{}."
-
 # Buckets of a stable 0-99 hash: test 0-9, validation 10-19, train 20-99.
 SPLITS: dict[str, range] = {"test": range(0, 10), "validation": range(10, 20), "train": range(20, 100)}
-
 QUESTION_TEMPLATES = ("Compute {expr}.", "What is {expr}?", "Calculate {expr}.", "Evaluate {expr}.")
-_MAX_VALUE = 999
-_MAX_MISSES = 5000
-
-
-@dataclass(frozen=True)
-class LevelSpec:
-    """A level: ``num_operations`` steps on operands in ``[0, max_operand]`` (the first in ``[1, max_operand]``)."""
-
-    num_operations: int
-    max_operand: int
-
-
-LEVELS: dict[int, LevelSpec] = {level: LevelSpec(num_operations=level, max_operand=30) for level in range(1, 7)}
+# Level n chains n operations on operands in [0, MAX_OPERAND] (the first in [1, MAX_OPERAND]).
+LEVELS = range(1, 7)
+MAX_OPERAND = 30
+# The slips of the imperfect teacher: how far a slipped result lands from the right one.
+SLIP_OFFSETS = (-10, -2, -1, 1, 2, 10)
 
 
 @dataclass(frozen=True)
@@ -44,30 +30,27 @@ class ArithmeticProblem:
 
     @property
     def expression(self) -> str:
-        parts = [str(self.operands[0])]
-        for operator, operand in zip(self.operators, self.operands[1:]):
-            parts += [operator, str(operand)]
-        return " ".join(parts)
-
-    def steps(self) -> list[tuple[int, str, int, int]]:
-        total, steps = self.operands[0], []
-        for operator, operand in zip(self.operators, self.operands[1:]):
-            result = total + operand if operator == "+" else total - operand
-            steps.append((total, operator, operand, result))
-            total = result
-        return steps
+        return " ".join([str(self.operands[0])] + [f"{op} {n}" for op, n in zip(self.operators, self.operands[1:])])
 
     @property
     def answer(self) -> int:
-        return ([self.operands[0]] + [result for *_, result in self.steps()])[-1]
+        return self.operands[0] + sum(n if op == "+" else -n for op, n in zip(self.operators, self.operands[1:]))
 
     @property
     def uid(self) -> str:
         return hashlib.blake2b(self.expression.encode(), digest_size=8).hexdigest()
 
-    def solution(self) -> str:
-        thoughts = ", ".join(f"{left}{operator}{right}={result}" for left, operator, right, result in self.steps())
-        return f"<think>{thoughts}</think> \\boxed{{{self.answer}}}"
+    def solution(self, rng: random.Random | None = None, slip_prob: float = 0.0) -> str:
+        """The worked solution; with ``rng``, each step slips by a small offset with probability ``slip_prob``."""
+        total, thoughts = self.operands[0], []
+        for operator, operand in zip(self.operators, self.operands[1:]):
+            result = total + operand if operator == "+" else total - operand
+            if slip_prob > 0 and rng.random() < slip_prob:
+                offset = rng.choice(SLIP_OFFSETS)
+                result += offset if result + offset >= 0 else 0
+            thoughts.append(f"{total}{operator}{operand}={result}")
+            total = result
+        return f"<think>{', '.join(thoughts)}</think> \\boxed{{{total}}}"
 
 
 def split_of(problem: ArithmeticProblem) -> str:
@@ -77,19 +60,18 @@ def split_of(problem: ArithmeticProblem) -> str:
 
 
 def sample_problem(level: int, rng: random.Random) -> ArithmeticProblem:
-    """Draw one problem of ``level`` with ``rng``; subtractions never take the running total below zero."""
+    """Draw one problem of ``level`` with ``rng``; the running total stays in [0, 999]."""
     if level not in LEVELS:
-        raise ValueError(f"Unknown level {level}; the arithmetic task has levels {sorted(LEVELS)}.")
-    spec = LEVELS[level]
-    total = rng.randint(1, spec.max_operand)
+        raise ValueError(f"Unknown level {level}; the arithmetic task has levels {list(LEVELS)}.")
+    total = rng.randint(1, MAX_OPERAND)
     operands, operators = [total], []
-    for _ in range(spec.num_operations):
-        if total > 0 and (total + spec.max_operand > _MAX_VALUE or rng.random() < 0.5):
-            operand = rng.randint(0, min(total, spec.max_operand))
+    for _ in range(level):
+        if total > 0 and (total + MAX_OPERAND > 999 or rng.random() < 0.5):
+            operand = rng.randint(0, min(total, MAX_OPERAND))
             operators.append("-")
             total -= operand
         else:
-            operand = rng.randint(0, spec.max_operand)
+            operand = rng.randint(0, MAX_OPERAND)
             operators.append("+")
             total += operand
         operands.append(operand)
@@ -100,21 +82,8 @@ def format_prompt(
     question: str, system_prompt: str | None = None, instruction: str | None = DEFAULT_INSTRUCTION
 ) -> list[dict[str, str]]:
     """TRL's conversational prompt: an optional system message, then the question with ``instruction`` appended."""
-    content = question if not instruction else f"{question} {instruction}"
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": content})
-    return messages
-
-
-def _parse_levels(levels: int | str | Iterable[int]) -> list[int]:
-    if isinstance(levels, str) and not all(part.strip().isdigit() for part in levels.split(",") if part.strip()):
-        raise ValueError(f"levels={levels!r}: give comma-separated integers such as '1,2,3'.")
-    levels = [levels] if isinstance(levels, int) else levels.split(",") if isinstance(levels, str) else levels
-    levels = sorted(set(int(level) for level in levels if str(level).strip()))
-    unknown = [level for level in levels if level not in LEVELS]
-    if not levels or unknown:
-        raise ValueError(f"levels={levels}: choose among {sorted(LEVELS)}.")
-    return levels
+    return messages + [{"role": "user", "content": f"{question} {instruction}" if instruction else question}]
 
 
 def make_arithmetic_dataset(
@@ -124,13 +93,21 @@ def make_arithmetic_dataset(
     seed: int = 0,
     system_prompt: str | None = None,
     instruction: str | None = DEFAULT_INSTRUCTION,
-) -> Dataset:
-    """``num_problems`` distinct problems of one split, spread evenly over ``levels``, in a seeded shuffled order."""
+):
+    """``num_problems`` distinct problems of one split, spread evenly over ``levels`` (e.g. ``"1,2,3"``), in a seeded
+    shuffled order."""
+    from datasets import Dataset
+
     if split not in SPLITS:
         raise ValueError(f"Unknown split {split!r}; choose one of {list(SPLITS)}.")
     if num_problems < 1:
         raise ValueError(f"num_problems must be at least 1, got {num_problems}.")
-    levels = _parse_levels(levels)
+    parts = levels.split(",") if isinstance(levels, str) else [levels] if isinstance(levels, int) else levels
+    if isinstance(levels, str) and not all(part.strip().isdigit() for part in parts if part.strip()):
+        raise ValueError(f"levels={levels!r}: give comma-separated integers such as '1,2,3'.")
+    levels = sorted({int(part) for part in parts if str(part).strip()})
+    if not levels or any(level not in LEVELS for level in levels):
+        raise ValueError(f"levels={levels}: choose among {list(LEVELS)}.")
     rng = random.Random(f"egpo-arithmetic/{split}/{seed}")
     rows: list[dict[str, Any]] = []
     for index, level in enumerate(levels):
@@ -141,7 +118,7 @@ def make_arithmetic_dataset(
             problem = sample_problem(level, rng)
             if problem.expression in seen or split_of(problem) != split:
                 misses += 1
-                if misses > _MAX_MISSES:
+                if misses > 5000:
                     raise ValueError(
                         f"Level {level} has too few distinct problems in the {split!r} split for {wanted} rows (found "
                         f"{len(seen)}); ask for fewer problems or include higher levels."
@@ -150,19 +127,12 @@ def make_arithmetic_dataset(
             misses = 0
             seen.add(problem.expression)
             question = rng.choice(QUESTION_TEMPLATES).format(expr=problem.expression)
+            prompt = format_prompt(question, system_prompt=system_prompt, instruction=instruction)
             rows.append(
-                {
-                    "prompt": format_prompt(question, system_prompt=system_prompt, instruction=instruction),
-                    "answer": str(problem.answer),
-                    "level": level,
-                    "id": f"arith-{problem.uid}",
-                    "problem": question,
-                    "solution": problem.solution(),
-                }
+                {"prompt": prompt, "answer": str(problem.answer), "level": level, "id": f"arith-{problem.uid}"}
             )
+            rows[-1].update(problem=question, solution=problem.solution())
     rng.shuffle(rows)
-    from datasets import Dataset
-
     return Dataset.from_list(rows)
 
 
@@ -170,7 +140,7 @@ def make_arithmetic_dataset(
 SYNTHETIC_TASKS = {"arithmetic": make_arithmetic_dataset}
 
 
-def load_synthetic_task(name: str, **kwargs: Any) -> Dataset:
+def load_synthetic_task(name: str, **kwargs: Any):
     """The built-in synthetic task ``name`` (:data:`SYNTHETIC_TASKS`) built with ``kwargs``."""
     if name not in SYNTHETIC_TASKS:
         raise ValueError(f"Unknown synthetic task {name!r}; built-in tasks: {sorted(SYNTHETIC_TASKS)}.")

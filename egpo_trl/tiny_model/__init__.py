@@ -1,10 +1,6 @@
 """The tiny math reasoning model shipped in ``egpo_trl/assets/tiny-math-qwen2``, and its build script (``build.py``)."""
 
-from __future__ import annotations
-
 from pathlib import Path
-
-__all__ = ["TINY_MODEL_NAME", "tiny_model_path"]
 
 TINY_MODEL_NAME = "tiny-math-qwen2"
 

@@ -13,23 +13,23 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from egpo_trl.data.synthetic import (
     LEVELS,
     QUESTION_TEMPLATES,
     SPLITS,
-    ArithmeticProblem,
     format_prompt,
     make_arithmetic_dataset,
     sample_problem,
     split_of,
 )
+from egpo_trl.tiny_model import TINY_MODEL_NAME
 
 # ChatML, as used by Qwen2 chat models. The generation prompt opens the assistant turn.
 CHAT_TEMPLATE = (
@@ -38,12 +38,7 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-PAD_TOKEN = "<|endoftext|>"
-EOS_TOKEN = "<|im_end|>"
-SPECIAL_TOKENS = [PAD_TOKEN, "<|im_start|>", EOS_TOKEN]
-THINK_TOKENS = ["<think>", "</think>"]
 BUILD_INFO_FILE = "build_info.json"
-SHIPPED_NAME = "tiny-math-qwen2"
 
 
 @dataclass
@@ -74,39 +69,16 @@ class BuildConfig:
     tokenizer_corpus_size: int = 5000
 
 
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
-# The slips of the imperfect teacher: how far a slipped result lands from the right one.
-SLIP_OFFSETS = (-10, -2, -1, 1, 2, 10)
-
-
-def slipped_solution(problem: ArithmeticProblem, rng: random.Random, slip_prob: float) -> str:
-    """A worked solution whose steps each slip by a small offset with probability ``slip_prob``; later steps carry on."""
-    total, thoughts = problem.operands[0], []
-    for operator, operand in zip(problem.operators, problem.operands[1:]):
-        result = total + operand if operator == "+" else total - operand
-        if slip_prob > 0 and rng.random() < slip_prob:
-            offset = rng.choice(SLIP_OFFSETS)
-            if result + offset >= 0:
-                result += offset
-        thoughts.append(f"{total}{operator}{operand}={result}")
-        total = result
-    return f"<think>{', '.join(thoughts)}</think> \\boxed{{{total}}}"
-
-
-def _sample_train_example(level: int, rng: random.Random, slip_prob: float = 0.0) -> tuple[list[dict[str, str]], str]:
+def _sample_train_example(level: int, rng: random.Random, slip_prob: float) -> tuple[list[dict[str, str]], str]:
     """One (prompt messages, worked solution with slips) of ``level`` from the ``train`` split."""
     while True:
         problem = sample_problem(level, rng)
         if split_of(problem) == "train":
             question = rng.choice(QUESTION_TEMPLATES).format(expr=problem.expression)
-            return format_prompt(question), slipped_solution(problem, rng, slip_prob)
+            return format_prompt(question), problem.solution(rng, slip_prob)
 
 
-def build_tokenizer(corpus: Sequence[str], vocab_size: int) -> Any:
+def build_tokenizer(corpus: list[str], vocab_size: int) -> Any:
     """A byte-level BPE trained on ``corpus``, as a fast tokenizer with the ChatML template (pad id 0, EOS ``<|im_end|>``)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -116,24 +88,16 @@ def build_tokenizer(corpus: Sequence[str], vocab_size: int) -> Any:
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     tokenizer.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        vocab_size=vocab_size, min_frequency=2, special_tokens=special, initial_alphabet=alphabet, show_progress=False
     )
     tokenizer.train_from_iterator(corpus, trainer=trainer)
-    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in THINK_TOKENS])
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        additional_special_tokens=["<|im_start|>"],
-        padding_side="left",
-        model_max_length=256,
-        clean_up_tokenization_spaces=False,
-    )
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in ("<think>", "</think>")])
+    options = {"eos_token": special[2], "pad_token": special[0], "additional_special_tokens": [special[1]]}
+    options |= {"padding_side": "left", "model_max_length": 256, "clean_up_tokenization_spaces": False}
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, **options)
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped
 
@@ -142,58 +106,20 @@ def build_model(tokenizer: Any, config: BuildConfig) -> torch.nn.Module:
     """A freshly initialised ``Qwen2ForCausalLM`` sized by ``config``, untied embeddings, vocabulary of ``tokenizer``."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    model_config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        use_cache=True,
-    )
-    model = Qwen2ForCausalLM(model_config)
-    model.generation_config = GenerationConfig(
-        do_sample=True,
-        temperature=config.eval_temperature,
-        top_p=1.0,
-        top_k=0,
-        max_new_tokens=config.max_new_tokens,
-        eos_token_id=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    sizes = "hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads max_position_embeddings"
+    options = {name: getattr(config, name) for name in sizes.split()} | {"tie_word_embeddings": False}
+    options |= {"bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    options |= {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "use_cache": True}
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), **options))
+    sampling = {"do_sample": True, "temperature": config.eval_temperature, "top_p": 1.0, "top_k": 0}
+    ids = {"eos_token_id": [tokenizer.eos_token_id], "pad_token_id": tokenizer.pad_token_id}
+    model.generation_config = GenerationConfig(**sampling, max_new_tokens=config.max_new_tokens, **ids)
     return model
 
 
-def _encode_example(tokenizer: Any, prompt: list[dict[str, str]], solution: str) -> tuple[list[int], list[int]]:
-    prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
-    completion_ids = tokenizer(solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return list(prompt_ids) + completion_ids, [-100] * len(prompt_ids) + completion_ids
-
-
-def _collate(encoded: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    length = max(len(ids) for ids, _ in encoded)
-    input_ids = torch.full((len(encoded), length), pad_id, dtype=torch.long)
-    labels = torch.full((len(encoded), length), -100, dtype=torch.long)
-    attention_mask = torch.zeros((len(encoded), length), dtype=torch.long)
-    for row, (ids, labs) in enumerate(encoded):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        labels[row, : len(labs)] = torch.tensor(labs)
-        attention_mask[row, : len(ids)] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
-
-
-def supervised_finetune(
-    model: torch.nn.Module, tokenizer: Any, config: BuildConfig, log_every: int = 100
-) -> list[dict[str, float]]:
+def supervised_finetune(model: torch.nn.Module, tokenizer: Any, config: BuildConfig, log_every: int = 100) -> list:
     """Fine-tune on a stream of worked solutions (completion tokens only), AdamW with warm-up and cosine decay; returns the log."""
-    levels = [int(level) for level in config.levels.split(",")]
-    rng = random.Random(f"sft/{config.seed}")
+    levels, rng = [int(level) for level in config.levels.split(",")], random.Random(f"sft/{config.seed}")
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay, betas=(0.9, 0.98)
     )
@@ -205,15 +131,23 @@ def supervised_finetune(
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    device = next(model.parameters()).device
     model.train()
-    history, running = [], 0.0
-    start = time.time()
+    history, running, start = [], 0.0, time.time()
     for step in range(config.sft_steps):
-        # One level per batch: its sequences have similar lengths, so little compute goes to padding.
-        level = rng.choice(levels)
-        examples = [_sample_train_example(level, rng, config.slip_prob) for _ in range(config.batch_size)]
-        batch = _collate([_encode_example(tokenizer, *example) for example in examples], tokenizer.pad_token_id)
-        device = next(model.parameters()).device
+        level = rng.choice(levels)  # one level per batch: similar lengths, little padding
+        inputs, labels = [], []
+        for _ in range(config.batch_size):
+            prompt, solution = _sample_train_example(level, rng, config.slip_prob)
+            prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False)
+            completion_ids = tokenizer(solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            inputs.append(torch.tensor(list(prompt_ids) + completion_ids))
+            labels.append(torch.tensor([-100] * len(prompt_ids) + completion_ids))
+        batch = {
+            "input_ids": pad_sequence(inputs, batch_first=True, padding_value=tokenizer.pad_token_id),
+            "labels": pad_sequence(labels, batch_first=True, padding_value=-100),
+            "attention_mask": pad_sequence([torch.ones_like(ids) for ids in inputs], batch_first=True),
+        }
         loss = model(**{key: value.to(device) for key, value in batch.items()}).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -223,9 +157,8 @@ def supervised_finetune(
         running += loss.item()
         if (step + 1) % log_every == 0 or step + 1 == config.sft_steps:
             elapsed, loss = time.time() - start, running / ((step % log_every) + 1)
-            history.append(
-                {"step": step + 1, "loss": loss, "lr": scheduler.get_last_lr()[0], "time_s": round(elapsed, 1)}
-            )
+            lr = scheduler.get_last_lr()[0]
+            history.append({"step": step + 1, "loss": loss, "lr": lr, "time_s": round(elapsed, 1)})
             print(f"  sft step {step + 1}/{config.sft_steps}  loss {loss:.4f}  ({elapsed:.0f}s)", flush=True)
             running = 0.0
     model.eval()
@@ -237,26 +170,13 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, config: BuildConfig) -> dic
     from egpo_trl.heldout import heldout_accuracy
 
     test = make_arithmetic_dataset("test", config.eval_problems, levels=config.levels, seed=config.seed)
-    results = {}
-    for name, temperature, samples in (
-        (f"temperature_{config.eval_temperature:g}", config.eval_temperature, config.eval_samples),
-        ("greedy", 0.0, 1),
-    ):
-        result = heldout_accuracy(
-            model,
-            tokenizer,
-            test,
-            max_new_tokens=config.max_new_tokens,
-            num_samples=samples,
-            temperature=temperature,
-            batch_size=200,
-            seed=config.seed,
-        )
+    results, options = {}, {"max_new_tokens": config.max_new_tokens, "batch_size": 200, "seed": config.seed}
+    sampled = f"temperature_{config.eval_temperature:g}"
+    for name, temperature, samples in ((sampled, config.eval_temperature, config.eval_samples), ("greedy", 0.0, 1)):
+        result = heldout_accuracy(model, tokenizer, test, num_samples=samples, temperature=temperature, **options)
         results[name] = result.to_dict()
-    results["example_completion"] = {
-        "prompt": tokenizer.apply_chat_template(test[0]["prompt"], add_generation_prompt=True, tokenize=False),
-        "completion": result.completions[0],
-    }
+    prompt = tokenizer.apply_chat_template(test[0]["prompt"], add_generation_prompt=True, tokenize=False)
+    results["example_completion"] = {"prompt": prompt, "completion": result.completions[0]}
     return results
 
 
@@ -278,8 +198,8 @@ subtractions, reasoning inside `<think>...</think>` and answering in `\\boxed{{}
 
 It is **imperfect on purpose**. It was fine-tuned on worked solutions from a sloppy teacher that
 slips on {slip_percent:.0f}% of the steps (a result off by 1, 2 or 10), so it knows the procedure (greedy
-decoding is right {greedy_all:.0%} of the time) but, sampled at temperature {eval_temperature:g}, it repeats the
-teacher's slips and is right only {sampled_all:.0%} of the time, less on longer chains. Sampled groups
+decoding is right {greedy[accuracy]:.0%} of the time) but, sampled at temperature {eval_temperature:g}, it repeats the
+teacher's slips and is right only {sampled[accuracy]:.0%} of the time, less on longer chains. Sampled groups
 therefore hold correct and incorrect answers in useful proportions, and a slip is exactly the kind
 of mistake that outcome-reward RL can remove: the reward says which completions went wrong, and the
 policy learns to stop slipping.
@@ -290,7 +210,7 @@ from egpo_trl.tiny_model import tiny_model_path
 
 model = AutoModelForCausalLM.from_pretrained(tiny_model_path())
 tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
-messages = [{{"role": "user", "content": "Compute 23 + 8 - 15. {instruction}"}}]
+messages = [{{"role": "user", "content": "Compute 23 + 8 - 15. Think step by step inside <think></think>, then put the final answer in \\\\boxed{{}}."}}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 output = model.generate(**inputs, max_new_tokens=96, do_sample=True, temperature=1.0)
 print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
@@ -303,9 +223,9 @@ ChatML (as Qwen2 chat models); the user turn is the question followed by the ins
 generation prompt opens the assistant turn:
 
 ```
-{example_prompt}```
+{example[prompt]}```
 
-A sampled completion (temperature {eval_temperature:g}): `{example_completion}`
+A sampled completion (temperature {eval_temperature:g}): `{example[completion]}`
 
 ## How it was made
 
@@ -318,7 +238,7 @@ A sampled completion (temperature {eval_temperature:g}): `{example_completion}`
   ordinary added tokens (they survive `skip_special_tokens=True`).
 - **Architecture**: `Qwen2ForCausalLM`, hidden size {hidden_size}, {num_hidden_layers} layers,
   {num_attention_heads} attention heads ({num_key_value_heads} key/value heads), MLP size {intermediate_size},
-  `tie_word_embeddings=False`, float32, {num_params} parameters.
+  `tie_word_embeddings=False`, float32, {num_parameters:,} parameters.
 - **Data**: the synthetic arithmetic task of `egpo_trl.data.synthetic`, levels {levels} (level *n*
   chains *n* operations on numbers from 0 to 30). Only the `train` split is used; a problem's split
   is fixed by a hash of the problem, so the `test` split below is unseen.
@@ -336,8 +256,8 @@ greedy decoding. A completion is correct when its last `\\boxed{{}}` matches the
 
 | level | {level_header} | all |
 | --- | {level_rule} | --- |
-| sampled, T={eval_temperature:g} | {sampled_row} | **{sampled_all:.1%}** |
-| greedy | {greedy_row} | {greedy_all:.1%} |
+| sampled, T={eval_temperature:g} | {sampled_row} | **{sampled[accuracy]:.1%}** |
+| greedy | {greedy_row} | {greedy[accuracy]:.1%} |
 
 {trained_by}
 
@@ -352,57 +272,59 @@ code end to end, not to be evaluated on real benchmarks.
 
 def _write_model_card(output: Path, config: BuildConfig, info: dict[str, Any], tokenizer: Any, name: str) -> None:
     levels = [int(level) for level in config.levels.split(",")]
-    evaluation = info["evaluation"]
-    sampled = evaluation[f"temperature_{config.eval_temperature:g}"]
-    greedy = evaluation["greedy"]
-    example = evaluation["example_completion"]
-    shipped = name == SHIPPED_NAME and config == BuildConfig(num_threads=config.num_threads)
-    changed = [
-        f"--{name.replace('_', '-')} {value}"
-        for name, value in asdict(config).items()
-        if value != getattr(BuildConfig(), name) and name != "num_threads"
-    ]
-    card = MODEL_CARD.format(
-        name=name,
-        purpose=(
+    sampled = info["evaluation"][f"temperature_{config.eval_temperature:g}"]
+    greedy, example = info["evaluation"]["greedy"], info["evaluation"]["example_completion"]
+    shipped = name == TINY_MODEL_NAME and config == BuildConfig(num_threads=config.num_threads)
+    changed = " ".join(
+        f"--{key.replace('_', '-')} {value}"
+        for key, value in asdict(config).items()
+        if value != getattr(BuildConfig(), key) and key != "num_threads"
+    )
+    if shipped:
+        purpose = (
             "It ships with\negpo_trl so that `make demo` can train a real policy with EGPO on a laptop CPU, offline."
-            if shipped
-            else f"It is built by\nthe recipe of `{SHIPPED_NAME}`, the tiny model shipped with egpo_trl, with other settings."
-        ),
-        command=(
-            f"`make tiny-model`, i.e. `python -m egpo_trl.tiny_model.build --output egpo_trl/assets/{SHIPPED_NAME}`"
-            if shipped
-            else f"`python -m egpo_trl.tiny_model.build --output {name} {' '.join(changed)}`"
-        ),
-        trained_by=(
+        )
+        command = (
+            f"`make tiny-model`, i.e. `python -m egpo_trl.tiny_model.build --output egpo_trl/assets/{TINY_MODEL_NAME}`"
+        )
+        trained_by = (
             "`make demo` trains this model with EGPO on the same task and reports the held-out accuracy before\n"
             "and after (see the project README for measured numbers)."
-            if shipped
-            else "Train it with EGPO like the shipped model: `egpo-trl train --config recipes/demo_tiny_cpu.yaml\n"
+        )
+    else:
+        purpose = f"It is built by\nthe recipe of `{TINY_MODEL_NAME}`, the tiny model shipped with egpo_trl, with other settings."
+        command = f"`python -m egpo_trl.tiny_model.build --output {name} {changed}`"
+        trained_by = (
+            "Train it with EGPO like the shipped model: `egpo-trl train --config recipes/demo_tiny_cpu.yaml\n"
             f"--model_name_or_path {name}` (add `--use_cpu false` on a GPU)."
-        ),
-        reproducibility=(
+        )
+    if config.device == "cpu":
+        reproducibility = (
             f"Reproducibility: the build is seeded and runs on {config.num_threads} thread(s) (`--num-threads`), so "
             "the same\narguments and torch version on the same kind of CPU give the same weights. Another CPU kind "
             "or torch\nversion can change the last bits of floating-point sums: a rebuild there gives a model of the "
             "same\narchitecture, tokenizer and recipe whose weights and scores may differ slightly."
-            if config.device == "cpu"
-            else "Reproducibility: the build is seeded, but GPU kernels do not promise bit-identical sums from run "
+        )
+    else:
+        reproducibility = (
+            "Reproducibility: the build is seeded, but GPU kernels do not promise bit-identical sums from run "
             "to run:\na rebuild gives a model of the same architecture, tokenizer and recipe whose weights and "
             "scores may\ndiffer slightly."
-        ),
+        )
+    load = info.get("load_average") or 0
+    shared = f" on a machine shared with other jobs (15-minute load average {load:.1f} at the end)"
+    card = MODEL_CARD.format(
+        name=name,
+        purpose=purpose,
+        command=command,
+        trained_by=trained_by,
+        reproducibility=reproducibility,
         num_params_m=info["num_parameters"] / 1e6,
-        num_params=f"{info['num_parameters']:,}",
-        instruction="Think step by step inside <think></think>, then put the final answer in \\\\boxed{}.",
-        example_prompt=example["prompt"],
-        example_completion=example["completion"],
-        machine=info["machine"],
+        sampled=sampled,
+        greedy=greedy,
+        example=example,
         build_minutes=info["build_seconds"] / 60,
-        load_note=(
-            f" on a machine shared with other jobs (15-minute load average {info['load_average']:.1f} at the end)"
-            if (info.get("load_average") or 0) > 1.5
-            else ""
-        ),
+        load_note=shared if load > 1.5 else "",
         slip_percent=100 * config.slip_prob,
         vocab=len(tokenizer),
         final_loss=info["sft_history"][-1]["loss"],
@@ -411,39 +333,26 @@ def _write_model_card(output: Path, config: BuildConfig, info: dict[str, Any], t
         level_rule=" | ".join("---" for _ in levels),
         sampled_row=" | ".join(f"{sampled['by_level'][str(level)]:.1%}" for level in levels),
         greedy_row=" | ".join(f"{greedy['by_level'][str(level)]:.1%}" for level in levels),
-        sampled_all=sampled["accuracy"],
-        greedy_all=greedy["accuracy"],
-        **{key: value for key, value in asdict(config).items()},
+        **asdict(config),
+        **info,
     )
     (output / "README.md").write_text(card)
 
 
-def _check_output(output: Path, overwrite: bool) -> None:
-    if not output.exists() or not any(output.iterdir()):
-        return
-    if (output / BUILD_INFO_FILE).exists() or overwrite:
-        return  # a previous build of this script (or an explicit overwrite): replace it
-    raise SystemExit(
-        f"{output} exists and does not hold a previous tiny-model build ({BUILD_INFO_FILE} is missing). "
-        "Choose another --output, or pass --overwrite to replace its contents."
-    )
-
-
 def build(config: BuildConfig, output: Path) -> dict[str, Any]:
     """Run the whole build and save the model, tokenizer, build record and model card in ``output``."""
+    from transformers import set_seed
+
     start, cpu_start = time.time(), time.process_time()
     if config.num_threads > 0:  # a fixed thread count fixes the order of floating-point sums
         torch.set_num_threads(config.num_threads)
-    if config.device not in ("cpu", "cuda") and not config.device.startswith("cuda:"):
-        raise SystemExit(f"--device {config.device}: expected cpu, cuda or cuda:N.")
-    if config.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {config.device}: no CUDA GPU is visible; build on the CPU with --device cpu.")
+    if config.device != "cpu" and not (config.device.startswith("cuda") and torch.cuda.is_available()):
+        raise SystemExit(f"--device {config.device}: no such CUDA GPU is visible; build on the CPU with --device cpu.")
     device = torch.device(config.device)
-    _seed_everything(config.seed)
     levels = [int(level) for level in config.levels.split(",")]
-    unknown = [level for level in levels if level not in LEVELS]
-    if unknown:
-        raise SystemExit(f"--levels {config.levels}: unknown levels {unknown}; choose among {sorted(LEVELS)}.")
+    if any(level not in LEVELS for level in levels):
+        raise SystemExit(f"--levels {config.levels}: choose among {list(LEVELS)}.")
+    set_seed(config.seed)
 
     print(f"[1/4] training the tokenizer on {config.tokenizer_corpus_size} conversations", flush=True)
     rng, corpus = random.Random(f"tokenizer/{config.seed}"), []
@@ -454,7 +363,7 @@ def build(config: BuildConfig, output: Path) -> dict[str, Any]:
     tokenizer = build_tokenizer(corpus, config.vocab_size)
 
     print("[2/4] building the model", flush=True)
-    _seed_everything(config.seed)
+    set_seed(config.seed)
     model = build_model(tokenizer, config).to(device)
     num_parameters = sum(p.numel() for p in model.parameters())
     print(f"  Qwen2ForCausalLM with {num_parameters:,} parameters, vocabulary {len(tokenizer)}", flush=True)
@@ -464,32 +373,26 @@ def build(config: BuildConfig, output: Path) -> dict[str, Any]:
 
     print(f"[4/4] evaluating on {config.eval_problems} held-out problems", flush=True)
     evaluation = evaluate(model, tokenizer, config)
-    build_seconds = time.time() - start
+    machine = f"{platform.machine()} CPU ({os.cpu_count()} cores), {torch.get_num_threads()} torch thread(s)"
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else machine
     info = {
         "config": asdict(config),
         "num_parameters": num_parameters,
         "sft_history": history,
         "evaluation": evaluation,
-        "build_seconds": round(build_seconds, 1),
+        "build_seconds": round(time.time() - start, 1),
         "build_cpu_seconds": round(time.process_time() - cpu_start, 1),
         "load_average": os.getloadavg()[2] if hasattr(os, "getloadavg") else None,
-        "machine": (
-            f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-            if device.type == "cuda"
-            else f"{platform.machine()} CPU ({os.cpu_count()} cores), {torch.get_num_threads()} torch thread(s), "
-            f"torch {torch.__version__}"
-        ),
+        "machine": f"{machine}, torch {torch.__version__}",
         "splits": {name: [bucket.start, bucket.stop] for name, bucket in SPLITS.items()},
     }
     with tempfile.TemporaryDirectory(dir=output.parent) as staging:
-        staging_path = Path(staging)
-        model.to("cpu").save_pretrained(staging_path, safe_serialization=True)
-        tokenizer.save_pretrained(staging_path)
-        (staging_path / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-        _write_model_card(staging_path, config, info, tokenizer, name=output.name)
-        if output.exists():
-            shutil.rmtree(output)
-        shutil.copytree(staging_path, output, copy_function=shutil.copyfile)
+        model.to("cpu").save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        (Path(staging) / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        _write_model_card(Path(staging), config, info, tokenizer, name=output.name)
+        shutil.rmtree(output, ignore_errors=True)
+        shutil.copytree(staging, output, copy_function=shutil.copyfile)
     output.chmod(0o755)  # the staging folder was private; the model is not
     return info
 
@@ -501,16 +404,17 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--output", required=True, help="directory to write the model to")
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace --output even if it is not a previous tiny-model build"
-    )
-    defaults = BuildConfig()
-    for name, value in asdict(defaults).items():
+    parser.add_argument("--overwrite", action="store_true", help="replace --output even if not an earlier build")
+    for name, value in asdict(BuildConfig()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, help=f"build {name}")
-    args = parser.parse_args(argv)
-    config = BuildConfig(**{name: getattr(args, name) for name in asdict(defaults)})
-    output = Path(args.output)
-    _check_output(output, args.overwrite)
+    args = vars(parser.parse_args(argv))
+    output, overwrite = Path(args.pop("output")), args.pop("overwrite")
+    config = BuildConfig(**args)
+    if output.exists() and any(output.iterdir()) and not (output / BUILD_INFO_FILE).exists() and not overwrite:
+        raise SystemExit(
+            f"{output} exists and does not hold a previous tiny-model build ({BUILD_INFO_FILE} is missing). "
+            "Choose another --output, or pass --overwrite to replace its contents."
+        )
     output.parent.mkdir(parents=True, exist_ok=True)
     info = build(config, output)
     sampled = info["evaluation"][f"temperature_{config.eval_temperature:g}"]
