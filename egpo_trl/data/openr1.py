@@ -220,6 +220,10 @@ class OpenR1DataConfig:
                 raise ValueError(f"tokenizer is null but {name} counts tokens: set a tokenizer, or {name}: null.")
         if not 0 <= self.val_size < self.pool_size:
             raise ValueError(f"val_size must be >= 0 and smaller than pool_size ({self.pool_size}): {self.val_size}.")
+        if self.decontaminate and not self.decontamination_benchmarks:
+            raise ValueError(
+                "decontaminate is true but decontamination_benchmarks is empty: name them, or decontaminate: false."
+            )
         if not 0.0 < self.minhash_threshold <= 1.0:
             raise ValueError(f"minhash_threshold must be in (0, 1], got {self.minhash_threshold}.")
         if self.max_source_fraction is not None and not 0.0 < self.max_source_fraction <= 1.0:
