@@ -450,6 +450,7 @@ def test_the_stable_recipe_holds_the_papers_settings():
         ({"bucket_ratios": {"mixed": 0.5, "hard": 0.5}}, "unknown buckets"),
         ({"response_length_source": "generation"}, "choose one of"),
         ({"val_size": 100}, "smaller than pool_size"),
+        ({"decontaminate": True, "decontamination_benchmarks": []}, "decontamination_benchmarks is empty"),
         ({"pool_sizes": 3}, "unknown setting"),
         ({"inputs": [{"subset": "default"}]}, "exactly one of `path`"),
     ],
