@@ -18,27 +18,6 @@ logger = logging.getLogger(__name__)
 SYNTHETIC_DATASET_PREFIX = "synthetic:"
 
 
-def _load_any(script_args: TrainScriptArguments):
-    """A ``DatasetDict`` (or ``Dataset``) for a local path or Hub name."""
-    from datasets import load_dataset, load_from_disk
-
-    name = script_args.dataset_name
-    path = Path(name).expanduser()
-    if path.exists():
-        if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
-            return load_from_disk(str(path))
-        if path.is_file():
-            builder = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}.get(path.suffix)
-            if builder is None:
-                raise SystemExit(
-                    f"egpo-trl train: cannot read {path}: use a .json, .jsonl, .csv or .parquet file, or a folder "
-                    "written by Dataset.save_to_disk."
-                )
-            return load_dataset(builder, data_files={script_args.dataset_train_split: str(path)})
-        return load_dataset(str(path), name=script_args.dataset_config)
-    return load_dataset(name, name=script_args.dataset_config)
-
-
 def column_problem(columns: Sequence[str], script_args: TrainScriptArguments) -> str | None:
     """One line naming what the dataset lacks (a prompt, the answer column the reward needs) and the flags that fix
     it, from the dataset's actual columns; ``None`` when nothing is missing."""
@@ -106,7 +85,7 @@ def _prepare_columns(dataset, script_args: TrainScriptArguments):
 
 def load_datasets(script_args: TrainScriptArguments, seed: int = 0):
     """The training set and the held-out set (``None`` when ``eval_size`` is 0)."""
-    from datasets import Dataset, DatasetDict
+    from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
     from egpo_trl.data.synthetic import DEFAULT_INSTRUCTION, SYNTHETIC_TASKS
 
@@ -137,7 +116,19 @@ def load_datasets(script_args: TrainScriptArguments, seed: int = 0):
             heldout = _prepare_columns(heldout, script_args) if heldout is not None else None
         return train, heldout
 
-    loaded = _load_any(script_args)
+    path = Path(name).expanduser()
+    if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+        loaded = load_from_disk(str(path))
+    elif path.is_file():
+        builder = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}.get(path.suffix)
+        if builder is None:
+            raise SystemExit(
+                f"egpo-trl train: cannot read {path}: use a .json, .jsonl, .csv or .parquet file, or a folder "
+                "written by Dataset.save_to_disk."
+            )
+        loaded = load_dataset(builder, data_files={script_args.dataset_train_split: str(path)})
+    else:  # a folder of data files, or a Hub name
+        loaded = load_dataset(str(path) if path.exists() else name, name=script_args.dataset_config)
     if isinstance(loaded, Dataset):
         loaded = DatasetDict({script_args.dataset_train_split: loaded})
     if script_args.dataset_train_split not in loaded:
