@@ -1,6 +1,4 @@
-"""Exact resume: :class:`ExactResumeMixin` saves what GRPO keeps beyond the Trainer's checkpoint (generation buffer,
-unlogged metrics, GEC's draws, prompt order) in ``egpo_resume_state.pt``; a Ctrl-C saves the last finished step, and
-vLLM colocate seeds each prompt by its place in the run."""
+"""Exact resume: GRPO's state beyond the Trainer's checkpoint, a Ctrl-C checkpoint, and per-prompt vLLM seeds."""
 
 from __future__ import annotations
 
@@ -15,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 from accelerate.utils import send_to_device
+from transformers.trainer import deactivate_neftune
 from transformers.trainer_callback import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
@@ -56,9 +55,8 @@ class _SigintHold:
     """Holds a Ctrl-C back from :meth:`start` to :meth:`stop` in the main thread; a second one interrupts at once."""
 
     def __init__(self, enabled: bool = True) -> None:
-        self.enabled, self.active, self.forced, self.pending = enabled, False, False, False
-        self._previous: Any = None
-        self._received = False
+        self.enabled, self.active, self.forced = enabled, False, False
+        self._previous, self._received = None, False
 
     def start(self) -> None:
         if not self.enabled or self.active or threading.current_thread() is not threading.main_thread():
@@ -77,14 +75,13 @@ class _SigintHold:
         self._previous, self.active = signal.signal(signal.SIGINT, handler), True
 
     def stop(self, raise_held: bool = True) -> None:
-        """Puts the previous handler back; raises a held ``KeyboardInterrupt`` or, without ``raise_held``, keeps it."""
+        """Puts the previous handler back; raises a held ``KeyboardInterrupt`` (unless ``raise_held`` is false)."""
         if not self.active:
             return
         signal.signal(signal.SIGINT, self._previous)
         received, self._received, self.active = self._received, False, False
         if received and raise_held:
             raise KeyboardInterrupt
-        self.pending = self.pending or received
 
 
 def generation_seed(seed: int, global_step: int, call: int, instance: int, index: int) -> int:
@@ -115,7 +112,6 @@ class ExactResumeMixin:
             pass
         finally:
             self._egpo_sigint.stop(raise_held=False)  # an error inside a held span: the handler must not outlive it
-            self._egpo_sigint.pending = False  # the error, or the interruption, ends the run
             if stop in self.callback_handler.callbacks:
                 self.callback_handler.callbacks.remove(stop)
         state, args = self.state, self.args
@@ -133,8 +129,6 @@ class ExactResumeMixin:
             self._load_best_model()
         self._memory_tracker.stop_and_update_metrics({})
         if self.neftune_noise_alpha is not None:
-            from transformers.trainer import deactivate_neftune
-
             deactivate_neftune(self.model, self.neftune_hook_handle, self.accelerator)
         self.is_in_train = False
         return TrainOutput(state.global_step, 0.0, {})
@@ -249,22 +243,21 @@ class ExactResumeMixin:
 
     def _inner_training_loop(self, *args: Any, **kwargs: Any):
         # auto_find_batch_size retries after an out-of-memory error, maybe inside a held span: a held Ctrl-C stops now.
-        hold = self._egpo_sigint
-        hold.stop()
-        if hold.pending:
-            hold.pending = False
-            raise KeyboardInterrupt
-        hold.forced = False
+        self._egpo_sigint.stop()
+        self._egpo_sigint.forced = False
         return super()._inner_training_loop(*args, **kwargs)
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any):
         self._egpo_sigint.start()
         try:
             super()._maybe_log_save_evaluate(*args, **kwargs)
+            cuda_rng = (
+                torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+            )
             self._egpo_boundary = {
                 "global_step": self.state.global_step,
                 "updates": self._egpo_updates(),
-                "rng": (random.getstate(), np.random.get_state(), torch.random.get_rng_state(), self._egpo_cuda_rng()),
+                "rng": (random.getstate(), np.random.get_state(), torch.random.get_rng_state(), cuda_rng),
                 "num_input_tokens_seen": self.state.num_input_tokens_seen,  # GRPO counts them mid-step
                 "resume_state": self._egpo_resume_state(cpu=False),
             }
@@ -273,16 +266,8 @@ class ExactResumeMixin:
             raise
         self._egpo_sigint.stop()
 
-    @staticmethod
-    def _egpo_cuda_rng():
-        return (
-            torch.cuda.random.get_rng_state_all()
-            if torch.cuda.is_available() and torch.cuda.is_initialized()
-            else None
-        )
-
     def _egpo_updates(self) -> tuple[int | None, int | None]:
-        """The optimizer's step count (its first parameter's ``step``) and the DeepSpeed engine's (``None``: unknown)."""
+        """The optimizer's step count (its first parameter's) and the DeepSpeed engine's (``None``: unknown)."""
         try:  # DeepSpeed's optimizer keeps no per-parameter state
             steps = next((int(s["step"]) for s in self.optimizer.state.values() if s.get("step") is not None), None)
         except Exception:  # noqa: BLE001
@@ -318,7 +303,7 @@ class ExactResumeMixin:
         llm = getattr(generation, "llm", None)
         if not getattr(self, "use_vllm", False) or llm is None or getattr(generation, "mode", None) != "colocate":
             return
-        if (self.args.generation_kwargs or {}).get("seed") is not None:
+        if (self.args.generation_kwargs or {}).get("seed") is not None:  # the sampling seed given
             return
         generate = llm.generate
         instance = self.accelerator.process_index // max(1, getattr(generation, "tensor_parallel_size", 1))

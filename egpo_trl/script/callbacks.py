@@ -20,16 +20,11 @@ def _train_accuracy(logs: dict[str, float], correctness_name: str | None) -> flo
 
 
 class MetricsCallback(TrainerCallback):
-    """Appends every log (TRL's metrics and the ``egpo/*`` ones) as one JSON line to ``path``; ``time_s`` counts on
-    from ``time_offset`` (a resumed run's clock)."""
+    """Appends every log as a JSON line to ``path``; ``time_s`` counts on from ``time_offset`` (a resumed run's)."""
 
     def __init__(self, path, correctness_name=None, accuracy_from_reward: bool = True, time_offset: float = 0.0):
-        self.path, self.correctness_name, self.accuracy_from_reward = (
-            Path(path),
-            correctness_name,
-            accuracy_from_reward,
-        )
-        self.time_offset = time_offset
+        self.path, self.correctness_name = Path(path), correctness_name
+        self.accuracy_from_reward, self.time_offset = accuracy_from_reward, time_offset
         self.start = time.time() - time_offset
         self._last_log = None  # (time, global step) of the previous training log, or of the training's start
 

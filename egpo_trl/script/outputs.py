@@ -24,8 +24,7 @@ RUN_FILES = (METRICS_FILE, HELDOUT_FILE, "trainer_state.json", "model.safetensor
 def prepare_output_dir(
     output_dir: str, overwrite: bool, resuming: bool, start_from: str | None = None
 ) -> Callable[[], None]:
-    """Refuse an output folder holding an earlier run's checkpoints or outputs, unless ``overwrite``; returns what
-    clears it, called once the run has loaded (what a start that failed before its first step left is cleared too)."""
+    """Refuse a folder holding an earlier run, unless ``overwrite``; returns what clears it once the run has loaded."""
     path = Path(output_dir)
     if not path.is_dir() or resuming:
         return lambda: None
@@ -70,7 +69,7 @@ def prepare_output_dir(
 
 
 def refuse_output_dir_over_model(output_dir: str, model_name_or_path: str) -> None:
-    """Refuse an ``output_dir`` that is the local model folder the run starts from (it would write over its weights)."""
+    """Refuse an ``output_dir`` that is the local model folder the run starts from (it would overwrite its weights)."""
     model = Path(str(model_name_or_path)).expanduser()
     if model.is_dir() and model.resolve() == Path(output_dir).expanduser().resolve():
         raise SystemExit(
@@ -86,24 +85,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
-def put_heldout_record(path: str | Path, record: dict[str, Any]) -> None:
-    """Write a held-out evaluation's record into ``metrics.jsonl`` in place of the one of its ``heldout/stage``, else
-    first (``before``) or last (``after``)."""
-    path = Path(path)
-    records = read_metrics(path) if path.is_file() else []
-    stage = record["heldout/stage"]
-    places = [i for i, r in enumerate(records) if r.get("heldout/stage") == stage]
-    if places:
-        records[places[0]] = record
-        records = [r for i, r in enumerate(records) if i not in places[1:]]
-    else:
-        records.insert(0 if stage == "before" else len(records), record)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_metrics(path, records)
-
-
 def write_metrics(path: str | Path, records: list[dict[str, Any]]) -> None:
-    """Write ``records`` as the ``metrics.jsonl`` file ``path`` through a temporary file (a crash leaves the old one)."""
+    """Write ``records`` as the ``metrics.jsonl`` file ``path`` via a temporary file (a crash leaves the old one)."""
     temporary = Path(path).with_name(Path(path).name + ".tmp")
     temporary.write_text("".join(json.dumps(r, default=float) + "\n" for r in records))
     temporary.replace(path)

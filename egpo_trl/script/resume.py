@@ -1,9 +1,9 @@
-"""Stopping and resuming ``egpo-trl train``: the checkpoint resumed from, whether it has anything left to train, the
-later steps set aside, and Ctrl-C's checkpoint and resume command (the training state: :mod:`egpo_trl.resume_state`)."""
+"""Stopping and resuming ``egpo-trl train`` (the training state itself: :mod:`egpo_trl.resume_state`)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -16,8 +16,7 @@ from egpo_trl.script.outputs import HELDOUT_FILE, METRICS_FILE, REPLACED_DIR, re
 
 
 def resume_checkpoint(training_args) -> str | None:
-    """The checkpoint a run resumes from: ``true``/``last``/``latest`` is the last ``checkpoint-*`` in ``output_dir``,
-    ``false``/``none`` is ``None``; any other value must be an existing folder."""
+    """The checkpoint to resume from: ``true``/``last``/``latest``: the last in ``output_dir``; ``false``: ``None``."""
     from transformers.trainer_utils import get_last_checkpoint
 
     resume, output_dir = training_args.resume_from_checkpoint, training_args.output_dir
@@ -40,8 +39,7 @@ def resume_checkpoint(training_args) -> str | None:
 
 
 def resumes_own_run(checkpoint: str | Path | None, output_dir: str | Path) -> bool:
-    """Whether ``checkpoint`` is one of ``output_dir``'s own ``checkpoint-<step>`` folders (resuming continues that
-    run; a checkpoint of another folder starts a new run in ``output_dir``)."""
+    """Whether ``checkpoint`` is one of ``output_dir``'s own ``checkpoint-<step>`` folders (it continues that run)."""
     if checkpoint is None:
         return False
     checkpoint = Path(checkpoint).resolve()
@@ -60,8 +58,7 @@ def checkpoint_step(checkpoint: str | Path) -> int:
 
 
 def _final_steps(output_dir: str | Path) -> tuple[int, int]:
-    """The steps of ``output_dir``'s final model (dated by the ``trainer_state.json`` beside it) and of its held-out
-    evaluation after training (0: none)."""
+    """The steps of ``output_dir``'s final model (its ``trainer_state.json``) and evaluation after training."""
     state, heldout = Path(output_dir) / "trainer_state.json", Path(output_dir) / HELDOUT_FILE
     model = json.loads(state.read_text()).get("global_step") or 0 if state.is_file() else 0
     after = (json.loads(heldout.read_text()).get("after") or {}).get("step") or 0 if heldout.is_file() else None
@@ -77,25 +74,6 @@ def missing_final_outputs(output_dir: str | Path, step: int) -> str | None:
     return " and ".join(missing) or None
 
 
-def finished_message(training_args, checkpoint: str | Path, step: int, last_step: int) -> str:
-    """The line that says resuming from ``checkpoint`` (at ``step``) has nothing to train."""
-    if training_args.max_steps > 0:
-        setting, fix = f"max_steps={training_args.max_steps}", "--max_steps"
-    else:
-        setting = f"num_train_epochs={training_args.num_train_epochs:g} over this run's data and batch sizes"
-        fix = "--num_train_epochs, or set --max_steps,"
-    output_dir, missing = training_args.output_dir, missing_final_outputs(training_args.output_dir, step)
-    outputs = (
-        f"{output_dir} lacks {missing}: load the trained weights from the checkpoint"
-        if missing
-        else f"the outputs in {output_dir} are left as they are, and the checkpoint holds the trained weights"
-    )
-    return (
-        f"egpo-trl train: nothing to train: {checkpoint} is at step {step} and the run stops at step {last_step} "
-        f"({setting}); {outputs} (raise {fix} to train further)."
-    )
-
-
 def trainer_last_step(trainer) -> int:
     """The step the run stops at, counted as ``Trainer.train`` counts it (this run's data, batch sizes, processes)."""
     args = trainer.args
@@ -104,18 +82,44 @@ def trainer_last_step(trainer) -> int:
     return int(trainer.set_initial_training_values(args, trainer.get_train_dataloader())[-1])
 
 
-def later_final_outputs(output_dir: str | Path, step: int) -> str | None:
-    """The final outputs in ``output_dir`` of a run that finished after ``step``, which a run ending at ``step`` would
-    replace; ``None`` when there are none."""
-    model, after = _final_steps(output_dir)
-    later = [f"the trained model of step {model}"] if model > step else []
-    later += [f"the held-out evaluation after training at step {after}"] if (after or 0) > step else []
-    return " and ".join(later) or None
+def nothing_to_train(training_args, resume, own_run: bool, trainer=None) -> bool:
+    """Says so when ``resume`` is at the run's last step; refuses to replace final outputs of a later step."""
+    args, output_dir = training_args, training_args.output_dir
+    last_step, step = args.max_steps if trainer is None else trainer_last_step(trainer), checkpoint_step(resume)
+    if step >= last_step:
+        if os.environ.get("RANK", "0") == "0":
+            if args.max_steps > 0:
+                setting, fix = f"max_steps={args.max_steps}", "--max_steps"
+            else:
+                setting = f"num_train_epochs={args.num_train_epochs:g} over this run's data and batch sizes"
+                fix = "--num_train_epochs, or set --max_steps,"
+            missing = missing_final_outputs(output_dir, step)
+            outputs = (
+                f"{output_dir} lacks {missing}: load the trained weights from the checkpoint"
+                if missing
+                else f"the outputs in {output_dir} are left as they are, and the checkpoint holds the trained weights"
+            )
+            print(
+                f"egpo-trl train: nothing to train: {resume} is at step {step} and the run stops at step {last_step} "
+                f"({setting}); {outputs} (raise {fix} to train further).",
+                flush=True,
+            )
+        return True
+    model, after = _final_steps(output_dir) if own_run else (0, 0)
+    later = [f"the trained model of step {model}"] if model > last_step else []
+    later += [f"the held-out evaluation after training at step {after}"] if (after or 0) > last_step else []
+    if later:
+        raise SystemExit(
+            f"egpo-trl train: resuming {resume}, this run ends at step {last_step}, but {output_dir} holds "
+            f"{' and '.join(later)}, which this run's final outputs would replace. Raise "
+            f"--max_steps/--num_train_epochs to train past them, or give another --output_dir to start a new run from "
+            f"{resume}."
+        )
+    return False
 
 
 def set_aside_later_history(output_dir: str | Path, step: int) -> Path | None:
-    """Move the ``metrics.jsonl`` records and the checkpoints of the steps after ``step`` (and the evaluation after
-    training) into ``replaced/<time>-from-step-<step>/``; returns that folder, or ``None`` when there were none."""
+    """Move the records and checkpoints after ``step`` into ``replaced/<time>-from-step-<step>/`` (``None``: none)."""
     output_dir = Path(output_dir)
     metrics = output_dir / METRICS_FILE
     records = read_metrics(metrics) if metrics.is_file() else []

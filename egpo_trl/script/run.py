@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -20,21 +19,19 @@ from egpo_trl.script.outputs import (
     METRICS_FILE,
     PLOT_FILE,
     prepare_output_dir,
-    put_heldout_record,
     read_metrics,
     refuse_output_dir_over_model,
+    write_metrics,
 )
 from egpo_trl.script.plots import plot_metrics
 from egpo_trl.script.resolve import check_model_exists, resolve_model_path, resolve_reward_funcs
 from egpo_trl.script.resume import (
     checkpoint_step,
-    finished_message,
-    later_final_outputs,
+    nothing_to_train,
     resume_checkpoint,
     resumes_own_run,
     save_interrupted,
     set_aside_later_history,
-    trainer_last_step,
 )
 
 logger = logging.getLogger(__name__)
@@ -52,7 +49,7 @@ def build_trainer(script_args: TrainScriptArguments, training_args, model_args, 
         "attn_implementation": model_args.attn_implementation,
         "dtype": model_args.dtype,
     }
-    model_init_kwargs = {k: v for k, v in model_init_kwargs.items() if v is not None}
+    model_init_kwargs = {k: v for k, v in model_init_kwargs.items() if v is not None}  # the recipe's own win
     training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
     return EGPOTrainer(
         model=resolve_model_path(model_args.model_name_or_path),
@@ -127,7 +124,13 @@ def _heldout(trainer, heldout, settings: dict[str, Any], batch_size: int, stage:
 def _write_heldout(output_dir: Path, records: dict[str, Any], stage: str) -> None:
     """Write the evaluation of ``stage`` into ``metrics.jsonl``; before training, ``records`` into ``heldout.json``."""
     record = {"step": records[stage]["step"], "heldout/accuracy": records[stage]["accuracy"], "heldout/stage": stage}
-    put_heldout_record(output_dir / METRICS_FILE, record)
+    rows = read_metrics(output_dir / METRICS_FILE) if (output_dir / METRICS_FILE).is_file() else []
+    places = [i for i, r in enumerate(rows) if r.get("heldout/stage") == stage]  # in place of its stage's record
+    if places:
+        rows = [record if i == places[0] else r for i, r in enumerate(rows) if i not in places[1:]]
+    else:  # else first (before) or last (after)
+        rows.insert(0 if stage == "before" else len(rows), record)
+    write_metrics(output_dir / METRICS_FILE, rows)
     if stage == "before":  # after training, written once the final model is saved
         (output_dir / HELDOUT_FILE).write_text(json.dumps(records, indent=2) + "\n")
 
@@ -154,22 +157,16 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     own_run = resumes_own_run(resume, output_dir)
     refuse_output_dir_over_model(training_args.output_dir, model_args.model_name_or_path)
     clear_output_dir = prepare_output_dir(
-        training_args.output_dir,
-        script_args.overwrite_output_dir,
-        resuming=own_run,
-        start_from=None if own_run else resume,
+        training_args.output_dir, script_args.overwrite_output_dir, own_run, None if own_run else resume
     )
-    if resume is not None and training_args.max_steps > 0 and _nothing_to_train(training_args, resume, own_run):
+    if resume is not None and training_args.max_steps > 0 and nothing_to_train(training_args, resume, own_run):
         return summary  # judged before anything loads
     check_model_exists(model_args.model_name_or_path, model_args.model_revision, training_args.trust_remote_code)
     train_dataset, heldout = load_datasets(script_args, seed=training_args.seed)
     trainer = build_trainer(script_args, training_args, model_args, train_dataset)
-    if (
-        resume is not None
-        and training_args.max_steps <= 0
-        and _nothing_to_train(training_args, resume, own_run, trainer)
-    ):
-        return summary
+    if resume is not None and training_args.max_steps <= 0:  # sized in epochs: judged by the trainer's step count
+        if nothing_to_train(training_args, resume, own_run, trainer):
+            return summary
     clear_output_dir()  # with --overwrite_output_dir: only now that the model, data and rewards have loaded
     is_main = trainer.accelerator.is_main_process
     metrics_path = output_dir / METRICS_FILE
@@ -239,18 +236,48 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     trainer.accelerator.wait_for_everyone()
     if own_run:
         trainer.add_callback(_SetAsideLaterHistory(trainer.accelerator, output_dir, resume_step, recomputed))
-    try:
+    try:  # stopped in a step, the evaluation after training or the final save: the last finished step is kept
         summary["train_runtime_s"] = trainer.train(resume_from_checkpoint=resume).metrics.get("train_runtime")
-        return _finish(trainer, script_args, summary, heldout, records, settings, wall_start)
+        if heldout is not None and is_main:
+            records["after"] = _heldout(trainer, heldout, settings, script_args.eval_batch_size, "after")
+            _write_heldout(output_dir, records, "after")
+            summary["heldout_after"] = records["after"]["accuracy"]
+        if script_args.save_final_model:
+            trainer.save_model(str(output_dir))
+            trainer.save_state()  # trainer_state.json, written last, dates a complete final model (a resume reads it)
+        if is_main:
+            files = [metrics_path]
+            if records:
+                (output_dir / HELDOUT_FILE).write_text(json.dumps(records, indent=2) + "\n")
+                files.append(output_dir / HELDOUT_FILE)
+            if script_args.plot and metrics_path.exists():
+                title = f"{training_args.advantage_estimator.upper()} on {script_args.dataset_name}, "
+                title += f"seed {training_args.seed}"
+                plot_metrics(read_metrics(metrics_path), output_dir / PLOT_FILE, title=title)
+                files.append(output_dir / PLOT_FILE)
+            summary["files"] = [str(f) for f in files]
+            summary["wall_time_s"] = round(time.time() - wall_start, 1)
+            before, after = summary["heldout_before"], summary["heldout_after"]
+            print("")
+            if before is not None and after is not None:
+                print(
+                    f"Held-out accuracy: {before:.1%} before -> {after:.1%} after training "
+                    f"({100 * (after - before):+.1f} points)."
+                )
+            print(f"Done in {summary['wall_time_s']:.0f}s. Outputs in {output_dir}/:")
+            for path in files:
+                print(f"  {path}")
+            if script_args.save_final_model:
+                print(f"  {output_dir}/ (trained model and tokenizer)")
     except KeyboardInterrupt:
-        # Stopped in a step, during the evaluation after training or the final save: the last step is kept.
         save_interrupted(trainer)
         raise
+    trainer.accelerator.wait_for_everyone()
+    return summary
 
 
 class _SetAsideLaterHistory(TrainerCallback):
-    """Once the checkpoint has loaded, moves the records and checkpoints of the steps after it to ``replaced/`` and
-    writes a new evaluation before training (``recomputed``)."""
+    """Once the checkpoint has loaded: sets the later steps aside and writes a ``recomputed`` evaluation before."""
 
     def __init__(self, accelerator, output_dir: Path, step: int, recomputed: dict[str, Any] | None = None):
         self.accelerator, self.output_dir, self.step, self.recomputed = accelerator, output_dir, step, recomputed
@@ -263,65 +290,3 @@ class _SetAsideLaterHistory(TrainerCallback):
             if self.recomputed is not None:
                 _write_heldout(self.output_dir, self.recomputed, "before")
         self.accelerator.wait_for_everyone()  # set aside before any process looks for a checkpoint
-
-
-def _nothing_to_train(training_args, resume, own_run: bool, trainer=None) -> bool:
-    """Says so and returns ``True`` when the run resumed from ``resume`` has already reached its last step; refuses a
-    resume whose final outputs would replace those of a later step in ``output_dir``."""
-    last_step = training_args.max_steps if trainer is None else trainer_last_step(trainer)
-    step = checkpoint_step(resume)
-    if step >= last_step:
-        if os.environ.get("RANK", "0") == "0":
-            print(finished_message(training_args, resume, step, last_step), flush=True)
-        return True
-    later = later_final_outputs(training_args.output_dir, last_step) if own_run else None
-    if later:
-        raise SystemExit(
-            f"egpo-trl train: resuming {resume}, this run ends at step {last_step}, but {training_args.output_dir} "
-            f"holds {later}, which this run's final outputs would replace. Raise --max_steps/--num_train_epochs to "
-            f"train past them, or give another --output_dir to start a new run from {resume}."
-        )
-    return False
-
-
-def _finish(trainer, script_args, summary, heldout, records, settings, wall_start):
-    """After training: the held-out evaluation, the final model, ``heldout.json``, the plot and the summary."""
-    is_main, args = trainer.accelerator.is_main_process, trainer.args
-    output_dir = Path(args.output_dir)
-    metrics_path, plot_path, heldout_path = (
-        output_dir / METRICS_FILE,
-        output_dir / PLOT_FILE,
-        output_dir / HELDOUT_FILE,
-    )
-    if heldout is not None and is_main:
-        records["after"] = _heldout(trainer, heldout, settings, script_args.eval_batch_size, "after")
-        _write_heldout(output_dir, records, "after")
-        summary["heldout_after"] = records["after"]["accuracy"]
-    if script_args.save_final_model:
-        trainer.save_model(str(output_dir))
-        trainer.save_state()  # trainer_state.json, written last, dates a complete final model (a resume reads it)
-    if is_main:
-        files = [metrics_path]
-        if records:
-            heldout_path.write_text(json.dumps(records, indent=2) + "\n")
-            files.append(heldout_path)
-        if script_args.plot and metrics_path.exists():
-            title = f"{args.advantage_estimator.upper()} on {script_args.dataset_name}, seed {args.seed}"
-            plot_metrics(read_metrics(metrics_path), plot_path, title=title)
-            files.append(plot_path)
-        summary["files"] = [str(f) for f in files]
-        summary["wall_time_s"] = round(time.time() - wall_start, 1)
-        before, after = summary["heldout_before"], summary["heldout_after"]
-        print("")
-        if before is not None and after is not None:
-            print(
-                f"Held-out accuracy: {before:.1%} before -> {after:.1%} after training "
-                f"({100 * (after - before):+.1f} points)."
-            )
-        print(f"Done in {summary['wall_time_s']:.0f}s. Outputs in {output_dir}/:")
-        for path in files:
-            print(f"  {path}")
-        if script_args.save_final_model:
-            print(f"  {output_dir}/ (trained model and tokenizer)")
-    trainer.accelerator.wait_for_everyone()
-    return summary
