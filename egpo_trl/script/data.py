@@ -6,9 +6,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from egpo_trl.input_checks import ANSWER_COLUMNS as _ANSWER_COLUMNS
-from egpo_trl.input_checks import QUESTION_COLUMNS as _QUESTION_COLUMNS
-from egpo_trl.input_checks import required_columns
+from egpo_trl.input_checks import ANSWER_COLUMNS, QUESTION_COLUMNS, required_columns
 from egpo_trl.script.args import TrainScriptArguments
 from egpo_trl.script.resolve import resolve_reward_funcs
 
@@ -25,8 +23,8 @@ def column_problem(columns: Sequence[str], script_args: TrainScriptArguments) ->
     if script_args.prompt_template is None and "prompt" not in columns:
         # Never the column the recipe names as the answer (answer_column), whatever its name.
         others = [c for c in columns if c != script_args.answer_column]
-        question = next((c for c in _QUESTION_COLUMNS if c in others), None)
-        question = question or next((c for c in others if c not in _ANSWER_COLUMNS), others[0] if others else "x")
+        question = next((c for c in QUESTION_COLUMNS if c in others), None)
+        question = question or next((c for c in others if c not in ANSWER_COLUMNS), others[0] if others else "x")
         problems.append("no 'prompt' column")
         fixes.append(f"--prompt_template '{{{question}}} Put the final answer in \\boxed{{{{}}}}.'")
     answer = script_args.answer_column
@@ -35,7 +33,7 @@ def column_problem(columns: Sequence[str], script_args: TrainScriptArguments) ->
     except SystemExit:
         needs = None  # reported where the reward functions are built
     if (answer != "answer" or needs) and answer not in columns:
-        candidates = [c for c in _ANSWER_COLUMNS if c in columns and c != answer]
+        candidates = [c for c in ANSWER_COLUMNS if c in columns and c != answer]
         what = f" (the ground truth that {needs} needs)" if answer == "answer" else ""
         problems.append(f"no {answer!r} column{what}")
         fixes.append(f"--answer_column {candidates[0] if candidates else '<the column with the final answers>'}")

@@ -57,7 +57,7 @@ def checkpoint_step(checkpoint: str | Path) -> int:
     return int(Path(checkpoint).name.rsplit("-", 1)[-1])
 
 
-def _final_steps(output_dir: str | Path) -> tuple[int, int]:
+def _final_steps(output_dir: str | Path) -> tuple[int, int | None]:
     """The steps of ``output_dir``'s final model (its ``trainer_state.json``) and evaluation after training."""
     state, heldout = Path(output_dir) / "trainer_state.json", Path(output_dir) / HELDOUT_FILE
     model = json.loads(state.read_text()).get("global_step") or 0 if state.is_file() else 0
