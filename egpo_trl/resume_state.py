@@ -1,7 +1,4 @@
-"""Exact resume: :class:`ExactResumeMixin` saves what GRPO keeps beyond the Trainer's checkpoint (generation buffer,
-unlogged metrics, Guided Error Correction's draws, prompt order) in ``egpo_resume_state.pt`` and restores it where the
-run's shape matches; a Ctrl-C saves the last finished step, and vLLM colocate seeds each prompt by its place in the
-run."""
+"""Exact resume: GRPO's state beyond the Trainer's checkpoint, a Ctrl-C checkpoint, and per-prompt vLLM seeds."""
 
 from __future__ import annotations
 
@@ -16,7 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 from accelerate.utils import send_to_device
+from transformers.trainer import deactivate_neftune
 from transformers.trainer_callback import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +55,8 @@ class _SigintHold:
     """Holds a Ctrl-C back from :meth:`start` to :meth:`stop` in the main thread; a second one interrupts at once."""
 
     def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
-        self.active = False
-        self.forced = False
-        self.pending = False
-        self._previous: Any = None
-        self._received = False
+        self.enabled, self.active, self.forced = enabled, False, False
+        self._previous, self._received = None, False
 
     def start(self) -> None:
         if not self.enabled or self.active or threading.current_thread() is not threading.main_thread():
@@ -77,58 +72,22 @@ class _SigintHold:
             os.write(2, b"\nCtrl-C: finishing this step first (Ctrl-C again stops at once, without a checkpoint)\n")
 
         self._received = False
-        try:
-            previous = signal.signal(signal.SIGINT, handler)
-        except (ValueError, OSError):  # not settable here: leave Ctrl-C as it is
-            return
-        self._previous, self.active = previous, True
+        self._previous, self.active = signal.signal(signal.SIGINT, handler), True
 
     def stop(self, raise_held: bool = True) -> None:
-        """Puts the previous handler back; raises a held ``KeyboardInterrupt`` or, without ``raise_held``, keeps it."""
+        """Puts the previous handler back; raises a held ``KeyboardInterrupt`` (unless ``raise_held`` is false)."""
         if not self.active:
             return
         signal.signal(signal.SIGINT, self._previous)
         received, self._received, self.active = self._received, False, False
         if received and raise_held:
             raise KeyboardInterrupt
-        self.pending = self.pending or received
 
 
 def generation_seed(seed: int, global_step: int, call: int, instance: int, index: int) -> int:
     """The sampling seed of prompt ``index`` of generation ``call`` of vLLM ``instance``, from its place in the run."""
     key = f"egpo-generation:{seed}:{global_step}:{call}:{instance}:{index}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2**63 - 1)
-
-
-def _rng_states() -> dict[str, Any]:
-    states = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "cpu": torch.random.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.random.get_rng_state_all()
-    return states
-
-
-def _set_rng_states(states: dict[str, Any]) -> None:
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.random.set_rng_state(states["cpu"])
-    if "cuda" in states:
-        torch.cuda.random.set_rng_state_all(states["cuda"])
-
-
-def _optimizer_steps(optimizer) -> int | None:
-    """The optimizer's step count (its first parameter's ``step`` state), or ``None``."""
-    try:
-        for state in optimizer.state.values():
-            step = state.get("step")
-            if step is not None:
-                return int(step)
-    except Exception:  # noqa: BLE001 - an optimizer without per-parameter state (DeepSpeed's)
-        return None
-    return None
 
 
 class ExactResumeMixin:
@@ -153,80 +112,52 @@ class ExactResumeMixin:
             pass
         finally:
             self._egpo_sigint.stop(raise_held=False)  # an error inside a held span: the handler must not outlive it
-            self._egpo_sigint.pending = False  # the error, or the interruption, ends the run
             if stop in self.callback_handler.callbacks:
                 self.callback_handler.callbacks.remove(stop)
-        state, by_steps = self.state, self.args.max_steps > 0
+        state, args = self.state, self.args
+        if args.max_steps > 0:
+            setting, fix = f"max_steps={args.max_steps}", "max_steps"
+        else:
+            setting = f"num_train_epochs={args.num_train_epochs:g} over this run's data and batch sizes"
+            fix = "num_train_epochs (or set max_steps)"
         logger.warning(
-            "Nothing to train: the checkpoint is at step %d and this run stops at step %d (%s); raise %s to train "
-            "further.",
-            state.global_step,
-            state.max_steps,
-            f"max_steps={self.args.max_steps}"
-            if by_steps
-            else f"num_train_epochs={self.args.num_train_epochs:g} over this run's data and batch sizes",
-            "max_steps" if by_steps else "num_train_epochs (or set max_steps)",
+            f"Nothing to train: the checkpoint is at step {state.global_step} and this run stops at step "
+            f"{state.max_steps} ({setting}); raise {fix} to train further."
         )
         # Trainer's end of a run, less its logs, callbacks and checkpoint deletions.
-        if self.args.load_best_model_at_end and state.best_model_checkpoint is not None:
+        if args.load_best_model_at_end and state.best_model_checkpoint is not None:
             self._load_best_model()
         self._memory_tracker.stop_and_update_metrics({})
         if self.neftune_noise_alpha is not None:
-            from transformers.trainer import deactivate_neftune
-
             deactivate_neftune(self.model, self.neftune_hook_handle, self.accelerator)
         self.is_in_train = False
-        from transformers.trainer_utils import TrainOutput
-
         return TrainOutput(state.global_step, 0.0, {})
 
     def _egpo_resume_state(self, cpu: bool = True) -> dict[str, Any]:
         """GRPO's state between steps (on the CPU, or as it is)."""
+        move = (lambda x: send_to_device(x, "cpu")) if cpu else (lambda x: x)
         state: dict[str, Any] = {name: getattr(self, name) for name in _COUNTERS if hasattr(self, name)}
         buffered = getattr(self, "_buffered_inputs", None)
-        state["buffered_inputs"] = send_to_device(buffered, "cpu") if cpu and buffered is not None else buffered
-        state["metrics_train"] = {key: list(values) for key, values in self._metrics["train"].items()}
         tr_loss = getattr(self, "_tr_loss", None)
-        if isinstance(tr_loss, torch.Tensor):
-            tr_loss = tr_loss.detach().clone()
-            state["tr_loss"] = tr_loss.cpu() if cpu else tr_loss
-        else:
-            state["tr_loss"] = None
-        state["layout"] = self._egpo_batch_layout()
-        return state
+        return {
+            **state,
+            "buffered_inputs": move(buffered) if buffered is not None else None,
+            "metrics_train": {key: list(values) for key, values in self._metrics["train"].items()},
+            "tr_loss": move(tr_loss.detach().clone()) if isinstance(tr_loss, torch.Tensor) else None,
+            "layout": self._egpo_batch_layout(),
+        }
 
     def _egpo_batch_layout(self) -> dict[str, Any]:
         """The process count, batch shape and settings the saved state belongs to."""
         args = self.args
-        named = (name for name in vars(args) if name.startswith(_BATCH_PREFIXES) and name not in _OPERATIONAL)
-        settings = [*_BATCH_ARGS, *sorted(named)]
+        named = sorted(name for name in vars(args) if name.startswith(_BATCH_PREFIXES) and name not in _OPERATIONAL)
         return {
             "world_size": int(args.world_size),
             "process_index": int(args.process_index),
             **{name: int(getattr(args, name)) for name in _LAYOUT_ARGS},
-            **{name: getattr(args, name, None) for name in settings},
+            **{name: getattr(args, name, None) for name in (*_BATCH_ARGS, *named)},
             "reward_weights": self.reward_weights.tolist(),  # the weights in use (unset: 1.0 per function)
         }
-
-    def _egpo_layout_mismatch(self, checkpoint: str, state: dict[str, Any] | None) -> str | None:
-        """Why this process cannot restore ``state`` (its file in ``checkpoint``; ``None``: absent), or ``None``."""
-        if state is None:
-            others = sorted(
-                name
-                for name in os.listdir(checkpoint)
-                if name.startswith(RESUME_STATE_NAME[: -len(".pt")]) and name.endswith(".pt")
-            )
-            if others:
-                return f"it holds {', '.join(others)} but not {os.path.basename(self._egpo_state_file(checkpoint))}"
-            return None  # no state at all: reported as such
-        saved = state.get("layout")
-        current = self._egpo_batch_layout()
-        if saved is None or not current.keys() <= saved.keys():
-            return "its saved state does not record the process count, batch shape and settings (an older version)"
-        differ = [f"{key}={saved.get(key)} (now {value})" for key, value in current.items() if saved.get(key) != value]
-        if differ:
-            return "it was saved with " + ", ".join(differ)
-        return None
 
     def _egpo_restore_resume_state(self, state: dict[str, Any]) -> None:
         for name in _COUNTERS:
@@ -242,21 +173,17 @@ class ExactResumeMixin:
             self._tr_loss.copy_(tr_loss.to(self._tr_loss.device))
 
     def _egpo_state_file(self, checkpoint: str) -> str:
-        if self.args.world_size > 1:
-            name = RESUME_STATE_NAME.replace(".pt", f"_{self.args.process_index}.pt")
-        else:
-            name = RESUME_STATE_NAME
-        return os.path.join(checkpoint, name)
+        suffix = f"_{self.args.process_index}.pt" if self.args.world_size > 1 else ".pt"
+        return os.path.join(checkpoint, RESUME_STATE_NAME.replace(".pt", suffix))
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        if self.args.save_only_model:
-            return
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        os.makedirs(folder, exist_ok=True)
-        torch.save(self._egpo_resume_state(), self._egpo_state_file(folder))
+        if not self.args.save_only_model:
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
+            os.makedirs(folder, exist_ok=True)
+            torch.save(self._egpo_resume_state(), self._egpo_state_file(folder))
 
     def _load_rng_state(self, checkpoint):
         # Trainer calls this once on resume, after fetching the first batch and just before the first step.
@@ -265,37 +192,37 @@ class ExactResumeMixin:
             return
         path = self._egpo_state_file(checkpoint)
         state = torch.load(path, weights_only=True) if os.path.isfile(path) else None
-        mismatch = self._egpo_layout_mismatch(checkpoint, state)
-        usable = state is not None and mismatch is None
+        if state is None:
+            others = sorted(
+                n for n in os.listdir(checkpoint) if n.startswith("egpo_resume_state") and n.endswith(".pt")
+            )
+            held = f"it holds {', '.join(others)} but not" if others else "it has no"
+            mismatch = f"{held} {os.path.basename(path)} (saved by another trainer, version or process count)"
+        else:
+            saved = state.get("layout") or {}
+            differ = [
+                f"{k}={saved.get(k)} (now {v})" for k, v in self._egpo_batch_layout().items() if saved.get(k) != v
+            ]
+            mismatch = "it was saved with " + ", ".join(differ) if differ else None
         if self.args.world_size > 1:
             # Every process must decide alike, or their collective calls would mismatch.
-            flags = self.accelerator.gather(torch.tensor([1 if usable else 0], device=self.accelerator.device))
-            if usable and int(flags.min()) == 0:
-                usable, mismatch = False, "another process cannot restore its own saved state"
-        if usable:
+            flags = self.accelerator.gather(torch.tensor([int(mismatch is None)], device=self.accelerator.device))
+            if mismatch is None and int(flags.min()) == 0:
+                mismatch = "another process cannot restore its own saved state"
+        if mismatch is None:
             self._egpo_restore_resume_state(state)
             return
-        if mismatch is not None:
-            logger.warning(
-                "%s cannot be resumed exactly: %s. Its GRPO state (the generation batch in progress, the micro-step "
-                "counter and the metrics not yet logged) is ignored on every process; the weights, optimizer and "
-                "schedule are restored, and the run generates a new batch at its first step, so it does not "
-                "continue exactly as it would have.",
-                checkpoint,
-                mismatch,
-            )
-        else:
-            logger.warning(
-                "%s has no %s (saved by another trainer or an older version): the run resumes, but not exactly as "
-                "it would have continued (a generation batch in progress is generated again).",
-                checkpoint,
-                os.path.basename(path),
-            )
+        logger.warning(
+            "%s cannot be resumed exactly: %s. Its GRPO state (the generation batch in progress, the micro-step "
+            "counter and the metrics not yet logged) is ignored on every process; the weights, optimizer and "
+            "schedule are restored, and the run generates a new batch at its first step.",
+            checkpoint,
+            mismatch,
+        )
 
     def _get_train_sampler(self, *args: Any, **kwargs: Any):
-        sampler = super()._get_train_sampler(*args, **kwargs)
-        self._egpo_train_sampler = sampler
-        return sampler
+        self._egpo_train_sampler = super()._get_train_sampler(*args, **kwargs)
+        return self._egpo_train_sampler
 
     def _init_training_state(self, *args: Any, **kwargs: Any):
         epochs_trained, steps_in_epoch = super()._init_training_state(*args, **kwargs)
@@ -316,22 +243,21 @@ class ExactResumeMixin:
 
     def _inner_training_loop(self, *args: Any, **kwargs: Any):
         # auto_find_batch_size retries after an out-of-memory error, maybe inside a held span: a held Ctrl-C stops now.
-        hold = self._egpo_sigint
-        hold.stop()
-        if hold.pending:
-            hold.pending = False
-            raise KeyboardInterrupt
-        hold.forced = False
+        self._egpo_sigint.stop()
+        self._egpo_sigint.forced = False
         return super()._inner_training_loop(*args, **kwargs)
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any):
         self._egpo_sigint.start()
         try:
             super()._maybe_log_save_evaluate(*args, **kwargs)
+            cuda_rng = (
+                torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+            )
             self._egpo_boundary = {
                 "global_step": self.state.global_step,
                 "updates": self._egpo_updates(),
-                "rng": _rng_states(),
+                "rng": (random.getstate(), np.random.get_state(), torch.random.get_rng_state(), cuda_rng),
                 "num_input_tokens_seen": self.state.num_input_tokens_seen,  # GRPO counts them mid-step
                 "resume_state": self._egpo_resume_state(cpu=False),
             }
@@ -341,22 +267,31 @@ class ExactResumeMixin:
         self._egpo_sigint.stop()
 
     def _egpo_updates(self) -> tuple[int | None, int | None]:
-        """The optimizer's and the DeepSpeed engine's step counts (``None``: unknown)."""
-        engine = self.model_wrapped if getattr(self, "is_deepspeed_enabled", False) else None
-        engine_steps = getattr(engine, "global_steps", None)
-        return _optimizer_steps(self.optimizer), int(engine_steps) if engine_steps is not None else None
+        """The optimizer's step count (its first parameter's) and the DeepSpeed engine's (``None``: unknown)."""
+        try:  # DeepSpeed's optimizer keeps no per-parameter state
+            steps = next((int(s["step"]) for s in self.optimizer.state.values() if s.get("step") is not None), None)
+        except Exception:  # noqa: BLE001
+            steps = None
+        engine = (
+            getattr(self.model_wrapped, "global_steps", None) if getattr(self, "is_deepspeed_enabled", False) else None
+        )
+        return steps, int(engine) if engine is not None else None
 
     def save_interrupt_checkpoint(self) -> str | None:
         """After an interruption inside a step, save the last finished step; returns why not, or ``None``."""
-        boundary = self._egpo_boundary
-        step = self.state.global_step
+        boundary, step = self._egpo_boundary, self.state.global_step
         if boundary is None or boundary["global_step"] != step:
             return f"the state at the end of step {step} was not recorded"
         if self._egpo_sigint.forced:
             return f"a second Ctrl-C stopped step {step + 1} before it had finished"
         if boundary["updates"] != self._egpo_updates():
             return "the interruption came during an optimizer update"
-        _set_rng_states(boundary["rng"])
+        python, numpy_state, cpu, cuda = boundary["rng"]
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+        torch.random.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.random.set_rng_state_all(cuda)
         self.state.num_input_tokens_seen = boundary["num_input_tokens_seen"]
         self._egpo_restore_resume_state(boundary["resume_state"])
         self._save_checkpoint(self.model, trial=None)
@@ -368,10 +303,9 @@ class ExactResumeMixin:
         llm = getattr(generation, "llm", None)
         if not getattr(self, "use_vllm", False) or llm is None or getattr(generation, "mode", None) != "colocate":
             return
-        if (self.args.generation_kwargs or {}).get("seed") is not None:
+        if (self.args.generation_kwargs or {}).get("seed") is not None:  # the sampling seed given
             return
         generate = llm.generate
-        trainer = self
         instance = self.accelerator.process_index // max(1, getattr(generation, "tensor_parallel_size", 1))
 
         def seeded_generate(prompts, sampling_params=None, *args: Any, **kwargs: Any):
@@ -381,19 +315,15 @@ class ExactResumeMixin:
                 or sampling_params.seed is not None
             ):
                 return generate(prompts, sampling_params, *args, **kwargs)
-            call, step = trainer._egpo_next_generation_call(), trainer.state.global_step
-            params = []
-            for index in range(len(prompts)):
-                params.append(sampling_params.clone())
-                params[-1].seed = generation_seed(trainer.args.seed, step, call, instance, index)
+            # This generation call's number within the step and mode (evaluation: -1 - n).
+            key = (self.state.global_step, bool(self.model.training))
+            last_key, count = self._egpo_generation_calls
+            count = count + 1 if key == last_key else 0
+            self._egpo_generation_calls = (key, count)
+            call = count if key[1] else -1 - count
+            params = [sampling_params.clone() for _ in prompts]
+            for index, param in enumerate(params):
+                param.seed = generation_seed(self.args.seed, key[0], call, instance, index)
             return generate(prompts, params, *args, **kwargs)
 
         llm.generate = seeded_generate
-
-    def _egpo_next_generation_call(self) -> int:
-        """This generation call's number within the step and mode (evaluation: ``-1 - n``)."""
-        key = (self.state.global_step, bool(self.model.training))
-        last_key, count = self._egpo_generation_calls
-        count = count + 1 if key == last_key else 0
-        self._egpo_generation_calls = (key, count)
-        return count if key[1] else -1 - count

@@ -110,7 +110,7 @@ METHODS = [
     (
         "_inner_training_loop",
         ["batch_size", "args", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"],
-        "resume_state.py (override: a Ctrl-C held when an error ended a held span stops an auto_find_batch_size retry)",
+        "resume_state.py (override: a Ctrl-C held in a span an out-of-memory error ended stops an auto_find_batch_size retry)",
     ),
     ("_get_output_dir", ["trial"], "resume_state.py (the checkpoint folder)"),
     (

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
@@ -16,39 +15,22 @@ PLUS_MINUS_ONE = ("boxed_accuracy_reward",)
 
 def _train_accuracy(logs: dict[str, float], correctness_name: str | None) -> float | None:
     """Fraction of correct completions from a ``+1/-1`` reward's mean: ``(mean + 1) / 2``."""
-    key = f"rewards/{correctness_name}/mean" if correctness_name else None
-    if key and key in logs:
-        return (logs[key] + 1.0) / 2.0
-    return None
+    mean = logs.get(f"rewards/{correctness_name}/mean") if correctness_name else None
+    return None if mean is None else (mean + 1.0) / 2.0
 
 
 class MetricsCallback(TrainerCallback):
-    """Appends every log (TRL's metrics and the ``egpo/*`` ones) as one JSON line to ``path``."""
+    """Appends every log as a JSON line to ``path``; ``time_s`` counts on from ``time_offset`` (a resumed run's)."""
 
-    def __init__(
-        self,
-        path: str | Path,
-        correctness_name: str | None = None,
-        accuracy_from_reward: bool = True,
-        time_offset: float = 0.0,
-    ):
-        self.path = Path(path)
-        self.correctness_name = correctness_name
-        self.accuracy_from_reward = accuracy_from_reward
-        self.time_offset = time_offset
+    def __init__(self, path, correctness_name=None, accuracy_from_reward: bool = True, time_offset: float = 0.0):
+        self.path, self.correctness_name = Path(path), correctness_name
+        self.accuracy_from_reward, self.time_offset = accuracy_from_reward, time_offset
         self.start = time.time() - time_offset
         self._last_log = None  # (time, global step) of the previous training log, or of the training's start
 
-    def write(self, record: dict[str, Any]) -> None:
-        """Append one record."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(record, default=float) + "\n")
-
     def on_train_begin(self, args, state, control, **kwargs):
         now = time.time()
-        self.start = now - self.time_offset
-        self._last_log = (now, state.global_step)
+        self.start, self._last_log = now - self.time_offset, (now, state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
@@ -60,11 +42,12 @@ class MetricsCallback(TrainerCallback):
             if self._last_log is not None and state.global_step > self._last_log[1]:
                 record["clock_s"] = round((now - self._last_log[0]) / (state.global_step - self._last_log[1]), 3)
             self._last_log = (now, state.global_step)
-        if self.accuracy_from_reward:
-            accuracy = _train_accuracy(logs, self.correctness_name)
-            if accuracy is not None:
-                record["accuracy"] = accuracy
-        self.write(record)
+        accuracy = _train_accuracy(logs, self.correctness_name) if self.accuracy_from_reward else None
+        if accuracy is not None:
+            record["accuracy"] = accuracy
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record, default=float) + "\n")
 
 
 class CompactProgressCallback(ProgressCallback):
@@ -83,15 +66,13 @@ class CompactProgressCallback(ProgressCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or self.training_bar is None or not logs:
             return
-        postfix = {}
-        if "reward" in logs:
-            postfix["reward"] = f"{logs['reward']:.2f}"
         accuracy = _train_accuracy(logs, self.correctness_name) if self.accuracy_from_reward else None
-        if accuracy is not None:
-            postfix["acc"] = f"{accuracy:.2f}"
-        if "egpo/frac_mixed" in logs:
-            postfix["mixed"] = f"{logs['egpo/frac_mixed']:.2f}"
-        if "egpo/entropy_gap" in logs:
-            postfix["H gap"] = f"{logs['egpo/entropy_gap']:+.3f}"
+        postfix = {
+            "reward": f"{logs['reward']:.2f}" if "reward" in logs else None,
+            "acc": f"{accuracy:.2f}" if accuracy is not None else None,
+            "mixed": f"{logs['egpo/frac_mixed']:.2f}" if "egpo/frac_mixed" in logs else None,
+            "H gap": f"{logs['egpo/entropy_gap']:+.3f}" if "egpo/entropy_gap" in logs else None,
+        }
+        postfix = {key: value for key, value in postfix.items() if value is not None}
         if postfix:  # a step's metrics (the end-of-training summary has none, unless steps went unlogged)
             self.training_bar.set_postfix(postfix, refresh=True)

@@ -17,37 +17,29 @@ PLOT_FILE = "training_curves.png"
 HELDOUT_FILE = "heldout.json"
 # What a resume set aside: the records and checkpoints of the steps after the checkpoint it resumed from.
 REPLACED_DIR = "replaced"
-# Files (and the folder above) that mark a folder as holding the outputs of an earlier run.
-RUN_MARKERS = (
-    METRICS_FILE,
-    HELDOUT_FILE,
-    "trainer_state.json",
-    "model.safetensors",
-    "adapter_model.safetensors",
-    REPLACED_DIR,
-)
+# Files that mark a folder as holding the outputs of an earlier run.
+RUN_FILES = (METRICS_FILE, HELDOUT_FILE, "trainer_state.json", "model.safetensors", "adapter_model.safetensors")
 
 
 def prepare_output_dir(
     output_dir: str, overwrite: bool, resuming: bool, start_from: str | None = None
 ) -> Callable[[], None]:
-    """Refuse an output folder holding an earlier run's checkpoints or outputs, unless ``overwrite``; returns what
-    clears it, called once the run has loaded (what a start that failed before its first step left is cleared too)."""
+    """Refuse a folder holding an earlier run, unless ``overwrite``; returns what clears it once the run has loaded."""
     path = Path(output_dir)
     if not path.is_dir() or resuming:
         return lambda: None
     checkpoints = sorted(p for p in path.glob("checkpoint-*") if p.is_dir())
-    markers = [path / name for name in RUN_MARKERS if (path / name).exists()]
+    markers = [path / name for name in (*RUN_FILES, REPLACED_DIR) if (path / name).exists()]
     if not checkpoints and not markers:
         return lambda: None
     found = ", ".join(p.name for p in (checkpoints + markers)[:5])
-    metrics = path / METRICS_FILE
-    never_trained = not checkpoints and {m.name for m in markers} <= {METRICS_FILE, HELDOUT_FILE} and metrics.is_file()
-    if never_trained:  # what a start that failed before its first step left
-        try:
-            never_trained = not any("loss" in r or "reward" in r for r in read_metrics(metrics))
-        except (OSError, ValueError):  # a torn last line: a run that was killed
-            never_trained = False
+    never_trained = not checkpoints and {m.name for m in markers} <= {METRICS_FILE, HELDOUT_FILE}
+    try:  # what a start that failed before its first step left (a torn last line: a run that was killed)
+        never_trained = never_trained and not any(
+            "loss" in r or "reward" in r for r in read_metrics(path / METRICS_FILE)
+        )
+    except (OSError, ValueError):
+        never_trained = False
     if not never_trained and overwrite and start_from and path.resolve() in Path(start_from).resolve().parents:
         raise SystemExit(
             f"egpo-trl train: the run starts from {start_from}, inside {path}, which --overwrite_output_dir would "
@@ -67,20 +59,17 @@ def prepare_output_dir(
         )
 
     def clear() -> None:
-        for checkpoint in checkpoints:
-            shutil.rmtree(checkpoint, ignore_errors=True)  # every process of a launch may clear it
-        shutil.rmtree(path / REPLACED_DIR, ignore_errors=True)
-        for name in (*RUN_MARKERS, PLOT_FILE):
-            if name != REPLACED_DIR:
-                (path / name).unlink(missing_ok=True)
+        for folder in (*checkpoints, path / REPLACED_DIR):
+            shutil.rmtree(folder, ignore_errors=True)  # every process of a launch may clear it
+        for name in (*RUN_FILES, PLOT_FILE):
+            (path / name).unlink(missing_ok=True)
         logger.warning("%s held an earlier run's outputs (%s): removed.", path, found)
 
     return clear
 
 
 def refuse_output_dir_over_model(output_dir: str, model_name_or_path: str) -> None:
-    """Refuse an ``output_dir`` that is the local model folder the run starts from (the run would write over the
-    weights it loads)."""
+    """Refuse an ``output_dir`` that is the local model folder the run starts from (it would overwrite its weights)."""
     model = Path(str(model_name_or_path)).expanduser()
     if model.is_dir() and model.resolve() == Path(output_dir).expanduser().resolve():
         raise SystemExit(
@@ -96,33 +85,14 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
-def put_heldout_record(path: str | Path, record: dict[str, Any]) -> None:
-    """Write a held-out evaluation's record into ``metrics.jsonl`` in place of the one of its ``heldout/stage``, else
-    first (``before``) or last (``after``)."""
-    path = Path(path)
-    records = read_metrics(path) if path.is_file() else []
-    stage = record["heldout/stage"]
-    places = [i for i, r in enumerate(records) if r.get("heldout/stage") == stage]
-    if places:
-        records[places[0]] = record
-        records = [r for i, r in enumerate(records) if i not in places[1:]]
-    else:
-        records.insert(0 if stage == "before" else len(records), record)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_metrics(path, records)
-
-
 def write_metrics(path: str | Path, records: list[dict[str, Any]]) -> None:
-    """Write ``records`` as the ``metrics.jsonl`` file ``path``, whole, through a temporary file, so that a crash
-    leaves the old file (or none)."""
-    path = Path(path)
-    temporary = path.with_name(path.name + ".tmp")
+    """Write ``records`` as the ``metrics.jsonl`` file ``path`` via a temporary file (a crash leaves the old one)."""
+    temporary = Path(path).with_name(Path(path).name + ".tmp")
     temporary.write_text("".join(json.dumps(r, default=float) + "\n" for r in records))
     temporary.replace(path)
 
 
 def remove_if_empty(path: Path) -> None:
     """Remove ``path`` when it holds no file at all (only empty folders): what a run that failed early leaves."""
-    if not path.is_dir() or any(p.is_file() or p.is_symlink() for p in path.rglob("*")):
-        return
-    shutil.rmtree(path, ignore_errors=True)
+    if path.is_dir() and not any(p.is_file() or p.is_symlink() for p in path.rglob("*")):
+        shutil.rmtree(path, ignore_errors=True)

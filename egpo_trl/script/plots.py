@@ -8,17 +8,6 @@ from pathlib import Path
 from typing import Any
 
 
-def _moving_average(values: Sequence[float], window: int) -> list[float]:
-    """Trailing moving average (shorter windows at the start), the same length as ``values``."""
-    out, total = [], 0.0
-    for index, value in enumerate(values):
-        total += value
-        if index >= window:
-            total -= values[index - window]
-        out.append(total / min(index + 1, window))
-    return out
-
-
 def plot_metrics(records: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
     """Draw reward, accuracy, entropy gap and group-type fractions over the steps into a PNG file."""
     import matplotlib
@@ -56,18 +45,20 @@ def metrics_figure(records: Sequence[dict[str, Any]], title: str = ""):
         return [p[0] for p in points], [p[1] for p in points]
 
     def draw(ax, steps, values, color, label=None):
-        if window > 1:
+        if window > 1:  # the raw values faint, under their trailing moving average (shorter windows at the start)
             ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
-            ax.plot(steps, _moving_average(values, window), color=color, linewidth=2, label=label)
-        else:
-            ax.plot(steps, values, color=color, linewidth=2, label=label)
+            total, raw, values = 0.0, values, []
+            for index, value in enumerate(raw):
+                total += value
+                if index >= window:
+                    total -= raw[index - window]
+                values.append(total / min(index + 1, window))
+        ax.plot(steps, values, color=color, linewidth=2, label=label)
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     ax = axes[0][0]
     steps, values = series("reward")
     draw(ax, steps, values, "tab:blue")
-    ax.set_title("Mean reward of the training batches")
-    ax.set_ylabel("mean reward")
 
     ax = axes[0][1]
     steps, values = series("accuracy")
@@ -78,30 +69,19 @@ def metrics_figure(records: Sequence[dict[str, Any]], title: str = ""):
         ax.plot(steps, values, "o--", color="black", markersize=7, label="held-out")
         for step, value in zip(steps, values):
             ax.annotate(f"{value:.1%}", (step, value), textcoords="offset points", xytext=(4, 6))
-    ax.set_title("Accuracy")
-    ax.set_ylabel("fraction of correct completions")
     ax.set_ylim(0, 1)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="lower right")
 
     ax = axes[1][0]
     steps, values = series("egpo/entropy_gap")
-    if not steps:
-        steps_c, correct = series("egpo/entropy_correct")
-        paired = dict(zip(steps_c, correct))
-        steps_i, incorrect = series("egpo/entropy_incorrect")
-        steps = [step for step in steps_i if step in paired]
-        values = [value - paired[step] for step, value in zip(steps_i, incorrect) if step in paired]
     if steps:
         draw(ax, steps, values, "tab:red")
         ax.axhline(0.0, color="gray", linewidth=0.8)
     else:
         ax.text(0.5, 0.5, "no egpo/entropy_* metrics logged", ha="center", va="center", transform=ax.transAxes)
-    ax.set_title("Entropy gap: incorrect minus correct completions")
-    ax.set_ylabel("entropy gap (nats per token)")
 
     ax = axes[1][1]
-    drawn = False
     for key, label, color in (
         ("egpo/frac_all_correct", "all correct", "tab:green"),
         ("egpo/frac_mixed", "mixed", "tab:orange"),
@@ -110,16 +90,20 @@ def metrics_figure(records: Sequence[dict[str, Any]], title: str = ""):
         steps, values = series(key)
         if steps:
             draw(ax, steps, values, color, label)
-            drawn = True
-    if drawn:
+    if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best")
         ax.set_ylim(0, 1)
     else:
         ax.text(0.5, 0.5, "no egpo/frac_* metrics logged", ha="center", va="center", transform=ax.transAxes)
-    ax.set_title("Group types (fraction of prompts)")
-    ax.set_ylabel("fraction of prompts")
-
-    for ax in (a for row in axes for a in row):
+    labels = (
+        ("Mean reward of the training batches", "mean reward"),
+        ("Accuracy", "fraction of correct completions"),
+        ("Entropy gap: incorrect minus correct completions", "entropy gap (nats per token)"),
+        ("Group types (fraction of prompts)", "fraction of prompts"),
+    )
+    for ax, (name, ylabel) in zip((a for row in axes for a in row), labels):
+        ax.set_title(name)
+        ax.set_ylabel(ylabel)
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

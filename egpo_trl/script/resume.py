@@ -1,10 +1,9 @@
-"""Stopping and resuming ``egpo-trl train``: the checkpoint resumed from, whether it has anything left to train, the
-later steps set aside, the stored held-out evaluation and clock, and Ctrl-C's checkpoint and resume command. The exact
-training state: :mod:`egpo_trl.resume_state`."""
+"""Stopping and resuming ``egpo-trl train`` (the training state itself: :mod:`egpo_trl.resume_state`)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -17,8 +16,7 @@ from egpo_trl.script.outputs import HELDOUT_FILE, METRICS_FILE, REPLACED_DIR, re
 
 
 def resume_checkpoint(training_args) -> str | None:
-    """The checkpoint a run resumes from: ``true``/``last``/``latest`` is the last ``checkpoint-*`` in ``output_dir``,
-    ``false``/``none`` is ``None``; any other value must be an existing folder."""
+    """The checkpoint to resume from: ``true``/``last``/``latest``: the last in ``output_dir``; ``false``: ``None``."""
     from transformers.trainer_utils import get_last_checkpoint
 
     resume, output_dir = training_args.resume_from_checkpoint, training_args.output_dir
@@ -41,8 +39,7 @@ def resume_checkpoint(training_args) -> str | None:
 
 
 def resumes_own_run(checkpoint: str | Path | None, output_dir: str | Path) -> bool:
-    """Whether ``checkpoint`` is one of ``output_dir``'s own ``checkpoint-<step>`` folders (resuming continues that
-    run; a checkpoint of another folder starts a new run in ``output_dir``)."""
+    """Whether ``checkpoint`` is one of ``output_dir``'s own ``checkpoint-<step>`` folders (it continues that run)."""
     if checkpoint is None:
         return False
     checkpoint = Path(checkpoint).resolve()
@@ -60,37 +57,20 @@ def checkpoint_step(checkpoint: str | Path) -> int:
     return int(Path(checkpoint).name.rsplit("-", 1)[-1])
 
 
-def finished_message(training_args, checkpoint: str | Path, step: int, last_step: int) -> str:
-    """The line that says resuming from ``checkpoint`` (at ``step``) has nothing to train."""
-    if training_args.max_steps > 0:
-        setting, fix = f"max_steps={training_args.max_steps}", "--max_steps"
-    else:
-        setting = f"num_train_epochs={training_args.num_train_epochs:g} over this run's data and batch sizes"
-        fix = "--num_train_epochs, or set --max_steps,"
-    head = f"egpo-trl train: nothing to train: {checkpoint} is at step {step} and the run stops at step {last_step} "
-    missing = missing_final_outputs(training_args.output_dir, step)
-    if missing:
-        return (
-            f"{head}({setting}); {training_args.output_dir} lacks {missing}: load the trained weights from the "
-            f"checkpoint (raise {fix} to train further)."
-        )
-    return (
-        f"{head}({setting}); the outputs in {training_args.output_dir} are left as they are, and the checkpoint "
-        f"holds the trained weights (raise {fix} to train further)."
-    )
+def _final_steps(output_dir: str | Path) -> tuple[int, int | None]:
+    """The steps of ``output_dir``'s final model (its ``trainer_state.json``) and evaluation after training."""
+    state, heldout = Path(output_dir) / "trainer_state.json", Path(output_dir) / HELDOUT_FILE
+    model = json.loads(state.read_text()).get("global_step") or 0 if state.is_file() else 0
+    after = (json.loads(heldout.read_text()).get("after") or {}).get("step") or 0 if heldout.is_file() else None
+    return model, after
 
 
 def missing_final_outputs(output_dir: str | Path, step: int) -> str | None:
-    """What ``output_dir`` lacks of the final outputs of a run that ended at ``step``: the trained model (dated by
-    the ``trainer_state.json`` beside it) and the held-out evaluation after training; ``None`` when it lacks none."""
-    output_dir, missing = Path(output_dir), []
-    state = output_dir / "trainer_state.json"
-    saved = json.loads(state.read_text()).get("global_step") if state.is_file() else None
-    if saved != step:
-        missing.append(f"the trained model of step {step}" + (f" (it holds that of step {saved})" if saved else ""))
-    heldout = output_dir / HELDOUT_FILE
-    if heldout.is_file() and (json.loads(heldout.read_text()).get("after") or {}).get("step") != step:
-        missing.append(f"the held-out evaluation after step {step}")
+    """What ``output_dir`` lacks of the final outputs of a run that ended at ``step`` (``None``: nothing)."""
+    model, after = _final_steps(output_dir)
+    missing = [f"the trained model of step {step}" + (f" (it holds that of step {model})" if model else "")]
+    missing = missing if model != step else []
+    missing += [f"the held-out evaluation after step {step}"] if after not in (None, step) else []
     return " and ".join(missing) or None
 
 
@@ -102,52 +82,44 @@ def trainer_last_step(trainer) -> int:
     return int(trainer.set_initial_training_values(args, trainer.get_train_dataloader())[-1])
 
 
-def later_final_outputs(output_dir: str | Path, step: int) -> str | None:
-    """The final outputs in ``output_dir`` of a run that finished after ``step`` (the trained model, dated by the
-    ``trainer_state.json`` beside it, or the held-out evaluation after training), which a run ending at ``step``
-    would replace; ``None`` when there are none."""
-    output_dir, later = Path(output_dir), []
-    state = output_dir / "trainer_state.json"
-    saved = json.loads(state.read_text()).get("global_step", 0) if state.is_file() else 0
-    if saved > step:
-        later.append(f"the trained model of step {saved}")
-    heldout = output_dir / HELDOUT_FILE
-    after = (json.loads(heldout.read_text()).get("after") or {}).get("step", 0) if heldout.is_file() else 0
-    if after > step:
-        later.append(f"the held-out evaluation after training at step {after}")
-    return " and ".join(later) or None
-
-
-def heldout_fingerprint(heldout) -> str:
-    """A SHA-256 of the held-out problems (each row's ``prompt`` and ``answer``, in order)."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for prompt, answer in zip(heldout["prompt"], heldout["answer"], strict=True):
-        digest.update(json.dumps([prompt, answer], sort_keys=True, default=str).encode() + b"\n")
-    return digest.hexdigest()
-
-
-def stored_heldout_before(output_dir: str | Path, settings: dict) -> dict | None:
-    """The held-out evaluation before training stored in ``output_dir``'s ``heldout.json`` when every key of
-    ``settings`` (the problems' fingerprint, the model, the sampling settings) holds the same value there; else
-    ``None``."""
-    heldout = Path(output_dir) / HELDOUT_FILE
-    record = json.loads(heldout.read_text()).get("before") if heldout.is_file() else None
-    return record if record and all(record.get(k) == v for k, v in settings.items()) else None
-
-
-def resumed_time(path: Path, step: int) -> float:
-    """The ``time_s`` of the last training record at or before ``step`` in ``metrics.jsonl`` (0 when none)."""
-    if not path.is_file():
-        return 0.0
-    times = [r["time_s"] for r in read_metrics(path) if "time_s" in r and r.get("step", 0) <= step]
-    return float(times[-1]) if times else 0.0
+def nothing_to_train(training_args, resume, own_run: bool, trainer=None) -> bool:
+    """Says so when ``resume`` is at the run's last step; refuses to replace final outputs of a later step."""
+    args, output_dir = training_args, training_args.output_dir
+    last_step, step = args.max_steps if trainer is None else trainer_last_step(trainer), checkpoint_step(resume)
+    if step >= last_step:
+        if os.environ.get("RANK", "0") == "0":
+            if args.max_steps > 0:
+                setting, fix = f"max_steps={args.max_steps}", "--max_steps"
+            else:
+                setting = f"num_train_epochs={args.num_train_epochs:g} over this run's data and batch sizes"
+                fix = "--num_train_epochs, or set --max_steps,"
+            missing = missing_final_outputs(output_dir, step)
+            outputs = (
+                f"{output_dir} lacks {missing}: load the trained weights from the checkpoint"
+                if missing
+                else f"the outputs in {output_dir} are left as they are, and the checkpoint holds the trained weights"
+            )
+            print(
+                f"egpo-trl train: nothing to train: {resume} is at step {step} and the run stops at step {last_step} "
+                f"({setting}); {outputs} (raise {fix} to train further).",
+                flush=True,
+            )
+        return True
+    model, after = _final_steps(output_dir) if own_run else (0, 0)
+    later = [f"the trained model of step {model}"] if model > last_step else []
+    later += [f"the held-out evaluation after training at step {after}"] if (after or 0) > last_step else []
+    if later:
+        raise SystemExit(
+            f"egpo-trl train: resuming {resume}, this run ends at step {last_step}, but {output_dir} holds "
+            f"{' and '.join(later)}, which this run's final outputs would replace. Raise "
+            f"--max_steps/--num_train_epochs to train past them, or give another --output_dir to start a new run from "
+            f"{resume}."
+        )
+    return False
 
 
 def set_aside_later_history(output_dir: str | Path, step: int) -> Path | None:
-    """Move the ``metrics.jsonl`` records and the checkpoints of the steps after ``step`` (and the evaluation after
-    training) into ``replaced/<time>-from-step-<step>/``; returns that folder, or ``None`` when there were none."""
+    """Move the records and checkpoints after ``step`` into ``replaced/<time>-from-step-<step>/`` (``None``: none)."""
     output_dir = Path(output_dir)
     metrics = output_dir / METRICS_FILE
     records = read_metrics(metrics) if metrics.is_file() else []
@@ -177,8 +149,7 @@ def later_checkpoints(output_dir: str | Path, step: int) -> list[Path]:
 
 def save_interrupted(trainer) -> None:
     """On Ctrl-C, save a checkpoint of the last finished step so that the run can resume (one process only)."""
-    step = trainer.state.global_step
-    output_dir = Path(trainer.args.output_dir)
+    step, output_dir = trainer.state.global_step, Path(trainer.args.output_dir)
     if trainer.accelerator.num_processes != 1 or step == 0 or (output_dir / f"checkpoint-{step}").is_dir():
         return
     print(
@@ -223,9 +194,6 @@ def interrupted_message(argv: Sequence[str], training_args) -> str:
         return f"Interrupted after the last step: {checkpoint} holds the trained weights" + (
             f", but {output_dir} lacks {missing} (load the weights from the checkpoint)." if missing else "."
         )
-    command = _command_line(
-        argv,
-        drop=("output_dir", "resume_from_checkpoint", "overwrite_output_dir"),
-        add=("--output_dir", output_dir, "--resume_from_checkpoint", "true"),
-    )
+    drop = ("output_dir", "resume_from_checkpoint", "overwrite_output_dir")
+    command = _command_line(argv, drop=drop, add=("--output_dir", output_dir, "--resume_from_checkpoint", "true"))
     return f"Interrupted; the last checkpoint is {checkpoint}. Resume the run with:\n  {command}"
