@@ -14,8 +14,7 @@ from functools import lru_cache
 def _parse(expression: str):
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
-    # Wrapping in \boxed{} makes math-verify read the whole expression as one answer.
-    return parse(
+    return parse(  # in \boxed{}, so that the whole expression is read as one answer
         "\\boxed{" + expression + "}",
         extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()],
         parsing_timeout=None,  # the CPU-time limit and the caller's deadline bound the time
@@ -44,15 +43,6 @@ def _out_of_cpu_time(signum, frame):
     raise _OutOfCpuTime
 
 
-def bounded_match(predicted: str, gold: str, cpu_seconds: float) -> bool:
-    """:func:`symbolic_match` within ``cpu_seconds`` of CPU time; ``False`` when it runs over."""
-    signal.setitimer(signal.ITIMER_PROF, cpu_seconds)
-    try:
-        return symbolic_match(predicted, gold)
-    finally:
-        signal.setitimer(signal.ITIMER_PROF, 0)
-
-
 def main() -> int:
     logging.disable(logging.CRITICAL)  # math-verify logs every timeout and parse failure
     requests, replies = sys.stdin, sys.stdout
@@ -68,7 +58,11 @@ def main() -> int:
     for line in requests:
         try:
             predicted, gold, cpu_seconds = json.loads(line)
-            equal = bounded_match(str(predicted), str(gold), float(cpu_seconds))
+            signal.setitimer(signal.ITIMER_PROF, float(cpu_seconds))
+            try:
+                equal = symbolic_match(str(predicted), str(gold))
+            finally:
+                signal.setitimer(signal.ITIMER_PROF, 0)
         except (Exception, _OutOfCpuTime):  # noqa: BLE001 - also a timer that fires as the comparison returns
             equal = False
         replies.write("1\n" if equal else "0\n")
