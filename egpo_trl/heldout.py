@@ -1,5 +1,5 @@
-"""Held-out accuracy under sampling, printed by ``egpo-trl train`` before and after training, sampled in memory with
-the evaluation's :class:`~egpo_trl.evaluation.backends.TransformersBackend`."""
+"""Held-out accuracy under sampling (``egpo-trl train`` before and after training), sampled with the evaluation's
+:class:`~egpo_trl.evaluation.backends.TransformersBackend`."""
 
 from __future__ import annotations
 
@@ -18,9 +18,6 @@ from egpo_trl.rewards import CORRECT_REWARD, boxed_accuracy_reward
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HeldoutResult", "NO_CORRECT_CAUSES", "generate_completions", "heldout_accuracy"]
-
-#: The usual reasons why no completion is correct, said before training and in its first steps.
 NO_CORRECT_CAUSES = (
     "The usual causes: prompts given as plain text to a model that needs its chat template (give `prompt` as chat "
     "messages, [{'role': 'user', 'content': ...}], so that the template is applied); an answer format that does not "
@@ -32,8 +29,8 @@ NO_CORRECT_CAUSES = (
 
 @dataclass
 class HeldoutResult:
-    """Accuracy (mean over scored completions, NaN when none was scored), per ``level`` when the data has one,
-    the number of unscored completions (reward ``None``), and the completions with their verdicts."""
+    """Accuracy over scored completions (NaN when none was scored), per ``level`` when the data has one, the number
+    of unscored completions (reward ``None``), and the completions with their verdicts."""
 
     accuracy: float
     num_problems: int
@@ -44,7 +41,6 @@ class HeldoutResult:
     correct: list[bool | None] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        """The summary numbers, without the completions."""
         return {k: v for k, v in asdict(self).items() if k not in ("completions", "correct")}
 
 
@@ -59,8 +55,8 @@ def generate_completions(
     batch_size: int = 128,
     seed: int | None = 0,
 ) -> list[str]:
-    """One sampled completion per prompt (``temperature=0`` greedy); ``seed`` seeds torch once and restores the random
-    states afterwards."""
+    """One sampled completion per prompt (``temperature=0`` greedy); ``seed`` seeds torch once, and the random states
+    are restored afterwards."""
     settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
     backend = TransformersBackend(model, tokenizer=tokenizer, batch_size=batch_size)
     ids = [
@@ -119,22 +115,17 @@ def heldout_accuracy(
         logger.warning(
             "%d of %d held-out completions got no verdict (reward None, reward function %s); they are left out of "
             "the accuracy (num_unscored).",
-            len(correct) - len(scored),
-            len(correct),
-            name,
+            *(len(correct) - len(scored), len(correct), name),
         )
     if not any(scored):
         logger.warning(
             "No completion of the held-out set was correct (0 of %d, reward function %s). %s",
-            len(scored),
-            name,
-            NO_CORRECT_CAUSES,
+            *(len(scored), name, NO_CORRECT_CAUSES),
         )
     buckets: dict[str, list[bool]] = defaultdict(list)
-    if "level" in dataset.column_names:
-        for level, ok in zip(repeat("level"), correct):
-            if ok is not None:
-                buckets[str(level)].append(ok)
+    for level, ok in zip(repeat("level") if "level" in dataset.column_names else [], correct):
+        if ok is not None:
+            buckets[str(level)].append(ok)
     order = sorted(buckets, key=lambda level: (0, int(level), "") if level.isdigit() else (1, 0, level))
     return HeldoutResult(
         accuracy=sum(scored) / len(scored) if scored else float("nan"),

@@ -133,7 +133,7 @@ def diagnose(
         by_benchmark[name] = {
             "num_completions": int(part.sum()),
             "num_incorrect": int(incorrect.sum()),
-            **{scope: nan_to_none(roc_auc(table.scope(scope)[part], incorrect)) for scope in SCOPES},
+            **{scope: nan_to_none(roc_auc(getattr(table, scope)[part], incorrect)) for scope in SCOPES},
         }
     return {
         "label": label,
@@ -149,8 +149,42 @@ def diagnose(
     }
 
 
-def _write_csv(table: EntropyTable, path: str) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as handle:
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not 0 < args.level < 1:
+        parser.error(f"--level must be between 0 and 1, got {args.level}.")
+    output_dir = args.output_dir
+    try:
+        files, run_label = _record_files(args.records)
+        if output_dir is None:
+            if len(args.records) != 1 or not os.path.isdir(args.records[0]):
+                parser.error("--output-dir is required unless a single run folder is given.")
+            output_dir = os.path.join(args.records[0], "diagnostics")
+        existing = [name for name in OUTPUT_FILES if os.path.exists(os.path.join(output_dir, name))]
+        if existing and not args.overwrite:
+            raise ValueError(f"{output_dir} already holds {', '.join(existing)}; pass --overwrite.")
+        wanted = {name.strip() for name in args.benchmarks.split(",")} if args.benchmarks else None
+        records = [r for path in files for r in iter_records(path) if wanted is None or r.get("benchmark") in wanted]
+        if not records:
+            raise ValueError(f"no records found in {', '.join(files)}.")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else None
+        table = entropy_table(records, tokenizer, args.think_start, args.think_end)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"egpo-trl diagnose: {error}", file=sys.stderr)
+        return 2
+    label = args.label or run_label or "model"
+    report = diagnose(table, label, args.bootstrap, args.seed, args.level)
+    os.makedirs(output_dir, exist_ok=True)
+    markdown = format_markdown(report)
+    with open(os.path.join(output_dir, "diagnostics.json"), "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=2)
+    with open(os.path.join(output_dir, "diagnostics.md"), "w", encoding="utf-8") as handle:
+        handle.write(markdown)
+    with open(os.path.join(output_dir, "entropies.csv"), "w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
         writer.writerow(CSV_COLUMNS.split())
         writer.writerows(
@@ -159,48 +193,6 @@ def _write_csv(table: EntropyTable, path: str) -> None:
             + [int(table.thinking_tokens[i]), int(table.answer_tokens[i])]
             for i in range(len(table))
         )
-
-
-def _load(args, parser) -> tuple[EntropyTable, str, str]:
-    files, run_label = _record_files(args.records)
-    output_dir = args.output_dir
-    if output_dir is None:
-        if len(args.records) != 1 or not os.path.isdir(args.records[0]):
-            parser.error("--output-dir is required unless a single run folder is given.")
-        output_dir = os.path.join(args.records[0], "diagnostics")
-    existing = [name for name in OUTPUT_FILES if os.path.exists(os.path.join(output_dir, name))]
-    if existing and not args.overwrite:
-        raise ValueError(f"{output_dir} already holds {', '.join(existing)}; pass --overwrite.")
-    wanted = {name.strip() for name in args.benchmarks.split(",")} if args.benchmarks else None
-    records = [r for path in files for r in iter_records(path) if wanted is None or r.get("benchmark") in wanted]
-    if not records:
-        raise ValueError(f"no records found in {', '.join(files)}.")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else None
-    table = entropy_table(records, tokenizer, args.think_start, args.think_end)
-    return table, args.label or run_label or "model", output_dir
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if not 0 < args.level < 1:
-        parser.error(f"--level must be between 0 and 1, got {args.level}.")
-    try:
-        table, label, output_dir = _load(args, parser)
-    except (FileNotFoundError, ValueError) as error:
-        print(f"egpo-trl diagnose: {error}", file=sys.stderr)
-        return 2
-    report = diagnose(table, label, args.bootstrap, args.seed, args.level)
-    os.makedirs(output_dir, exist_ok=True)
-    markdown = format_markdown(report)
-    with open(os.path.join(output_dir, "diagnostics.json"), "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=2)
-    with open(os.path.join(output_dir, "diagnostics.md"), "w", encoding="utf-8") as handle:
-        handle.write(markdown)
-    _write_csv(table, os.path.join(output_dir, "entropies.csv"))
     from egpo_trl.diagnostics.plots import plot_all
 
     plot_all(table, output_dir, title=label, note=args.note)

@@ -35,11 +35,6 @@ class EntropyTable:
     def __len__(self) -> int:
         return len(self.correct)
 
-    def scope(self, name: str) -> np.ndarray:
-        if name not in SCOPES:
-            raise ValueError(f"Unknown scope {name!r}; choose one of {SCOPES}.")
-        return getattr(self, name)
-
 
 def _padded(rows: Sequence[Sequence[float]], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     values = pad_sequence([torch.tensor(row, dtype=dtype) for row in rows], batch_first=True)
@@ -178,7 +173,7 @@ def _interval(values: np.ndarray, level: float) -> list[float | None]:
 
 
 def nan_to_none(value: float) -> float | None:
-    return None if value is None or np.isnan(value) else float(value)
+    return None if np.isnan(value) else float(value)
 
 
 def scope_report(
@@ -186,7 +181,7 @@ def scope_report(
 ) -> dict[str, Any]:
     """For one scope: AUC for predicting incorrect answers (Table 3), mean entropy of correct and incorrect
     completions and their gap (Sec. 5.4), with bootstrap intervals."""
-    scores, correct = table.scope(scope), table.correct
+    scores, correct = getattr(table, scope), table.correct
     defined = ~np.isnan(scores)
     gaps, aucs = bootstrap_gap_and_auc(scores, correct, table.group, num_resamples, seed)
     mean_correct = scores[defined & correct].mean() if (defined & correct).any() else np.nan

@@ -8,13 +8,14 @@ import logging
 import os
 import platform
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from egpo_trl.evaluation.backends import Generation, SamplingSettings, request_seed
-from egpo_trl.evaluation.benchmarks import BenchmarkSpec, Problem, build_messages, load_problems
+from egpo_trl.evaluation.benchmarks import BenchmarkSpec, build_messages, load_problems
 from egpo_trl.evaluation.records import RecordStore
 from egpo_trl.evaluation.scoring import score_completion
 from egpo_trl.evaluation.summary import benchmark_stats, format_summary_markdown
@@ -25,28 +26,9 @@ logger = logging.getLogger(__name__)
 
 # Settings that change what a sample is: a resumed run must use the same ones.
 PROTOCOL_KEYS = ("model", "temperature", "top_p", "top_k", "max_new_tokens", "chat_template", "system_prompt")
-_SPEC_KEYS = (
-    "source",
-    "question_field",
-    "answer_field",
-    "answer_format",
-    "choices_field",
-    "split",
-    "subset",
-    "instruction",
-)
+_SPEC_KEYS = ("source", "question_field", "answer_field", "answer_format", "choices_field", "split", "subset")
+_SPEC_KEYS += ("instruction",)
 LOGPROB_DIGITS = 6
-
-
-def render_prompt(tokenizer: Any, messages: list[dict[str, str]], use_chat_template: bool) -> tuple[str, list[int]]:
-    """The prompt text and ids: the chat template with the generation prompt, or the contents joined by blank lines."""
-    if use_chat_template:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    else:
-        text = "\n\n".join(message["content"] for message in messages)
-        ids = tokenizer(text)["input_ids"]
-    return text, list(ids)
 
 
 def _now() -> str:
@@ -86,51 +68,6 @@ def _check_or_write_run(path: str, run: dict[str, Any]) -> dict[str, Any]:
     merged.setdefault("resumed", []).append({"at": _now(), "backend": run["backend"]})
     _write_json(path, merged)
     return merged
-
-
-def _records_for(
-    chunk: Sequence[tuple[Problem, int]],
-    prompts: dict[str, tuple[str, list[int]]],
-    generations: Sequence[Generation],
-    spec: BenchmarkSpec,
-    tokenizer: Any,
-    backend_name: str,
-    seeds: Sequence[int],
-) -> list[dict[str, Any]]:
-    ids = pad_sequence([torch.tensor(g.token_ids, dtype=torch.long) for g in generations], batch_first=True)
-    mask = pad_sequence([torch.ones(len(g.token_ids), dtype=torch.long) for g in generations], batch_first=True)
-    spans = segment_spans(ids, mask, tokenizer)
-
-    records = []
-    for row, ((problem, sample), generation, seed) in enumerate(zip(chunk, generations, seeds)):
-        logprobs = generation.logprobs
-        extracted, correct = score_completion(generation.text, problem.gold, spec.answer_format, problem.choices)
-        prompt_text, prompt_ids = prompts[problem.id]
-        records.append(
-            {
-                "benchmark": spec.name,
-                "problem_id": problem.id,
-                "problem_index": problem.index,
-                "sample": sample,
-                "prompt": prompt_text,
-                "completion": generation.text,
-                "gold": problem.gold,
-                "extracted": extracted,
-                "correct": correct,
-                "finish_reason": generation.finish_reason,
-                "num_prompt_tokens": len(prompt_ids),
-                "num_completion_tokens": len(generation.token_ids),
-                "entropy": -sum(logprobs) / len(logprobs) if logprobs else None,
-                "thinking_span": [int(spans.thinking_start[row]), int(spans.thinking_end[row])],
-                "answer_span": [int(spans.answer_start[row]), int(spans.answer_end[row])],
-                "completion_ids": generation.token_ids,
-                "logprobs": [round(value, LOGPROB_DIGITS) for value in logprobs],
-                "backend": backend_name,
-                "seed": seed,
-                "meta": problem.meta,
-            }
-        )
-    return records
 
 
 def evaluate(
@@ -175,12 +112,12 @@ def evaluate(
         "created": _now(),
         "protocol": {
             "model": model_name,
-            **settings.to_dict(),
+            **asdict(settings),
             "num_samples": num_samples,
             "chat_template": use_chat_template,
             "system_prompt": system_prompt,
         },
-        "benchmarks": {spec.name: spec.to_dict() for spec, _ in loaded},
+        "benchmarks": {spec.name: asdict(spec) for spec, _ in loaded},
         "environment": {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node()},
     }
     run = _check_or_write_run(os.path.join(output_dir, "run.json"), run)
@@ -190,10 +127,15 @@ def evaluate(
     for spec, problems in loaded:
         store = RecordStore(os.path.join(output_dir, "records", f"{spec.name}.jsonl"))
         finished = store.load()
-        prompts = {
-            problem.id: render_prompt(tokenizer, build_messages(problem, spec, system_prompt), use_chat_template)
-            for problem in problems
-        }
+        prompts = {}  # the chat template with the generation prompt, or the contents joined by blank lines
+        for problem in problems:
+            messages = build_messages(problem, spec, system_prompt)
+            if use_chat_template:
+                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                prompts[problem.id] = text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            else:
+                text = "\n\n".join(message["content"] for message in messages)
+                prompts[problem.id] = text, list(tokenizer(text)["input_ids"])
         pending = [
             (problem, sample)
             for problem in problems
@@ -223,7 +165,39 @@ def evaluate(
                     generations = [Generation([], [], "", "prompt_too_long") for _ in chunk]
                 else:
                     generations = backend.generate([prompts[problem.id][1] for problem, _ in chunk], settings, seeds)
-                records = _records_for(chunk, prompts, generations, spec, tokenizer, backend.name, seeds)
+                ids = pad_sequence([torch.tensor(g.token_ids, dtype=torch.long) for g in generations], True)
+                mask = pad_sequence([torch.ones(len(g.token_ids), dtype=torch.long) for g in generations], True)
+                spans = segment_spans(ids, mask, tokenizer)
+                records = []
+                for row, ((problem, sample), generation, sample_seed) in enumerate(zip(chunk, generations, seeds)):
+                    logprobs = generation.logprobs
+                    extracted, correct = score_completion(
+                        generation.text, problem.gold, spec.answer_format, problem.choices
+                    )
+                    records.append(
+                        {
+                            "benchmark": spec.name,
+                            "problem_id": problem.id,
+                            "problem_index": problem.index,
+                            "sample": sample,
+                            "prompt": prompts[problem.id][0],
+                            "completion": generation.text,
+                            "gold": problem.gold,
+                            "extracted": extracted,
+                            "correct": correct,
+                            "finish_reason": generation.finish_reason,
+                            "num_prompt_tokens": len(prompts[problem.id][1]),
+                            "num_completion_tokens": len(generation.token_ids),
+                            "entropy": -sum(logprobs) / len(logprobs) if logprobs else None,
+                            "thinking_span": [int(spans.thinking_start[row]), int(spans.thinking_end[row])],
+                            "answer_span": [int(spans.answer_start[row]), int(spans.answer_end[row])],
+                            "completion_ids": generation.token_ids,
+                            "logprobs": [round(value, LOGPROB_DIGITS) for value in logprobs],
+                            "backend": backend.name,
+                            "seed": sample_seed,
+                            "meta": problem.meta,
+                        }
+                    )
                 store.append(records)
                 for record in records:
                     finished.setdefault((record["problem_id"], record["sample"]), record)
@@ -237,10 +211,6 @@ def evaluate(
             )
         results[spec.name] = {**stats, "display_name": spec.display_name}
 
-    return _write_summary(output_dir, run, results, label)
-
-
-def _write_summary(output_dir: str, run: dict[str, Any], results: dict[str, Any], label: str) -> dict[str, Any]:
     path = os.path.join(output_dir, "summary.json")
     previous: dict[str, Any] = {}
     if os.path.exists(path):

@@ -47,13 +47,12 @@ def pass_at_1(correct: dict[str, dict[int, bool]], num_samples: int) -> dict[str
 
 
 def benchmark_stats(records: Iterable[dict[str, Any]], num_samples: int, num_problems: int) -> dict[str, Any]:
-    """Summary numbers of one benchmark; a sample without a verdict (``correct`` null) is left out of pass@1 and
-    counted in ``unscored_samples``."""
+    """Summary numbers of one benchmark."""
     correct: dict[str, dict[int, bool]] = defaultdict(dict)
     by_level: dict[str, dict[str, dict[int, bool]]] = defaultdict(lambda: defaultdict(dict))
     lengths: list[int] = []
     finished = truncated = extracted = unreadable = unscored = 0
-    for record in records:
+    for record in records:  # a sample without a verdict is left out of pass@1 and counted
         problem, sample, verdict = str(record["problem_id"]), int(record["sample"]), record["correct"]
         if sample >= num_samples:
             continue
@@ -69,32 +68,24 @@ def benchmark_stats(records: Iterable[dict[str, Any]], num_samples: int, num_pro
         truncated += record.get("finish_reason") == "length"
         lengths.append(int(record.get("num_completion_tokens") or len(record.get("completion_ids") or [])))
     stats = pass_at_1(correct, num_samples)
-    stats.update(
-        {
-            "num_problems": num_problems,
-            "num_samples": num_samples,
-            "finished_samples": finished,
-            "unscored_samples": unscored,
-            "complete": finished == num_problems * num_samples,
-            "mean_completion_tokens": _mean(lengths),
-            "truncated_percent": 100 * truncated / finished if finished else float("nan"),
-            "answered_percent": 100 * extracted / finished if finished else float("nan"),
-            "prompt_too_long_percent": 100 * unreadable / finished if finished else float("nan"),
-        }
-    )
+    stats |= {"num_problems": num_problems, "num_samples": num_samples, "finished_samples": finished}
+    stats |= {"unscored_samples": unscored, "complete": finished == num_problems * num_samples}
+    stats["mean_completion_tokens"] = _mean(lengths)
+    for key, count in (("truncated", truncated), ("answered", extracted), ("prompt_too_long", unreadable)):
+        stats[f"{key}_percent"] = 100 * count / finished if finished else float("nan")
     if by_level:
         stats["pass@1_by_level"] = {
             level: pass_at_1(by_level[level], num_samples)["pass@1"]
             for level in sorted(by_level, key=lambda text: (len(text), text))
         }
-    return _json_safe(stats)
+    return {key: None if isinstance(value, float) and math.isnan(value) else value for key, value in stats.items()}
 
 
 def _display_name(name: str, info: dict[str, Any]) -> str:
     return info.get("display_name") or (BENCHMARKS[name].display_name if name in BENCHMARKS else name)
 
 
-def _ordered(names: Iterable[str]) -> list[str]:
+def _ordered(names: Iterable[str]) -> list[str]:  # the paper's order first
     names = list(dict.fromkeys(names))
     known = [name for name in PAPER_ORDER if name in names]
     return known + [name for name in names if name not in known]
@@ -102,10 +93,6 @@ def _ordered(names: Iterable[str]) -> list[str]:
 
 def _cell(value: float | None, digits: int = 2) -> str:
     return "n/a" if _missing(value) else f"{value:.{digits}f}"
-
-
-def _json_safe(stats: dict[str, Any]) -> dict[str, Any]:
-    return {key: (None if isinstance(value, float) and math.isnan(value) else value) for key, value in stats.items()}
 
 
 def format_summary_markdown(summary: dict[str, Any]) -> str:
@@ -164,14 +151,13 @@ def compare_runs(summaries: Sequence[dict[str, Any]], labels: Sequence[str] | No
     the benchmarks that every run has."""
     if len(summaries) < 2:
         raise ValueError("--compare needs at least two runs.")
-    labels = list(
-        labels or [summary.get("label") or summary.get("model", f"run {i}") for i, summary in enumerate(summaries)]
-    )
+    labels = labels or [
+        summary.get("label") or summary.get("model", f"run {i}") for i, summary in enumerate(summaries)
+    ]
     names = _ordered(name for summary in summaries for name in summary["benchmarks"])
     display = {}
-    for summary in summaries:
-        for name, info in summary["benchmarks"].items():
-            display.setdefault(name, _display_name(name, info))
+    for name, info in ((name, info) for summary in summaries for name, info in summary["benchmarks"].items()):
+        display.setdefault(name, _display_name(name, info))
     common = [name for name in names if all(name in summary["benchmarks"] for summary in summaries)]
     header = ["Model"] + [display[name] for name in names] + ["Average"]
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(["---"] + [":---:"] * (len(header) - 1)) + " |"]
