@@ -4,6 +4,7 @@ equals the ground truth by math-verify, ``-1`` otherwise, ``None`` (unscored) wi
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -133,6 +134,10 @@ _WORKER_BOOT = (
 )
 
 
+_NEXT = {1: "asking a fresh worker again."}
+_NEXT[2] = "no verdict, so the completion is left unscored (reward None, not -1) and nothing is cached."
+
+
 class _NoVerdict(Exception):
     """The worker timed out or died, and so did the fresh one asked again."""
 
@@ -148,14 +153,10 @@ class _VerifyWorker:
         atexit.register(self.close)
 
     def _start(self) -> None:
+        # The worker file alone, not the package (whose import pulls in torch and TRL), nor the current folder.
+        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verify_worker.py")
         self._proc = subprocess.Popen(
-            # The worker file alone, not the package (whose import pulls in torch and TRL), nor the current folder.
-            [
-                sys.executable,
-                "-c",
-                _WORKER_BOOT,
-                os.path.join(os.path.dirname(os.path.abspath(__file__)), "verify_worker.py"),
-            ],
+            [sys.executable, "-c", _WORKER_BOOT, worker],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -197,10 +198,8 @@ class _VerifyWorker:
             proc.kill()
             proc.wait()
             for stream in (proc.stdin, proc.stdout):
-                try:
+                with contextlib.suppress(OSError):  # a request still buffered for a worker that died
                     stream.close()
-                except OSError:  # a request still buffered for a worker that died (BrokenPipeError)
-                    pass
 
     def _ask(self, request: bytes, timeout: float) -> bool | str:
         """The worker's verdict on ``request``, or why there is none: it timed out, or it died (and how)."""
@@ -232,13 +231,7 @@ class _VerifyWorker:
                     return verdict
                 self.close()  # kill what is left of it: the next comparison starts a fresh one
                 logger.warning(
-                    "math-verify %s comparing %.80r with %.80r; %s",
-                    verdict,
-                    predicted,
-                    gold,
-                    "asking a fresh worker again."
-                    if attempt == 1
-                    else "no verdict, so the completion is left unscored (reward None, not -1) and nothing is cached.",
+                    "math-verify %s comparing %.80r with %.80r; %s", verdict, predicted, gold, _NEXT[attempt]
                 )
             raise _NoVerdict(verdict)
 

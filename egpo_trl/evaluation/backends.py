@@ -218,8 +218,7 @@ class TransformersBackend:
 
 
 class VLLMBackend:
-    """Sampling with vLLM's offline engine; each request has its own seed, so a sample does not depend on its
-    batch. ``llm_kwargs`` go to ``vllm.LLM``."""
+    """Sampling with vLLM's offline engine (``llm_kwargs`` go to ``vllm.LLM``); each request has its own seed."""
 
     name = "vllm"
 
@@ -227,13 +226,9 @@ class VLLMBackend:
         self,
         model_name_or_path: str,
         tokenizer: Any = None,
-        dtype: str = "auto",
-        gpu_memory_utilization: float = 0.9,
-        tensor_parallel_size: int = 1,
-        max_model_len: int | None = None,
         seed: int = 0,
         trust_remote_code: bool = False,
-        **llm_kwargs: Any,
+        **llm_kwargs,
     ):
         from transformers import AutoTokenizer
         from vllm import LLM
@@ -243,10 +238,6 @@ class VLLMBackend:
         )
         self.llm = LLM(
             model=model_name_or_path,
-            dtype=dtype,
-            gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size,
-            max_model_len=max_model_len,
             seed=seed,
             trust_remote_code=trust_remote_code,
             logprobs_mode="raw_logprobs",

@@ -135,21 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"egpo-trl eval: max_new_tokens={max_new_tokens} ({reason}); set --max-new-tokens.", file=sys.stderr)
         settings = dataclasses.replace(settings, max_new_tokens=max_new_tokens)
     try:
-        summary = evaluate(
-            backend,
-            model,
-            specs,
-            args.output_dir,
-            settings,
-            num_samples=args.num_samples,
-            limit=args.limit,
-            seed=args.seed,
-            chat_template=args.chat_template,
-            system_prompt=args.system_prompt,
-            chunk_size=args.chunk_size,
-            label=args.name,
-            progress=not args.no_progress,
-        )
+        options = ("num_samples", "limit", "seed", "chat_template", "system_prompt", "chunk_size")
+        options = {key: getattr(args, key) for key in options} | {"label": args.name, "progress": not args.no_progress}
+        summary = evaluate(backend, model, specs, args.output_dir, settings, **options)
     except (ValueError, KeyError) as error:
         print(f"egpo-trl eval: {error}", file=sys.stderr)
         return 2

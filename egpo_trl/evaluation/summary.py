@@ -95,6 +95,12 @@ def _cell(value: float | None, digits: int = 2) -> str:
     return "n/a" if _missing(value) else f"{value:.{digits}f}"
 
 
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table with the first column left-aligned and the others centred."""
+    lines = [header, ["---"] + [":---:"] * (len(header) - 1), *rows]
+    return ["| " + " | ".join(cells) + " |" for cells in lines]
+
+
 def format_summary_markdown(summary: dict[str, Any]) -> str:
     """A run's summary as Markdown: a Table 1 style row (pass@1 ± SE over trials) and a detail table."""
     benchmarks = summary["benchmarks"]
@@ -113,9 +119,7 @@ def format_summary_markdown(summary: dict[str, Any]) -> str:
     lines = [
         f"## Pass@1 (%) of {row[0]}",
         "",
-        "| " + " | ".join(header) + " |",
-        "| " + " | ".join(["---"] + [":---:"] * (len(header) - 1)) + " |",
-        "| " + " | ".join(row) + " |",
+        *_table(header, [row]),
         "",
         f"Mean pass@1 over k = {protocol.get('num_samples', '?')} samples per problem ± its standard error over "
         f"the k trials; temperature {protocol.get('temperature')}, top-p {protocol.get('top_p')}, "
@@ -159,8 +163,7 @@ def compare_runs(summaries: Sequence[dict[str, Any]], labels: Sequence[str] | No
     for name, info in ((name, info) for summary in summaries for name, info in summary["benchmarks"].items()):
         display.setdefault(name, _display_name(name, info))
     common = [name for name in names if all(name in summary["benchmarks"] for summary in summaries)]
-    header = ["Model"] + [display[name] for name in names] + ["Average"]
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(["---"] + [":---:"] * (len(header) - 1)) + " |"]
+    rows = []
     base = summaries[0]["benchmarks"]
     base_average = _mean([base[name]["pass@1"] for name in common])
     for index, (label, summary) in enumerate(zip(labels, summaries)):
@@ -179,7 +182,8 @@ def compare_runs(summaries: Sequence[dict[str, Any]], labels: Sequence[str] | No
         average = _mean([summary["benchmarks"][name]["pass@1"] for name in common])
         delta = index > 0 and not _missing(average) and not _missing(base_average)
         cells.append(_cell(average) + (f" ({average - base_average:+.2f})" if delta else ""))
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    lines = _table(["Model"] + [display[name] for name in names] + ["Average"], rows)
     if len(common) < len(names):
         shared = ", ".join(display[name] for name in common) or "none"
         lines += ["", f"Average over the benchmarks that every run has: {shared}."]
