@@ -53,7 +53,7 @@ def generate_completions(
     top_p: float = 1.0,
     top_k: int = 0,
     batch_size: int = 128,
-    seed: int | None = 0,
+    seed: int = 0,
 ) -> list[str]:
     """One sampled completion per prompt (``temperature=0`` greedy); ``seed`` seeds torch once, and the random states
     are restored afterwards."""
@@ -69,20 +69,16 @@ def generate_completions(
     model.eval()
     device = backend.device
     accelerator = device.type not in ("cpu", "meta")
-    devices = list(range(getattr(torch, device.type).device_count())) if accelerator and seed is not None else []
+    devices = list(range(getattr(torch, device.type).device_count())) if accelerator else []
     python_state, numpy_state = random.getstate(), np.random.get_state()
     try:
-        with torch.random.fork_rng(
-            devices=devices, device_type=device.type if accelerator else "cuda", enabled=seed is not None
-        ):
-            if seed is not None:
-                torch.manual_seed(seed)
+        with torch.random.fork_rng(devices=devices, device_type=device.type if accelerator else "cuda"):
+            torch.manual_seed(seed)
             generations = backend.generate(ids, settings)
     finally:
         model.train(was_training)
-        if seed is not None:
-            random.setstate(python_state)
-            np.random.set_state(numpy_state)
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
     return [g.text for g in generations]
 
 
@@ -96,7 +92,7 @@ def heldout_accuracy(
     top_p: float = 1.0,
     top_k: int = 0,
     batch_size: int = 128,
-    seed: int | None = 0,
+    seed: int = 0,
     reward_func: Callable[..., list[float | None]] = boxed_accuracy_reward,
 ) -> HeldoutResult:
     """Accuracy on ``dataset`` (``prompt``, ``answer``, optional ``level``) over ``num_samples`` completions each; a

@@ -1,5 +1,5 @@
-"""Entropy of evaluation records per segment (paper Eq. 5), ROC-AUC for predicting incorrect answers (the positive
-class, as in Table 3), bootstrap."""
+"""Entropy of evaluation records per segment (paper Eq. 5), ROC-AUC for predicting incorrect answers (Table 3),
+bootstrap."""
 
 from __future__ import annotations
 
@@ -67,16 +67,11 @@ def entropy_table(
     for start in range(0, len(records), batch_size):
         batch = records[start : start + batch_size]
         logps, mask = _padded([record["logprobs"] for record in batch], torch.float64)
-        if tokenizer is not None:
-            if any("completion_ids" not in record for record in batch):
-                raise ValueError("Recomputing segments with --tokenizer needs the records' 'completion_ids'.")
+        if tokenizer is not None:  # recompute the segments from the token ids
             ids, _ = _padded([record["completion_ids"] for record in batch], torch.long)
             thinking, answer = segment_masks(ids, mask, tokenizer, think_start, think_end)
-        elif any("thinking_span" not in record or "answer_span" not in record for record in batch):
-            raise ValueError(
-                "These records carry no thinking/answer spans; pass --tokenizer MODEL to compute them from "
-                "their 'completion_ids'."
-            )
+        elif any("thinking_span" not in record for record in batch):
+            raise ValueError("These records carry no thinking/answer spans; pass --tokenizer MODEL to compute them.")
         else:
             thinking = _span_mask([record["thinking_span"] for record in batch], mask)
             answer = _span_mask([record["answer_span"] for record in batch], mask)

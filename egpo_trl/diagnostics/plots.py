@@ -15,11 +15,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 LOG_FLOOR = 1e-6
 CORRECT_COLOR = "#2a9d8f"
 INCORRECT_COLOR = "#e76f51"
-SCOPE_TITLES = {
-    "completion": "whole completion",
-    "thinking": "thinking (inside <think>)",
-    "answer": "answer (after </think>)",
-}
+SCOPE_TITLES = {"completion": "whole completion", "thinking": "thinking (inside <think>)"}
+SCOPE_TITLES["answer"] = "answer (after </think>)"
 
 
 def _kde(values: np.ndarray, grid: np.ndarray) -> np.ndarray:
@@ -137,15 +134,11 @@ def plot_roc(table: EntropyTable, path: str, title: str = "", note: str | None =
     return _save(fig, path, note)
 
 
-def _spans_decades(values: np.ndarray) -> bool:
-    """Whether the (floored) values, from their 1st percentile to their maximum, span over two decades."""
-    values = np.maximum(values[~np.isnan(values)], LOG_FLOOR)
-    return len(values) > 1 and values.max() > 100 * np.quantile(values, 0.01)
-
-
 def _scatter(axis, x: np.ndarray, y: np.ndarray, correct: np.ndarray, jitter: float = 0.0) -> bool:
-    """Scatter of correct and incorrect completions; a y axis whose values span decades is drawn in log scale."""
-    if _spans_decades(y):
+    """Scatter of correct and incorrect completions; a y axis whose values (from their 1st percentile) span over two
+    decades is drawn in log scale."""
+    floored = np.maximum(y[~np.isnan(y)], LOG_FLOOR)
+    if len(floored) > 1 and floored.max() > 100 * np.quantile(floored, 0.01):
         y = np.maximum(y, LOG_FLOOR)
         axis.set_yscale("log")
     defined = ~np.isnan(x) & ~np.isnan(y)

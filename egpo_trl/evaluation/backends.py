@@ -156,64 +156,59 @@ class TransformersBackend:
         self, prompts: Sequence[Sequence[int]], settings: SamplingSettings, seeds: Sequence[int] | None = None
     ) -> list[Generation]:
         """One completion per prompt, in batches; each batch seeds torch from its first ``seeds`` entry, if given."""
+        from transformers import GenerationConfig, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
         results: list[Generation] = []
         for start in range(0, len(prompts), self.batch_size):
             batch = [list(prompt) for prompt in prompts[start : start + self.batch_size]]
-            results += self._generate_batch(batch, settings, None if seeds is None else int(seeds[start]))
-        return results
-
-    def _generate_batch(self, prompts: list[list[int]], settings: SamplingSettings, seed: int | None):
-        from transformers import GenerationConfig, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-        width = max(len(prompt) for prompt in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):  # left padding
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            attention_mask[row, width - len(prompt) :] = 1
-        budget = settings.max_new_tokens
-        if self.max_context and width + budget > self.max_context:
-            budget = max(1, self.max_context - width)
-            if not self._warned_context:
-                self._warned_context = True
-                logger.warning(
-                    "Prompt (%d tokens) + max_new_tokens (%d) exceeds the model's context (%d): completions stop at "
-                    "the context length.",
-                    *(width, settings.max_new_tokens, self.max_context),
-                )
-        recorder = _SampledTokenLogprobs()
-        processors = [recorder]
-        greedy = settings.temperature == 0
-        if not greedy:  # our warpers, after the recorder; the config's neutral values keep the model's defaults out
-            processors += [TemperatureLogitsWarper(settings.temperature)] if settings.temperature != 1.0 else []
-            processors += [TopKLogitsWarper(settings.top_k)] if settings.top_k else []
-            processors += [TopPLogitsWarper(settings.top_p)] if settings.top_p < 1.0 else []
-        config = GenerationConfig(
-            do_sample=not greedy,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            repetition_penalty=1.0,
-            max_new_tokens=budget,
-            pad_token_id=self.pad_id,
-            eos_token_id=self.eos_ids or None,
-        )
-        if seed is not None:
-            torch.manual_seed(seed)
-        output = self.model.generate(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            generation_config=config,
-            logits_processor=processors,
-        )
-        completions = output[:, width:]
-        logprobs = recorder.finish(completions).cpu()
-        results = []
-        for row, ids in enumerate(completions.cpu().tolist()):
-            end = next((i + 1 for i, token in enumerate(ids) if token in self.eos_ids), None)
-            text = self.tokenizer.decode(ids[:end], skip_special_tokens=True)
-            finish = "length" if end is None else "stop"
-            results.append(Generation(ids[:end], logprobs[row, : len(ids[:end])].tolist(), text, finish))
+            width = max(len(prompt) for prompt in batch)
+            input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+            attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, prompt in enumerate(batch):  # left padding
+                input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+                attention_mask[row, width - len(prompt) :] = 1
+            budget = settings.max_new_tokens
+            if self.max_context and width + budget > self.max_context:
+                budget = max(1, self.max_context - width)
+                if not self._warned_context:
+                    self._warned_context = True
+                    logger.warning(
+                        "Prompt (%d tokens) + max_new_tokens (%d) exceeds the model's context (%d): completions "
+                        "stop at the context length.",
+                        *(width, settings.max_new_tokens, self.max_context),
+                    )
+            recorder = _SampledTokenLogprobs()
+            processors = [recorder]
+            greedy = settings.temperature == 0
+            if not greedy:  # our warpers after the recorder; the config's neutral values keep the model's defaults out
+                processors += [TemperatureLogitsWarper(settings.temperature)] if settings.temperature != 1.0 else []
+                processors += [TopKLogitsWarper(settings.top_k)] if settings.top_k else []
+                processors += [TopPLogitsWarper(settings.top_p)] if settings.top_p < 1.0 else []
+            config = GenerationConfig(
+                do_sample=not greedy,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                repetition_penalty=1.0,
+                max_new_tokens=budget,
+                pad_token_id=self.pad_id,
+                eos_token_id=self.eos_ids or None,
+            )
+            if seeds is not None:
+                torch.manual_seed(int(seeds[start]))
+            output = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                generation_config=config,
+                logits_processor=processors,
+            )
+            completions = output[:, width:]
+            logprobs = recorder.finish(completions).cpu()
+            for row, ids in enumerate(completions.cpu().tolist()):
+                end = next((i + 1 for i, token in enumerate(ids) if token in self.eos_ids), None)
+                text = self.tokenizer.decode(ids[:end], skip_special_tokens=True)
+                finish = "length" if end is None else "stop"
+                results.append(Generation(ids[:end], logprobs[row, : len(ids[:end])].tolist(), text, finish))
         return results
 
 
