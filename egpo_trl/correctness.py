@@ -40,13 +40,9 @@ def reward_func_names(reward_funcs: Any) -> list[str]:
 
 
 def _as_list(reward_funcs: Any) -> list[Any]:
-    return (
-        list(reward_funcs)
-        if isinstance(reward_funcs, (list, tuple))
-        else []
-        if reward_funcs is None
-        else [reward_funcs]
-    )
+    if reward_funcs is None:
+        return []
+    return list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
 
 
 def binary_correctness_features(args: Any) -> list[str]:
@@ -54,12 +50,11 @@ def binary_correctness_features(args: Any) -> list[str]:
     from egpo_trl.advantages import get_advantage_estimator
 
     estimator = get_advantage_estimator(args.advantage_estimator)
-    features = {
-        f"advantage_estimator={args.advantage_estimator!r}": getattr(estimator, "binary_correctness", False),
-        "dynamic_sampling_metric='correctness'": args.dynamic_sampling
-        and args.dynamic_sampling_metric == "correctness",
-        "edge_gec": args.edge_gec,
-    }
+    features = {f"advantage_estimator={args.advantage_estimator!r}": getattr(estimator, "binary_correctness", False)}
+    features["dynamic_sampling_metric='correctness'"] = (
+        args.dynamic_sampling and args.dynamic_sampling_metric == "correctness"
+    )
+    features["edge_gec"] = args.edge_gec
     return [name for name, needed in features.items() if needed]
 
 

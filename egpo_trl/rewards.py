@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 from functools import lru_cache
+from itertools import accumulate
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -98,25 +99,14 @@ def _too_costly(answer: str) -> bool:
     """Whether ``answer`` is refused before symbolic parsing (size, nesting, power towers, huge exponents)."""
     if len(answer) > MAX_ANSWER_CHARS:
         return True
-    depth = deepest = 0
-    for char in answer:
-        if char in "{([":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif char in "})]":
-            depth -= 1
-    if deepest > MAX_NESTING:
+    if max(accumulate(1 if char in "{([" else -1 if char in "})]" else 0 for char in answer), default=0) > MAX_NESTING:
         return True
     compact = answer.replace(" ", "")
     for match in re.finditer(r"(\^|\*\*)", compact):
         exponent = compact[match.end() :]
         if exponent.startswith("{"):
-            depth, end = 0, len(exponent)
-            for pos, char in enumerate(exponent):
-                depth += 1 if char == "{" else -1 if char == "}" else 0
-                if depth == 0:
-                    end = pos
-                    break
+            depths = accumulate(1 if char == "{" else -1 if char == "}" else 0 for char in exponent)
+            end = next((pos for pos, depth in enumerate(depths) if depth == 0), len(exponent))
             exponent_text, rest = exponent[1:end], exponent[end + 1 :]
         else:
             token = re.match(r"[^\^*+\-=/(){}\[\],]*", exponent)

@@ -45,27 +45,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _record_files(paths: list[str]) -> tuple[list[str], str | None]:
-    files, label = [], None
-    for path in paths:
-        if os.path.isdir(path):
-            found = sorted(glob.glob(os.path.join(path, "records", "*.jsonl")) or glob.glob(f"{path}/*.jsonl"))
-            if not found:
-                raise FileNotFoundError(
-                    f"{path} has no records (records/*.jsonl); give an `egpo-trl eval` run folder."
-                )
-            files += found
-            run_file = os.path.join(path, "run.json")
-            if label is None and os.path.exists(run_file):
-                with open(run_file, encoding="utf-8") as handle:
-                    label = json.load(handle).get("label")
-        elif os.path.isfile(path):
-            files.append(path)
-        else:
-            raise FileNotFoundError(f"No such records file or run folder: {path}")
-    return files, label
-
-
 def _fmt(value: float | None, digits: int = 3) -> str:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
@@ -157,7 +136,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--level must be between 0 and 1, got {args.level}.")
     output_dir = args.output_dir
     try:
-        files, run_label = _record_files(args.records)
+        files, run_label = [], None
+        for path in args.records:
+            if os.path.isfile(path):
+                files.append(path)
+                continue
+            found = sorted(glob.glob(os.path.join(path, "records", "*.jsonl")) or glob.glob(f"{path}/*.jsonl"))
+            if not os.path.isdir(path) or not found:
+                raise FileNotFoundError(f"{path}: no records (records/*.jsonl); give an `egpo-trl eval` run folder.")
+            files += found
+            if run_label is None and os.path.exists(os.path.join(path, "run.json")):
+                with open(os.path.join(path, "run.json"), encoding="utf-8") as handle:
+                    run_label = json.load(handle).get("label")
         if output_dir is None:
             if len(args.records) != 1 or not os.path.isdir(args.records[0]):
                 parser.error("--output-dir is required unless a single run folder is given.")

@@ -105,14 +105,12 @@ def resolve_benchmark(name_or_path: str, **fields: str | None) -> BenchmarkSpec:
         task = name_or_path.split(":", 1)[1]
         spec = replace(BENCHMARKS["synthetic"], source=name_or_path, name=_safe_name(f"synthetic-{task}"))
         return replace(spec, **overrides)
-    unset = {"question_field": "", "answer_field": "", "answer_format": ""}  # detected from the first row
+    fields = {"question_field": "", "answer_field": "", "answer_format": "", **overrides}  # "": from the first row
     if os.path.exists(name_or_path):
         stem = os.path.splitext(os.path.basename(name_or_path.rstrip("/")))[0]
-        fields = {**unset, **overrides}
         return BenchmarkSpec(_safe_name(stem), stem, os.path.abspath(name_or_path), **fields)
     if name_or_path.startswith(("hub:", "hf:")) or "/" in name_or_path:
         dataset = name_or_path.split(":", 1)[1] if name_or_path.startswith(("hub:", "hf:")) else name_or_path
-        fields = {**unset, **overrides}
         return BenchmarkSpec(_safe_name(dataset.replace("/", "__")), dataset, f"hub:{dataset}", **fields)
     raise ValueError(
         f"Unknown benchmark {name_or_path!r}. Built-in benchmarks: {sorted(BENCHMARKS)}; otherwise give a local "
@@ -143,23 +141,6 @@ def _read_file(path: str) -> list[dict[str, Any]]:
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of objects (or a .jsonl file).")
     return data
-
-
-def _load_rows(spec: BenchmarkSpec, limit: int | None) -> list[dict[str, Any]]:
-    source = spec.source
-    if source.startswith("synthetic:"):
-        from egpo_trl.data.synthetic import load_synthetic_task
-
-        task = source.split(":", 1)[1]
-        return load_synthetic_task(task, split=spec.split, num_problems=limit or 500).to_list()
-    if source.startswith("hub:"):
-        from datasets import load_dataset
-
-        dataset = load_dataset(source.split(":", 1)[1], spec.subset, split=spec.split)
-        if limit is not None:
-            dataset = dataset.select(range(min(limit, len(dataset))))
-        return dataset.to_list()
-    return _read_file(source)
 
 
 def _detect_fields(spec: BenchmarkSpec, row: dict[str, Any]) -> BenchmarkSpec:
@@ -202,7 +183,18 @@ def load_problems(spec: BenchmarkSpec, limit: int | None = None) -> tuple[Benchm
     """``(spec, problems)``: the first ``limit`` problems in file order, and the spec with detected fields filled in."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}.")
-    rows = _load_rows(spec, limit)[:limit]
+    if spec.source.startswith("synthetic:"):
+        from egpo_trl.data.synthetic import load_synthetic_task
+
+        task = spec.source.split(":", 1)[1]
+        rows = load_synthetic_task(task, split=spec.split, num_problems=limit or 500).to_list()
+    elif spec.source.startswith("hub:"):
+        from datasets import load_dataset
+
+        dataset = load_dataset(spec.source.split(":", 1)[1], spec.subset, split=spec.split)
+        rows = dataset.select(range(min(limit or len(dataset), len(dataset)))).to_list()
+    else:
+        rows = _read_file(spec.source)[:limit]
     if not rows:
         raise ValueError(f"{spec.source}: no rows to evaluate.")
     spec = _detect_fields(spec, rows[0])

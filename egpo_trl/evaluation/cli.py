@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -17,7 +18,7 @@ from egpo_trl.evaluation.backends import BACKENDS, SamplingSettings, default_max
 from egpo_trl.evaluation.benchmarks import BENCHMARKS, is_builtin, resolve_benchmark
 from egpo_trl.evaluation.runner import evaluate
 from egpo_trl.evaluation.scoring import ANSWER_FORMATS
-from egpo_trl.evaluation.summary import compare_runs, format_summary_markdown, load_summary
+from egpo_trl.evaluation.summary import compare_runs, format_summary_markdown
 
 DEFAULT_BENCHMARKS = "math500,aime24,mmlu_stem,minerva,gsm8k"
 
@@ -91,7 +92,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.compare:
         try:
-            summaries = [load_summary(run) for run in args.compare]
+            summaries = []
+            for run in args.compare:
+                path = os.path.join(run, "summary.json") if os.path.isdir(run) else run
+                if not os.path.exists(path):
+                    raise FileNotFoundError(
+                        f"No summary at {path}; give an `egpo-trl eval` output folder or its summary.json."
+                    )
+                with open(path, encoding="utf-8") as handle:
+                    summaries.append(json.load(handle))
             if args.compare_names and len(args.compare_names) != len(args.compare):
                 parser.error(f"--compare-names got {len(args.compare_names)} names for {len(args.compare)} runs.")
             print(compare_runs(summaries, args.compare_names))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -139,15 +138,6 @@ def format_summary_markdown(summary: dict[str, Any]) -> str:
             f"| {_cell(info['mean_completion_tokens'], 1)} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def load_summary(run: str) -> dict[str, Any]:
-    """The ``summary.json`` of a run folder (or the file itself)."""
-    path = os.path.join(run, "summary.json") if os.path.isdir(run) else run
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"No summary at {path}; give an `egpo-trl eval` output folder or its summary.json.")
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
 
 
 def compare_runs(summaries: Sequence[dict[str, Any]], labels: Sequence[str] | None = None) -> str:
