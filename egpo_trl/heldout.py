@@ -123,12 +123,7 @@ def heldout_accuracy(
         if ok is not None:
             buckets[str(level)].append(ok)
     order = sorted(buckets, key=lambda level: (0, int(level), "") if level.isdigit() else (1, 0, level))
-    return HeldoutResult(
-        accuracy=sum(scored) / len(scored) if scored else float("nan"),
-        num_problems=len(dataset),
-        num_samples=num_samples,
-        by_level={level: sum(buckets[level]) / len(buckets[level]) for level in order},
-        num_unscored=len(correct) - len(scored),
-        completions=completions,
-        correct=correct,
-    )
+    by_level = {level: sum(buckets[level]) / len(buckets[level]) for level in order}
+    accuracy = sum(scored) / len(scored) if scored else float("nan")
+    unscored = len(correct) - len(scored)
+    return HeldoutResult(accuracy, len(dataset), num_samples, by_level, unscored, completions, correct)

@@ -26,11 +26,8 @@ def symbolic_match(predicted: str, gold: str) -> bool:
     from math_verify import verify
 
     try:
-        gold_parsed = _parse(gold)
-        pred_parsed = _parse(predicted)
-        if not gold_parsed or not pred_parsed:
-            return False
-        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+        gold_parsed, pred_parsed = _parse(gold), _parse(predicted)
+        return bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=None))
     except Exception:  # noqa: BLE001 - an unparsable answer is a wrong answer
         return False
 
@@ -50,7 +47,6 @@ def main() -> int:
     import math_verify  # noqa: F401  (import once, before the first request: a missing install fails the start)
 
     signal.signal(signal.SIGPROF, _out_of_cpu_time)
-
     symbolic_match("1/2", "0.5")  # the parser's first use is slow: here, not within the first request's deadline
 
     replies.write("ready\n")

@@ -41,35 +41,6 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
         json.dump(data, handle, indent=2)
 
 
-def _check_or_write_run(path: str, run: dict[str, Any]) -> dict[str, Any]:
-    """Create ``run.json``, or check that an existing one has the same protocol; returns the merged run."""
-    if not os.path.exists(path):
-        _write_json(path, run)
-        return run
-    with open(path, encoding="utf-8") as handle:
-        existing = json.load(handle)
-    folder = os.path.dirname(path)
-    for key in PROTOCOL_KEYS:
-        if existing.get("protocol", {}).get(key) != run["protocol"][key]:
-            raise ValueError(
-                f"{folder} holds a run with {key}={existing.get('protocol', {}).get(key)!r}, but this run asks for "
-                f"{key}={run['protocol'][key]!r}. Resuming would mix two protocols: use another --output-dir, or "
-                "the same settings to continue that run."
-            )
-    for name, spec in run["benchmarks"].items():
-        previous = existing.get("benchmarks", {}).get(name) or spec
-        for key in (key for key in _SPEC_KEYS if previous.get(key) != spec.get(key)):
-            raise ValueError(
-                f"{folder}: benchmark {name!r} was evaluated with {key}={previous.get(key)!r}, now "
-                f"{key}={spec.get(key)!r}. Use another --output-dir for a different benchmark definition."
-            )
-    merged = {**existing, "benchmarks": {**existing.get("benchmarks", {}), **run["benchmarks"]}}
-    merged["protocol"] = {**existing.get("protocol", {}), "num_samples": run["protocol"]["num_samples"]}
-    merged.setdefault("resumed", []).append({"at": _now(), "backend": run["backend"]})
-    _write_json(path, merged)
-    return merged
-
-
 def evaluate(
     backend: Any,
     model_name: str,
@@ -120,7 +91,29 @@ def evaluate(
         "benchmarks": {spec.name: asdict(spec) for spec, _ in loaded},
         "environment": {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node()},
     }
-    run = _check_or_write_run(os.path.join(output_dir, "run.json"), run)
+    path = os.path.join(output_dir, "run.json")
+    if os.path.exists(path):  # a resumed run: the same protocol and benchmark definitions
+        with open(path, encoding="utf-8") as handle:
+            existing = json.load(handle)
+        for key in PROTOCOL_KEYS:
+            if existing.get("protocol", {}).get(key) != run["protocol"][key]:
+                raise ValueError(
+                    f"{output_dir} holds a run with {key}={existing.get('protocol', {}).get(key)!r}, but this run asks "
+                    f"for {key}={run['protocol'][key]!r}. Resuming would mix two protocols: use another --output-dir, "
+                    "or the same settings to continue that run."
+                )
+        for name, spec in run["benchmarks"].items():
+            previous = existing.get("benchmarks", {}).get(name) or spec
+            for key in (key for key in _SPEC_KEYS if previous.get(key) != spec.get(key)):
+                raise ValueError(
+                    f"{output_dir}: benchmark {name!r} was evaluated with {key}={previous.get(key)!r}, now "
+                    f"{key}={spec.get(key)!r}. Use another --output-dir for a different benchmark definition."
+                )
+        merged = {**existing, "benchmarks": {**existing.get("benchmarks", {}), **run["benchmarks"]}}
+        merged["protocol"] = {**existing.get("protocol", {}), "num_samples": run["protocol"]["num_samples"]}
+        merged.setdefault("resumed", []).append({"at": _now(), "backend": run["backend"]})
+        run = merged
+    _write_json(path, run)
     label = given_label or run.get("label") or label  # a resumed run keeps its name unless given a new one
 
     results: dict[str, Any] = {}
@@ -165,39 +158,23 @@ def evaluate(
                     generations = [Generation([], [], "", "prompt_too_long") for _ in chunk]
                 else:
                     generations = backend.generate([prompts[problem.id][1] for problem, _ in chunk], settings, seeds)
-                ids = pad_sequence([torch.tensor(g.token_ids, dtype=torch.long) for g in generations], True)
+                padded = pad_sequence([torch.tensor(g.token_ids, dtype=torch.long) for g in generations], True)
                 mask = pad_sequence([torch.ones(len(g.token_ids), dtype=torch.long) for g in generations], True)
-                spans = segment_spans(ids, mask, tokenizer)
+                spans = segment_spans(padded, mask, tokenizer)
                 records = []
                 for row, ((problem, sample), generation, sample_seed) in enumerate(zip(chunk, generations, seeds)):
-                    logprobs = generation.logprobs
-                    extracted, correct = score_completion(
-                        generation.text, problem.gold, spec.answer_format, problem.choices
-                    )
-                    records.append(
-                        {
-                            "benchmark": spec.name,
-                            "problem_id": problem.id,
-                            "problem_index": problem.index,
-                            "sample": sample,
-                            "prompt": prompts[problem.id][0],
-                            "completion": generation.text,
-                            "gold": problem.gold,
-                            "extracted": extracted,
-                            "correct": correct,
-                            "finish_reason": generation.finish_reason,
-                            "num_prompt_tokens": len(prompts[problem.id][1]),
-                            "num_completion_tokens": len(generation.token_ids),
-                            "entropy": -sum(logprobs) / len(logprobs) if logprobs else None,
-                            "thinking_span": [int(spans.thinking_start[row]), int(spans.thinking_end[row])],
-                            "answer_span": [int(spans.answer_start[row]), int(spans.answer_end[row])],
-                            "completion_ids": generation.token_ids,
-                            "logprobs": [round(value, LOGPROB_DIGITS) for value in logprobs],
-                            "backend": backend.name,
-                            "seed": sample_seed,
-                            "meta": problem.meta,
-                        }
-                    )
+                    text, ids, logprobs = generation.text, generation.token_ids, generation.logprobs
+                    extracted, correct = score_completion(text, problem.gold, spec.answer_format, problem.choices)
+                    prompt_text, prompt_ids = prompts[problem.id]
+                    record = {"benchmark": spec.name, "problem_id": problem.id, "problem_index": problem.index}
+                    record |= {"sample": sample, "prompt": prompt_text, "completion": text, "gold": problem.gold}
+                    record |= {"extracted": extracted, "correct": correct, "finish_reason": generation.finish_reason}
+                    record |= {"num_prompt_tokens": len(prompt_ids), "num_completion_tokens": len(ids)}
+                    record["entropy"] = -sum(logprobs) / len(logprobs) if logprobs else None
+                    record["thinking_span"] = [int(spans.thinking_start[row]), int(spans.thinking_end[row])]
+                    record["answer_span"] = [int(spans.answer_start[row]), int(spans.answer_end[row])]
+                    record |= {"completion_ids": ids, "logprobs": [round(value, LOGPROB_DIGITS) for value in logprobs]}
+                    records.append(record | {"backend": backend.name, "seed": sample_seed, "meta": problem.meta})
                 store.append(records)
                 for record in records:
                     finished.setdefault((record["problem_id"], record["sample"]), record)

@@ -43,8 +43,13 @@ def gold_answers(row: dict[str, Any], answer_format: str, answer_field: str) -> 
             f"The row has no answer field {answer_field!r} (fields: {sorted(row)}); pass --answer-field NAME."
         )
     value = row[answer_field]
-    if answer_format == "choice":
-        return [str(choice_reference(value))]
+    if answer_format == "choice":  # a 0-based index or a letter (2 or "C")
+        text = str(value).strip().strip("()").upper()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer():
+            return [str(int(value))]
+        if text.isdigit() or (len(text) == 1 and text in CHOICE_LETTERS):
+            return [str(int(text)) if text.isdigit() else str(CHOICE_LETTERS.index(text))]
+        raise ValueError(f"Cannot read a choice index from {value!r}; give a 0-based index or a letter.")
     values = value if isinstance(value, (list, tuple)) else [value]
     answers: list[str] = []
     for item in values:
@@ -59,20 +64,6 @@ def gold_answers(row: dict[str, Any], answer_format: str, answer_field: str) -> 
     if not answers:
         raise ValueError(f"The row has an empty reference answer in field {answer_field!r}.")
     return answers
-
-
-def choice_reference(value: Any) -> int:
-    """Index of the correct choice from an integer index or a letter (``2`` or ``"C"``)."""
-    if isinstance(value, bool):
-        raise ValueError(f"Cannot read a choice index from {value!r}.")
-    if isinstance(value, (int, float)) and float(value).is_integer():
-        return int(value)
-    text = str(value).strip().strip("()").upper()
-    if len(text) == 1 and text in CHOICE_LETTERS:
-        return CHOICE_LETTERS.index(text)
-    if text.isdigit():
-        return int(text)
-    raise ValueError(f"Cannot read a choice index from {value!r}; give a 0-based index or a letter.")
 
 
 _LETTER_ONLY_RE = re.compile(r"^\(?\s*([A-Z])\s*\)?\s*[.:)]?$")
