@@ -20,10 +20,8 @@ logger = logging.getLogger(__name__)
 
 NO_CORRECT_CAUSES = (
     "The usual causes: prompts given as plain text to a model that needs its chat template (give `prompt` as chat "
-    "messages, [{'role': 'user', 'content': ...}], so that the template is applied); an answer format that does not "
-    "end in \\boxed{...} (boxed_accuracy_reward reads a completion's last box: ask for it in the prompt, and check "
-    "the `answer` column against it); or a reward function that does not score a correct completion as correct (try "
-    "it on one)."
+    "messages); an answer format that does not end in \\boxed{...} (ask for it in the prompt); or a reward function "
+    "that does not score a correct completion as correct (try it on one)."
 )
 
 

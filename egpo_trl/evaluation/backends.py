@@ -41,10 +41,8 @@ def default_max_new_tokens(model_name: str, tokenizer: Any = None) -> tuple[int,
     for pattern, tokens in MODEL_FAMILY_MAX_NEW_TOKENS:
         if re.search(pattern, model_name.lower()):
             return tokens, f"model name matches {pattern!r}"
-    return (
-        FALLBACK_MAX_NEW_TOKENS,
-        f"{'the chat template has no <think> tags and ' if tokenizer else ''}unknown family",
-    )
+    reason = "the chat template has no <think> tags and the name no known family" if tokenizer is not None else ""
+    return FALLBACK_MAX_NEW_TOKENS, f"{reason or 'unknown model family'}, default"
 
 
 @dataclass(frozen=True)
