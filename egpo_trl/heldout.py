@@ -57,12 +57,8 @@ def generate_completions(
     are restored afterwards."""
     settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
     backend = TransformersBackend(model, tokenizer=tokenizer, batch_size=batch_size)
-    ids = [
-        tokenizer(p)["input_ids"]
-        if isinstance(p, str)
-        else tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
-        for p in prompts
-    ]
+    chat = lambda p: tokenizer.apply_chat_template(p, add_generation_prompt=True, return_dict=False)  # noqa: E731
+    ids = [tokenizer(p)["input_ids"] if isinstance(p, str) else chat(p) for p in prompts]
     was_training = model.training
     model.eval()
     device = backend.device

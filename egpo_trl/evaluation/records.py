@@ -24,9 +24,7 @@ def iter_records(path: str) -> Iterator[dict[str, Any]]:
             if isinstance(record, dict):
                 yield record
     if skipped:
-        logger.warning(
-            "%s: skipped %d unreadable line(s) (an interrupted write); they are left in place.", path, skipped
-        )
+        logger.warning("%s: skipped %d unreadable line(s) (an interrupted write), left in place.", path, skipped)
 
 
 class RecordStore:

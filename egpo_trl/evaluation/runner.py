@@ -129,12 +129,8 @@ def evaluate(
             else:
                 text = "\n\n".join(message["content"] for message in messages)
                 prompts[problem.id] = text, list(tokenizer(text)["input_ids"])
-        pending = [
-            (problem, sample)
-            for problem in problems
-            for sample in range(num_samples)
-            if (problem.id, sample) not in finished
-        ]
+        pending = [(problem, sample) for problem in problems for sample in range(num_samples)]
+        pending = [(problem, sample) for problem, sample in pending if (problem.id, sample) not in finished]
         # Longest prompts first, so that batches are padded little and memory peaks early.
         pending.sort(key=lambda item: (-len(prompts[item[0].id][1]), item[0].index, item[1]))
         context = getattr(backend, "max_context", None)
@@ -193,14 +189,9 @@ def evaluate(
     if os.path.exists(path):
         with open(path, encoding="utf-8") as handle:
             previous = json.load(handle).get("benchmarks", {})
-    summary = {
-        "model": run["model"],
-        "label": label,
-        "backend": run["backend"] if "resumed" not in run else run["resumed"][-1]["backend"],
-        "protocol": run["protocol"],
-        "updated": _now(),
-        "benchmarks": {**previous, **results},  # earlier benchmarks of this run stay
-    }
+    backend_name = run["resumed"][-1]["backend"] if "resumed" in run else run["backend"]
+    summary = {"model": run["model"], "label": label, "backend": backend_name, "protocol": run["protocol"]}
+    summary |= {"updated": _now(), "benchmarks": {**previous, **results}}  # earlier benchmarks of this run stay
     _write_json(path, summary)
     with open(os.path.join(output_dir, "summary.md"), "w", encoding="utf-8") as handle:
         handle.write(format_summary_markdown(summary))
