@@ -61,12 +61,12 @@ def generate_completions(
     ids = [tokenizer(p)["input_ids"] if isinstance(p, str) else chat(p) for p in prompts]
     was_training = model.training
     model.eval()
-    device = backend.device
-    accelerator = device.type not in ("cpu", "meta")
-    devices = list(range(getattr(torch, device.type).device_count())) if accelerator else []
+    device_type = backend.device.type
+    accelerator = device_type not in ("cpu", "meta")
+    devices = list(range(getattr(torch, device_type).device_count())) if accelerator else []
     python_state, numpy_state = random.getstate(), np.random.get_state()
     try:
-        with torch.random.fork_rng(devices=devices, device_type=device.type if accelerator else "cuda"):
+        with torch.random.fork_rng(devices=devices, device_type=device_type if accelerator else "cuda"):
             torch.manual_seed(seed)
             generations = backend.generate(ids, settings)
     finally:

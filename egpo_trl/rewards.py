@@ -80,10 +80,9 @@ def extract_last_boxed(text: str) -> str | None:
                     if depth == 0:
                         return text[open_at + 1 : pos].strip()
             return None  # the last box is not closed: no answer
-        if rest.startswith(" "):
-            token = re.match(r"\s+([^\s$]+)", rest)
-            if token:
-                return token.group(1).strip()
+        token = re.match(r" \s*([^\s$]+)", rest)  # \boxed 5
+        if token:
+            return token.group(1)
     return None
 
 

@@ -57,8 +57,7 @@ def _density_panel(axis, values: np.ndarray, correct: np.ndarray, title: str) ->
     top = max(float(np.quantile(group, 0.99)) for group in groups)
     bottom = min(float(np.quantile(group, 0.01)) for group in groups)
     log_scale = top > 100 * bottom
-    if log_scale:
-        values = floored
+    values = floored if log_scale else values
     shown = np.log10(values) if log_scale else values
     # The axis stops at the larger of the two classes' 99th percentiles.
     classes = [shown[correct == flag] for flag in (True, False)]
@@ -83,9 +82,7 @@ def _density_panel(axis, values: np.ndarray, correct: np.ndarray, title: str) ->
     axis.set_title(title, fontsize=10)
     if log_scale:
         axis.set_xscale("log")
-        axis.set_xlim(10 ** grid[0], 10 ** grid[-1])
-    else:
-        axis.set_xlim(grid[0], grid[-1])
+    axis.set_xlim(10 ** grid[0] if log_scale else grid[0], 10 ** grid[-1] if log_scale else grid[-1])
     axis.set_ylabel("density per decade" if log_scale else "density")
     label = "entropy proxy (mean -log p)" + (", log scale" if log_scale else "")
     axis.set_xlabel(label + ("; cut at the 99th percentile" if cut else ""), fontsize=8 if cut else 10)

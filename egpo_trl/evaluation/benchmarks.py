@@ -159,24 +159,14 @@ def _detect_fields(spec: BenchmarkSpec, row: dict[str, Any]) -> BenchmarkSpec:
     question_field = pick(spec.question_field, _QUESTION_CANDIDATES, "question", "--question-field")
     answer_field = pick(spec.answer_field, _ANSWER_CANDIDATES, "reference answer", "--answer-field")
     choices_field = spec.choices_field or next((name for name in _CHOICES_CANDIDATES if name in row), None)
-    answer_format = spec.answer_format
+    answer, answer_format = row[answer_field], spec.answer_format
     if not answer_format:
-        answer = row[answer_field]
-        if choices_field and isinstance(row.get(choices_field), list) and not isinstance(answer, float):
-            answer_format = "choice"
-        elif isinstance(answer, str) and "####" in answer:
-            answer_format = "gsm8k"
-        else:
-            answer_format = "math"
+        choice = choices_field and isinstance(row.get(choices_field), list) and not isinstance(answer, float)
+        answer_format = "choice" if choice else "gsm8k" if isinstance(answer, str) and "####" in answer else "math"
+    choices_field = choices_field if answer_format == "choice" else spec.choices_field
     instruction = CHOICE_INSTRUCTION if answer_format == "choice" and spec.instruction == MATH_INSTRUCTION else None
-    return replace(
-        spec,
-        question_field=question_field,
-        answer_field=answer_field,
-        choices_field=choices_field if answer_format == "choice" else spec.choices_field,
-        answer_format=answer_format,
-        instruction=instruction or spec.instruction,
-    )
+    spec = replace(spec, question_field=question_field, answer_field=answer_field, answer_format=answer_format)
+    return replace(spec, choices_field=choices_field, instruction=instruction or spec.instruction)
 
 
 def load_problems(spec: BenchmarkSpec, limit: int | None = None) -> tuple[BenchmarkSpec, list[Problem]]:

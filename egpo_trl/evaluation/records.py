@@ -52,7 +52,6 @@ class RecordStore:
                 handle.seek(-1, os.SEEK_END)
                 if handle.read(1) != b"\n":  # a torn line from a crash: start a fresh line after it
                     handle.write(b"\n")
-            handle.seek(0, os.SEEK_END)
             handle.write("".join(lines).encode("utf-8"))
             handle.flush()
             os.fsync(handle.fileno())
