@@ -114,18 +114,11 @@ def diagnose(
             "num_incorrect": int(incorrect.sum()),
             **{scope: nan_to_none(roc_auc(getattr(table, scope)[part], incorrect)) for scope in SCOPES},
         }
-    return {
-        "label": label,
-        "benchmarks": benchmarks,
-        "num_completions": len(table),
-        "num_problems": int(len(np.unique(table.group))),
-        "num_incorrect": int((~table.correct).sum()),
-        "num_with_answer_segment": int((~np.isnan(table.answer)).sum()),
-        "level": level,
-        "num_resamples": num_resamples,
-        "scopes": {scope: scope_report(table, scope, num_resamples, seed, level) for scope in SCOPES},
-        "by_benchmark": by_benchmark,
-    }
+    report = {"label": label, "benchmarks": benchmarks, "num_completions": len(table)}
+    report |= {"num_problems": int(len(np.unique(table.group))), "num_incorrect": int((~table.correct).sum())}
+    report |= {"num_with_answer_segment": int((~np.isnan(table.answer)).sum()), "level": level}
+    scopes = {scope: scope_report(table, scope, num_resamples, seed, level) for scope in SCOPES}
+    return report | {"num_resamples": num_resamples, "scopes": scopes, "by_benchmark": by_benchmark}
 
 
 def main(argv: list[str] | None = None) -> int:

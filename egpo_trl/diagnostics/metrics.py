@@ -181,18 +181,12 @@ def scope_report(
     gaps, aucs = bootstrap_gap_and_auc(scores, correct, table.group, num_resamples, seed)
     mean_correct = scores[defined & correct].mean() if (defined & correct).any() else np.nan
     mean_incorrect = scores[defined & ~correct].mean() if (defined & ~correct).any() else np.nan
-    return {
-        "scope": scope,
-        "num_completions": int(defined.sum()),
-        "num_correct": int((defined & correct).sum()),
-        "num_incorrect": int((defined & ~correct).sum()),
-        "num_undefined": int((~defined).sum()),
-        "auc_incorrect": nan_to_none(roc_auc(scores, ~correct)),
-        "auc_interval": _interval(aucs, level),
+    report = {"scope": scope, "num_completions": int(defined.sum()), "num_correct": int((defined & correct).sum())}
+    report |= {"num_incorrect": int((defined & ~correct).sum()), "num_undefined": int((~defined).sum())}
+    report |= {"auc_incorrect": nan_to_none(roc_auc(scores, ~correct)), "auc_interval": _interval(aucs, level)}
+    report |= {
         "mean_entropy_correct": nan_to_none(mean_correct),
         "mean_entropy_incorrect": nan_to_none(mean_incorrect),
-        "gap": nan_to_none(mean_incorrect - mean_correct),
-        "gap_interval": _interval(gaps, level),
-        "interval_level": level,
-        "num_resamples": num_resamples,
     }
+    report |= {"gap": nan_to_none(mean_incorrect - mean_correct), "gap_interval": _interval(gaps, level)}
+    return report | {"interval_level": level, "num_resamples": num_resamples}
