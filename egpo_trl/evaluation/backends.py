@@ -126,6 +126,8 @@ class TransformersBackend:
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}.")
         if isinstance(model_name_or_path, str):
             self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(
