@@ -1,5 +1,5 @@
 """Which reward function decides correct (> 0) versus incorrect; among several, ``egpo_correctness_reward`` names it
-by the name TRL's ``GRPOTrainer`` gives it (``rewards/<name>/mean``)."""
+as TRL names it (``rewards/<name>/mean``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from egpo_trl.rewards import boxed_accuracy_reward
 
 logger = logging.getLogger(__name__)
 
-# The package's binary accuracy rewards, taken as the correctness reward when exactly one of several is one of these.
+# Taken as the correctness reward when exactly one of several reward functions is one of these.
 ACCURACY_REWARDS: tuple[Callable[..., list[float]], ...] = (boxed_accuracy_reward,)
 _SHAPING_NAMES = ("overlong_penalty",)  # the trainer's own shaping term, never a verifier
 
@@ -50,18 +50,12 @@ def binary_correctness_features(args: Any) -> list[str]:
     from egpo_trl.advantages import get_advantage_estimator
 
     estimator = get_advantage_estimator(args.advantage_estimator)
-    return [
-        name
-        for name, needed in (
-            (f"advantage_estimator={args.advantage_estimator!r}", getattr(estimator, "binary_correctness", False)),
-            (
-                "dynamic_sampling_metric='correctness'",
-                args.dynamic_sampling and args.dynamic_sampling_metric == "correctness",
-            ),
-            ("edge_gec", args.edge_gec),
-        )
-        if needed
-    ]
+    features = {f"advantage_estimator={args.advantage_estimator!r}": getattr(estimator, "binary_correctness", False)}
+    features["dynamic_sampling_metric='correctness'"] = (
+        args.dynamic_sampling and args.dynamic_sampling_metric == "correctness"
+    )
+    features["edge_gec"] = args.edge_gec
+    return [name for name, needed in features.items() if needed]
 
 
 def correctness_reward_index(
@@ -72,9 +66,9 @@ def correctness_reward_index(
     complete: bool = True,
     quiet: bool = False,
 ) -> int | None:
-    """The index of the reward function that decides correct (> 0) versus incorrect: ``egpo_correctness_reward``'s,
-    the only candidate's, the package's accuracy reward among several, or (only metrics reading it) the first;
-    else a ValueError naming the fix. ``complete=False``: an unknown name gives ``None`` (more may come later)."""
+    """The index of the reward function that decides correct versus incorrect: ``egpo_correctness_reward``'s, the only
+    candidate's, the package's accuracy reward among several, or (when only metrics read it) the first; else a
+    ValueError naming the fix. ``complete=False``: an unknown name gives ``None``."""
     funcs = _as_list(reward_funcs)
     names = list(names) if names is not None else reward_func_names(funcs)
     chosen = args.egpo_correctness_reward
@@ -98,10 +92,8 @@ def correctness_reward_index(
         if speak:
             (logger.warning if features else logger.info)(
                 "Several reward functions (%s) and no egpo_correctness_reward: %r, the package's accuracy reward, "
-                "decides correct (> 0) versus incorrect; the others still add to the rewards. Set "
-                "egpo_correctness_reward to choose another.",
-                ", ".join(names),
-                names[index],
+                "decides correct (> 0) versus incorrect. Set egpo_correctness_reward to choose another.",
+                *(", ".join(names), names[index]),
             )
         return index
     if features:
@@ -113,14 +105,11 @@ def correctness_reward_index(
             "`--egpo_correctness_reward <name>` or EGPOConfig(egpo_correctness_reward='<name>'), with <name> one of: "
             f"{listed}.\nThe other reward functions still add to the rewards."
         )
-    # Only the metrics read the verdict: say which function they take it from.
-    if speak:
+    if speak:  # only the metrics read the verdict
         logger.warning(
             "Several reward functions (%s) and no egpo_correctness_reward: the metrics that split completions into "
-            "correct and incorrect (egpo/frac_all_correct, egpo/frac_mixed, egpo/frac_all_incorrect, "
-            "egpo/entropy_correct, egpo/entropy_incorrect, egpo/entropy_gap, egpo/weight_*) take the verdict from the "
-            "first, %r. Set egpo_correctness_reward to name the verifier.",
-            ", ".join(names[i] for i in candidates),
-            names[candidates[0]],
+            "correct and incorrect (egpo/frac_*, egpo/entropy_gap, ...) take the verdict from the first, %r. Set "
+            "egpo_correctness_reward to name the verifier.",
+            *(", ".join(names[i] for i in candidates), names[candidates[0]]),
         )
     return candidates[0]

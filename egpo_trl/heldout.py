@@ -1,5 +1,5 @@
-"""Held-out accuracy under sampling, printed by ``egpo-trl train`` before and after training, sampled in memory with
-the evaluation's :class:`~egpo_trl.evaluation.backends.TransformersBackend`."""
+"""Held-out accuracy under sampling (``egpo-trl train`` before and after training), sampled with the evaluation's
+:class:`~egpo_trl.evaluation.backends.TransformersBackend`."""
 
 from __future__ import annotations
 
@@ -18,22 +18,17 @@ from egpo_trl.rewards import CORRECT_REWARD, boxed_accuracy_reward
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HeldoutResult", "NO_CORRECT_CAUSES", "generate_completions", "heldout_accuracy"]
-
-#: The usual reasons why no completion is correct, said before training and in its first steps.
 NO_CORRECT_CAUSES = (
     "The usual causes: prompts given as plain text to a model that needs its chat template (give `prompt` as chat "
-    "messages, [{'role': 'user', 'content': ...}], so that the template is applied); an answer format that does not "
-    "end in \\boxed{...} (boxed_accuracy_reward reads a completion's last box: ask for it in the prompt, and check "
-    "the `answer` column against it); or a reward function that does not score a correct completion as correct (try "
-    "it on one)."
+    "messages); an answer format that does not end in \\boxed{...} (ask for it in the prompt); or a reward function "
+    "that does not score a correct completion as correct (try it on one)."
 )
 
 
 @dataclass
 class HeldoutResult:
-    """Accuracy (mean over scored completions, NaN when none was scored), per ``level`` when the data has one,
-    the number of unscored completions (reward ``None``), and the completions with their verdicts."""
+    """Accuracy over scored completions (NaN when none was scored), per ``level`` when the data has one, the number
+    of unscored completions (reward ``None``), and the completions with their verdicts."""
 
     accuracy: float
     num_problems: int
@@ -44,7 +39,6 @@ class HeldoutResult:
     correct: list[bool | None] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        """The summary numbers, without the completions."""
         return {k: v for k, v in asdict(self).items() if k not in ("completions", "correct")}
 
 
@@ -57,36 +51,28 @@ def generate_completions(
     top_p: float = 1.0,
     top_k: int = 0,
     batch_size: int = 128,
-    seed: int | None = 0,
+    seed: int = 0,
 ) -> list[str]:
-    """One sampled completion per prompt (``temperature=0`` greedy); ``seed`` seeds torch once and restores the random
-    states afterwards."""
+    """One sampled completion per prompt (``temperature=0`` greedy); ``seed`` seeds torch once, and the random states
+    are restored afterwards."""
     settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
     backend = TransformersBackend(model, tokenizer=tokenizer, batch_size=batch_size)
-    ids = [
-        tokenizer(p)["input_ids"]
-        if isinstance(p, str)
-        else tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
-        for p in prompts
-    ]
+    chat = lambda p: tokenizer.apply_chat_template(p, add_generation_prompt=True, return_dict=False)  # noqa: E731
+    ids = [tokenizer(p)["input_ids"] if isinstance(p, str) else chat(p) for p in prompts]
     was_training = model.training
     model.eval()
-    device = backend.device
-    accelerator = device.type not in ("cpu", "meta")
-    devices = list(range(getattr(torch, device.type).device_count())) if accelerator and seed is not None else []
+    device_type = backend.device.type
+    accelerator = device_type not in ("cpu", "meta")
+    devices = list(range(getattr(torch, device_type).device_count())) if accelerator else []
     python_state, numpy_state = random.getstate(), np.random.get_state()
     try:
-        with torch.random.fork_rng(
-            devices=devices, device_type=device.type if accelerator else "cuda", enabled=seed is not None
-        ):
-            if seed is not None:
-                torch.manual_seed(seed)
+        with torch.random.fork_rng(devices=devices, device_type=device_type if accelerator else "cuda"):
+            torch.manual_seed(seed)
             generations = backend.generate(ids, settings)
     finally:
         model.train(was_training)
-        if seed is not None:
-            random.setstate(python_state)
-            np.random.set_state(numpy_state)
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
     return [g.text for g in generations]
 
 
@@ -100,7 +86,7 @@ def heldout_accuracy(
     top_p: float = 1.0,
     top_k: int = 0,
     batch_size: int = 128,
-    seed: int | None = 0,
+    seed: int = 0,
     reward_func: Callable[..., list[float | None]] = boxed_accuracy_reward,
 ) -> HeldoutResult:
     """Accuracy on ``dataset`` (``prompt``, ``answer``, optional ``level``) over ``num_samples`` completions each; a
@@ -119,29 +105,19 @@ def heldout_accuracy(
         logger.warning(
             "%d of %d held-out completions got no verdict (reward None, reward function %s); they are left out of "
             "the accuracy (num_unscored).",
-            len(correct) - len(scored),
-            len(correct),
-            name,
+            *(len(correct) - len(scored), len(correct), name),
         )
     if not any(scored):
         logger.warning(
             "No completion of the held-out set was correct (0 of %d, reward function %s). %s",
-            len(scored),
-            name,
-            NO_CORRECT_CAUSES,
+            *(len(scored), name, NO_CORRECT_CAUSES),
         )
     buckets: dict[str, list[bool]] = defaultdict(list)
-    if "level" in dataset.column_names:
-        for level, ok in zip(repeat("level"), correct):
-            if ok is not None:
-                buckets[str(level)].append(ok)
+    for level, ok in zip(repeat("level") if "level" in dataset.column_names else [], correct):
+        if ok is not None:
+            buckets[str(level)].append(ok)
     order = sorted(buckets, key=lambda level: (0, int(level), "") if level.isdigit() else (1, 0, level))
-    return HeldoutResult(
-        accuracy=sum(scored) / len(scored) if scored else float("nan"),
-        num_problems=len(dataset),
-        num_samples=num_samples,
-        by_level={level: sum(buckets[level]) / len(buckets[level]) for level in order},
-        num_unscored=len(correct) - len(scored),
-        completions=completions,
-        correct=correct,
-    )
+    by_level = {level: sum(buckets[level]) / len(buckets[level]) for level in order}
+    accuracy = sum(scored) / len(scored) if scored else float("nan")
+    unscored = len(correct) - len(scored)
+    return HeldoutResult(accuracy, len(dataset), num_samples, by_level, unscored, completions, correct)

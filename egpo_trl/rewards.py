@@ -1,11 +1,10 @@
-"""Outcome rewards for verifiable math (paper Eq. 1), as TRL reward functions ``f(completions, **columns)``: ``+1``
-when the last ``\\boxed{...}`` of a completion equals the ground truth by `math-verify
-<https://github.com/huggingface/Math-Verify>`_, ``-1`` otherwise, ``None`` (unscored) without a verdict.
-"""
+"""Outcome rewards for verifiable math (paper Eq. 1) as TRL reward functions: ``+1`` when the last ``\\boxed{...}``
+equals the ground truth by math-verify, ``-1`` otherwise, ``None`` (unscored) without a verdict."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -18,6 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 from functools import lru_cache
+from itertools import accumulate
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -25,8 +25,7 @@ logger = logging.getLogger(__name__)
 CORRECT_REWARD = 1.0
 INCORRECT_REWARD = -1.0
 
-# Answers longer, nested deeper ({, ( and [ together), or with a power tower or an exponent of more digits than
-# these, get the string match only: never a final answer, and costly for the symbolic verifier.
+# Answers longer, nested deeper, or with a power tower or a longer exponent than these get the string match only.
 MAX_ANSWER_CHARS = 1000
 MAX_NESTING = 12
 MAX_EXPONENT_DIGITS = 4
@@ -39,10 +38,8 @@ _BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
 
 def completion_text(completion: Any) -> str:
     """The text of a completion given as a string or as chat messages (the assistant turns joined)."""
-    if completion is None:
-        return ""
-    if isinstance(completion, str):
-        return completion
+    if completion is None or isinstance(completion, str):
+        return completion or ""
     if isinstance(completion, dict):
         content = completion.get("content", "")
         if isinstance(content, list):  # multimodal content blocks
@@ -53,24 +50,18 @@ def completion_text(completion: Any) -> str:
     return str(completion)
 
 
-#: The answer :func:`answer_template_probe` renders a template with (a fraction: braces, a slash).
 TEMPLATE_PROBE_ANSWER = "17/3"
 
 
 def answer_template_probe(template: str) -> tuple[str, bool]:
-    """``template`` with ``{answer}`` replaced by :data:`TEMPLATE_PROBE_ANSWER`, and whether the last box of the result
-    holds exactly that answer (what :func:`boxed_accuracy_reward` reads)."""
+    """``template`` rendered with :data:`TEMPLATE_PROBE_ANSWER`, and whether its last box holds exactly that answer."""
     rendered = template.replace("{answer}", TEMPLATE_PROBE_ANSWER)
     return rendered, extract_last_boxed(rendered) == TEMPLATE_PROBE_ANSWER
 
 
 def extract_last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``, or ``\\boxed 5``) in ``text``, with balanced
-    braces; ``None`` without a box or when the last one is not closed (an earlier box does not stand in for it).
-
-    >>> extract_last_boxed(r"first \\boxed{1}, then \\boxed{\\frac{1}{2}}")
-    '\\\\frac{1}{2}'
-    """
+    braces; ``None`` without a box or when the last one is not closed."""
     if not text:
         return None
     for match in reversed(list(_BOX_RE.finditer(text))):
@@ -89,47 +80,32 @@ def extract_last_boxed(text: str) -> str | None:
                     if depth == 0:
                         return text[open_at + 1 : pos].strip()
             return None  # the last box is not closed: no answer
-        if rest.startswith(" "):
-            token = re.match(r"\s+([^\s$]+)", rest)
-            if token:
-                return token.group(1).strip()
+        token = re.match(r" \s*([^\s$]+)", rest)  # \boxed 5
+        if token:
+            return token.group(1)
     return None
 
 
 def _normalize(answer: str) -> str:
     answer = answer.strip().strip("$").strip()
     answer = re.sub(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}", r"\1", answer)
-    answer = answer.replace("\\!", "").replace("\\,", "").replace("\\ ", "").replace(" ", "")
-    answer = (
-        answer.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\left", "").replace("\\right", "")
-    )
-    answer = answer.rstrip(".")
-    return answer
+    for old, new in (("\\!", ""), ("\\,", ""), ("\\ ", ""), (" ", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac")):
+        answer = answer.replace(old, new)
+    return answer.replace("\\left", "").replace("\\right", "").rstrip(".")
 
 
 def _too_costly(answer: str) -> bool:
     """Whether ``answer`` is refused before symbolic parsing (size, nesting, power towers, huge exponents)."""
     if len(answer) > MAX_ANSWER_CHARS:
         return True
-    depth = deepest = 0
-    for char in answer:
-        if char in "{([":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif char in "})]":
-            depth -= 1
-    if deepest > MAX_NESTING:
+    if max(accumulate(1 if char in "{([" else -1 if char in "})]" else 0 for char in answer), default=0) > MAX_NESTING:
         return True
     compact = answer.replace(" ", "")
     for match in re.finditer(r"(\^|\*\*)", compact):
         exponent = compact[match.end() :]
         if exponent.startswith("{"):
-            depth, end = 0, len(exponent)
-            for pos, char in enumerate(exponent):
-                depth += 1 if char == "{" else -1 if char == "}" else 0
-                if depth == 0:
-                    end = pos
-                    break
+            depths = accumulate(1 if char == "{" else -1 if char == "}" else 0 for char in exponent)
+            end = next((pos for pos, depth in enumerate(depths) if depth == 0), len(exponent))
             exponent_text, rest = exponent[1:end], exponent[end + 1 :]
         else:
             token = re.match(r"[^\^*+\-=/(){}\[\],]*", exponent)
@@ -147,13 +123,16 @@ _WORKER_BOOT = (
 )
 
 
+_NEXT = {1: "asking a fresh worker again."}
+_NEXT[2] = "no verdict, so the completion is left unscored (reward None, not -1) and nothing is cached."
+
+
 class _NoVerdict(Exception):
-    """math-verify gave no answer: its worker timed out or died, and so did the fresh one asked again."""
+    """The worker timed out or died, and so did the fresh one asked again."""
 
 
 class _VerifyWorker:
-    """One math-verify worker process (``egpo_trl/verify_worker.py``) per process, shared by its threads, replaced
-    when a comparison overruns its deadline or the worker dies."""
+    """One math-verify worker process per process, shared by its threads, replaced when it overruns or dies."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -163,14 +142,10 @@ class _VerifyWorker:
         atexit.register(self.close)
 
     def _start(self) -> None:
+        # The worker file alone, not the package (whose import pulls in torch and TRL), nor the current folder.
+        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verify_worker.py")
         self._proc = subprocess.Popen(
-            # The worker file alone, not the package (whose import pulls in torch and TRL), nor the current folder.
-            [
-                sys.executable,
-                "-c",
-                _WORKER_BOOT,
-                os.path.join(os.path.dirname(os.path.abspath(__file__)), "verify_worker.py"),
-            ],
+            [sys.executable, "-c", _WORKER_BOOT, worker],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -190,8 +165,7 @@ class _VerifyWorker:
             )
 
     def _read_line(self, timeout: float) -> bytes | None:
-        """The worker's next line, ``None`` past ``timeout``; raises ``EOFError`` when its output closes (it ended)."""
-        # selectors, not select.select, which refuses descriptors >= 1024
+        """The worker's next line, ``None`` past ``timeout``; ``EOFError`` when it ended (selectors take fds >= 1024)."""
         deadline = time.monotonic() + timeout
         fd = self._proc.stdout.fileno()
         with selectors.DefaultSelector() as selector:
@@ -213,10 +187,8 @@ class _VerifyWorker:
             proc.kill()
             proc.wait()
             for stream in (proc.stdin, proc.stdout):
-                try:
+                with contextlib.suppress(OSError):  # a request still buffered for a worker that died
                     stream.close()
-                except OSError:  # a request still buffered for a worker that died (BrokenPipeError)
-                    pass
 
     def _ask(self, request: bytes, timeout: float) -> bool | str:
         """The worker's verdict on ``request``, or why there is none: it timed out, or it died (and how)."""
@@ -227,19 +199,14 @@ class _VerifyWorker:
         except (EOFError, OSError):  # its output closed, or its input (BrokenPipeError): it ended
             self._proc.kill()  # changes nothing if it has ended; bounds the wait below if it has not
             code = self._proc.wait()
-            if code >= 0:
-                return f"worker died (exit code {code})"
-            try:
-                return f"worker died (killed by {signal.Signals(-code).name})"
-            except ValueError:
-                return f"worker died (killed by signal {-code})"
+            return f"worker died ({f'exit code {code}' if code >= 0 else f'killed by {signal.Signals(-code).name}'})"
         if reply is None:
             return f"timed out after {timeout:g} s"
         return reply == b"1"
 
     def match(self, predicted: str, gold: str, timeout: float) -> bool:
-        """math-verify's verdict. A worker that overruns ``timeout`` or dies is replaced, and the fresh one asked
-        once more; raises :class:`_NoVerdict` when it fails too."""
+        """math-verify's verdict; a worker that overruns ``timeout`` or dies is replaced and the fresh one asked once
+        more, else :class:`_NoVerdict`."""
         request = (json.dumps([predicted, gold, VERIFY_CPU_LIMIT_S]) + "\n").encode()
         with self._lock:
             for attempt in (1, 2):
@@ -253,13 +220,7 @@ class _VerifyWorker:
                     return verdict
                 self.close()  # kill what is left of it: the next comparison starts a fresh one
                 logger.warning(
-                    "math-verify %s comparing %.80r with %.80r; %s",
-                    verdict,
-                    predicted,
-                    gold,
-                    "asking a fresh worker again."
-                    if attempt == 1
-                    else "no verdict, so the completion is left unscored (reward None, not -1) and nothing is cached.",
+                    "math-verify %s comparing %.80r with %.80r; %s", verdict, predicted, gold, _NEXT[attempt]
                 )
             raise _NoVerdict(verdict)
 
@@ -273,8 +234,8 @@ def _symbolic_match(predicted: str, gold: str) -> bool:
 
 
 def answers_match(predicted: str | None, gold: Any) -> bool | None:
-    """Whether an extracted answer equals the ground truth (string match, then math-verify in a worker process under
-    ``VERIFY_CPU_LIMIT_S`` and ``VERIFY_TIMEOUT_S``); ``None`` when the worker gave no verdict. Never raises."""
+    """Whether an extracted answer equals the ground truth (string match, then math-verify in the worker process);
+    ``None`` when the worker gave no verdict. Never raises."""
     if predicted is None or gold is None:
         return False
     gold_text = _gold_to_text(gold)
@@ -291,16 +252,14 @@ def answers_match(predicted: str | None, gold: Any) -> bool | None:
 
 
 def _gold_to_text(gold: Any) -> str:
-    if isinstance(gold, float) and gold.is_integer():
-        return str(int(gold))
     if isinstance(gold, (list, tuple)):
         return str(gold[0]) if gold else ""
-    return str(gold).strip()
+    return str(int(gold)) if isinstance(gold, float) and gold.is_integer() else str(gold).strip()
 
 
 def boxed_accuracy_reward(completions: list[Any], answer: list[Any], **kwargs: Any) -> list[float | None]:
-    """Paper Eq. 1: ``+1.0`` when the last ``\\boxed{}`` of a completion verifies against ``answer`` (the dataset's
-    column), ``-1.0`` otherwise, ``None`` (TRL's unscored; EGPO's ``egpo/frac_unscored``) without a verdict."""
+    """Paper Eq. 1: ``+1.0`` when the last ``\\boxed{}`` of a completion verifies against ``answer``, ``-1.0``
+    otherwise, ``None`` (unscored) without a verdict."""
     if len(answer) != len(completions):
         raise ValueError(
             f"boxed_accuracy_reward got {len(completions)} completions but {len(answer)} answers; the dataset needs "
@@ -318,17 +277,13 @@ _THINK_RE = re.compile(r"^\s*<think>.*?</think>.*\\(?:boxed|fbox)\s*\{", re.DOTA
 
 def think_format_reward(completions: list[Any], **kwargs: Any) -> list[float]:
     """``1.0`` when a completion reasons inside ``<think>...</think>`` and then gives a ``\\boxed{}`` answer, else
-    ``0.0``: a shaping bonus beside :func:`boxed_accuracy_reward`, which still decides correctness."""
+    ``0.0`` (a shaping bonus)."""
     return [1.0 if _THINK_RE.match(completion_text(c)) else 0.0 for c in completions]
 
 
 def make_overlong_penalty_reward(max_length: int, buffer_length: int, penalty_factor: float = 1.0):
     """DAPO's soft overlong punishment (Eq. 13), TRL's ``get_soft_overlong_punishment`` times ``penalty_factor``, as
-    a reward function named ``overlong_penalty``.
-
-    >>> make_overlong_penalty_reward(max_length=100, buffer_length=20)(["a", "b"], completion_ids=[[0] * 90, [0] * 50])
-    [-0.5, 0.0]
-    """
+    a reward function named ``overlong_penalty``."""
     from trl.rewards import get_soft_overlong_punishment
 
     if not 1 <= buffer_length <= max_length:

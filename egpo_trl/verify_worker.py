@@ -14,8 +14,7 @@ from functools import lru_cache
 def _parse(expression: str):
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
-    # Wrapping in \boxed{} makes math-verify read the whole expression as one answer.
-    return parse(
+    return parse(  # in \boxed{}, so that the whole expression is read as one answer
         "\\boxed{" + expression + "}",
         extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()],
         parsing_timeout=None,  # the CPU-time limit and the caller's deadline bound the time
@@ -27,11 +26,8 @@ def symbolic_match(predicted: str, gold: str) -> bool:
     from math_verify import verify
 
     try:
-        gold_parsed = _parse(gold)
-        pred_parsed = _parse(predicted)
-        if not gold_parsed or not pred_parsed:
-            return False
-        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+        gold_parsed, pred_parsed = _parse(gold), _parse(predicted)
+        return bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=None))
     except Exception:  # noqa: BLE001 - an unparsable answer is a wrong answer
         return False
 
@@ -44,15 +40,6 @@ def _out_of_cpu_time(signum, frame):
     raise _OutOfCpuTime
 
 
-def bounded_match(predicted: str, gold: str, cpu_seconds: float) -> bool:
-    """:func:`symbolic_match` within ``cpu_seconds`` of CPU time; ``False`` when it runs over."""
-    signal.setitimer(signal.ITIMER_PROF, cpu_seconds)
-    try:
-        return symbolic_match(predicted, gold)
-    finally:
-        signal.setitimer(signal.ITIMER_PROF, 0)
-
-
 def main() -> int:
     logging.disable(logging.CRITICAL)  # math-verify logs every timeout and parse failure
     requests, replies = sys.stdin, sys.stdout
@@ -60,7 +47,6 @@ def main() -> int:
     import math_verify  # noqa: F401  (import once, before the first request: a missing install fails the start)
 
     signal.signal(signal.SIGPROF, _out_of_cpu_time)
-
     symbolic_match("1/2", "0.5")  # the parser's first use is slow: here, not within the first request's deadline
 
     replies.write("ready\n")
@@ -68,7 +54,11 @@ def main() -> int:
     for line in requests:
         try:
             predicted, gold, cpu_seconds = json.loads(line)
-            equal = bounded_match(str(predicted), str(gold), float(cpu_seconds))
+            signal.setitimer(signal.ITIMER_PROF, float(cpu_seconds))
+            try:
+                equal = symbolic_match(str(predicted), str(gold))
+            finally:
+                signal.setitimer(signal.ITIMER_PROF, 0)
         except (Exception, _OutOfCpuTime):  # noqa: BLE001 - also a timer that fires as the comparison returns
             equal = False
         replies.write("1\n" if equal else "0\n")

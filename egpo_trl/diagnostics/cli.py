@@ -45,27 +45,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _record_files(paths: list[str]) -> tuple[list[str], str | None]:
-    files, label = [], None
-    for path in paths:
-        if os.path.isdir(path):
-            found = sorted(glob.glob(os.path.join(path, "records", "*.jsonl")) or glob.glob(f"{path}/*.jsonl"))
-            if not found:
-                raise FileNotFoundError(
-                    f"{path} has no records (records/*.jsonl); give an `egpo-trl eval` run folder."
-                )
-            files += found
-            run_file = os.path.join(path, "run.json")
-            if label is None and os.path.exists(run_file):
-                with open(run_file, encoding="utf-8") as handle:
-                    label = json.load(handle).get("label")
-        elif os.path.isfile(path):
-            files.append(path)
-        else:
-            raise FileNotFoundError(f"No such records file or run folder: {path}")
-    return files, label
-
-
 def _fmt(value: float | None, digits: int = 3) -> str:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
@@ -133,53 +112,13 @@ def diagnose(
         by_benchmark[name] = {
             "num_completions": int(part.sum()),
             "num_incorrect": int(incorrect.sum()),
-            **{scope: nan_to_none(roc_auc(table.scope(scope)[part], incorrect)) for scope in SCOPES},
+            **{scope: nan_to_none(roc_auc(getattr(table, scope)[part], incorrect)) for scope in SCOPES},
         }
-    return {
-        "label": label,
-        "benchmarks": benchmarks,
-        "num_completions": len(table),
-        "num_problems": int(len(np.unique(table.group))),
-        "num_incorrect": int((~table.correct).sum()),
-        "num_with_answer_segment": int((~np.isnan(table.answer)).sum()),
-        "level": level,
-        "num_resamples": num_resamples,
-        "scopes": {scope: scope_report(table, scope, num_resamples, seed, level) for scope in SCOPES},
-        "by_benchmark": by_benchmark,
-    }
-
-
-def _write_csv(table: EntropyTable, path: str) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(CSV_COLUMNS.split())
-        writer.writerows(
-            [table.benchmark[i], table.problem_id[i], table.sample[i], int(table.correct[i])]
-            + [_fmt(float(getattr(table, scope)[i]), 6) for scope in SCOPES]
-            + [int(table.thinking_tokens[i]), int(table.answer_tokens[i])]
-            for i in range(len(table))
-        )
-
-
-def _load(args, parser) -> tuple[EntropyTable, str, str]:
-    files, run_label = _record_files(args.records)
-    output_dir = args.output_dir
-    if output_dir is None:
-        if len(args.records) != 1 or not os.path.isdir(args.records[0]):
-            parser.error("--output-dir is required unless a single run folder is given.")
-        output_dir = os.path.join(args.records[0], "diagnostics")
-    existing = [name for name in OUTPUT_FILES if os.path.exists(os.path.join(output_dir, name))]
-    if existing and not args.overwrite:
-        raise ValueError(f"{output_dir} already holds {', '.join(existing)}; pass --overwrite.")
-    wanted = {name.strip() for name in args.benchmarks.split(",")} if args.benchmarks else None
-    records = [r for path in files for r in iter_records(path) if wanted is None or r.get("benchmark") in wanted]
-    if not records:
-        raise ValueError(f"no records found in {', '.join(files)}.")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else None
-    table = entropy_table(records, tokenizer, args.think_start, args.think_end)
-    return table, args.label or run_label or "model", output_dir
+    report = {"label": label, "benchmarks": benchmarks, "num_completions": len(table)}
+    report |= {"num_problems": int(len(np.unique(table.group))), "num_incorrect": int((~table.correct).sum())}
+    report |= {"num_with_answer_segment": int((~np.isnan(table.answer)).sum()), "level": level}
+    scopes = {scope: scope_report(table, scope, num_resamples, seed, level) for scope in SCOPES}
+    return report | {"num_resamples": num_resamples, "scopes": scopes, "by_benchmark": by_benchmark}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,11 +127,39 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not 0 < args.level < 1:
         parser.error(f"--level must be between 0 and 1, got {args.level}.")
+    output_dir = args.output_dir
     try:
-        table, label, output_dir = _load(args, parser)
+        files, run_label = [], None
+        for path in args.records:
+            if os.path.isfile(path):
+                files.append(path)
+                continue
+            found = sorted(glob.glob(os.path.join(path, "records", "*.jsonl")) or glob.glob(f"{path}/*.jsonl"))
+            if not os.path.isdir(path) or not found:
+                raise FileNotFoundError(f"{path}: no records (records/*.jsonl); give an `egpo-trl eval` run folder.")
+            files += found
+            if run_label is None and os.path.exists(os.path.join(path, "run.json")):
+                with open(os.path.join(path, "run.json"), encoding="utf-8") as handle:
+                    run_label = json.load(handle).get("label")
+        if output_dir is None:
+            if len(args.records) != 1 or not os.path.isdir(args.records[0]):
+                parser.error("--output-dir is required unless a single run folder is given.")
+            output_dir = os.path.join(args.records[0], "diagnostics")
+        existing = [name for name in OUTPUT_FILES if os.path.exists(os.path.join(output_dir, name))]
+        if existing and not args.overwrite:
+            raise ValueError(f"{output_dir} already holds {', '.join(existing)}; pass --overwrite.")
+        wanted = {name.strip() for name in args.benchmarks.split(",")} if args.benchmarks else None
+        records = [r for path in files for r in iter_records(path) if wanted is None or r.get("benchmark") in wanted]
+        if not records:
+            raise ValueError(f"no records found in {', '.join(files)}.")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else None
+        table = entropy_table(records, tokenizer, args.think_start, args.think_end)
     except (FileNotFoundError, ValueError) as error:
         print(f"egpo-trl diagnose: {error}", file=sys.stderr)
         return 2
+    label = args.label or run_label or "model"
     report = diagnose(table, label, args.bootstrap, args.seed, args.level)
     os.makedirs(output_dir, exist_ok=True)
     markdown = format_markdown(report)
@@ -200,7 +167,15 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(report, handle, indent=2)
     with open(os.path.join(output_dir, "diagnostics.md"), "w", encoding="utf-8") as handle:
         handle.write(markdown)
-    _write_csv(table, os.path.join(output_dir, "entropies.csv"))
+    with open(os.path.join(output_dir, "entropies.csv"), "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(CSV_COLUMNS.split())
+        writer.writerows(
+            [table.benchmark[i], table.problem_id[i], table.sample[i], int(table.correct[i])]
+            + [_fmt(float(getattr(table, scope)[i]), 6) for scope in SCOPES]
+            + [int(table.thinking_tokens[i]), int(table.answer_tokens[i])]
+            for i in range(len(table))
+        )
     from egpo_trl.diagnostics.plots import plot_all
 
     plot_all(table, output_dir, title=label, note=args.note)

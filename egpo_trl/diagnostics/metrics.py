@@ -1,5 +1,5 @@
-"""Entropy of evaluation records per segment (paper Eq. 5), ROC-AUC for predicting incorrect answers (the positive
-class, as in Table 3), bootstrap."""
+"""Entropy of evaluation records per segment (paper Eq. 5), ROC-AUC for predicting incorrect answers (Table 3),
+bootstrap."""
 
 from __future__ import annotations
 
@@ -35,11 +35,6 @@ class EntropyTable:
     def __len__(self) -> int:
         return len(self.correct)
 
-    def scope(self, name: str) -> np.ndarray:
-        if name not in SCOPES:
-            raise ValueError(f"Unknown scope {name!r}; choose one of {SCOPES}.")
-        return getattr(self, name)
-
 
 def _padded(rows: Sequence[Sequence[float]], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     values = pad_sequence([torch.tensor(row, dtype=dtype) for row in rows], batch_first=True)
@@ -72,16 +67,11 @@ def entropy_table(
     for start in range(0, len(records), batch_size):
         batch = records[start : start + batch_size]
         logps, mask = _padded([record["logprobs"] for record in batch], torch.float64)
-        if tokenizer is not None:
-            if any("completion_ids" not in record for record in batch):
-                raise ValueError("Recomputing segments with --tokenizer needs the records' 'completion_ids'.")
+        if tokenizer is not None:  # recompute the segments from the token ids
             ids, _ = _padded([record["completion_ids"] for record in batch], torch.long)
             thinking, answer = segment_masks(ids, mask, tokenizer, think_start, think_end)
-        elif any("thinking_span" not in record or "answer_span" not in record for record in batch):
-            raise ValueError(
-                "These records carry no thinking/answer spans; pass --tokenizer MODEL to compute them from "
-                "their 'completion_ids'."
-            )
+        elif any("thinking_span" not in record for record in batch):
+            raise ValueError("These records carry no thinking/answer spans; pass --tokenizer MODEL to compute them.")
         else:
             thinking = _span_mask([record["thinking_span"] for record in batch], mask)
             answer = _span_mask([record["answer_span"] for record in batch], mask)
@@ -178,7 +168,7 @@ def _interval(values: np.ndarray, level: float) -> list[float | None]:
 
 
 def nan_to_none(value: float) -> float | None:
-    return None if value is None or np.isnan(value) else float(value)
+    return None if np.isnan(value) else float(value)
 
 
 def scope_report(
@@ -186,23 +176,17 @@ def scope_report(
 ) -> dict[str, Any]:
     """For one scope: AUC for predicting incorrect answers (Table 3), mean entropy of correct and incorrect
     completions and their gap (Sec. 5.4), with bootstrap intervals."""
-    scores, correct = table.scope(scope), table.correct
+    scores, correct = getattr(table, scope), table.correct
     defined = ~np.isnan(scores)
     gaps, aucs = bootstrap_gap_and_auc(scores, correct, table.group, num_resamples, seed)
     mean_correct = scores[defined & correct].mean() if (defined & correct).any() else np.nan
     mean_incorrect = scores[defined & ~correct].mean() if (defined & ~correct).any() else np.nan
-    return {
-        "scope": scope,
-        "num_completions": int(defined.sum()),
-        "num_correct": int((defined & correct).sum()),
-        "num_incorrect": int((defined & ~correct).sum()),
-        "num_undefined": int((~defined).sum()),
-        "auc_incorrect": nan_to_none(roc_auc(scores, ~correct)),
-        "auc_interval": _interval(aucs, level),
+    report = {"scope": scope, "num_completions": int(defined.sum()), "num_correct": int((defined & correct).sum())}
+    report |= {"num_incorrect": int((defined & ~correct).sum()), "num_undefined": int((~defined).sum())}
+    report |= {"auc_incorrect": nan_to_none(roc_auc(scores, ~correct)), "auc_interval": _interval(aucs, level)}
+    report |= {
         "mean_entropy_correct": nan_to_none(mean_correct),
         "mean_entropy_incorrect": nan_to_none(mean_incorrect),
-        "gap": nan_to_none(mean_incorrect - mean_correct),
-        "gap_interval": _interval(gaps, level),
-        "interval_level": level,
-        "num_resamples": num_resamples,
     }
+    report |= {"gap": nan_to_none(mean_incorrect - mean_correct), "gap_interval": _interval(gaps, level)}
+    return report | {"interval_level": level, "num_resamples": num_resamples}

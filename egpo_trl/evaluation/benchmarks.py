@@ -1,5 +1,4 @@
-"""Benchmarks: built-ins vendored in ``egpo_trl/data/benchmarks/``, or a local ``.jsonl``/``.json``/``.parquet``
-file or a Hub dataset with configurable fields."""
+"""Benchmarks: built-ins vendored in ``egpo_trl/data/benchmarks/``, a local file or a Hub dataset."""
 
 from __future__ import annotations
 
@@ -7,7 +6,7 @@ import json
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
 
@@ -16,7 +15,7 @@ from egpo_trl.evaluation.scoring import ANSWER_FORMATS, CHOICE_LETTERS, gold_ans
 logger = logging.getLogger(__name__)
 
 
-# The MATH-style instruction of the paper's evaluation (and of Qwen2.5-Math's chain-of-thought prompt).
+# The instruction of the paper's evaluation (Qwen2.5-Math's chain-of-thought prompt).
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 CHOICE_INSTRUCTION = (
     "Please reason step by step, and put your final answer (the letter of the correct choice) within \\boxed{}."
@@ -26,7 +25,7 @@ CHOICE_INSTRUCTION = (
 @dataclass(frozen=True)
 class BenchmarkSpec:
     """How to load and score one benchmark: ``source`` is ``package:<path>``, ``synthetic:<task>``, a local file or
-    ``hub:<dataset>``; ``question_field`` may hold chat messages; ``instruction`` is appended to a text question."""
+    ``hub:<dataset>``; ``instruction`` is appended to a text question."""
 
     name: str
     display_name: str
@@ -39,9 +38,6 @@ class BenchmarkSpec:
     split: str = "test"
     subset: str | None = None
     instruction: str | None = MATH_INSTRUCTION
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 _MMLU = {"question_field": "question", "answer_format": "choice", "choices_field": "choices"}
@@ -109,14 +105,12 @@ def resolve_benchmark(name_or_path: str, **fields: str | None) -> BenchmarkSpec:
         task = name_or_path.split(":", 1)[1]
         spec = replace(BENCHMARKS["synthetic"], source=name_or_path, name=_safe_name(f"synthetic-{task}"))
         return replace(spec, **overrides)
-    unset = {"question_field": "", "answer_field": "", "answer_format": ""}  # detected from the first row
+    fields = {"question_field": "", "answer_field": "", "answer_format": "", **overrides}  # "": from the first row
     if os.path.exists(name_or_path):
         stem = os.path.splitext(os.path.basename(name_or_path.rstrip("/")))[0]
-        fields = {**unset, **overrides}
         return BenchmarkSpec(_safe_name(stem), stem, os.path.abspath(name_or_path), **fields)
     if name_or_path.startswith(("hub:", "hf:")) or "/" in name_or_path:
         dataset = name_or_path.split(":", 1)[1] if name_or_path.startswith(("hub:", "hf:")) else name_or_path
-        fields = {**unset, **overrides}
         return BenchmarkSpec(_safe_name(dataset.replace("/", "__")), dataset, f"hub:{dataset}", **fields)
     raise ValueError(
         f"Unknown benchmark {name_or_path!r}. Built-in benchmarks: {sorted(BENCHMARKS)}; otherwise give a local "
@@ -124,26 +118,10 @@ def resolve_benchmark(name_or_path: str, **fields: str | None) -> BenchmarkSpec:
     )
 
 
-def _read_package_file(relative: str) -> list[dict[str, Any]]:
-    path = resources.files("egpo_trl.data").joinpath("benchmarks", *relative.split("/"))
-    return _parse_rows(path.read_text(encoding="utf-8"), relative)
-
-
-def _parse_rows(text: str, origin: str) -> list[dict[str, Any]]:
-    try:
-        data = (
-            [json.loads(line) for line in text.splitlines() if line.strip()]
-            if origin.endswith(".jsonl")
-            else json.loads(text)
-        )
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{origin}: not valid JSON ({error}).") from None
-    if not isinstance(data, list):
-        raise ValueError(f"{origin}: expected a JSON list of objects (or a .jsonl file).")
-    return data
-
-
-def _read_local_file(path: str) -> list[dict[str, Any]]:
+def _read_file(path: str) -> list[dict[str, Any]]:
+    """The rows of a local ``.jsonl``, ``.json`` (a list of objects) or ``.parquet`` file, or a vendored one."""
+    if path.startswith("package:"):
+        path = str(resources.files("egpo_trl.data").joinpath("benchmarks", *path.split(":", 1)[1].split("/")))
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
@@ -151,26 +129,18 @@ def _read_local_file(path: str) -> list[dict[str, Any]]:
     if not path.endswith((".jsonl", ".json")):
         raise ValueError(f"{path}: unsupported file type; give a .jsonl, .json or .parquet file.")
     with open(path, encoding="utf-8") as handle:
-        return _parse_rows(handle.read(), path)
-
-
-def _load_rows(spec: BenchmarkSpec, limit: int | None) -> list[dict[str, Any]]:
-    source = spec.source
-    if source.startswith("package:"):
-        return _read_package_file(source.split(":", 1)[1])
-    if source.startswith("synthetic:"):
-        from egpo_trl.data.synthetic import load_synthetic_task
-
-        task = source.split(":", 1)[1]
-        return load_synthetic_task(task, split=spec.split, num_problems=limit or 500).to_list()
-    if source.startswith("hub:"):
-        from datasets import load_dataset
-
-        dataset = load_dataset(source.split(":", 1)[1], spec.subset, split=spec.split)
-        if limit is not None:
-            dataset = dataset.select(range(min(limit, len(dataset))))
-        return dataset.to_list()
-    return _read_local_file(source)
+        text = handle.read()
+    try:
+        data = (
+            [json.loads(line) for line in text.splitlines() if line.strip()]
+            if path.endswith(".jsonl")
+            else json.loads(text)
+        )
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error}).") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of objects (or a .jsonl file).")
+    return data
 
 
 def _detect_fields(spec: BenchmarkSpec, row: dict[str, Any]) -> BenchmarkSpec:
@@ -189,42 +159,39 @@ def _detect_fields(spec: BenchmarkSpec, row: dict[str, Any]) -> BenchmarkSpec:
     question_field = pick(spec.question_field, _QUESTION_CANDIDATES, "question", "--question-field")
     answer_field = pick(spec.answer_field, _ANSWER_CANDIDATES, "reference answer", "--answer-field")
     choices_field = spec.choices_field or next((name for name in _CHOICES_CANDIDATES if name in row), None)
-    answer_format = spec.answer_format
+    answer, answer_format = row[answer_field], spec.answer_format
     if not answer_format:
-        answer = row[answer_field]
-        if choices_field and isinstance(row.get(choices_field), list) and not isinstance(answer, float):
-            answer_format = "choice"
-        elif isinstance(answer, str) and "####" in answer:
-            answer_format = "gsm8k"
-        else:
-            answer_format = "math"
+        choice = choices_field and isinstance(row.get(choices_field), list) and not isinstance(answer, float)
+        answer_format = "choice" if choice else "gsm8k" if isinstance(answer, str) and "####" in answer else "math"
+    choices_field = choices_field if answer_format == "choice" else spec.choices_field
     instruction = CHOICE_INSTRUCTION if answer_format == "choice" and spec.instruction == MATH_INSTRUCTION else None
-    return replace(
-        spec,
-        question_field=question_field,
-        answer_field=answer_field,
-        choices_field=choices_field if answer_format == "choice" else spec.choices_field,
-        answer_format=answer_format,
-        instruction=instruction or spec.instruction,
-    )
-
-
-def _minerva_alternatives() -> dict[str, list[str]]:
-    rows = _read_package_file(_MINERVA_ALTERNATIVES.split(":", 1)[1])
-    return {row["problem"].strip(): [answer.strip() for answer in row.get("answer") or []] for row in rows}
+    spec = replace(spec, question_field=question_field, answer_field=answer_field, answer_format=answer_format)
+    return replace(spec, choices_field=choices_field, instruction=instruction or spec.instruction)
 
 
 def load_problems(spec: BenchmarkSpec, limit: int | None = None) -> tuple[BenchmarkSpec, list[Problem]]:
     """``(spec, problems)``: the first ``limit`` problems in file order, and the spec with detected fields filled in."""
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}.")
-    rows = _load_rows(spec, limit)
-    if limit is not None:
-        rows = rows[:limit]
+    if spec.source.startswith("synthetic:"):
+        from egpo_trl.data.synthetic import load_synthetic_task
+
+        task = spec.source.split(":", 1)[1]
+        rows = load_synthetic_task(task, split=spec.split, num_problems=limit or 500).to_list()
+    elif spec.source.startswith("hub:"):
+        from datasets import load_dataset
+
+        dataset = load_dataset(spec.source.split(":", 1)[1], spec.subset, split=spec.split)
+        rows = dataset.select(range(min(limit or len(dataset), len(dataset)))).to_list()
+    else:
+        rows = _read_file(spec.source)[:limit]
     if not rows:
         raise ValueError(f"{spec.source}: no rows to evaluate.")
     spec = _detect_fields(spec, rows[0])
-    alternatives = _minerva_alternatives() if spec.source == BENCHMARKS["minerva"].source else {}
+    alternatives = {}  # Minerva's alternative spellings of the answers, from a second vendored copy
+    if spec.source == BENCHMARKS["minerva"].source:
+        for row in _read_file(_MINERVA_ALTERNATIVES):
+            alternatives[row["problem"].strip()] = [answer.strip() for answer in row.get("answer") or []]
 
     problems: list[Problem] = []
     for index, row in enumerate(rows):
@@ -244,15 +211,9 @@ def load_problems(spec: BenchmarkSpec, limit: int | None = None) -> tuple[Benchm
                 raise ValueError(f"{spec.source}, row {index}: answer index {gold[0]} but {len(choices)} choices.")
         problem_id = row.get(spec.id_field) if spec.id_field else None
         meta = {key: row[key] for key in ("level", "subject", "type") if key in row}
+        choices = [str(choice) for choice in choices] if choices else None
         problems.append(
-            Problem(
-                id=str(problem_id if problem_id is not None else index),
-                index=index,
-                question=question,
-                gold=gold,
-                choices=[str(choice) for choice in choices] if choices else None,
-                meta=meta,
-            )
+            Problem(str(index if problem_id is None else problem_id), index, question, gold, choices, meta)
         )
     if len({problem.id for problem in problems}) != len(problems):
         logger.warning("%s: field %r has duplicate ids; using row indices as problem ids.", spec.name, spec.id_field)
@@ -262,8 +223,8 @@ def load_problems(spec: BenchmarkSpec, limit: int | None = None) -> tuple[Benchm
 
 
 def build_messages(problem: Problem, spec: BenchmarkSpec, system_prompt: str | None = None) -> list[dict[str, str]]:
-    """The chat messages of a problem: the question, lettered choices and instruction (stored chat messages as they
-    are), after ``system_prompt`` unless they have a system message."""
+    """The chat messages of a problem (the question, lettered choices and instruction, or its stored messages), after
+    ``system_prompt`` unless they have a system message."""
     if isinstance(problem.question, list):
         messages = [dict(message) for message in problem.question]
     else:
@@ -272,7 +233,7 @@ def build_messages(problem: Problem, spec: BenchmarkSpec, system_prompt: str | N
             lines = [f"{CHOICE_LETTERS[i]}. {choice}" for i, choice in enumerate(problem.choices)]
             content = f"{content}\n\n" + "\n".join(lines)
         if spec.instruction:
-            content = f"{content}\n{spec.instruction}" if not problem.choices else f"{content}\n\n{spec.instruction}"
+            content += ("\n\n" if problem.choices else "\n") + spec.instruction
         messages = [{"role": "user", "content": content}]
     if system_prompt and not any(message.get("role") == "system" for message in messages):
         messages.insert(0, {"role": "system", "content": system_prompt})

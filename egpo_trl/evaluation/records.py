@@ -15,9 +15,7 @@ def iter_records(path: str) -> Iterator[dict[str, Any]]:
     """The records of a JSON-lines file, skipping blank and unreadable lines (a torn last write)."""
     skipped = 0
     with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            if not line.strip():
-                continue
+        for line in filter(str.strip, handle):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
@@ -26,9 +24,7 @@ def iter_records(path: str) -> Iterator[dict[str, Any]]:
             if isinstance(record, dict):
                 yield record
     if skipped:
-        logger.warning(
-            "%s: skipped %d unreadable line(s) (an interrupted write); they are left in place.", path, skipped
-        )
+        logger.warning("%s: skipped %d unreadable line(s) (an interrupted write), left in place.", path, skipped)
 
 
 class RecordStore:
@@ -40,20 +36,15 @@ class RecordStore:
     def load(self) -> dict[tuple[str, int], dict[str, Any]]:
         """All finished records by key (the first record of a key wins)."""
         records: dict[tuple[str, int], dict[str, Any]] = {}
-        if not os.path.exists(self.path):
-            return records
-        for record in iter_records(self.path):
-            try:
-                records.setdefault((str(record["problem_id"]), int(record["sample"])), record)
-            except (KeyError, TypeError, ValueError):
-                continue
+        for record in iter_records(self.path) if os.path.exists(self.path) else ():
+            records.setdefault((str(record["problem_id"]), int(record["sample"])), record)
         return records
 
-    def append(self, records: Iterable[dict[str, Any]]) -> int:
-        """Append records, one line each, synced to disk before returning; returns how many."""
+    def append(self, records: Iterable[dict[str, Any]]) -> None:
+        """Append records, one line each, synced to disk before returning."""
         lines = [json.dumps(record, ensure_ascii=False) + "\n" for record in records]
         if not lines:
-            return 0
+            return
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with open(self.path, "a+b") as handle:
             handle.seek(0, os.SEEK_END)
@@ -61,8 +52,6 @@ class RecordStore:
                 handle.seek(-1, os.SEEK_END)
                 if handle.read(1) != b"\n":  # a torn line from a crash: start a fresh line after it
                     handle.write(b"\n")
-            handle.seek(0, os.SEEK_END)
             handle.write("".join(lines).encode("utf-8"))
             handle.flush()
             os.fsync(handle.fileno())
-        return len(lines)

@@ -8,13 +8,14 @@ import logging
 import os
 import platform
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from egpo_trl.evaluation.backends import Generation, SamplingSettings, request_seed
-from egpo_trl.evaluation.benchmarks import BenchmarkSpec, Problem, build_messages, load_problems
+from egpo_trl.evaluation.benchmarks import BenchmarkSpec, build_messages, load_problems
 from egpo_trl.evaluation.records import RecordStore
 from egpo_trl.evaluation.scoring import score_completion
 from egpo_trl.evaluation.summary import benchmark_stats, format_summary_markdown
@@ -25,28 +26,9 @@ logger = logging.getLogger(__name__)
 
 # Settings that change what a sample is: a resumed run must use the same ones.
 PROTOCOL_KEYS = ("model", "temperature", "top_p", "top_k", "max_new_tokens", "chat_template", "system_prompt")
-_SPEC_KEYS = (
-    "source",
-    "question_field",
-    "answer_field",
-    "answer_format",
-    "choices_field",
-    "split",
-    "subset",
-    "instruction",
-)
+_SPEC_KEYS = ("source", "question_field", "answer_field", "answer_format", "choices_field", "split", "subset")
+_SPEC_KEYS += ("instruction",)
 LOGPROB_DIGITS = 6
-
-
-def render_prompt(tokenizer: Any, messages: list[dict[str, str]], use_chat_template: bool) -> tuple[str, list[int]]:
-    """The prompt text and ids: the chat template with the generation prompt, or the contents joined by blank lines."""
-    if use_chat_template:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    else:
-        text = "\n\n".join(message["content"] for message in messages)
-        ids = tokenizer(text)["input_ids"]
-    return text, list(ids)
 
 
 def _now() -> str:
@@ -57,80 +39,6 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=2)
-
-
-def _check_or_write_run(path: str, run: dict[str, Any]) -> dict[str, Any]:
-    """Create ``run.json``, or check that an existing one has the same protocol; returns the merged run."""
-    if not os.path.exists(path):
-        _write_json(path, run)
-        return run
-    with open(path, encoding="utf-8") as handle:
-        existing = json.load(handle)
-    folder = os.path.dirname(path)
-    for key in PROTOCOL_KEYS:
-        if existing.get("protocol", {}).get(key) != run["protocol"][key]:
-            raise ValueError(
-                f"{folder} holds a run with {key}={existing.get('protocol', {}).get(key)!r}, but this run asks for "
-                f"{key}={run['protocol'][key]!r}. Resuming would mix two protocols: use another --output-dir, or "
-                "the same settings to continue that run."
-            )
-    for name, spec in run["benchmarks"].items():
-        previous = existing.get("benchmarks", {}).get(name) or spec
-        for key in (key for key in _SPEC_KEYS if previous.get(key) != spec.get(key)):
-            raise ValueError(
-                f"{folder}: benchmark {name!r} was evaluated with {key}={previous.get(key)!r}, now "
-                f"{key}={spec.get(key)!r}. Use another --output-dir for a different benchmark definition."
-            )
-    merged = {**existing, "benchmarks": {**existing.get("benchmarks", {}), **run["benchmarks"]}}
-    merged["protocol"] = {**existing.get("protocol", {}), "num_samples": run["protocol"]["num_samples"]}
-    merged.setdefault("resumed", []).append({"at": _now(), "backend": run["backend"]})
-    _write_json(path, merged)
-    return merged
-
-
-def _records_for(
-    chunk: Sequence[tuple[Problem, int]],
-    prompts: dict[str, tuple[str, list[int]]],
-    generations: Sequence[Generation],
-    spec: BenchmarkSpec,
-    tokenizer: Any,
-    backend_name: str,
-    seeds: Sequence[int],
-) -> list[dict[str, Any]]:
-    ids = pad_sequence([torch.tensor(g.token_ids, dtype=torch.long) for g in generations], batch_first=True)
-    mask = pad_sequence([torch.ones(len(g.token_ids), dtype=torch.long) for g in generations], batch_first=True)
-    spans = segment_spans(ids, mask, tokenizer)
-
-    records = []
-    for row, ((problem, sample), generation, seed) in enumerate(zip(chunk, generations, seeds)):
-        logprobs = generation.logprobs
-        extracted, correct = score_completion(generation.text, problem.gold, spec.answer_format, problem.choices)
-        prompt_text, prompt_ids = prompts[problem.id]
-        records.append(
-            {
-                "benchmark": spec.name,
-                "problem_id": problem.id,
-                "problem_index": problem.index,
-                "sample": sample,
-                "prompt": prompt_text,
-                "completion": generation.text,
-                "gold": problem.gold,
-                "extracted": extracted,
-                "correct": correct,
-                "finish_reason": generation.finish_reason,
-                "num_prompt_tokens": len(prompt_ids),
-                "num_completion_tokens": len(generation.token_ids),
-                "entropy": -sum(logprobs) / len(logprobs) if logprobs else None,
-                "thinking_span": [int(spans.thinking_start[row]), int(spans.thinking_end[row])],
-                "answer_span": [int(spans.answer_start[row]), int(spans.answer_end[row])],
-                "completion_ids": generation.token_ids,
-                "logprobs": [round(value, LOGPROB_DIGITS) for value in logprobs],
-                "backend": backend_name,
-                "seed": seed,
-                "meta": problem.meta,
-            }
-        )
-    return records
 
 
 def evaluate(
@@ -175,31 +83,54 @@ def evaluate(
         "created": _now(),
         "protocol": {
             "model": model_name,
-            **settings.to_dict(),
+            **asdict(settings),
             "num_samples": num_samples,
             "chat_template": use_chat_template,
             "system_prompt": system_prompt,
         },
-        "benchmarks": {spec.name: spec.to_dict() for spec, _ in loaded},
+        "benchmarks": {spec.name: asdict(spec) for spec, _ in loaded},
         "environment": {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node()},
     }
-    run = _check_or_write_run(os.path.join(output_dir, "run.json"), run)
+    path = os.path.join(output_dir, "run.json")
+    if os.path.exists(path):  # a resumed run: the same protocol and benchmark definitions
+        with open(path, encoding="utf-8") as handle:
+            existing = json.load(handle)
+        for key in PROTOCOL_KEYS:
+            if existing.get("protocol", {}).get(key) != run["protocol"][key]:
+                raise ValueError(
+                    f"{output_dir} holds a run with {key}={existing.get('protocol', {}).get(key)!r}, but this run asks "
+                    f"for {key}={run['protocol'][key]!r}. Resuming would mix two protocols: use another --output-dir, "
+                    "or the same settings to continue that run."
+                )
+        for name, spec in run["benchmarks"].items():
+            previous = existing.get("benchmarks", {}).get(name) or spec
+            for key in (key for key in _SPEC_KEYS if previous.get(key) != spec.get(key)):
+                raise ValueError(
+                    f"{output_dir}: benchmark {name!r} was evaluated with {key}={previous.get(key)!r}, now "
+                    f"{key}={spec.get(key)!r}. Use another --output-dir for a different benchmark definition."
+                )
+        merged = {**existing, "benchmarks": {**existing.get("benchmarks", {}), **run["benchmarks"]}}
+        merged["protocol"] = {**existing.get("protocol", {}), "num_samples": run["protocol"]["num_samples"]}
+        merged.setdefault("resumed", []).append({"at": _now(), "backend": run["backend"]})
+        run = merged
+    _write_json(path, run)
     label = given_label or run.get("label") or label  # a resumed run keeps its name unless given a new one
 
     results: dict[str, Any] = {}
     for spec, problems in loaded:
         store = RecordStore(os.path.join(output_dir, "records", f"{spec.name}.jsonl"))
         finished = store.load()
-        prompts = {
-            problem.id: render_prompt(tokenizer, build_messages(problem, spec, system_prompt), use_chat_template)
-            for problem in problems
-        }
-        pending = [
-            (problem, sample)
-            for problem in problems
-            for sample in range(num_samples)
-            if (problem.id, sample) not in finished
-        ]
+        prompts = {}  # the chat template with the generation prompt, or the contents joined by blank lines
+        for problem in problems:
+            messages = build_messages(problem, spec, system_prompt)
+            if use_chat_template:
+                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                prompts[problem.id] = text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            else:
+                text = "\n\n".join(message["content"] for message in messages)
+                prompts[problem.id] = text, list(tokenizer(text)["input_ids"])
+        pending = [(problem, sample) for problem in problems for sample in range(num_samples)]
+        pending = [(problem, sample) for problem, sample in pending if (problem.id, sample) not in finished]
         # Longest prompts first, so that batches are padded little and memory peaks early.
         pending.sort(key=lambda item: (-len(prompts[item[0].id][1]), item[0].index, item[1]))
         context = getattr(backend, "max_context", None)
@@ -223,7 +154,23 @@ def evaluate(
                     generations = [Generation([], [], "", "prompt_too_long") for _ in chunk]
                 else:
                     generations = backend.generate([prompts[problem.id][1] for problem, _ in chunk], settings, seeds)
-                records = _records_for(chunk, prompts, generations, spec, tokenizer, backend.name, seeds)
+                padded = pad_sequence([torch.tensor(g.token_ids, dtype=torch.long) for g in generations], True)
+                mask = pad_sequence([torch.ones(len(g.token_ids), dtype=torch.long) for g in generations], True)
+                spans = segment_spans(padded, mask, tokenizer)
+                records = []
+                for row, ((problem, sample), generation, sample_seed) in enumerate(zip(chunk, generations, seeds)):
+                    text, ids, logprobs = generation.text, generation.token_ids, generation.logprobs
+                    extracted, correct = score_completion(text, problem.gold, spec.answer_format, problem.choices)
+                    prompt_text, prompt_ids = prompts[problem.id]
+                    record = {"benchmark": spec.name, "problem_id": problem.id, "problem_index": problem.index}
+                    record |= {"sample": sample, "prompt": prompt_text, "completion": text, "gold": problem.gold}
+                    record |= {"extracted": extracted, "correct": correct, "finish_reason": generation.finish_reason}
+                    record |= {"num_prompt_tokens": len(prompt_ids), "num_completion_tokens": len(ids)}
+                    record["entropy"] = -sum(logprobs) / len(logprobs) if logprobs else None
+                    record["thinking_span"] = [int(spans.thinking_start[row]), int(spans.thinking_end[row])]
+                    record["answer_span"] = [int(spans.answer_start[row]), int(spans.answer_end[row])]
+                    record |= {"completion_ids": ids, "logprobs": [round(value, LOGPROB_DIGITS) for value in logprobs]}
+                    records.append(record | {"backend": backend.name, "seed": sample_seed, "meta": problem.meta})
                 store.append(records)
                 for record in records:
                     finished.setdefault((record["problem_id"], record["sample"]), record)
@@ -237,23 +184,14 @@ def evaluate(
             )
         results[spec.name] = {**stats, "display_name": spec.display_name}
 
-    return _write_summary(output_dir, run, results, label)
-
-
-def _write_summary(output_dir: str, run: dict[str, Any], results: dict[str, Any], label: str) -> dict[str, Any]:
     path = os.path.join(output_dir, "summary.json")
     previous: dict[str, Any] = {}
     if os.path.exists(path):
         with open(path, encoding="utf-8") as handle:
             previous = json.load(handle).get("benchmarks", {})
-    summary = {
-        "model": run["model"],
-        "label": label,
-        "backend": run["backend"] if "resumed" not in run else run["resumed"][-1]["backend"],
-        "protocol": run["protocol"],
-        "updated": _now(),
-        "benchmarks": {**previous, **results},  # earlier benchmarks of this run stay
-    }
+    backend_name = run["resumed"][-1]["backend"] if "resumed" in run else run["backend"]
+    summary = {"model": run["model"], "label": label, "backend": backend_name, "protocol": run["protocol"]}
+    summary |= {"updated": _now(), "benchmarks": {**previous, **results}}  # earlier benchmarks of this run stay
     _write_json(path, summary)
     with open(os.path.join(output_dir, "summary.md"), "w", encoding="utf-8") as handle:
         handle.write(format_summary_markdown(summary))

@@ -1,5 +1,5 @@
-"""Reference answers and scoring: the last ``\\boxed{}`` compared with :func:`egpo_trl.rewards.answers_match`, after
-each benchmark's normalisation (``math``, ``gsm8k``, ``minerva``, ``choice``)."""
+"""Reference answers and scoring: the last ``\\boxed{}`` compared with :func:`egpo_trl.rewards.answers_match` after
+each answer format's normalisation."""
 
 from __future__ import annotations
 
@@ -8,25 +8,10 @@ import string
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from egpo_trl.rewards import answers_match, extract_last_boxed
+from egpo_trl.rewards import _gold_to_text, answers_match, extract_last_boxed
 
 ANSWER_FORMATS = ("math", "gsm8k", "minerva", "choice")
 CHOICE_LETTERS = string.ascii_uppercase
-
-
-def gsm8k_reference(solution: str) -> str:
-    """The final number of a GSM8K worked solution (the text after its last ``####``), without commas."""
-    if "####" not in solution:
-        return solution.strip().replace(",", "")
-    return solution.rsplit("####", 1)[1].strip().replace(",", "")
-
-
-def _number_text(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value).strip()
 
 
 _SCIENTIFIC_RE = re.compile(r"(?<![\w.])(-?\d+(?:\.\d+)?)\s*[eE]\s*([+-]?\d+)(?![\w.])")
@@ -58,14 +43,19 @@ def gold_answers(row: dict[str, Any], answer_format: str, answer_field: str) -> 
             f"The row has no answer field {answer_field!r} (fields: {sorted(row)}); pass --answer-field NAME."
         )
     value = row[answer_field]
-    if answer_format == "choice":
-        return [str(choice_reference(value))]
+    if answer_format == "choice":  # a 0-based index or a letter (2 or "C")
+        text = str(value).strip().strip("()").upper()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer():
+            return [str(int(value))]
+        if text.isdigit() or (len(text) == 1 and text in CHOICE_LETTERS):
+            return [str(int(text)) if text.isdigit() else str(CHOICE_LETTERS.index(text))]
+        raise ValueError(f"Cannot read a choice index from {value!r}; give a 0-based index or a letter.")
     values = value if isinstance(value, (list, tuple)) else [value]
     answers: list[str] = []
     for item in values:
-        text = _number_text(item)
-        if answer_format == "gsm8k":
-            text = gsm8k_reference(text)
+        text = _gold_to_text(item)
+        if answer_format == "gsm8k":  # the final number of a worked solution, after its last ####
+            text = text.rsplit("####", 1)[-1].strip().replace(",", "")
         elif answer_format == "minerva" and "\\boxed" in text:
             text = extract_last_boxed(text) or text
         text = text.strip()
@@ -74,20 +64,6 @@ def gold_answers(row: dict[str, Any], answer_format: str, answer_field: str) -> 
     if not answers:
         raise ValueError(f"The row has an empty reference answer in field {answer_field!r}.")
     return answers
-
-
-def choice_reference(value: Any) -> int:
-    """Index of the correct choice from an integer index or a letter (``2`` or ``"C"``)."""
-    if isinstance(value, bool):
-        raise ValueError(f"Cannot read a choice index from {value!r}.")
-    if isinstance(value, (int, float)) and float(value).is_integer():
-        return int(value)
-    text = str(value).strip().strip("()").upper()
-    if len(text) == 1 and text in CHOICE_LETTERS:
-        return CHOICE_LETTERS.index(text)
-    if text.isdigit():
-        return int(text)
-    raise ValueError(f"Cannot read a choice index from {value!r}; give a 0-based index or a letter.")
 
 
 _LETTER_ONLY_RE = re.compile(r"^\(?\s*([A-Z])\s*\)?\s*[.:)]?$")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -47,13 +46,12 @@ def pass_at_1(correct: dict[str, dict[int, bool]], num_samples: int) -> dict[str
 
 
 def benchmark_stats(records: Iterable[dict[str, Any]], num_samples: int, num_problems: int) -> dict[str, Any]:
-    """Summary numbers of one benchmark; a sample without a verdict (``correct`` null) is left out of pass@1 and
-    counted in ``unscored_samples``."""
+    """Summary numbers of one benchmark."""
     correct: dict[str, dict[int, bool]] = defaultdict(dict)
     by_level: dict[str, dict[str, dict[int, bool]]] = defaultdict(lambda: defaultdict(dict))
     lengths: list[int] = []
     finished = truncated = extracted = unreadable = unscored = 0
-    for record in records:
+    for record in records:  # a sample without a verdict is left out of pass@1 and counted
         problem, sample, verdict = str(record["problem_id"]), int(record["sample"]), record["correct"]
         if sample >= num_samples:
             continue
@@ -69,32 +67,24 @@ def benchmark_stats(records: Iterable[dict[str, Any]], num_samples: int, num_pro
         truncated += record.get("finish_reason") == "length"
         lengths.append(int(record.get("num_completion_tokens") or len(record.get("completion_ids") or [])))
     stats = pass_at_1(correct, num_samples)
-    stats.update(
-        {
-            "num_problems": num_problems,
-            "num_samples": num_samples,
-            "finished_samples": finished,
-            "unscored_samples": unscored,
-            "complete": finished == num_problems * num_samples,
-            "mean_completion_tokens": _mean(lengths),
-            "truncated_percent": 100 * truncated / finished if finished else float("nan"),
-            "answered_percent": 100 * extracted / finished if finished else float("nan"),
-            "prompt_too_long_percent": 100 * unreadable / finished if finished else float("nan"),
-        }
-    )
+    stats |= {"num_problems": num_problems, "num_samples": num_samples, "finished_samples": finished}
+    stats |= {"unscored_samples": unscored, "complete": finished == num_problems * num_samples}
+    stats["mean_completion_tokens"] = _mean(lengths)
+    for key, count in (("truncated", truncated), ("answered", extracted), ("prompt_too_long", unreadable)):
+        stats[f"{key}_percent"] = 100 * count / finished if finished else float("nan")
     if by_level:
         stats["pass@1_by_level"] = {
             level: pass_at_1(by_level[level], num_samples)["pass@1"]
             for level in sorted(by_level, key=lambda text: (len(text), text))
         }
-    return _json_safe(stats)
+    return {key: None if isinstance(value, float) and math.isnan(value) else value for key, value in stats.items()}
 
 
 def _display_name(name: str, info: dict[str, Any]) -> str:
     return info.get("display_name") or (BENCHMARKS[name].display_name if name in BENCHMARKS else name)
 
 
-def _ordered(names: Iterable[str]) -> list[str]:
+def _ordered(names: Iterable[str]) -> list[str]:  # the paper's order first
     names = list(dict.fromkeys(names))
     known = [name for name in PAPER_ORDER if name in names]
     return known + [name for name in names if name not in known]
@@ -104,8 +94,10 @@ def _cell(value: float | None, digits: int = 2) -> str:
     return "n/a" if _missing(value) else f"{value:.{digits}f}"
 
 
-def _json_safe(stats: dict[str, Any]) -> dict[str, Any]:
-    return {key: (None if isinstance(value, float) and math.isnan(value) else value) for key, value in stats.items()}
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table with the first column left-aligned and the others centred."""
+    lines = [header, ["---"] + [":---:"] * (len(header) - 1), *rows]
+    return ["| " + " | ".join(cells) + " |" for cells in lines]
 
 
 def format_summary_markdown(summary: dict[str, Any]) -> str:
@@ -126,9 +118,7 @@ def format_summary_markdown(summary: dict[str, Any]) -> str:
     lines = [
         f"## Pass@1 (%) of {row[0]}",
         "",
-        "| " + " | ".join(header) + " |",
-        "| " + " | ".join(["---"] + [":---:"] * (len(header) - 1)) + " |",
-        "| " + " | ".join(row) + " |",
+        *_table(header, [row]),
         "",
         f"Mean pass@1 over k = {protocol.get('num_samples', '?')} samples per problem ± its standard error over "
         f"the k trials; temperature {protocol.get('temperature')}, top-p {protocol.get('top_p')}, "
@@ -150,31 +140,20 @@ def format_summary_markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def load_summary(run: str) -> dict[str, Any]:
-    """The ``summary.json`` of a run folder (or the file itself)."""
-    path = os.path.join(run, "summary.json") if os.path.isdir(run) else run
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"No summary at {path}; give an `egpo-trl eval` output folder or its summary.json.")
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
-
-
 def compare_runs(summaries: Sequence[dict[str, Any]], labels: Sequence[str] | None = None) -> str:
     """Two or more runs side by side in Markdown, each pass@1 with its delta to the first run; the average is over
     the benchmarks that every run has."""
     if len(summaries) < 2:
         raise ValueError("--compare needs at least two runs.")
-    labels = list(
-        labels or [summary.get("label") or summary.get("model", f"run {i}") for i, summary in enumerate(summaries)]
-    )
+    labels = labels or [
+        summary.get("label") or summary.get("model", f"run {i}") for i, summary in enumerate(summaries)
+    ]
     names = _ordered(name for summary in summaries for name in summary["benchmarks"])
     display = {}
-    for summary in summaries:
-        for name, info in summary["benchmarks"].items():
-            display.setdefault(name, _display_name(name, info))
+    for name, info in ((name, info) for summary in summaries for name, info in summary["benchmarks"].items()):
+        display.setdefault(name, _display_name(name, info))
     common = [name for name in names if all(name in summary["benchmarks"] for summary in summaries)]
-    header = ["Model"] + [display[name] for name in names] + ["Average"]
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(["---"] + [":---:"] * (len(header) - 1)) + " |"]
+    rows = []
     base = summaries[0]["benchmarks"]
     base_average = _mean([base[name]["pass@1"] for name in common])
     for index, (label, summary) in enumerate(zip(labels, summaries)):
@@ -193,7 +172,8 @@ def compare_runs(summaries: Sequence[dict[str, Any]], labels: Sequence[str] | No
         average = _mean([summary["benchmarks"][name]["pass@1"] for name in common])
         delta = index > 0 and not _missing(average) and not _missing(base_average)
         cells.append(_cell(average) + (f" ({average - base_average:+.2f})" if delta else ""))
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    lines = _table(["Model"] + [display[name] for name in names] + ["Average"], rows)
     if len(common) < len(names):
         shared = ", ".join(display[name] for name in common) or "none"
         lines += ["", f"Average over the benchmarks that every run has: {shared}."]
