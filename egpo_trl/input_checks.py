@@ -9,24 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "ANSWER_COLUMNS",
-    "QUESTION_COLUMNS",
-    "batch_shape_problem",
-    "builtin_model_path",
-    "check_trainer_inputs",
-    "config_makes_forward_random",
-    "generation_kwargs_problem",
-    "stochastic_settings",
-    "loss_forward_input_problems",
-    "model_problem",
-    "required_columns",
-    "resolve_model_name",
-    "training_value_problems",
-]
-
-# Keyword arguments TRL 1.16's GRPOTrainer passes to reward functions itself (``environments`` when the trainer
-# has environments): not dataset columns.
+# Keyword arguments TRL 1.16's GRPOTrainer passes to reward functions itself: not dataset columns.
 _PASSED_TO_REWARDS = {
     "prompts",
     "completions",
@@ -83,11 +66,8 @@ def training_value_problems(args) -> list[str]:
     return problems
 
 
-# ``generation_kwargs`` keys that replace a value TRL 1.16 sets itself on every generation call, with the setting that
-# controls it (``None``: only TRL's value works). With ``logprobs`` > 0 vLLM returns the most probable token's log-prob
-# first, so the sampled token's would be misread. A value equal to TRL's own is accepted.
-
-_TRL_GENERATION_KWARGS: dict[str, str | None] = {
+# ``generation_kwargs`` keys TRL 1.16 sets itself on every generation call, with the field that sets them instead.
+_TRL_GENERATION_KWARGS = {
     "logprobs": None,
     "n": "num_generations",
     "num_return_sequences": "num_generations",
@@ -96,25 +76,13 @@ _TRL_GENERATION_KWARGS: dict[str, str | None] = {
 }
 
 
-def _trl_generation_values(args: Any) -> dict[str, Any]:
-    """The values of ``_TRL_GENERATION_KWARGS`` that leave every TRL generation call as it is."""
-    server = getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"
-    never = object()
-    return {
-        "logprobs": 0,
-        "n": never if server else 1,
-        "num_return_sequences": 1,
-        "max_tokens": never,
-        "max_new_tokens": never,
-    }
-
-
 def generation_kwargs_problem(args: Any) -> str | None:
     """One line naming what in ``args.generation_kwargs`` cannot work, with the fix; ``None`` when nothing."""
     kwargs = args.generation_kwargs or {}
-    trl_values = _trl_generation_values(args)
+    server = getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"
+    same = {"logprobs": 0, "num_return_sequences": 1, **({} if server else {"n": 1})}  # TRL's own values pass
     problems = []
-    keys = [key for key in _TRL_GENERATION_KWARGS if key in kwargs and kwargs[key] != trl_values[key]]
+    keys = [key for key in _TRL_GENERATION_KWARGS if key in kwargs and (key not in same or kwargs[key] != same[key])]
     if keys:
         settings = list(dict.fromkeys(_TRL_GENERATION_KWARGS[key] for key in keys if _TRL_GENERATION_KWARGS[key]))
         instead = f" and set {' and '.join(settings)} instead" if settings else ""
@@ -182,20 +150,6 @@ def batch_shape_problem(
     )
 
 
-def builtin_model_path(name_or_path: str) -> str:
-    """``builtin:<name>`` -> the folder of a model shipped in ``egpo_trl/assets``; anything else unchanged."""
-    if not name_or_path.startswith("builtin:"):
-        return name_or_path
-    name = name_or_path.removeprefix("builtin:")
-    if not (_ASSETS / name / "config.json").is_file():
-        shipped = sorted(p.name for p in _ASSETS.glob("*") if (p / "config.json").is_file())
-        raise ValueError(
-            f"no shipped model {name!r}; shipped models: {shipped or 'none'}. Rebuild the tiny model with `make "
-            "tiny-model` if its files are missing."
-        )
-    return str(_ASSETS / name)
-
-
 def model_problem(name: str) -> str | None:
     """Why the model ``name`` cannot be loaded, seen without the network; ``None`` otherwise."""
     path = Path(name).expanduser()
@@ -215,13 +169,20 @@ def model_problem(name: str) -> str | None:
 
 
 def resolve_model_name(model: Any) -> Any:
-    """``builtin:<name>`` and ``egpo_trl/assets/<name>`` -> the shipped model's folder; anything else unchanged."""
+    """``builtin:<name>`` and ``egpo_trl/assets/<name>`` -> the shipped model's folder; a model that cannot be loaded
+    is a ``ValueError``; anything else unchanged."""
     if not isinstance(model, str):
         return model
-    model = builtin_model_path(model)
     parts = Path(model).parts
-    if not Path(model).exists() and parts[:-1] == ("egpo_trl", "assets") and (_ASSETS / parts[-1]).is_dir():
-        return str(_ASSETS / parts[-1])
+    if model.startswith("builtin:") or (not Path(model).exists() and parts[:-1] == ("egpo_trl", "assets")):
+        name = model.removeprefix("builtin:") if model.startswith("builtin:") else parts[-1]
+        if not (_ASSETS / name / "config.json").is_file():
+            shipped = sorted(p.name for p in _ASSETS.glob("*") if (p / "config.json").is_file())
+            raise ValueError(
+                f"no shipped model {name!r}; shipped models: {shipped or 'none'}. Rebuild the tiny model with `make "
+                "tiny-model` if its files are missing."
+            )
+        return str(_ASSETS / name)
     problem = model_problem(model)
     if problem:
         raise ValueError(problem)
@@ -292,10 +253,6 @@ def _dataset_problem(
     return f"train_dataset has no {'; no '.join(described)}. Its columns: {', '.join(columns)}. Rename or add them, {fix}."
 
 
-#: Parts of config keys whose positive values make a training-mode forward random.
-STOCHASTIC_KEYS = ("dropout", "pdrop", "jitter", "layerdrop", "drop_path", "stochastic_depth")
-
-
 def stochastic_settings(config: dict, prefix: str = "") -> list[str]:
     """The keys of a model or adapter config dict that set a dropout, jitter, layer-drop or drop-path above 0."""
     found = []
@@ -304,7 +261,8 @@ def stochastic_settings(config: dict, prefix: str = "") -> list[str]:
             found += stochastic_settings(value, f"{prefix}{key}.")
             continue
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if isinstance(key, str) and numeric and value > 0 and any(word in key for word in STOCHASTIC_KEYS):
+        words = ("dropout", "pdrop", "jitter", "layerdrop", "drop_path", "stochastic_depth")
+        if isinstance(key, str) and numeric and value > 0 and any(word in key for word in words):
             found.append(f"{prefix}{key}")
     return found
 
@@ -318,20 +276,12 @@ def _cached_model_config(model: str) -> dict | None:
     """The ``config.json`` of a model folder, or of a Hub model already in the local cache; ``None`` otherwise."""
     import json
 
-    path = Path(model) / "config.json"
-    if not path.is_file():
-        try:
-            from huggingface_hub import try_to_load_from_cache
+    from transformers.utils import cached_file
 
-            cached = try_to_load_from_cache(model, "config.json")
-        except Exception:  # not a repository id, or no cache: the trainer checks the loaded model instead
-            return None
-        if not isinstance(cached, str):
-            return None
-        path = Path(cached)
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
+        path = cached_file(model, "config.json", local_files_only=True, _raise_exceptions_for_missing_entries=False)
+        config = json.loads(Path(path).read_text()) if path else None
+    except Exception:  # noqa: BLE001 - not a model id, or not cached: the trainer checks the loaded model instead
         return None
     return config if isinstance(config, dict) else None
 
