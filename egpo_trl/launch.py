@@ -26,7 +26,7 @@ _DRY_RUN_FLAGS = ("--dry-run", "--dry_run")
 _PROG = "egpo-trl train: "
 
 
-def _is_none(value: Any) -> bool:
+def is_none(value: Any) -> bool:
     return value is None or str(value).lower() in ("", "none", "null", "false")
 
 
@@ -96,8 +96,8 @@ class LaunchPlan:
 def _option(argv: Sequence[str], recipe: dict[str, Any], name: str) -> Any:
     """``--name`` from the command line, else the recipe's ``name``; ``None`` when unset or none."""
     value = option_value(argv, name) or recipe.get(name)
-    if _is_none(value) or name in ("accelerate_config", "main_process_ip"):
-        return None if _is_none(value) else str(value)
+    if is_none(value) or name in ("accelerate_config", "main_process_ip"):
+        return None if is_none(value) else str(value)
     minimum = 0 if name == "machine_rank" else 1
     if not str(value).isdigit() or int(value) < minimum:
         raise SystemExit(f"{_PROG}{name} must be an integer >= {minimum}, got {value!r}.")
@@ -559,7 +559,7 @@ def _recipe_batch(recipe: str | None) -> tuple[int, int] | None:
         per_device = int(data.get("per_device_train_batch_size", EGPOConfig.per_device_train_batch_size))
         accumulation = int(data.get("gradient_accumulation_steps", EGPOConfig.gradient_accumulation_steps))
         processes, config = data.get("num_processes"), data.get("accelerate_config")
-        if processes is None and not _is_none(config):
+        if processes is None and not is_none(config):
             processes = load_recipe(config, "accelerate config").get("num_processes")
         return per_device * int(processes or 1) * accumulation, int(processes or 1)
     except (TypeError, ValueError, SystemExit):

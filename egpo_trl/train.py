@@ -1,11 +1,5 @@
-"""``egpo-trl train``: train a policy with EGPO (or a baseline estimator) from a YAML recipe.
-
-    egpo-trl train recipes/demo_tiny_cpu.yaml [--field value ...] [--dry-run]
-    accelerate launch recipes/egpo_qwen15b.yaml      # or: python recipes/egpo_qwen15b.yaml
-
-Recipe keys are the fields of :class:`~egpo_trl.script.args.TrainScriptArguments`, :class:`~egpo_trl.EGPOConfig` and
-TRL's ``ModelConfig``; flags override the file.
-"""
+"""``egpo-trl train RECIPE.yaml [--FIELD VALUE ...] [--dry-run]``: train a policy with EGPO (or a baseline) from a
+YAML recipe whose keys are the fields of ``TrainScriptArguments``, ``EGPOConfig`` and TRL's ``ModelConfig``."""
 
 from __future__ import annotations
 
@@ -107,10 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         print(HELP, end="")
         return 0
     if not argv:
-        raise SystemExit(
-            "egpo-trl train: give a recipe, e.g. `egpo-trl train recipes/demo_tiny_cpu.yaml` (the CPU demo; recipes/ "
-            "has the others), or see `egpo-trl train --help`."
-        )
+        raise SystemExit("egpo-trl train: give a recipe, e.g. `egpo-trl train recipes/demo_tiny_cpu.yaml` (the CPU "
+                         "demo; recipes/ has the others), or see `egpo-trl train --help`.")  # fmt: skip
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from egpo_trl.launch import batch_summary, configure_tracking, dry_run, launch_if_requested, normalize_argv
     from egpo_trl.script.args import make_parser, parse_args
@@ -130,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     script_args, training_args, model_args = parse_args(argv)
     output_dir = Path(training_args.output_dir)
-    created = not output_dir.exists()
-    main_process = os.environ.get("RANK", "0") == "0"
+    created, main_process = not output_dir.exists(), os.environ.get("RANK", "0") == "0"
     if main_process:
         batch, differs = batch_summary(argv, training_args, training_args.world_size)
         print(f"Batch: {batch}." + (f" Note: {differs}" if differs else ""), flush=True)
