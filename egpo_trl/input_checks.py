@@ -5,20 +5,12 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 # Keyword arguments TRL 1.16's GRPOTrainer passes to reward functions itself: not dataset columns.
-_PASSED_TO_REWARDS = {
-    "prompts",
-    "completions",
-    "completion_ids",
-    "trainer_state",
-    "log_extra",
-    "log_metric",
-    "environments",
-}
+_PASSED_TO_REWARDS = set("prompts completions completion_ids trainer_state log_extra log_metric environments".split())
 # Column names datasets commonly give their questions and their reference answers: the renames a message suggests.
 QUESTION_COLUMNS = ("problem", "question", "query", "instruction", "input", "text", "prompt_text")
 ANSWER_COLUMNS = ("answer", "final_answer", "solution", "ground_truth", "gt", "target", "label", "output")
@@ -40,9 +32,7 @@ def training_value_problems(args) -> list[str]:
     need(args.adam_epsilon >= 0, "adam_epsilon", ">= 0")
     need(args.per_device_train_batch_size >= 1, "per_device_train_batch_size", ">= 1")
     need(args.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", ">= 1")
-    need(
-        args.steps_per_generation is None or args.steps_per_generation >= 1, "steps_per_generation", ">= 1 (or unset)"
-    )
+    need(args.steps_per_generation is None or args.steps_per_generation > 0, "steps_per_generation", ">= 1 (or unset)")
     need(args.max_completion_length is None or args.max_completion_length >= 1, "max_completion_length", ">= 1")
     need(args.num_iterations >= 1, "num_iterations", ">= 1")
     need(args.temperature > 0, "temperature", "> 0 (GRPO samples its completions; 1.0 in the paper)")
@@ -201,19 +191,14 @@ def required_columns(reward_funcs: Sequence[Any]) -> dict[str, str]:
             parameters = inspect.signature(func).parameters.values()
         except (TypeError, ValueError):
             continue
-        for parameter in parameters:
-            if (
-                parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
-                and parameter.default is parameter.empty
-                and parameter.name not in _PASSED_TO_REWARDS
-            ):
-                needed.setdefault(parameter.name, getattr(func, "__name__", repr(func)))
+        for p in parameters:
+            required = p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
+            if required and p.name not in _PASSED_TO_REWARDS:
+                needed.setdefault(p.name, getattr(func, "__name__", repr(func)))
     return needed
 
 
-def _dataset_problem(
-    dataset: Any, reward_funcs: Sequence[Any], args: Any = None, environment: bool = False
-) -> str | None:
+def _dataset_problem(dataset: Any, reward_funcs: Sequence[Any], args: Any, environment: bool) -> str | None:
     """One line naming the columns ``train_dataset`` lacks, what expects each and the rename that supplies it."""
     columns = getattr(dataset, "column_names", None)
     if isinstance(columns, dict):  # a DatasetDict
@@ -224,20 +209,15 @@ def _dataset_problem(
     if not columns:
         return None  # an IterableDataset without known features, or a plain iterable: checked by TRL as it reads
     # What expects each column, and the setting that makes it expected.
-    needed: dict[str, list[str]] = (
-        {} if environment else {"prompt": ["the trainer (the prompts: text or chat messages)"]}
-    )
+    needed = {} if environment else {"prompt": ["the trainer (the prompts: text or chat messages)"]}
     for column, func in required_columns(reward_funcs).items():
         needed.setdefault(column, []).append(f"{func} (its {column!r} parameter; reward_funcs)")
-    if args is not None and getattr(args, "edge_gec", False):
+    if getattr(args, "edge_gec", False):
         needed.setdefault("answer", []).append("edge_gec=True (the reference answers)")
     missing = [column for column in needed if column not in columns]
     if not missing:
         return None
-    described = [
-        f"{column!r} column, which {' and '.join(needed[column])} need{'s' if len(needed[column]) == 1 else ''}"
-        for column in missing
-    ]
+    described = [f"{c!r} column, which {' and '.join(needed[c])} need{'s' * (len(needed[c]) == 1)}" for c in missing]
     renames, to_add, untaken = [], [], [c for c in columns if c not in needed]
     for column in missing:
         likely = {"prompt": QUESTION_COLUMNS, "answer": ANSWER_COLUMNS}.get(column, ())
@@ -249,8 +229,10 @@ def _dataset_problem(
             renames.append(f".rename_column({source!r}, {column!r})")
     fixes = [f"dataset{''.join(renames)}"] if renames else []
     fixes += [f"add {' and '.join(to_add)} (e.g. with dataset.map)"] if to_add else []
-    fix = f"e.g. {'; '.join(fixes)}"
-    return f"train_dataset has no {'; no '.join(described)}. Its columns: {', '.join(columns)}. Rename or add them, {fix}."
+    return (
+        f"train_dataset has no {'; no '.join(described)}. Its columns: {', '.join(columns)}. Rename or add them, "
+        f"e.g. {'; '.join(fixes)}."
+    )
 
 
 def stochastic_settings(config: dict, prefix: str = "") -> list[str]:
@@ -321,22 +303,15 @@ def check_trainer_inputs(
         problems = loss_forward_input_problems(model, peft_config, getattr(args, "model_init_kwargs", None))
         if problems:
             args._validate_loss_forward(problems)  # one error with the arguments' own problems, naming the fix
-    funcs: list[Callable[..., Any] | str] = (
-        list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    )
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     dataset = pos_args[0] if pos_args else kwargs.get("train_dataset")
     if dataset is not None:
         environment = kwargs.get("environment_factory", pos_args[10] if len(pos_args) > 10 else None) is not None
         problem = _dataset_problem(dataset, funcs, args, environment)
         if problem:
             raise ValueError(problem)
-    problem = batch_shape_problem(
-        args.per_device_train_batch_size,
-        args.world_size,
-        args.gradient_accumulation_steps,
-        args.num_generations,
-        args.steps_per_generation,
-    )
+    per_device, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    problem = batch_shape_problem(per_device, args.world_size, steps, args.num_generations, args.steps_per_generation)
     if problem:
         raise ValueError(problem)
     return model

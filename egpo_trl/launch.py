@@ -44,8 +44,7 @@ def normalize_argv(argv: Sequence[str]) -> tuple[list[str], bool]:
 
 def in_distributed_launch() -> bool:
     """Whether ``accelerate launch``/torchrun started this process (so it must train, not launch again)."""
-    names = ("LOCAL_RANK", "WORLD_SIZE", "ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_FSDP")
-    return any(name in os.environ for name in (*names, "ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_USE_DEEPSPEED"))
+    return any(name in os.environ for name in ("LOCAL_RANK", "WORLD_SIZE", "ACCELERATE_MIXED_PRECISION"))
 
 
 def _visible_gpus() -> int:
@@ -347,7 +346,7 @@ def _check_wandb(training_args, report: DryRunReport) -> None:
 
 def _check_loss_forward(args, model_args, report: DryRunReport, plan: LaunchPlan | None) -> None:
     """``loss_forward``'s checks made before the model loads, and its memory notes."""
-    if getattr(args, "egpo_entropy_logps", None) != "loss_forward":
+    if args.egpo_entropy_logps != "loss_forward":
         return
     from egpo_trl.config import loss_forward_error
     from egpo_trl.fused import block_memory_note, block_size
@@ -385,8 +384,7 @@ def _parse_for_dry_run(argv: list[str], report: DryRunReport, plan: LaunchPlan |
             message = str(error).removeprefix(_PROG)
         if ("bf16" in message or "fp16" in message) and _visible_gpus() == 0 and not report.needs_gpu:
             report.needs_gpu.append("bf16" if "bf16" in message else "fp16")
-            precision = "bf16" if "--bf16" not in argv and "bf16" in message else "bf16/fp16"
-            report.precision = f"{precision} (as the recipe says; not checked without a GPU)"
+            report.precision = f"{report.needs_gpu[0]} (as the recipe says; not checked without a GPU)"
             argv = [*argv, "--bf16", "false", "--fp16", "false"]
             continue
         if world != launch[0] and "global batch size" in message:
@@ -412,7 +410,8 @@ def dry_run(argv: Sequence[str]) -> int:
 def _check_launch(plan: LaunchPlan, report: DryRunReport) -> None:
     """The recipe's launch: its accelerate config, processes, machines and GPUs."""
     report.settings.append(("recipe", plan.recipe))
-    report.notes += [script_problem(plan.recipe)] if plan.recipe and script_problem(plan.recipe) else []
+    if plan.recipe and (script := script_problem(plan.recipe)):
+        report.notes.append(script)
     report.command = shlex.join(launch_command(plan))
     if plan.accelerate_config is None:
         report.settings.append(("launch", "in this process (no accelerate_config)"))

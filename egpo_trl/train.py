@@ -42,29 +42,23 @@ examples:
   accelerate launch recipes/egpo_qwen15b.yaml                  the same, with accelerate's own options if given
 
 arguments:
-  RECIPE.yaml, --config RECIPE.yaml
-                        the YAML recipe (see recipes/)
+  RECIPE.yaml, --config RECIPE.yaml  the YAML recipe (see recipes/)
   --dry-run             check the recipe, print the resolved settings and the launch command; trains nothing
   -h, --help            this help
   --help-all            every field (TRL's GRPOConfig, TrainingArguments, ModelConfig, the egpo_* ones)
 
 fields most runs change [default]:
   --model_name_or_path          a Hub id, a local folder, or builtin:tiny-math-qwen2
-  --dataset_name [synthetic:arithmetic]
-                                synthetic:<task>, a local path (save_to_disk folder, .json/.jsonl/.csv/.parquet)
-                                or a Hub dataset
+  --dataset_name [synthetic:arithmetic]  synthetic:<task>, a local path (save_to_disk folder or data file) or a Hub id
   --prompt_template             format string that builds each prompt from the dataset's columns
   --answer_column [answer]      column with the ground truth (the rewards receive it as 'answer')
-  --reward_funcs [boxed_accuracy_reward]
-                                reward functions by name or import path 'package.module:function'
+  --reward_funcs [boxed_accuracy_reward]  reward functions by name or import path 'package.module:function'
   --output_dir                  metrics, plot, checkpoints and model; '{timestamp}' is replaced by the start time
   --max_steps [-1]              optimizer steps (overrides num_train_epochs)
   --num_train_epochs [3.0]      epochs over the training set
   --learning_rate [1e-06]       AdamW's learning rate
-  --per_device_train_batch_size [8]
-                                completions per process per micro-batch
-  --gradient_accumulation_steps [1]
-                                micro-batches per optimizer step
+  --per_device_train_batch_size [8]  completions per process per micro-batch
+  --gradient_accumulation_steps [1]  micro-batches per optimizer step
   --num_generations [8]         completions per prompt (the group)
   --max_completion_length [512] longest completion, in tokens
   --temperature [1.0]           sampling temperature
@@ -76,11 +70,9 @@ fields most runs change [default]:
   --egpo_nsr [True]             all-incorrect groups get base advantage -1 (paper Sec. 3.2)
   --eval_size [200]             held-out problems evaluated before and after training (0: none)
   --resume_from_checkpoint      true: the last checkpoint-* in output_dir; or a checkpoint path
-  --overwrite_output_dir [False]
-                                replace an earlier run's outputs in output_dir
+  --overwrite_output_dir [False]  replace an earlier run's outputs in output_dir
   --use_cpu [False]             train on the CPU (with --bf16 false for float32)
-  --bf16                        bf16 mixed precision, on unless set false; with use_cpu it runs under the CPU's
-                                bf16 autocast
+  --bf16                        bf16 mixed precision, on unless false; with use_cpu it runs under the CPU's bf16 autocast
 
 launch (`accelerate launch` options; a recipe key or a flag):
   --accelerate_config           accelerate config file, e.g. recipes/accelerate/zero2.yaml (none: this process)

@@ -152,17 +152,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
         if unknown:
             raise _unknown_field_error(parser, unknown, f"in {Path(args[index + 1])}")
     try:
-        script_args, training_args, model_args, from_file, from_cli = parser.parse_args_and_config(
+        script_args, training_args, model_args, _, from_cli = parser.parse_args_and_config(
             args, return_remaining_strings=True, separate_remaining_strings=True
-        )
+        )  # the recipe's unknown keys are refused above
     except ValueError as error:
         if "divisible by num_generations" in str(error):  # input_checks.batch_shape_problem's line, as the API's
             raise SystemExit(f"egpo-trl train: {error}") from None
         hint = " On a machine without a GPU, set `use_cpu: true` and `bf16: false` (or pass --use_cpu --bf16 false)."
         hint = hint if "bf16" in str(error) or "use_cpu" in str(error) else ""
         raise SystemExit(f"egpo-trl train: invalid configuration: {error}{hint}") from error
-    if from_file:
-        raise _unknown_field_error(parser, from_file, "in the config file")
     if from_cli:
         raise _unknown_field_error(parser, from_cli, "on the command line")
     if "{timestamp}" in str(training_args.output_dir):
