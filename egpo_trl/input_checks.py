@@ -69,19 +69,15 @@ _TRL_GENERATION_KWARGS = {
 def generation_kwargs_problem(args: Any) -> str | None:
     """One line naming what in ``args.generation_kwargs`` cannot work, with the fix; ``None`` when nothing."""
     kwargs = args.generation_kwargs or {}
-    server = getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"
-    same = {"logprobs": 0, "num_return_sequences": 1, **({} if server else {"n": 1})}  # TRL's own values pass
+    vllm_mode = getattr(args, "vllm_mode", None) if getattr(args, "use_vllm", False) else None
+    same = {"logprobs": 0, "num_return_sequences": 1, **({} if vllm_mode == "server" else {"n": 1})}  # TRL's own pass
     problems = []
     keys = [key for key in _TRL_GENERATION_KWARGS if key in kwargs and (key not in same or kwargs[key] != same[key])]
     if keys:
         settings = list(dict.fromkeys(_TRL_GENERATION_KWARGS[key] for key in keys if _TRL_GENERATION_KWARGS[key]))
         instead = f" and set {' and '.join(settings)} instead" if settings else ""
-        logprobs = (
-            " (TRL asks vLLM for the sampled token's log-prob alone; with more it would keep the most probable "
-            "token's)"
-            if "logprobs" in keys
-            else ""
-        )
+        why = "TRL asks vLLM for the sampled token's log-prob alone; with more it would keep the most probable token's"
+        logprobs = f" ({why})" if "logprobs" in keys else ""
         problems.append(
             f"sets {', '.join(keys)}, which TRL sets itself on every generation{logprobs}: remove "
             f"{'it' if len(keys) == 1 else 'them'}{instead}"
@@ -100,8 +96,7 @@ def generation_kwargs_problem(args: Any) -> str | None:
             f"sets {', '.join(greedy)}, which does not sample: a group's completions would be identical and get no "
             "advantage; remove it (the temperature field sets the sampling temperature)"
         )
-    colocate = getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate"
-    if kwargs.get("seed") is not None and colocate:
+    if kwargs.get("seed") is not None and vllm_mode == "colocate":
         problems.append(
             "sets seed, which colocated vLLM gives every copy of a prompt, so a group's completions would be "
             "identical: remove it (or use vllm_mode='server', which samples a prompt's group in one request)"
@@ -110,31 +105,26 @@ def generation_kwargs_problem(args: Any) -> str | None:
 
 
 def batch_shape_problem(
-    per_device_train_batch_size: int,
-    processes: int,
-    gradient_accumulation_steps: int,
-    num_generations: int,
-    steps_per_generation: int | None = None,
-    generation_batch_size: int | None = None,
+    per_device: int, processes: int, accumulation: int, num_generations: int, steps_per_generation=None, gen_batch=None
 ) -> str | None:
     """What is wrong with a batch that cannot be cut into groups of ``num_generations``, in the fields users set."""
-    steps_name, steps = "gradient_accumulation_steps", gradient_accumulation_steps
+    steps_name, steps = "gradient_accumulation_steps", accumulation
     if steps_per_generation:
         steps_name, steps = "steps_per_generation", steps_per_generation
-    if generation_batch_size:
-        if generation_batch_size % num_generations == 0:
+    if gen_batch:
+        if gen_batch % num_generations == 0:
             return None
         return (
-            f"generation_batch_size={generation_batch_size} is not divisible by num_generations={num_generations}; "
+            f"generation_batch_size={gen_batch} is not divisible by num_generations={num_generations}; "
             "set it to a multiple (or leave it unset)."
         )
-    total = per_device_train_batch_size * processes * steps
+    total = per_device * processes * steps
     if total % num_generations == 0:
         return None
     unit = num_generations // math.gcd(num_generations, processes * steps)
-    suggestion = max(unit, math.ceil(per_device_train_batch_size / unit) * unit)
+    suggestion = max(unit, math.ceil(per_device / unit) * unit)
     return (
-        f"per_device_train_batch_size {per_device_train_batch_size} x {processes} process(es) x {steps_name} {steps} = "
+        f"per_device_train_batch_size {per_device} x {processes} process(es) x {steps_name} {steps} = "
         f"{total} completions per generation, not divisible by num_generations={num_generations} (every prompt needs "
         f"a whole group); set per_device_train_batch_size to a multiple of {unit}, e.g. {suggestion}."
     )
@@ -173,8 +163,7 @@ def resolve_model_name(model: Any) -> Any:
                 "tiny-model` if its files are missing."
             )
         return str(_ASSETS / name)
-    problem = model_problem(model)
-    if problem:
+    if problem := model_problem(model):
         raise ValueError(problem)
     return model
 
@@ -288,30 +277,26 @@ def loss_forward_input_problems(model: Any, peft_config: Any, model_init_kwargs:
     return problems
 
 
-def check_trainer_inputs(
-    model: Any, reward_funcs: Any, args: Any, pos_args: Sequence[Any], kwargs: dict[str, Any]
-) -> Any:
+def check_trainer_inputs(model: Any, reward_funcs: Any, args: Any, pos_args: Sequence[Any], kwargs: dict) -> Any:
     """What ``EGPOTrainer.__init__`` checks before the model loads; returns the model, ``builtin:`` names resolved."""
     model = resolve_model_name(model)
     if args is None:
         return model
-    problems = training_value_problems(args)
-    if problems:
+    if problems := training_value_problems(args):
         raise ValueError(f"EGPOConfig: {'; '.join(problems)}.")
     if getattr(args, "egpo_entropy_logps", None) == "loss_forward":
         peft_config = kwargs.get("peft_config", pos_args[7] if len(pos_args) > 7 else None)
-        problems = loss_forward_input_problems(model, peft_config, getattr(args, "model_init_kwargs", None))
-        if problems:
+        if problems := loss_forward_input_problems(model, peft_config, getattr(args, "model_init_kwargs", None)):
             args._validate_loss_forward(problems)  # one error with the arguments' own problems, naming the fix
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     dataset = pos_args[0] if pos_args else kwargs.get("train_dataset")
     if dataset is not None:
         environment = kwargs.get("environment_factory", pos_args[10] if len(pos_args) > 10 else None) is not None
-        problem = _dataset_problem(dataset, funcs, args, environment)
-        if problem:
+        if problem := _dataset_problem(dataset, funcs, args, environment):
             raise ValueError(problem)
     per_device, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    problem = batch_shape_problem(per_device, args.world_size, steps, args.num_generations, args.steps_per_generation)
-    if problem:
+    if problem := batch_shape_problem(
+        per_device, args.world_size, steps, args.num_generations, args.steps_per_generation
+    ):
         raise ValueError(problem)
     return model

@@ -35,9 +35,7 @@ def normalize_argv(argv: Sequence[str]) -> tuple[list[str], bool]:
     args = [a for a in argv if a not in _DRY_RUN_FLAGS]
     if args and not args[0].startswith("-"):
         if "--config" in args:
-            raise SystemExit(
-                f"{_PROG}got the recipe {args[0]} and --config; give the recipe once (either form works)."
-            )
+            raise SystemExit(f"{_PROG}got the recipe {args[0]} and --config; give the recipe once.")
         args = ["--config", *args]
     return args, any(a in _DRY_RUN_FLAGS for a in argv)
 
@@ -156,10 +154,8 @@ def launch_if_requested(argv: Sequence[str]) -> int | None:
         problems = check_recipe(argv).problems
     if problems:
         more = f" ({len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
-        recipe = f"{plan.recipe} " if plan.recipe else ""
-        raise SystemExit(
-            f"{_PROG}{problems[0]}{more} Nothing was launched; `egpo-trl train {recipe}--dry-run` lists every check."
-        )
+        check = f"`egpo-trl train {plan.recipe + ' ' if plan.recipe else ''}--dry-run` lists every check."
+        raise SystemExit(f"{_PROG}{problems[0]}{more} Nothing was launched; {check}")
     print(f"Launching: {shlex.join(launch_command(plan))}", flush=True)
     process = subprocess.Popen(launch_command(plan, executable=(sys.executable, "-m", "accelerate.commands.launch")))
     try:
@@ -361,8 +357,7 @@ def _check_loss_forward(args, model_args, report: DryRunReport, plan: LaunchPlan
             "more memory than the no-grad pass; for ZeRO-3's lower memory, --egpo_entropy_logps policy."
         )
     peft = {"lora_dropout": model_args.lora_dropout} if model_args.use_peft else None
-    problems = loss_forward_input_problems(model_args.model_name_or_path, peft, args.model_init_kwargs)
-    if problems:
+    if problems := loss_forward_input_problems(model_args.model_name_or_path, peft, args.model_init_kwargs):
         report.problems.append(loss_forward_error(problems))
 
 
@@ -444,7 +439,7 @@ def _check_launch(plan: LaunchPlan, report: DryRunReport) -> None:
 
 
 def _check_vllm(args, world: int, report: DryRunReport) -> None:
-    engine = ""
+    engine, tp = "", args.vllm_tensor_parallel_size
     if args.vllm_mode == "colocate":  # each engine decodes its tensor-parallel group's prompts together
         from egpo_trl.sampling.dynamic import colocated_engine_sequences
 
@@ -452,16 +447,11 @@ def _check_vllm(args, world: int, report: DryRunReport) -> None:
         engine = f", max_num_seqs {rows} per engine" + (" (the oversampled first round)" if oversampled else "")
     vllm = f"mode {args.vllm_mode}, gpu_memory_utilization {args.vllm_gpu_memory_utilization}, sleep mode "
     vllm += f"{args.vllm_enable_sleep_mode}, max_model_length {args.vllm_max_model_length}, tensor_parallel_size "
-    report.settings.append(("vLLM", f"{vllm}{args.vllm_tensor_parallel_size}{engine}"))
+    report.settings.append(("vLLM", f"{vllm}{tp}{engine}"))
     if importlib.util.find_spec("vllm") is None:
-        report.problems.append(
-            "use_vllm is true but vLLM is not installed: pip install vllm (or pass --use_vllm false to generate with "
-            "transformers)."
-        )
-    if args.vllm_mode == "colocate" and world % args.vllm_tensor_parallel_size != 0:
-        report.problems.append(
-            f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size} does not divide the {world} processes."
-        )
+        report.problems.append("use_vllm is true but vLLM is not installed: pip install vllm (or --use_vllm false).")
+    if args.vllm_mode == "colocate" and world % tp:
+        report.problems.append(f"vllm_tensor_parallel_size={tp} does not divide the {world} processes.")
 
 
 def check_recipe(argv: Sequence[str]) -> DryRunReport:

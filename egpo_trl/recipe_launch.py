@@ -61,11 +61,8 @@ def run_as_script(path: str, argv: Sequence[str] | None = None) -> int:
     if given == [] and default_config is None:
         if rank != 0:
             return 0
-        print(
-            f"accelerate launch was given no settings: using the recipe's ({accelerate_config}), as `egpo-trl train "
-            f"{path}` does.",
-            flush=True,
-        )
+        print(f"accelerate launch was given no settings: using the recipe's ({accelerate_config}), as `egpo-trl "
+              f"train {path}` does.", flush=True)  # fmt: skip
         for name in list(os.environ):
             if name in _LAUNCH_VARIABLES or name.startswith(_LAUNCH_VARIABLES_PREFIXES):
                 del os.environ[name]
@@ -77,9 +74,6 @@ def run_as_script(path: str, argv: Sequence[str] | None = None) -> int:
                 argv = [*argv, "--main_process_port", str(sock.getsockname()[1])]
     elif rank == 0:
         default = f"accelerate's default config {default_config}" if default_config else "accelerate launch's settings"
-        print(
-            f"Training with the launch's own settings ({shlex.join(given) if given else default}; {world} "
-            f"process(es)), not the recipe's accelerate_config {accelerate_config}.",
-            flush=True,
-        )
+        print(f"Training with the launch's own settings ({shlex.join(given) if given else default}; {world} "
+              f"process(es)), not the recipe's accelerate_config {accelerate_config}.", flush=True)  # fmt: skip
     return main(["--config", path, *argv])

@@ -11,12 +11,11 @@ from pathlib import Path
 # Names other code imports from here, and the module each lives in (imported on first use: `--help` stays fast).
 _EXPORTS = {
     "egpo_trl.script.args": ("TrainScriptArguments", "make_parser", "parse_args"),
-    "egpo_trl.script.callbacks": ("CompactProgressCallback", "MetricsCallback"),
+    "egpo_trl.script.callbacks": ("MetricsCallback",),
     "egpo_trl.script.data": ("load_datasets",),
-    "egpo_trl.script.outputs": ("HELDOUT_FILE", "METRICS_FILE", "PLOT_FILE", "prepare_output_dir", "read_metrics"),
-    "egpo_trl.script.plots": ("metrics_figure", "plot_metrics"),
+    "egpo_trl.script.outputs": ("METRICS_FILE", "PLOT_FILE", "prepare_output_dir", "read_metrics"),
+    "egpo_trl.script.plots": ("metrics_figure",),
     "egpo_trl.script.resolve": ("resolve_model_path", "resolve_reward_funcs"),
-    "egpo_trl.script.run": ("build_trainer", "run"),
 }
 __all__ = ["HELP", "main", *(name for names in _EXPORTS.values() for name in names)]
 
@@ -105,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     argv, is_dry_run = normalize_argv(argv)
     if is_dry_run:
         return dry_run(argv)
-    returncode = launch_if_requested(argv)
-    if returncode is not None:
+    if (returncode := launch_if_requested(argv)) is not None:
         return returncode
     from egpo_trl.script.outputs import remove_if_empty
     from egpo_trl.script.resume import interrupted_message

@@ -8,7 +8,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +16,12 @@ from egpo_trl.script.outputs import PLOT_FILE
 from egpo_trl.script.recipe import MARKER_KEY, load_recipe
 
 
-def _field(default: Any = None, help: str = "", default_factory: Any = None) -> Any:
-    if default_factory is not None:
-        return field(default_factory=default_factory, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+def _field(default: Any = None, help: str = "", default_factory: Any = MISSING) -> Any:
+    return field(
+        default=default if default_factory is MISSING else MISSING,
+        default_factory=default_factory,
+        metadata={"help": help},
+    )
 
 
 @dataclass
@@ -117,6 +119,7 @@ def make_parser():
     for action in parser._actions:
         if action.dest == "model_name_or_path":
             action.help = "Model to train: a Hub id, a local folder, or 'builtin:tiny-math-qwen2' (shipped)."
+    parser._negative_number_matcher = re.compile(r"-\.?\d")  # `--learning_rate -1e-4` is a value, as in Python 3.13
     return parser
 
 
@@ -139,7 +142,7 @@ def _unknown_field_error(parser, unknown: Sequence[str], where: str) -> SystemEx
 def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments, Any, Any]:
     """``(script_args, training_args, model_args)`` from ``--config recipe.yaml`` and the overrides after it, with
     ``{timestamp}`` in ``output_dir`` replaced (rank 0's time on every process); ``SystemExit`` in one line."""
-    args = _join_negative_numbers(list(sys.argv[1:] if argv is None else argv))
+    args = list(sys.argv[1:] if argv is None else argv)
     parser = make_parser()
     if "--config" in args:
         index = args.index("--config")
@@ -148,8 +151,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
                 "egpo-trl train: --config needs a path to a YAML recipe, e.g. recipes/demo_tiny_cpu.yaml."
             )
         known = set(_known_fields(parser)) | {"env"}
-        unknown = [f"--{key}" for key in load_recipe(args[index + 1]) if key not in known]
-        if unknown:
+        if unknown := [f"--{key}" for key in load_recipe(args[index + 1]) if key not in known]:
             raise _unknown_field_error(parser, unknown, f"in {Path(args[index + 1])}")
     try:
         script_args, training_args, model_args, _, from_cli = parser.parse_args_and_config(
@@ -193,21 +195,6 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
     except ValueError as error:
         raise SystemExit(f"egpo-trl train: {error}") from None
     return script_args, training_args, model_args
-
-
-_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
-
-def _join_negative_numbers(args: list[str]) -> list[str]:
-    """``--learning_rate -1e-4`` -> ``--learning_rate=-1e-4``: argparse takes ``-1e-4`` for an option otherwise."""
-    joined: list[str] = []
-    for item in args:
-        previous = joined[-1] if joined else ""
-        if _NUMBER.fullmatch(item) and previous.startswith("--") and "=" not in previous and previous != "--config":
-            joined[-1] = f"{previous}={item}"
-        else:
-            joined.append(item)
-    return joined
 
 
 def option_value(argv: Sequence[str], name: str) -> str | None:

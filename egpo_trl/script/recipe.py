@@ -43,8 +43,7 @@ def load_recipe(path: str | Path, what: str = "recipe", prog: str = "egpo-trl tr
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise SystemExit(f"{prog}: {path} must be a YAML mapping of field: value.")
-    quotes = _quotes_problem(path, text.splitlines())
-    if quotes:
+    if quotes := _quotes_problem(path, text.splitlines()):
         raise SystemExit(f"{prog}: {quotes}")
     data.pop(MARKER_KEY, None)
     return data
@@ -77,17 +76,14 @@ def _quotes_problem(path: str | Path, lines: Sequence[str]) -> str | None:
 
 def script_problem(path: str | Path) -> str | None:
     """Why ``python``/``accelerate launch`` cannot run the recipe ``path`` as written (``None`` when they can)."""
-    path = Path(path)
-    text = path.read_text()
-    lines = text.splitlines()
+    lines = (text := Path(path).read_text()).splitlines()
     if not any(line.startswith(f"{MARKER_KEY}:") for line in lines):
         return None
     fix = f"run `python -m egpo_trl.script.recipe {path}` to move it above the last line"
     footer = next((number for number, line in enumerate(lines, 1) if _is_footer(line)), None)
     if footer is None:
         return f"{path} lost its last line (#'''; ...): {fix.replace('move it above', 'restore')}."
-    quotes = _quotes_problem(path, lines)
-    if quotes:
+    if quotes := _quotes_problem(path, lines):
         return quotes
     try:
         tree = ast.parse(text, filename=str(path))
@@ -107,21 +103,15 @@ def _main(argv: Sequence[str] | None = None) -> int:
     """``python -m egpo_trl.script.recipe RECIPE.yaml ...``: add or repair the two lines, in place."""
     paths = list(sys.argv[1:] if argv is None else argv)
     if not paths or any(p in ("-h", "--help") for p in paths):
-        print(
-            "usage: python -m egpo_trl.script.recipe RECIPE.yaml [...]\n\nAdds (or repairs) the first and last lines "
-            "that let `accelerate launch RECIPE.yaml` train a recipe; lines written after the last line move above "
-            "it. Nothing else changes."
-        )
+        print("usage: python -m egpo_trl.script.recipe RECIPE.yaml [...]\n\nAdds (or repairs) the first and last lines that "
+              "let `accelerate launch RECIPE.yaml` train a recipe; lines after the last line move above it.")  # fmt: skip
         return 0
-    for name in paths:
-        path = Path(name)
+    for path in map(Path, paths):
         before = path.read_text()
-        after = add_script_lines(before)
-        if after != before:
+        if (after := add_script_lines(before)) != before:
             path.write_text(after)
             print(f"{path}: updated.")
-        problem = script_problem(path)
-        if problem:
+        if problem := script_problem(path):
             print(problem, file=sys.stderr)
             return 1
     return 0

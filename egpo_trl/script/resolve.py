@@ -60,8 +60,7 @@ def check_model_exists(
 def _import(module_name: str):
     """Import ``module_name`` with the current folder first on ``sys.path`` (as ``python -m`` has it) during the
     import only, so that ``my_rewards:fn`` finds ./my_rewards.py."""
-    here = os.getcwd()
-    sys.path.insert(0, here)
+    sys.path.insert(0, here := os.getcwd())
     importlib.invalidate_caches()
     try:
         return importlib.import_module(module_name)
