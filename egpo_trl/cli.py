@@ -30,8 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"egpo-trl: unknown command {command!r}.\n\n{usage}", file=sys.stderr)
         return 2
     try:
-        module = importlib.import_module(COMMANDS[command][0])
-        result = module.main(rest)
+        result = importlib.import_module(COMMANDS[command][0]).main(rest)
     except KeyboardInterrupt:
         again = " Run the same command again to continue where it stopped." if command == "eval" else ""
         print(f"\negpo-trl {command}: interrupted.{again}", file=sys.stderr)

@@ -85,9 +85,8 @@ class LaunchPlan:
 
     @property
     def world_size(self) -> int:
-        if self.accelerate_config is None:
-            return 1
-        return self.num_processes or int(self.settings.get("num_processes") or 1)
+        configured = int(self.settings.get("num_processes") or 1)
+        return 1 if self.accelerate_config is None else self.num_processes or configured
 
 
 def _option(argv: Sequence[str], recipe: dict[str, Any], name: str) -> Any:
@@ -170,11 +169,10 @@ def launch_if_requested(argv: Sequence[str]) -> int | None:
 
 def configure_tracking(training_args) -> None:
     """``WANDB_PROJECT`` defaults to ``project`` and ``WANDB_DIR`` to ``output_dir`` (the environment wins)."""
-    if "wandb" not in training_args.report_to:  # a list once TrainingArguments has parsed it
-        return
-    if training_args.project:
-        os.environ.setdefault("WANDB_PROJECT", training_args.project)
-    Path(os.environ.setdefault("WANDB_DIR", str(training_args.output_dir))).mkdir(parents=True, exist_ok=True)
+    if "wandb" in training_args.report_to:  # a list once TrainingArguments has parsed it
+        if training_args.project:
+            os.environ.setdefault("WANDB_PROJECT", training_args.project)
+        Path(os.environ.setdefault("WANDB_DIR", str(training_args.output_dir))).mkdir(parents=True, exist_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------- dry run

@@ -49,14 +49,10 @@ def load_recipe(path: str | Path, what: str = "recipe", prog: str = "egpo-trl tr
     return data
 
 
-def _is_footer(line: str) -> bool:
-    return line.startswith("#'''")
-
-
 def add_script_lines(text: str) -> str:
     """``text`` with the two lines that let Python run it: the header first and the footer last."""
     lines = text.splitlines()
-    body = [line for line in lines if not line.startswith(f"{MARKER_KEY}:") and not _is_footer(line)]
+    body = [line for line in lines if not line.startswith(f"{MARKER_KEY}:") and not line.startswith("#'''")]
     while body and not body[-1].strip():
         body.pop()
     return "\n".join([HEADER, *body, FOOTER]) + "\n"
@@ -65,7 +61,7 @@ def add_script_lines(text: str) -> str:
 def _quotes_problem(path: str | Path, lines: Sequence[str]) -> str | None:
     """What a line between a recipe's first and last lines that holds ``'''`` breaks (``None``: no such line)."""
     header = next((n for n, line in enumerate(lines, 1) if line.startswith(f"{MARKER_KEY}:")), None)
-    footer = next((n for n, line in enumerate(lines, 1) if _is_footer(line)), None)
+    footer = next((n for n, line in enumerate(lines, 1) if line.startswith("#'''")), None)
     line = next((n for n in range(header + 1, footer) if "'''" in lines[n - 1]), None) if header and footer else None
     return line and (
         f"{path} line {line} holds ''', which ends the text Python skips: `python {path}` and `accelerate launch "
@@ -80,7 +76,7 @@ def script_problem(path: str | Path) -> str | None:
     if not any(line.startswith(f"{MARKER_KEY}:") for line in lines):
         return None
     fix = f"run `python -m egpo_trl.script.recipe {path}` to move it above the last line"
-    footer = next((number for number, line in enumerate(lines, 1) if _is_footer(line)), None)
+    footer = next((number for number, line in enumerate(lines, 1) if line.startswith("#'''")), None)
     if footer is None:
         return f"{path} lost its last line (#'''; ...): {fix.replace('move it above', 'restore')}."
     if quotes := _quotes_problem(path, lines):
