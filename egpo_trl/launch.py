@@ -423,13 +423,11 @@ def _check_launch(plan: LaunchPlan, report: DryRunReport) -> None:
                 f"{plan.accelerate_config} uses DeepSpeed, which is not installed: pip install deepspeed (or use "
                 "recipes/accelerate/ddp.yaml)."
             )
-    gpus = _visible_gpus()
-    if plan.settings.get("use_cpu"):
-        pass
-    elif gpus == 0 and not report.needs_gpu:  # with them, a problem
+    gpus = None if plan.settings.get("use_cpu") else _visible_gpus()  # None: a CPU launch needs none
+    if gpus == 0 and not report.needs_gpu:  # with them, a problem
         each = f" on each of {plan.machines} machine(s)" if plan.machines > 1 else ""
         report.notes.append(f"this machine sees no GPU; the launch needs {per_machine}{each}.")
-    elif 0 < gpus < per_machine:
+    elif gpus and gpus < per_machine:
         report.problems.append(
             f"the launch needs {per_machine} GPUs on this machine but it sees {gpus}; set num_processes (the total "
             "over the machines)."
