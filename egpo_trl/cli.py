@@ -1,5 +1,4 @@
-"""``egpo-trl``: one command line for training, evaluation, diagnostics and data building; each sub-command's module
-is imported only when used."""
+"""``egpo-trl``: training, evaluation, diagnostics and data building; a command's module is imported when used."""
 
 from __future__ import annotations
 
@@ -14,17 +13,12 @@ COMMANDS = {
 }
 
 
-def _usage() -> str:
-    lines = ["usage: egpo-trl <command> [options]", "", "commands:"]
-    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "Run `egpo-trl <command> --help` for the options of a command."]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    commands = "".join(f"\n  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items())
+    usage = f"usage: egpo-trl <command> [options]\n\ncommands:{commands}\n\nRun `egpo-trl <command> --help` for its options."
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
+        print(usage)
         return 0
     if argv[0] in ("-V", "--version"):
         from egpo_trl import __version__
@@ -33,11 +27,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        print(f"egpo-trl: unknown command {command!r}.\n\n{_usage()}", file=sys.stderr)
+        print(f"egpo-trl: unknown command {command!r}.\n\n{usage}", file=sys.stderr)
         return 2
     try:
-        module = importlib.import_module(COMMANDS[command][0])
-        result = module.main(rest)
+        result = importlib.import_module(COMMANDS[command][0]).main(rest)
     except KeyboardInterrupt:
         again = " Run the same command again to continue where it stopped." if command == "eval" else ""
         print(f"\negpo-trl {command}: interrupted.{again}", file=sys.stderr)

@@ -5,37 +5,12 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "ANSWER_COLUMNS",
-    "QUESTION_COLUMNS",
-    "batch_shape_problem",
-    "builtin_model_path",
-    "check_trainer_inputs",
-    "config_makes_forward_random",
-    "generation_kwargs_problem",
-    "stochastic_settings",
-    "loss_forward_input_problems",
-    "model_problem",
-    "required_columns",
-    "resolve_model_name",
-    "training_value_problems",
-]
-
-# Keyword arguments TRL 1.16's GRPOTrainer passes to reward functions itself (``environments`` when the trainer
-# has environments): not dataset columns.
-_PASSED_TO_REWARDS = {
-    "prompts",
-    "completions",
-    "completion_ids",
-    "trainer_state",
-    "log_extra",
-    "log_metric",
-    "environments",
-}
+# Keyword arguments TRL 1.16's GRPOTrainer passes to reward functions itself: not dataset columns.
+_PASSED_TO_REWARDS = set("prompts completions completion_ids trainer_state log_extra log_metric environments".split())
 # Column names datasets commonly give their questions and their reference answers: the renames a message suggests.
 QUESTION_COLUMNS = ("problem", "question", "query", "instruction", "input", "text", "prompt_text")
 ANSWER_COLUMNS = ("answer", "final_answer", "solution", "ground_truth", "gt", "target", "label", "output")
@@ -57,9 +32,7 @@ def training_value_problems(args) -> list[str]:
     need(args.adam_epsilon >= 0, "adam_epsilon", ">= 0")
     need(args.per_device_train_batch_size >= 1, "per_device_train_batch_size", ">= 1")
     need(args.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", ">= 1")
-    need(
-        args.steps_per_generation is None or args.steps_per_generation >= 1, "steps_per_generation", ">= 1 (or unset)"
-    )
+    need(args.steps_per_generation is None or args.steps_per_generation > 0, "steps_per_generation", ">= 1 (or unset)")
     need(args.max_completion_length is None or args.max_completion_length >= 1, "max_completion_length", ">= 1")
     need(args.num_iterations >= 1, "num_iterations", ">= 1")
     need(args.temperature > 0, "temperature", "> 0 (GRPO samples its completions; 1.0 in the paper)")
@@ -83,11 +56,8 @@ def training_value_problems(args) -> list[str]:
     return problems
 
 
-# ``generation_kwargs`` keys that replace a value TRL 1.16 sets itself on every generation call, with the setting that
-# controls it (``None``: only TRL's value works). With ``logprobs`` > 0 vLLM returns the most probable token's log-prob
-# first, so the sampled token's would be misread. A value equal to TRL's own is accepted.
-
-_TRL_GENERATION_KWARGS: dict[str, str | None] = {
+# ``generation_kwargs`` keys TRL 1.16 sets itself on every generation call, with the field that sets them instead.
+_TRL_GENERATION_KWARGS = {
     "logprobs": None,
     "n": "num_generations",
     "num_return_sequences": "num_generations",
@@ -96,34 +66,18 @@ _TRL_GENERATION_KWARGS: dict[str, str | None] = {
 }
 
 
-def _trl_generation_values(args: Any) -> dict[str, Any]:
-    """The values of ``_TRL_GENERATION_KWARGS`` that leave every TRL generation call as it is."""
-    server = getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"
-    never = object()
-    return {
-        "logprobs": 0,
-        "n": never if server else 1,
-        "num_return_sequences": 1,
-        "max_tokens": never,
-        "max_new_tokens": never,
-    }
-
-
 def generation_kwargs_problem(args: Any) -> str | None:
     """One line naming what in ``args.generation_kwargs`` cannot work, with the fix; ``None`` when nothing."""
     kwargs = args.generation_kwargs or {}
-    trl_values = _trl_generation_values(args)
+    vllm_mode = getattr(args, "vllm_mode", None) if getattr(args, "use_vllm", False) else None
+    same = {"logprobs": 0, "num_return_sequences": 1, **({} if vllm_mode == "server" else {"n": 1})}  # TRL's own pass
     problems = []
-    keys = [key for key in _TRL_GENERATION_KWARGS if key in kwargs and kwargs[key] != trl_values[key]]
+    keys = [key for key in _TRL_GENERATION_KWARGS if key in kwargs and (key not in same or kwargs[key] != same[key])]
     if keys:
         settings = list(dict.fromkeys(_TRL_GENERATION_KWARGS[key] for key in keys if _TRL_GENERATION_KWARGS[key]))
         instead = f" and set {' and '.join(settings)} instead" if settings else ""
-        logprobs = (
-            " (TRL asks vLLM for the sampled token's log-prob alone; with more it would keep the most probable "
-            "token's)"
-            if "logprobs" in keys
-            else ""
-        )
+        why = "TRL asks vLLM for the sampled token's log-prob alone; with more it would keep the most probable token's"
+        logprobs = f" ({why})" if "logprobs" in keys else ""
         problems.append(
             f"sets {', '.join(keys)}, which TRL sets itself on every generation{logprobs}: remove "
             f"{'it' if len(keys) == 1 else 'them'}{instead}"
@@ -142,8 +96,7 @@ def generation_kwargs_problem(args: Any) -> str | None:
             f"sets {', '.join(greedy)}, which does not sample: a group's completions would be identical and get no "
             "advantage; remove it (the temperature field sets the sampling temperature)"
         )
-    colocate = getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate"
-    if kwargs.get("seed") is not None and colocate:
+    if kwargs.get("seed") is not None and vllm_mode == "colocate":
         problems.append(
             "sets seed, which colocated vLLM gives every copy of a prompt, so a group's completions would be "
             "identical: remove it (or use vllm_mode='server', which samples a prompt's group in one request)"
@@ -152,48 +105,29 @@ def generation_kwargs_problem(args: Any) -> str | None:
 
 
 def batch_shape_problem(
-    per_device_train_batch_size: int,
-    processes: int,
-    gradient_accumulation_steps: int,
-    num_generations: int,
-    steps_per_generation: int | None = None,
-    generation_batch_size: int | None = None,
+    per_device: int, processes: int, accumulation: int, num_generations: int, steps_per_generation=None, gen_batch=None
 ) -> str | None:
     """What is wrong with a batch that cannot be cut into groups of ``num_generations``, in the fields users set."""
-    steps_name, steps = "gradient_accumulation_steps", gradient_accumulation_steps
+    steps_name, steps = "gradient_accumulation_steps", accumulation
     if steps_per_generation:
         steps_name, steps = "steps_per_generation", steps_per_generation
-    if generation_batch_size:
-        if generation_batch_size % num_generations == 0:
+    if gen_batch:
+        if gen_batch % num_generations == 0:
             return None
         return (
-            f"generation_batch_size={generation_batch_size} is not divisible by num_generations={num_generations}; "
+            f"generation_batch_size={gen_batch} is not divisible by num_generations={num_generations}; "
             "set it to a multiple (or leave it unset)."
         )
-    total = per_device_train_batch_size * processes * steps
+    total = per_device * processes * steps
     if total % num_generations == 0:
         return None
     unit = num_generations // math.gcd(num_generations, processes * steps)
-    suggestion = max(unit, math.ceil(per_device_train_batch_size / unit) * unit)
+    suggestion = max(unit, math.ceil(per_device / unit) * unit)
     return (
-        f"per_device_train_batch_size {per_device_train_batch_size} x {processes} process(es) x {steps_name} {steps} = "
+        f"per_device_train_batch_size {per_device} x {processes} process(es) x {steps_name} {steps} = "
         f"{total} completions per generation, not divisible by num_generations={num_generations} (every prompt needs "
         f"a whole group); set per_device_train_batch_size to a multiple of {unit}, e.g. {suggestion}."
     )
-
-
-def builtin_model_path(name_or_path: str) -> str:
-    """``builtin:<name>`` -> the folder of a model shipped in ``egpo_trl/assets``; anything else unchanged."""
-    if not name_or_path.startswith("builtin:"):
-        return name_or_path
-    name = name_or_path.removeprefix("builtin:")
-    if not (_ASSETS / name / "config.json").is_file():
-        shipped = sorted(p.name for p in _ASSETS.glob("*") if (p / "config.json").is_file())
-        raise ValueError(
-            f"no shipped model {name!r}; shipped models: {shipped or 'none'}. Rebuild the tiny model with `make "
-            "tiny-model` if its files are missing."
-        )
-    return str(_ASSETS / name)
 
 
 def model_problem(name: str) -> str | None:
@@ -215,15 +149,21 @@ def model_problem(name: str) -> str | None:
 
 
 def resolve_model_name(model: Any) -> Any:
-    """``builtin:<name>`` and ``egpo_trl/assets/<name>`` -> the shipped model's folder; anything else unchanged."""
+    """``builtin:<name>`` and ``egpo_trl/assets/<name>`` -> the shipped model's folder; a model that cannot be loaded
+    is a ``ValueError``; anything else unchanged."""
     if not isinstance(model, str):
         return model
-    model = builtin_model_path(model)
     parts = Path(model).parts
-    if not Path(model).exists() and parts[:-1] == ("egpo_trl", "assets") and (_ASSETS / parts[-1]).is_dir():
-        return str(_ASSETS / parts[-1])
-    problem = model_problem(model)
-    if problem:
+    if model.startswith("builtin:") or (not Path(model).exists() and parts[:-1] == ("egpo_trl", "assets")):
+        name = model.removeprefix("builtin:") if model.startswith("builtin:") else parts[-1]
+        if not (_ASSETS / name / "config.json").is_file():
+            shipped = sorted(p.name for p in _ASSETS.glob("*") if (p / "config.json").is_file())
+            raise ValueError(
+                f"no shipped model {name!r}; shipped models: {shipped or 'none'}. Rebuild the tiny model with `make "
+                "tiny-model` if its files are missing."
+            )
+        return str(_ASSETS / name)
+    if problem := model_problem(model):
         raise ValueError(problem)
     return model
 
@@ -240,19 +180,14 @@ def required_columns(reward_funcs: Sequence[Any]) -> dict[str, str]:
             parameters = inspect.signature(func).parameters.values()
         except (TypeError, ValueError):
             continue
-        for parameter in parameters:
-            if (
-                parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
-                and parameter.default is parameter.empty
-                and parameter.name not in _PASSED_TO_REWARDS
-            ):
-                needed.setdefault(parameter.name, getattr(func, "__name__", repr(func)))
+        for p in parameters:
+            required = p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
+            if required and p.name not in _PASSED_TO_REWARDS:
+                needed.setdefault(p.name, getattr(func, "__name__", repr(func)))
     return needed
 
 
-def _dataset_problem(
-    dataset: Any, reward_funcs: Sequence[Any], args: Any = None, environment: bool = False
-) -> str | None:
+def _dataset_problem(dataset: Any, reward_funcs: Sequence[Any], args: Any, environment: bool) -> str | None:
     """One line naming the columns ``train_dataset`` lacks, what expects each and the rename that supplies it."""
     columns = getattr(dataset, "column_names", None)
     if isinstance(columns, dict):  # a DatasetDict
@@ -263,20 +198,15 @@ def _dataset_problem(
     if not columns:
         return None  # an IterableDataset without known features, or a plain iterable: checked by TRL as it reads
     # What expects each column, and the setting that makes it expected.
-    needed: dict[str, list[str]] = (
-        {} if environment else {"prompt": ["the trainer (the prompts: text or chat messages)"]}
-    )
+    needed = {} if environment else {"prompt": ["the trainer (the prompts: text or chat messages)"]}
     for column, func in required_columns(reward_funcs).items():
         needed.setdefault(column, []).append(f"{func} (its {column!r} parameter; reward_funcs)")
-    if args is not None and getattr(args, "edge_gec", False):
+    if getattr(args, "edge_gec", False):
         needed.setdefault("answer", []).append("edge_gec=True (the reference answers)")
     missing = [column for column in needed if column not in columns]
     if not missing:
         return None
-    described = [
-        f"{column!r} column, which {' and '.join(needed[column])} need{'s' if len(needed[column]) == 1 else ''}"
-        for column in missing
-    ]
+    described = [f"{c!r} column, which {' and '.join(needed[c])} need{'s' * (len(needed[c]) == 1)}" for c in missing]
     renames, to_add, untaken = [], [], [c for c in columns if c not in needed]
     for column in missing:
         likely = {"prompt": QUESTION_COLUMNS, "answer": ANSWER_COLUMNS}.get(column, ())
@@ -288,12 +218,10 @@ def _dataset_problem(
             renames.append(f".rename_column({source!r}, {column!r})")
     fixes = [f"dataset{''.join(renames)}"] if renames else []
     fixes += [f"add {' and '.join(to_add)} (e.g. with dataset.map)"] if to_add else []
-    fix = f"e.g. {'; '.join(fixes)}"
-    return f"train_dataset has no {'; no '.join(described)}. Its columns: {', '.join(columns)}. Rename or add them, {fix}."
-
-
-#: Parts of config keys whose positive values make a training-mode forward random.
-STOCHASTIC_KEYS = ("dropout", "pdrop", "jitter", "layerdrop", "drop_path", "stochastic_depth")
+    return (
+        f"train_dataset has no {'; no '.join(described)}. Its columns: {', '.join(columns)}. Rename or add them, "
+        f"e.g. {'; '.join(fixes)}."
+    )
 
 
 def stochastic_settings(config: dict, prefix: str = "") -> list[str]:
@@ -304,7 +232,8 @@ def stochastic_settings(config: dict, prefix: str = "") -> list[str]:
             found += stochastic_settings(value, f"{prefix}{key}.")
             continue
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if isinstance(key, str) and numeric and value > 0 and any(word in key for word in STOCHASTIC_KEYS):
+        words = ("dropout", "pdrop", "jitter", "layerdrop", "drop_path", "stochastic_depth")
+        if isinstance(key, str) and numeric and value > 0 and any(word in key for word in words):
             found.append(f"{prefix}{key}")
     return found
 
@@ -318,20 +247,12 @@ def _cached_model_config(model: str) -> dict | None:
     """The ``config.json`` of a model folder, or of a Hub model already in the local cache; ``None`` otherwise."""
     import json
 
-    path = Path(model) / "config.json"
-    if not path.is_file():
-        try:
-            from huggingface_hub import try_to_load_from_cache
+    from transformers.utils import cached_file
 
-            cached = try_to_load_from_cache(model, "config.json")
-        except Exception:  # not a repository id, or no cache: the trainer checks the loaded model instead
-            return None
-        if not isinstance(cached, str):
-            return None
-        path = Path(cached)
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
+        path = cached_file(model, "config.json", local_files_only=True, _raise_exceptions_for_missing_entries=False)
+        config = json.loads(Path(path).read_text()) if path else None
+    except Exception:  # noqa: BLE001 - not a model id, or not cached: the trainer checks the loaded model instead
         return None
     return config if isinstance(config, dict) else None
 
@@ -356,37 +277,26 @@ def loss_forward_input_problems(model: Any, peft_config: Any, model_init_kwargs:
     return problems
 
 
-def check_trainer_inputs(
-    model: Any, reward_funcs: Any, args: Any, pos_args: Sequence[Any], kwargs: dict[str, Any]
-) -> Any:
+def check_trainer_inputs(model: Any, reward_funcs: Any, args: Any, pos_args: Sequence[Any], kwargs: dict) -> Any:
     """What ``EGPOTrainer.__init__`` checks before the model loads; returns the model, ``builtin:`` names resolved."""
     model = resolve_model_name(model)
     if args is None:
         return model
-    problems = training_value_problems(args)
-    if problems:
+    if problems := training_value_problems(args):
         raise ValueError(f"EGPOConfig: {'; '.join(problems)}.")
     if getattr(args, "egpo_entropy_logps", None) == "loss_forward":
         peft_config = kwargs.get("peft_config", pos_args[7] if len(pos_args) > 7 else None)
-        problems = loss_forward_input_problems(model, peft_config, getattr(args, "model_init_kwargs", None))
-        if problems:
+        if problems := loss_forward_input_problems(model, peft_config, getattr(args, "model_init_kwargs", None)):
             args._validate_loss_forward(problems)  # one error with the arguments' own problems, naming the fix
-    funcs: list[Callable[..., Any] | str] = (
-        list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    )
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     dataset = pos_args[0] if pos_args else kwargs.get("train_dataset")
     if dataset is not None:
         environment = kwargs.get("environment_factory", pos_args[10] if len(pos_args) > 10 else None) is not None
-        problem = _dataset_problem(dataset, funcs, args, environment)
-        if problem:
+        if problem := _dataset_problem(dataset, funcs, args, environment):
             raise ValueError(problem)
-    problem = batch_shape_problem(
-        args.per_device_train_batch_size,
-        args.world_size,
-        args.gradient_accumulation_steps,
-        args.num_generations,
-        args.steps_per_generation,
-    )
-    if problem:
+    per_device, steps = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    if problem := batch_shape_problem(
+        per_device, args.world_size, steps, args.num_generations, args.steps_per_generation
+    ):
         raise ValueError(problem)
     return model

@@ -20,18 +20,14 @@ from egpo_trl.script.data import SYNTHETIC_DATASET_PREFIX
 from egpo_trl.script.recipe import load_recipe, script_problem
 from egpo_trl.script.resolve import resolve_model_path
 
-# Set by `accelerate launch` / torchrun in the processes they start.
-_LAUNCH_ENV_VARS = ("LOCAL_RANK", "WORLD_SIZE", "ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION")
-_LAUNCH_ENV_VARS += ("ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP")
 # `accelerate launch` options a recipe key or a flag sets, in the order they are passed on.
 _LAUNCH_OPTIONS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port")
-_NONE_VALUES = ("", "none", "null", "false")
 _DRY_RUN_FLAGS = ("--dry-run", "--dry_run")
 _PROG = "egpo-trl train: "
 
 
-def _is_none(value: Any) -> bool:
-    return value is None or str(value).lower() in _NONE_VALUES
+def is_none(value: Any) -> bool:
+    return value is None or str(value).lower() in ("", "none", "null", "false")
 
 
 def normalize_argv(argv: Sequence[str]) -> tuple[list[str], bool]:
@@ -39,16 +35,14 @@ def normalize_argv(argv: Sequence[str]) -> tuple[list[str], bool]:
     args = [a for a in argv if a not in _DRY_RUN_FLAGS]
     if args and not args[0].startswith("-"):
         if "--config" in args:
-            raise SystemExit(
-                f"{_PROG}got the recipe {args[0]} and --config; give the recipe once (either form works)."
-            )
+            raise SystemExit(f"{_PROG}got the recipe {args[0]} and --config; give the recipe once.")
         args = ["--config", *args]
     return args, any(a in _DRY_RUN_FLAGS for a in argv)
 
 
-def in_distributed_launch(environ: dict[str, str] | None = None) -> bool:
-    """Whether this process was started by ``accelerate launch``/torchrun (so it must train, not launch again)."""
-    return any(name in (os.environ if environ is None else environ) for name in _LAUNCH_ENV_VARS)
+def in_distributed_launch() -> bool:
+    """Whether ``accelerate launch``/torchrun started this process (so it must train, not launch again)."""
+    return any(name in os.environ for name in ("LOCAL_RANK", "WORLD_SIZE", "ACCELERATE_MIXED_PRECISION"))
 
 
 def _visible_gpus() -> int:
@@ -59,17 +53,19 @@ def _visible_gpus() -> int:
 
 @dataclass
 class LaunchPlan:
-    """How ``egpo-trl train`` runs a recipe: the accelerate config, its settings and the launch options."""
+    """How ``egpo-trl train`` runs a recipe: its accelerate config (``None``: in this process) and that config's
+    settings, the ``accelerate launch`` options (``_LAUNCH_OPTIONS``, ``None`` when unset) and the arguments."""
 
     recipe: str | None
     accelerate_config: str | None
+    argv: list[str]
     settings: dict[str, Any] = field(default_factory=dict)
-    num_processes: int | None = None
-    num_machines: int | None = None
-    machine_rank: int | None = None
-    main_process_ip: str | None = None
-    main_process_port: int | None = None
-    argv: list[str] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _LAUNCH_OPTIONS:
+            return self.options.get(name)
+        raise AttributeError(name)
 
     @property
     def machines(self) -> int:
@@ -89,26 +85,19 @@ class LaunchPlan:
 
     @property
     def world_size(self) -> int:
-        if self.accelerate_config is None:
-            return 1
-        return self.num_processes or int(self.settings.get("num_processes") or 1)
+        configured = int(self.settings.get("num_processes") or 1)
+        return 1 if self.accelerate_config is None else self.num_processes or configured
 
 
 def _option(argv: Sequence[str], recipe: dict[str, Any], name: str) -> Any:
     """``--name`` from the command line, else the recipe's ``name``; ``None`` when unset or none."""
     value = option_value(argv, name) or recipe.get(name)
-    if _is_none(value):
-        return None
-    if name in ("accelerate_config", "main_process_ip"):
-        return str(value)
-    try:
-        value = int(value)
-    except ValueError:
-        raise SystemExit(f"{_PROG}{name} must be an integer, got {value!r}.") from None
+    if is_none(value) or name in ("accelerate_config", "main_process_ip"):
+        return None if is_none(value) else str(value)
     minimum = 0 if name == "machine_rank" else 1
-    if value < minimum:
-        raise SystemExit(f"{_PROG}{name} must be >= {minimum}, got {value}.")
-    return value
+    if not str(value).isdigit() or int(value) < minimum:
+        raise SystemExit(f"{_PROG}{name} must be an integer >= {minimum}, got {value!r}.")
+    return int(value)
 
 
 def plan_launch(argv: Sequence[str]) -> LaunchPlan:
@@ -116,9 +105,8 @@ def plan_launch(argv: Sequence[str]) -> LaunchPlan:
     argv = list(argv)
     recipe = option_value(argv, "config")
     data = load_recipe(recipe, "recipe") if recipe else {}
-    plan = LaunchPlan(recipe, _option(argv, data, "accelerate_config"), argv=argv)
-    for name in _LAUNCH_OPTIONS:
-        setattr(plan, name, _option(argv, data, name))
+    plan = LaunchPlan(recipe, _option(argv, data, "accelerate_config"), argv)
+    plan.options = {name: _option(argv, data, name) for name in _LAUNCH_OPTIONS}
     machines = plan.machines
     if machines > 1 or plan.machine_rank or plan.main_process_ip:
         if plan.accelerate_config is None:
@@ -126,7 +114,7 @@ def plan_launch(argv: Sequence[str]) -> LaunchPlan:
                 f"{_PROG}num_machines, machine_rank and main_process_ip are settings of an accelerate launch; set "
                 "accelerate_config too (e.g. --accelerate_config recipes/accelerate/ddp.yaml)."
             )
-        if (machines > 1 and (plan.main_process_ip is None or plan.machine_rank is None)) or (
+        if (machines > 1 and None in (plan.main_process_ip, plan.machine_rank)) or (
             plan.machine_rank or 0
         ) >= machines:
             raise SystemExit(
@@ -136,8 +124,8 @@ def plan_launch(argv: Sequence[str]) -> LaunchPlan:
     if plan.accelerate_config is not None:
         plan.settings = load_recipe(plan.accelerate_config, "accelerate config")
         if plan.num_processes is None and not plan.settings.get("use_cpu"):
-            plan.num_processes = (_visible_gpus() * machines) or None
-    if plan.num_processes is not None and plan.num_processes % machines:
+            plan.options["num_processes"] = (_visible_gpus() * machines) or None
+    if (plan.num_processes or 0) % machines:
         raise SystemExit(
             f"{_PROG}num_processes {plan.num_processes} (the total over the machines) is not a multiple of "
             f"num_machines {machines}; give every machine as many processes, e.g. --num_processes "
@@ -150,11 +138,8 @@ def launch_command(plan: LaunchPlan, executable: Sequence[str] = ("accelerate", 
     """The ``accelerate launch`` command line of a plan (``executable`` replaces ``accelerate launch``)."""
     if plan.accelerate_config is None:
         return ["egpo-trl", "train", *plan.argv]
-    command = [*executable, "--config_file", plan.accelerate_config]
-    for name in _LAUNCH_OPTIONS:
-        if getattr(plan, name) is not None:
-            command += [f"--{name}", str(getattr(plan, name))]
-    return [*command, "-m", "egpo_trl.train", *plan.argv]
+    options = [item for name, value in plan.options.items() if value is not None for item in (f"--{name}", str(value))]
+    return [*executable, "--config_file", plan.accelerate_config, *options, "-m", "egpo_trl.train", *plan.argv]
 
 
 def launch_if_requested(argv: Sequence[str]) -> int | None:
@@ -168,10 +153,8 @@ def launch_if_requested(argv: Sequence[str]) -> int | None:
         problems = check_recipe(argv).problems
     if problems:
         more = f" ({len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
-        recipe = f"{plan.recipe} " if plan.recipe else ""
-        raise SystemExit(
-            f"{_PROG}{problems[0]}{more} Nothing was launched; `egpo-trl train {recipe}--dry-run` lists every check."
-        )
+        check = f"`egpo-trl train {plan.recipe + ' ' if plan.recipe else ''}--dry-run` lists every check."
+        raise SystemExit(f"{_PROG}{problems[0]}{more} Nothing was launched; {check}")
     print(f"Launching: {shlex.join(launch_command(plan))}", flush=True)
     process = subprocess.Popen(launch_command(plan, executable=(sys.executable, "-m", "accelerate.commands.launch")))
     try:
@@ -184,18 +167,12 @@ def launch_if_requested(argv: Sequence[str]) -> int | None:
         return 130
 
 
-def _reports_to_wandb(training_args) -> bool:
-    report_to = training_args.report_to or []
-    return bool({"wandb", "all"} & set([report_to] if isinstance(report_to, str) else report_to))
-
-
 def configure_tracking(training_args) -> None:
     """``WANDB_PROJECT`` defaults to ``project`` and ``WANDB_DIR`` to ``output_dir`` (the environment wins)."""
-    if not _reports_to_wandb(training_args):
-        return
-    if training_args.project:
-        os.environ.setdefault("WANDB_PROJECT", training_args.project)
-    Path(os.environ.setdefault("WANDB_DIR", str(training_args.output_dir))).mkdir(parents=True, exist_ok=True)
+    if "wandb" in training_args.report_to:  # a list once TrainingArguments has parsed it
+        if training_args.project:
+            os.environ.setdefault("WANDB_PROJECT", training_args.project)
+        Path(os.environ.setdefault("WANDB_DIR", str(training_args.output_dir))).mkdir(parents=True, exist_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------- dry run
@@ -231,11 +208,8 @@ def _check_dataset(script_args, report: DryRunReport) -> None:
     name = script_args.dataset_name
     path = Path(name).expanduser()
     if not (path.exists() or name.startswith(SYNTHETIC_DATASET_PREFIX)):
-        if (
-            name.startswith((".", "/", "~"))
-            or name.count("/") > 1
-            or path.suffix in (".json", ".jsonl", ".csv", ".parquet")
-        ):
+        local = name.startswith((".", "/", "~")) or name.count("/") > 1
+        if local or path.suffix in (".json", ".jsonl", ".csv", ".parquet"):
             return report.problems.append(
                 f"dataset {name} does not exist. Build OpenR1-Stable-10k with `egpo-trl data build --config "
                 "recipes/data/openr1_stable_10k.yaml` (it writes outputs/data/openr1_stable_10k/dataset), or point "
@@ -278,22 +252,21 @@ def _check_output_dir(script_args, training_args, model_args, report: DryRunRepo
         refuse_output_dir_over_model(str(path), model_args.model_name_or_path)
         prepare_output_dir(str(path), script_args.overwrite_output_dir, own_run, None if own_run else resume)
     except SystemExit as error:
-        report.problems.append(str(error).removeprefix(_PROG))
-        return
+        return report.problems.append(str(error).removeprefix(_PROG))
     if resume is None and script_args.overwrite_output_dir and path.is_dir() and any(path.iterdir()):
         report.notes.append(f"overwrite_output_dir: the earlier run's outputs in {path} will be removed.")
+    later = later_checkpoints(path, checkpoint_step(resume)) if resume is not None and own_run else []
     if resume is not None:
         report.settings.append(("resumes from", resume))
-        later = later_checkpoints(path, checkpoint_step(resume)) if own_run else []
-        if later:
-            report.notes.append(
-                f"{', '.join(c.name for c in later)} of {path} come after the checkpoint resumed from: the run "
-                "sets them aside, with the records of their steps, in replaced/<time>-from-step-N/."
-            )
+    if later:
+        report.notes.append(
+            f"{', '.join(c.name for c in later)} of {path} come after the checkpoint resumed from: the run sets "
+            "them aside, with the records of their steps, in replaced/<time>-from-step-N/."
+        )
 
 
 def _check_model(script_args, training_args, model_args, report: DryRunReport) -> None:
-    """The model exists, and the prompt and completion fit its context; then :func:`_check_disk`."""
+    """The model exists, the prompt and completion fit its context, and its checkpoints fit the disk."""
     from transformers import AutoConfig
 
     prompt, vllm_length = script_args.max_prompt_length, training_args.vllm_max_model_length
@@ -309,10 +282,9 @@ def _check_model(script_args, training_args, model_args, report: DryRunReport) -
     except SystemExit as error:
         return report.problems.append(str(error).removeprefix(_PROG))
     try:
-        config = AutoConfig.from_pretrained(
-            path, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
-            local_files_only=True,
-        )  # fmt: skip
+        remote = training_args.trust_remote_code
+        config = AutoConfig.from_pretrained(path, revision=model_args.model_revision, trust_remote_code=remote,
+                                            local_files_only=True)  # fmt: skip
     except Exception:  # noqa: BLE001 - not available offline: nothing to check against
         return report.settings.append(("model context", f"not checked ({path} is not available locally)"))
     context = getattr(config.get_text_config(), "max_position_embeddings", None)
@@ -323,25 +295,19 @@ def _check_model(script_args, training_args, model_args, report: DryRunReport) -
             report.problems.append(f"{what} = {total} exceeds the model's context ({context} tokens); lower it.")
         if vllm and vllm_length > context:
             report.problems.append(f"vllm_max_model_length={vllm_length} exceeds the model's context ({context}).")
-    _check_disk(training_args, config, report)
-
-
-# Bytes a checkpoint holds per parameter: bf16 weights plus fp32 master weights and Adam's two moments.
-_CHECKPOINT_BYTES_PER_PARAMETER = 14
-
-
-def _check_disk(training_args, config, report: DryRunReport) -> None:
-    """How much disk the run's checkpoints take, against the free space where they go."""
+    # The checkpoints' disk against the free space: 14 bytes a parameter (bf16 weights, fp32 master weights and
+    # Adam's two moments), the parameters counted on the meta device.
     import torch
     from transformers import AutoModelForCausalLM
 
-    try:  # the parameter count from the config alone, on the meta device
+    try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=training_args.trust_remote_code)
+            parameters = sum(
+                p.numel() for p in AutoModelForCausalLM.from_config(config, trust_remote_code=remote).parameters()
+            )
     except Exception:  # noqa: BLE001 - not a causal LM: nothing to estimate
         return
-    parameters = sum(p.numel() for p in model.parameters())
-    gb, checkpoint, final = 1e9, parameters * _CHECKPOINT_BYTES_PER_PARAMETER, parameters * 2
+    gb, checkpoint, final = 1e9, parameters * 14, parameters * 2
     kept, saves = training_args.save_total_limit, training_args.save_strategy != "no"
     needed = final + (checkpoint * ((kept or 1) + 1) if saves else 0)  # one more while the oldest is rotated out
     folder = _existing(Path(training_args.output_dir).resolve())
@@ -349,13 +315,9 @@ def _check_disk(training_args, config, report: DryRunReport) -> None:
     kept_text = (
         f"save_total_limit {kept} keeps" if kept else "every checkpoint is kept (no save_total_limit), at least"
     )
-    report.settings.append(
-        (
-            "checkpoint size",
-            f"~{checkpoint / gb:.0f} GB each ({parameters / 1e9:.2f}B parameters x {_CHECKPOINT_BYTES_PER_PARAMETER} "
-            f"bytes); {kept_text} ~{needed / gb:.0f} GB with the final model; {free / gb:.0f} GB free in {folder}",
-        )
-    )
+    report.settings.append(("checkpoint size",
+        f"~{checkpoint / gb:.0f} GB each ({parameters / 1e9:.2f}B parameters x 14 bytes); {kept_text} ~{needed / gb:.0f} "
+        f"GB with the final model; {free / gb:.0f} GB free in {folder}"))  # fmt: skip
     if saves and free < checkpoint + final:
         report.problems.append(
             f"{folder} has {free / gb:.0f} GB free but one checkpoint takes ~{checkpoint / gb:.0f} GB: point "
@@ -365,7 +327,7 @@ def _check_disk(training_args, config, report: DryRunReport) -> None:
 
 def _check_wandb(training_args, report: DryRunReport) -> None:
     offline = os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun")
-    if not _reports_to_wandb(training_args):
+    if "wandb" not in training_args.report_to:
         return
     if importlib.util.find_spec("wandb") is None:
         report.problems.append("report_to includes wandb but wandb is not installed: pip install wandb.")
@@ -378,7 +340,7 @@ def _check_wandb(training_args, report: DryRunReport) -> None:
 
 def _check_loss_forward(args, model_args, report: DryRunReport, plan: LaunchPlan | None) -> None:
     """``loss_forward``'s checks made before the model loads, and its memory notes."""
-    if getattr(args, "egpo_entropy_logps", None) != "loss_forward":
+    if args.egpo_entropy_logps != "loss_forward":
         return
     from egpo_trl.config import loss_forward_error
     from egpo_trl.fused import block_memory_note, block_size
@@ -393,8 +355,7 @@ def _check_loss_forward(args, model_args, report: DryRunReport, plan: LaunchPlan
             "more memory than the no-grad pass; for ZeRO-3's lower memory, --egpo_entropy_logps policy."
         )
     peft = {"lora_dropout": model_args.lora_dropout} if model_args.use_peft else None
-    problems = loss_forward_input_problems(model_args.model_name_or_path, peft, args.model_init_kwargs)
-    if problems:
+    if problems := loss_forward_input_problems(model_args.model_name_or_path, peft, args.model_init_kwargs):
         report.problems.append(loss_forward_error(problems))
 
 
@@ -416,8 +377,7 @@ def _parse_for_dry_run(argv: list[str], report: DryRunReport, plan: LaunchPlan |
             message = str(error).removeprefix(_PROG)
         if ("bf16" in message or "fp16" in message) and _visible_gpus() == 0 and not report.needs_gpu:
             report.needs_gpu.append("bf16" if "bf16" in message else "fp16")
-            precision = "bf16" if "--bf16" not in argv and "bf16" in message else "bf16/fp16"
-            report.precision = f"{precision} (as the recipe says; not checked without a GPU)"
+            report.precision = f"{report.needs_gpu[0]} (as the recipe says; not checked without a GPU)"
             argv = [*argv, "--bf16", "false", "--fp16", "false"]
             continue
         if world != launch[0] and "global batch size" in message:
@@ -443,8 +403,7 @@ def dry_run(argv: Sequence[str]) -> int:
 def _check_launch(plan: LaunchPlan, report: DryRunReport) -> None:
     """The recipe's launch: its accelerate config, processes, machines and GPUs."""
     report.settings.append(("recipe", plan.recipe))
-    script = script_problem(plan.recipe) if plan.recipe else None
-    if script:
+    if plan.recipe and (script := script_problem(plan.recipe)):
         report.notes.append(script)
     report.command = shlex.join(launch_command(plan))
     if plan.accelerate_config is None:
@@ -464,13 +423,11 @@ def _check_launch(plan: LaunchPlan, report: DryRunReport) -> None:
                 f"{plan.accelerate_config} uses DeepSpeed, which is not installed: pip install deepspeed (or use "
                 "recipes/accelerate/ddp.yaml)."
             )
-    gpus = _visible_gpus()
-    if plan.settings.get("use_cpu"):
-        return
+    gpus = None if plan.settings.get("use_cpu") else _visible_gpus()  # None: a CPU launch needs none
     if gpus == 0 and not report.needs_gpu:  # with them, a problem
         each = f" on each of {plan.machines} machine(s)" if plan.machines > 1 else ""
         report.notes.append(f"this machine sees no GPU; the launch needs {per_machine}{each}.")
-    elif 0 < gpus < per_machine:
+    elif gpus and gpus < per_machine:
         report.problems.append(
             f"the launch needs {per_machine} GPUs on this machine but it sees {gpus}; set num_processes (the total "
             "over the machines)."
@@ -478,44 +435,19 @@ def _check_launch(plan: LaunchPlan, report: DryRunReport) -> None:
 
 
 def _check_vllm(args, world: int, report: DryRunReport) -> None:
-    engine = ""
+    engine, tp = "", args.vllm_tensor_parallel_size
     if args.vllm_mode == "colocate":  # each engine decodes its tensor-parallel group's prompts together
         from egpo_trl.sampling.dynamic import colocated_engine_sequences
 
         rows, oversampled = colocated_engine_sequences(args, world)
         engine = f", max_num_seqs {rows} per engine" + (" (the oversampled first round)" if oversampled else "")
-    report.settings.append(
-        (
-            "vLLM",
-            f"mode {args.vllm_mode}, gpu_memory_utilization {args.vllm_gpu_memory_utilization}, sleep mode "
-            f"{args.vllm_enable_sleep_mode}, max_model_length {args.vllm_max_model_length}, tensor_parallel_size "
-            f"{args.vllm_tensor_parallel_size}{engine}",
-        )
-    )
+    vllm = f"mode {args.vllm_mode}, gpu_memory_utilization {args.vllm_gpu_memory_utilization}, sleep mode "
+    vllm += f"{args.vllm_enable_sleep_mode}, max_model_length {args.vllm_max_model_length}, tensor_parallel_size "
+    report.settings.append(("vLLM", f"{vllm}{tp}{engine}"))
     if importlib.util.find_spec("vllm") is None:
-        report.problems.append(
-            "use_vllm is true but vLLM is not installed: pip install vllm (or pass --use_vllm false to generate with "
-            "transformers)."
-        )
-    if args.vllm_mode == "colocate" and world % args.vllm_tensor_parallel_size != 0:
-        report.problems.append(
-            f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size} does not divide the {world} processes."
-        )
-
-
-def _dynamic_sampling_setting(args: Any, world: int) -> str:
-    """Dynamic sampling's rounds, and its oversampled first round's size."""
-    from egpo_trl.sampling.dynamic import first_round_groups
-
-    line = f"up to {args.dynamic_sampling_max_rounds} rounds per generation batch ({args.dynamic_sampling_metric})"
-    target, extra = first_round_groups(args, world)
-    if not extra:
-        return line
-    sequences = (target + extra) * args.num_generations
-    return (
-        f"{line}; first round {target} + {extra} groups ({(target + extra) / target:.3g}x), {sequences} completions, "
-        f"{sequences // world} per process"
-    )
+        report.problems.append("use_vllm is true but vLLM is not installed: pip install vllm (or --use_vllm false).")
+    if args.vllm_mode == "colocate" and world % tp:
+        report.problems.append(f"vllm_tensor_parallel_size={tp} does not divide the {world} processes.")
 
 
 def check_recipe(argv: Sequence[str]) -> DryRunReport:
@@ -537,8 +469,7 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
         steps_per_generation = args.steps_per_generation or args.gradient_accumulation_steps
         generation_batch = args.per_device_train_batch_size * world * steps_per_generation
         batch, batch_note = batch_summary(argv, args, world)
-        if batch_note:
-            report.notes.append(batch_note)
+        report.notes += [batch_note] if batch_note else []
         precision = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
         length = f"epochs {args.num_train_epochs:g}" if args.max_steps <= 0 else f"max_steps {args.max_steps}"
         report.settings += [
@@ -550,8 +481,16 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
             ("length", length),
             ("precision", report.precision or precision),
         ]
-        if args.dynamic_sampling:
-            report.settings.append(("dynamic sampling", _dynamic_sampling_setting(args, world)))
+        if args.dynamic_sampling:  # its rounds, and its oversampled first round's size
+            from egpo_trl.sampling.dynamic import first_round_groups
+
+            line = f"up to {args.dynamic_sampling_max_rounds} rounds per generation batch ({args.dynamic_sampling_metric})"
+            target, extra = first_round_groups(args, world)
+            sequences = (target + extra) * args.num_generations
+            if extra:
+                line += f"; first round {target} + {extra} groups ({(target + extra) / target:.3g}x), {sequences} "
+                line += f"completions, {sequences // world} per process"
+            report.settings.append(("dynamic sampling", line))
         if args.use_vllm:
             _check_vllm(args, world, report)
         if plan is not None and plan.zero_stage == 3 and script_args.eval_size > 0:
@@ -566,11 +505,8 @@ def check_recipe(argv: Sequence[str]) -> DryRunReport:
         _check_wandb(args, report)
     if report.needs_gpu:  # first: nothing else matters on this machine
         gpus = f"{plan.world_size // plan.machines} GPUs" if plan is not None and plan.accelerate_config else "a GPU"
-        report.problems.insert(
-            0,
-            f"this machine sees no GPU, but the recipe needs {gpus} ({', '.join(report.needs_gpu)}): run it on a "
-            "machine with GPUs (recipes/demo_tiny_cpu.yaml trains on CPU).",
-        )
+        needs = f"this machine sees no GPU, but the recipe needs {gpus} ({', '.join(report.needs_gpu)}): run it on "
+        report.problems.insert(0, f"{needs}a machine with GPUs (recipes/demo_tiny_cpu.yaml trains on CPU).")
     report.problems = list(dict.fromkeys(report.problems))  # a recipe that cannot be read is reported once
     return report
 
@@ -579,10 +515,8 @@ def batch_summary(argv: Sequence[str], args: Any, world: int) -> tuple[str, str 
     """The completions and prompts of one optimizer step over all processes, with a note where the recipe's differ."""
     per_device, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     batch = per_device * world * accumulation
-    line = (
-        f"{per_device} per device x {world} processes x {accumulation} accumulation = {batch} completions "
-        f"({batch / args.num_generations:g} prompts) per optimizer step"
-    )
+    line = f"{per_device} per device x {world} processes x {accumulation} accumulation = {batch} completions "
+    line += f"({batch / args.num_generations:g} prompts) per optimizer step"
     own = _recipe_batch(option_value(argv, "config"))
     if own is None or own[0] == batch:
         return line, None
@@ -605,14 +539,13 @@ def _recipe_batch(recipe: str | None) -> tuple[int, int] | None:
 
     if recipe is None:
         return None
-    data, defaults = load_recipe(recipe), EGPOConfig.__dataclass_fields__
+    data = load_recipe(recipe)
     try:
-        per_device = int(data.get("per_device_train_batch_size", defaults["per_device_train_batch_size"].default))
-        accumulation = int(data.get("gradient_accumulation_steps", defaults["gradient_accumulation_steps"].default))
+        per_device = int(data.get("per_device_train_batch_size", EGPOConfig.per_device_train_batch_size))
+        accumulation = int(data.get("gradient_accumulation_steps", EGPOConfig.gradient_accumulation_steps))
         processes, config = data.get("num_processes"), data.get("accelerate_config")
-        if processes is None and not _is_none(config):
+        if processes is None and not is_none(config):
             processes = load_recipe(config, "accelerate config").get("num_processes")
-        processes = int(processes or 1)
+        return per_device * int(processes or 1) * accumulation, int(processes or 1)
     except (TypeError, ValueError, SystemExit):
         return None
-    return per_device * processes * accumulation, processes

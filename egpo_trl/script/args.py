@@ -8,19 +8,20 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from egpo_trl.input_checks import batch_shape_problem  # noqa: F401 - launch imports it here
 from egpo_trl.script.outputs import PLOT_FILE
 from egpo_trl.script.recipe import MARKER_KEY, load_recipe
 
 
-def _field(default: Any = None, help: str = "", default_factory: Any = None) -> Any:
-    if default_factory is not None:
-        return field(default_factory=default_factory, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+def _field(default: Any = None, help: str = "", default_factory: Any = MISSING) -> Any:
+    return field(
+        default=default if default_factory is MISSING else MISSING,
+        default_factory=default_factory,
+        metadata={"help": help},
+    )
 
 
 @dataclass
@@ -29,103 +30,73 @@ class TrainScriptArguments:
 
     dataset_name: str = _field(
         "synthetic:arithmetic",
-        "What to train on: 'synthetic:<task>' for a built-in synthetic task ('synthetic:arithmetic'), a local "
-        "path (a Dataset.save_to_disk folder, a .json/.jsonl/.csv/.parquet file or a folder of them), or a "
-        "dataset name on the Hugging Face Hub.",
+        "What to train on: 'synthetic:<task>' (e.g. 'synthetic:arithmetic'), a local path (a Dataset.save_to_disk "
+        "folder, a .json/.jsonl/.csv/.parquet file or a folder of them), or a Hugging Face Hub dataset.",
     )
     dataset_config: str | None = _field(None, "Configuration name of a Hub dataset (load_dataset(name, config)).")
     dataset_train_split: str = _field("train", "Split to train on.")
     dataset_test_split: str = _field(
-        "test",
-        "Split the held-out problems come from. When the dataset has no such split, eval_size problems are held "
-        "out of the training split (and removed from it).",
+        "test", "Split of the held-out problems; without it, eval_size problems are taken out of the training split."
     )
     synthetic_train_size: int = _field(2000, "Number of training problems generated for a synthetic task.")
     synthetic_levels: str = _field("1,2,3,4,5", "Difficulty levels of a synthetic task, comma-separated.")
-    synthetic_seed: int = _field(
-        0,
-        "Seed of the synthetic problem generator. The held-out split never overlaps the training split, whatever "
-        "the seed.",
-    )
+    synthetic_seed: int = _field(0, "Seed of the synthetic problem generator (the held-out split never overlaps).")
     prompt_template: str | None = _field(
         None,
-        "Python format string that rebuilds each prompt from the dataset's columns, e.g. '{problem} Put the final"
-        " answer in \\boxed{{}}.' (double the braces of literal ones). Without it the 'prompt' column is used as "
-        "is.",
+        "Python format string that builds each prompt from the dataset's columns, e.g. '{problem} Put the final "
+        "answer in \\boxed{{}}.' (literal braces doubled). Without it the 'prompt' column is used as is.",
     )
     system_prompt: str | None = _field(None, "System message put before every conversational prompt.")
     answer_column: str = _field("answer", "Column with the ground truth; the reward functions receive it as 'answer'.")
     reward_funcs: list[str] = _field(
         help="Reward functions, by name (boxed_accuracy_reward: +1/-1 on the last \\boxed{}, paper Eq. 1; "
-        "think_format_reward) or import path 'package.module:function' ('my_rewards:my_reward' for "
-        "./my_rewards.py: the current folder is searched first, as `python -m` does). With several, "
-        "egpo_correctness_reward names the one that decides correctness (boxed_accuracy_reward when it is the "
-        "only accuracy reward).",
+        "think_format_reward) or import path 'package.module:function' (the current folder is searched first). "
+        "With several, egpo_correctness_reward names the one that decides correctness.",
         default_factory=lambda: ["boxed_accuracy_reward"],
     )
     eval_size: int = _field(
         200,
-        "Held-out problems evaluated before and after training (0 skips the evaluation). The evaluation samples "
-        "from its own seed and leaves the random state as it found it, so it does not change the training run; a "
-        "dataset without a test split gives up these rows from its training split.",
+        "Held-out problems evaluated before and after training (0: none). The evaluation has its own seed and "
+        "leaves the training run unchanged.",
     )
     eval_num_samples: int = _field(4, "Completions sampled per held-out problem; accuracy is their mean.")
     eval_temperature: float | None = _field(
-        None,
-        "Sampling temperature of the held-out evaluation (0 for greedy). Defaults to the training 'temperature', "
-        "so the numbers measure the policy that training samples from.",
+        None, "Sampling temperature of the held-out evaluation (0: greedy; default: the training temperature)."
     )
     eval_batch_size: int = _field(128, "Prompts per generate call in the held-out evaluation.")
     overwrite_output_dir: bool = _field(
         False,
-        "Replace the outputs of an earlier run in output_dir (its checkpoints, metrics and model). Without it, a "
-        "run refuses an output_dir that holds them, unless it resumes from a checkpoint.",
+        "Replace an earlier run's outputs in output_dir; without it such an output_dir is refused unless the run "
+        "resumes from a checkpoint.",
     )
-    torch_num_threads: int | None = _field(
-        None,
-        "Threads torch uses for CPU work (torch.set_num_threads). Unset or 0 keeps torch's default (one per core).",
-    )
+    torch_num_threads: int | None = _field(None, "torch.set_num_threads for CPU work (unset or 0: torch's default).")
     save_final_model: bool = _field(True, "Save the trained model and tokenizer into output_dir at the end.")
     plot: bool = _field(True, f"Draw {PLOT_FILE} in output_dir at the end of training.")
     accelerate_config: str | None = _field(
         None,
-        "Accelerate config file (e.g. recipes/accelerate/zero2.yaml). When set, `egpo-trl train <recipe>` runs "
-        "`accelerate launch --config_file <it> --num_processes <num_processes> -m egpo_trl.train --config "
-        "<recipe>` (and prints that command) instead of training in its own process. Ignored inside a launch.",
+        "Accelerate config file (e.g. recipes/accelerate/zero2.yaml). When set, `egpo-trl train <recipe>` prints "
+        "and runs `accelerate launch --config_file <it> ... -m egpo_trl.train --config <recipe>`. Ignored inside "
+        "a launch.",
     )
     num_processes: int | None = _field(
-        None,
-        "Processes (GPUs) of that launch. Defaults to the GPUs this machine sees, else the accelerate config's "
-        "num_processes.",
+        None, "Processes of that launch, over all machines (default: the GPUs this machine sees x num_machines)."
     )
     main_process_port: int | None = _field(
-        None,
-        "Port of that launch's rendezvous (accelerate's --main_process_port; default 29500). Give each of several"
-        " launches on one machine its own, e.g. two 4-GPU runs on an 8-GPU node.",
+        None, "Rendezvous port of that launch (default 29500); give each launch sharing a machine its own."
     )
     num_machines: int | None = _field(
-        None,
-        "Machines (nodes) of that launch (accelerate's --num_machines; default 1). Run the same command on every "
-        "machine with its own --machine_rank; num_processes is then the total over the machines.",
+        None, "Machines of that launch (default 1); run the same command on each, with its own --machine_rank."
     )
-    machine_rank: int | None = _field(
-        None, "This machine's rank in a launch over several machines, 0 to num_machines - 1 (0 runs the rendezvous)."
-    )
-    main_process_ip: str | None = _field(
-        None,
-        "Address of the machine of rank 0, which every machine of a launch over several machines reaches "
-        "(accelerate's --main_process_ip); its port is main_process_port.",
-    )
+    machine_rank: int | None = _field(None, "This machine's rank in that launch, 0 to num_machines - 1.")
+    main_process_ip: str | None = _field(None, "Address of the machine of rank 0, which every machine reaches.")
     max_prompt_length: int | None = _field(
-        None,
-        "Longest prompt of the dataset, in tokens (prompts are not truncated). Only used by --dry-run to check "
-        "that max_prompt_length + max_completion_length fits the model's context.",
+        None, "Longest prompt, in tokens; only --dry-run uses it, to check the prompt and completion fit the model."
     )
 
 
 def make_parser():
     """The ``TrlParser`` over the three dataclasses; no argparse abbreviations, so a typo is an error."""
-    from trl import TrlParser
+    from trl import ModelConfig, TrlParser
 
     from egpo_trl.config import EGPOConfig
 
@@ -137,20 +108,18 @@ def make_parser():
         def error(self, message: str):  # argparse's error prints the whole (very long) usage first
             raise SystemExit(f"egpo-trl train: {message}. Run `egpo-trl train --help-all` for the list of fields.")
 
-    from trl import ModelConfig
-
     parser = _TrainParser(
         (TrainScriptArguments, EGPOConfig, ModelConfig),
         prog="egpo-trl train",
         usage="egpo-trl train RECIPE.yaml [--dry-run] [--FIELD VALUE ...]",
         description="Train a policy with EGPO (or a baseline advantage estimator) from a YAML recipe. Fields are "
         "YAML keys or --flags; flags override the file.",
-        epilog="Example: egpo-trl train --config recipes/demo_tiny_cpu.yaml --seed 1 --max_steps 20",
         allow_abbrev=False,
     )
     for action in parser._actions:
         if action.dest == "model_name_or_path":
             action.help = "Model to train: a Hub id, a local folder, or 'builtin:tiny-math-qwen2' (shipped)."
+    parser._negative_number_matcher = re.compile(r"-\.?\d")  # `--learning_rate -1e-4` is a value, as in Python 3.13
     return parser
 
 
@@ -173,8 +142,7 @@ def _unknown_field_error(parser, unknown: Sequence[str], where: str) -> SystemEx
 def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments, Any, Any]:
     """``(script_args, training_args, model_args)`` from ``--config recipe.yaml`` and the overrides after it, with
     ``{timestamp}`` in ``output_dir`` replaced (rank 0's time on every process); ``SystemExit`` in one line."""
-
-    args = _join_negative_numbers(list(sys.argv[1:] if argv is None else argv))
+    args = list(sys.argv[1:] if argv is None else argv)
     parser = make_parser()
     if "--config" in args:
         index = args.index("--config")
@@ -182,27 +150,19 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
             raise SystemExit(
                 "egpo-trl train: --config needs a path to a YAML recipe, e.g. recipes/demo_tiny_cpu.yaml."
             )
-        recipe = load_recipe(args[index + 1])
-        config_path = Path(args[index + 1])
         known = set(_known_fields(parser)) | {"env"}
-        unknown = [f"--{key}" for key in recipe if key not in known]
-        if unknown:
-            raise _unknown_field_error(parser, unknown, f"in {config_path}")
+        if unknown := [f"--{key}" for key in load_recipe(args[index + 1]) if key not in known]:
+            raise _unknown_field_error(parser, unknown, f"in {Path(args[index + 1])}")
     try:
-        script_args, training_args, model_args, from_file, from_cli = parser.parse_args_and_config(
+        script_args, training_args, model_args, _, from_cli = parser.parse_args_and_config(
             args, return_remaining_strings=True, separate_remaining_strings=True
-        )
+        )  # the recipe's unknown keys are refused above
     except ValueError as error:
         if "divisible by num_generations" in str(error):  # input_checks.batch_shape_problem's line, as the API's
             raise SystemExit(f"egpo-trl train: {error}") from None
-        hint = ""
-        if "bf16" in str(error) or "use_cpu" in str(error):
-            hint = (
-                " On a machine without a GPU, set `use_cpu: true` and `bf16: false` (or pass --use_cpu --bf16 false)."
-            )
+        hint = " On a machine without a GPU, set `use_cpu: true` and `bf16: false` (or pass --use_cpu --bf16 false)."
+        hint = hint if "bf16" in str(error) or "use_cpu" in str(error) else ""
         raise SystemExit(f"egpo-trl train: invalid configuration: {error}{hint}") from error
-    if from_file:
-        raise _unknown_field_error(parser, from_file, "in the config file")
     if from_cli:
         raise _unknown_field_error(parser, from_cli, "on the command line")
     if "{timestamp}" in str(training_args.output_dir):
@@ -224,39 +184,17 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainScriptArguments,
         raise SystemExit("egpo-trl train: eval_size must be >= 0 and eval_num_samples >= 1.")
     if isinstance(script_args.reward_funcs, str):  # a YAML scalar (TRL's parser keeps a recipe's value as written)
         raise SystemExit(f"egpo-trl train: reward_funcs must be a list, e.g. [{script_args.reward_funcs}].")
-    _check_correctness_reward(script_args, training_args)
-    return script_args, training_args, model_args
-
-
-def _check_correctness_reward(script_args: TrainScriptArguments, training_args: Any) -> None:
-    """Refuse, before anything loads, reward functions that leave ambiguous which one decides correctness."""
+    # Reward functions that leave ambiguous which one decides correctness are refused before anything loads.
     from egpo_trl.correctness import correctness_reward_index, reward_func_names
     from egpo_trl.script.resolve import resolve_reward_funcs
 
     funcs = resolve_reward_funcs(script_args.reward_funcs)
-    # The trainer appends its own overlong_penalty when overlong_buffer_length is set; it never decides correctness.
-    names = reward_func_names(funcs) + (
-        ["overlong_penalty"] if training_args.overlong_buffer_length is not None else []
-    )
+    overlong = ["overlong_penalty"] if training_args.overlong_buffer_length is not None else []  # the trainer's own
     try:
-        correctness_reward_index(funcs, training_args, names=names, quiet=True)  # the trainer logs its choice
+        correctness_reward_index(funcs, training_args, names=reward_func_names(funcs) + overlong, quiet=True)
     except ValueError as error:
         raise SystemExit(f"egpo-trl train: {error}") from None
-
-
-_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
-
-def _join_negative_numbers(args: list[str]) -> list[str]:
-    """``--learning_rate -1e-4`` -> ``--learning_rate=-1e-4``: argparse takes ``-1e-4`` for an option otherwise."""
-    joined: list[str] = []
-    for item in args:
-        previous = joined[-1] if joined else ""
-        if _NUMBER.fullmatch(item) and previous.startswith("--") and "=" not in previous and previous != "--config":
-            joined[-1] = f"{previous}={item}"
-        else:
-            joined.append(item)
-    return joined
+    return script_args, training_args, model_args
 
 
 def option_value(argv: Sequence[str], name: str) -> str | None:

@@ -13,12 +13,8 @@ HEADER = f"{MARKER_KEY}: (r'''  # this line and the last one let `python` and `a
 FOOTER = "#'''); from egpo_trl.recipe_launch import run_as_script; raise SystemExit(run_as_script(__file__))"
 
 
-class _DuplicateKey(ValueError):
-    pass
-
-
-def _safe_load_unique(text: str) -> Any:
-    """``yaml.safe_load`` that refuses a mapping with a key written twice (YAML would keep the last one silently)."""
+def load_recipe(path: str | Path, what: str = "recipe", prog: str = "egpo-trl train") -> dict[str, Any]:
+    """Read a recipe's YAML mapping, without the ``egpo_trl_recipe`` marker key; a key written twice is refused."""
     import yaml
 
     class UniqueKeyLoader(yaml.SafeLoader):
@@ -30,69 +26,44 @@ def _safe_load_unique(text: str) -> Any:
                 mark = key_node.start_mark
                 first = seen.setdefault((key_node.tag, key_node.value), mark)
                 if first is not mark:
-                    where = (
-                        f"on line {mark.line + 1}, columns {first.column + 1} and {mark.column + 1}"
-                        if first.line == mark.line
-                        else f"on lines {first.line + 1} and {mark.line + 1}"
-                    )
-                    raise _DuplicateKey(f"{key_node.value} is written twice, {where}; keep one")
+                    where = f"on lines {first.line + 1} and {mark.line + 1}"
+                    if first.line == mark.line:
+                        where = f"on line {mark.line + 1}, columns {first.column + 1} and {mark.column + 1}"
+                    raise SystemExit(f"{prog}: {path}: {key_node.value} is written twice, {where}; keep one.")
             return super().construct_mapping(node, deep)
-
-    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader
-
-
-def load_recipe(path: str | Path, what: str = "recipe", prog: str = "egpo-trl train") -> dict[str, Any]:
-    """Read a recipe's YAML mapping, without the ``egpo_trl_recipe`` marker key."""
-    import yaml
 
     path = Path(path)
     if not path.is_file():
         raise SystemExit(f"{prog}: the {what} {path} does not exist; check the path.")
     text = path.read_text()
     try:
-        data = _safe_load_unique(text)
-    except _DuplicateKey as error:
-        raise SystemExit(f"{prog}: {path}: {error}.") from None
+        data = yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as error:
         raise SystemExit(f"{prog}: {path} is not valid YAML: {error}") from error
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise SystemExit(f"{prog}: {path} must be a YAML mapping of field: value.")
-    quotes = _quotes_line(text.splitlines())
-    if quotes is not None:
-        raise SystemExit(f"{prog}: {_quotes_problem(path, quotes)}")
+    if quotes := _quotes_problem(path, text.splitlines()):
+        raise SystemExit(f"{prog}: {quotes}")
     data.pop(MARKER_KEY, None)
     return data
-
-
-def _is_header(line: str) -> bool:
-    return line.startswith(f"{MARKER_KEY}:")
-
-
-def _is_footer(line: str) -> bool:
-    return line.startswith("#'''")
 
 
 def add_script_lines(text: str) -> str:
     """``text`` with the two lines that let Python run it: the header first and the footer last."""
     lines = text.splitlines()
-    body = [line for line in lines if not _is_header(line) and not _is_footer(line)]
+    body = [line for line in lines if not line.startswith(f"{MARKER_KEY}:") and not line.startswith("#'''")]
     while body and not body[-1].strip():
         body.pop()
     return "\n".join([HEADER, *body, FOOTER]) + "\n"
 
 
-def _quotes_line(lines: Sequence[str]) -> int | None:
-    """The first line between a recipe's first and last lines that holds ``'''`` (``None``: none, or no such lines)."""
+def _quotes_problem(path: str | Path, lines: Sequence[str]) -> str | None:
+    """What a line between a recipe's first and last lines that holds ``'''`` breaks (``None``: no such line)."""
     header = next((n for n, line in enumerate(lines, 1) if line.startswith(f"{MARKER_KEY}:")), None)
-    footer = next((n for n, line in enumerate(lines, 1) if _is_footer(line)), None)
-    if header is None or footer is None:
-        return None
-    return next((n for n in range(header + 1, footer) if "'''" in lines[n - 1]), None)
-
-
-def _quotes_problem(path: str | Path, line: int) -> str:
-    return (
+    footer = next((n for n, line in enumerate(lines, 1) if line.startswith("#'''")), None)
+    line = next((n for n in range(header + 1, footer) if "'''" in lines[n - 1]), None) if header and footer else None
+    return line and (
         f"{path} line {line} holds ''', which ends the text Python skips: `python {path}` and `accelerate launch "
         f"{path}` would stop reading the recipe there; write it otherwise (e.g. \\'\\'\\' in a quoted YAML string, or "
         "drop it from the comment)."
@@ -101,18 +72,15 @@ def _quotes_problem(path: str | Path, line: int) -> str:
 
 def script_problem(path: str | Path) -> str | None:
     """Why ``python``/``accelerate launch`` cannot run the recipe ``path`` as written (``None`` when they can)."""
-    path = Path(path)
-    text = path.read_text()
-    lines = text.splitlines()
+    lines = (text := Path(path).read_text()).splitlines()
     if not any(line.startswith(f"{MARKER_KEY}:") for line in lines):
         return None
     fix = f"run `python -m egpo_trl.script.recipe {path}` to move it above the last line"
-    footer = next((number for number, line in enumerate(lines, 1) if _is_footer(line)), None)
+    footer = next((number for number, line in enumerate(lines, 1) if line.startswith("#'''")), None)
     if footer is None:
         return f"{path} lost its last line (#'''; ...): {fix.replace('move it above', 'restore')}."
-    quotes = _quotes_line(lines)
-    if quotes is not None:
-        return _quotes_problem(path, quotes)
+    if quotes := _quotes_problem(path, lines):
+        return quotes
     try:
         tree = ast.parse(text, filename=str(path))
     except SyntaxError as error:
@@ -131,21 +99,15 @@ def _main(argv: Sequence[str] | None = None) -> int:
     """``python -m egpo_trl.script.recipe RECIPE.yaml ...``: add or repair the two lines, in place."""
     paths = list(sys.argv[1:] if argv is None else argv)
     if not paths or any(p in ("-h", "--help") for p in paths):
-        print(
-            "usage: python -m egpo_trl.script.recipe RECIPE.yaml [...]\n\nAdds (or repairs) the first and last lines "
-            "that let `accelerate launch RECIPE.yaml` train a recipe; lines written after the last line move above "
-            "it. Nothing else changes."
-        )
+        print("usage: python -m egpo_trl.script.recipe RECIPE.yaml [...]\n\nAdds (or repairs) the first and last lines that "
+              "let `accelerate launch RECIPE.yaml` train a recipe; lines after the last line move above it.")  # fmt: skip
         return 0
-    for name in paths:
-        path = Path(name)
+    for path in map(Path, paths):
         before = path.read_text()
-        after = add_script_lines(before)
-        if after != before:
+        if (after := add_script_lines(before)) != before:
             path.write_text(after)
             print(f"{path}: updated.")
-        problem = script_problem(path)
-        if problem:
+        if problem := script_problem(path):
             print(problem, file=sys.stderr)
             return 1
     return 0

@@ -1,6 +1,5 @@
 """What the names in a recipe point to: the model (``builtin:<name>``, a local folder or a Hub id) and the reward
-functions (a registered name or an import path).
-"""
+functions (a registered name or an import path)."""
 
 from __future__ import annotations
 
@@ -12,8 +11,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from egpo_trl.input_checks import resolve_model_name
-
-BUILTIN_MODEL_PREFIX = "builtin:"
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -63,10 +60,7 @@ def check_model_exists(
 def _import(module_name: str):
     """Import ``module_name`` with the current folder first on ``sys.path`` (as ``python -m`` has it) during the
     import only, so that ``my_rewards:fn`` finds ./my_rewards.py."""
-    here = os.getcwd()
-    if any(entry in ("", here) or (entry and os.path.abspath(entry) == here) for entry in sys.path):
-        return importlib.import_module(module_name)
-    sys.path.insert(0, here)
+    sys.path.insert(0, here := os.getcwd())
     importlib.invalidate_caches()
     try:
         return importlib.import_module(module_name)
