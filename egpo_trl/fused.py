@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from egpo_trl.input_checks import config_makes_forward_random
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -141,6 +143,18 @@ def loss_forward_problems(
     return problems
 
 
+def random_training_forward(model: torch.nn.Module) -> bool:
+    """Whether a training-mode forward of ``model`` is random: active dropout, or a random setting in its configs."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        adapters = getattr(module, "peft_config", None)
+        configs = [getattr(module, "config", None), *(adapters.values() if isinstance(adapters, dict) else ())]
+        if any(hasattr(config, "to_dict") and config_makes_forward_random(config.to_dict()) for config in configs):
+            return True
+    return False
+
+
 class LossForwardEntropyMixin:
     """``egpo_entropy_logps="loss_forward"`` for :class:`~egpo_trl.trainer.EGPOTrainer`."""
 
@@ -151,7 +165,7 @@ class LossForwardEntropyMixin:
             return
         engine = "FSDP" if self.is_fsdp_enabled else None
         problems = loss_forward_problems(
-            self._egpo_training_forward_is_random(arguments=False),  # NEFTune: among the arguments' problems
+            random_training_forward(self.model),  # NEFTune: among the arguments' problems
             engine=engine,
             multimodal=bool(getattr(self, "_is_vlm", False)),
             router_loss=bool(getattr(self, "aux_loss_enabled", False)),
@@ -166,9 +180,6 @@ class LossForwardEntropyMixin:
         self._fused_cache: list[tuple] = []
         self._fused_batch: dict[str, Any] | None = None
 
-    def _fused_active(self, mode: str) -> bool:
-        return getattr(self, "_fused", False) and mode == "train"
-
     def _fused_finish(self, output: dict[str, Any], rewards_per_func: torch.Tensor, num_generations: int):
         """Base advantages of the generation batch now; the rows carry what the block's weights need."""
         from egpo_trl.advantages import weighted_reward_sum
@@ -176,9 +187,6 @@ class LossForwardEntropyMixin:
         # A new generation batch: nothing of an earlier one (a run stopped inside a block) carries over.
         self._fused_pending, self._fused_cache, self._fused_batch = [], [], None
         mask, fallback = self._egpo_loss_mask(output)
-        if fallback is not None:
-            fallback = self.accelerator.gather(fallback)
-            self._egpo_warn_scope_fallback(fallback)
         total = rewards_per_func.size(0)
         # Any finite entropies give the same base advantages: the weights are computed per block.
         result = self._egpo_compute(rewards_per_func, torch.zeros(total), num_generations)
@@ -186,15 +194,12 @@ class LossForwardEntropyMixin:
         start = self.accelerator.process_index * local
         rows = slice(start, start + local)
         device = output["advantages"].device
-        no_verdict = torch.isnan(rewards_per_func[:, self._egpo_correctness_index])
-        correct = self._egpo_correct(rewards_per_func)[0].float().masked_fill(no_verdict, float("nan"))
-        if getattr(self._egpo_estimator, "binary_correctness", False):  # unscored, as in _egpo_compute
-            rewards_per_func = rewards_per_func.masked_fill(no_verdict.unsqueeze(1), float("nan"))
+        rewards_per_func, correct, _ = self._egpo_verdicts(rewards_per_func)
         rewards = weighted_reward_sum(rewards_per_func, self.reward_weights)
         output["advantages"] = result.base_advantages[rows].to(device, output["advantages"].dtype)
         output[GROUP_KEY] = (torch.arange(total, device=device) // num_generations)[rows]
         output[REWARD_KEY] = rewards[rows].to(device)
-        output[CORRECT_KEY] = correct[rows].to(device)
+        output[CORRECT_KEY] = correct.float()[rows].to(device)
         output[MASK_KEY] = mask
         output[ROW_KEY] = torch.arange(local, device=device)
         self._fused_batch = {
@@ -232,9 +237,6 @@ class LossForwardEntropyMixin:
         self._fused_pending.append(prepared)
         self._step += 1
         return torch.zeros((), device=self.accelerator.device)
-
-    def _fused_cached_forward(self):
-        return self._fused_cache.pop(0) if self._fused_cache else None
 
     def _fused_block_loss(self, model, inputs, loss_of):
         """Every micro-batch's forward, EGPO's weights from their log-probs, then ``loss_of(model, micro_batch)`` with

@@ -12,9 +12,11 @@ from fractions import Fraction
 from typing import Any
 
 import torch
+from trl.trainer.utils import nanstd
 
-from egpo_trl.advantages import weighted_reward_sum
+from egpo_trl.advantages import normalize_then_sum_rewards, weighted_reward_sum
 from egpo_trl.config import oversampling_layout_error
+from egpo_trl.rewards import make_overlong_penalty_reward
 from egpo_trl.sampling.common import refuse_unsupported_generation
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,19 @@ def colocated_engine_sequences(args: Any, processes: int | None = None) -> tuple
 
 def _prompt_key(prompt: Any) -> str:
     return prompt if isinstance(prompt, str) else repr(prompt)
+
+
+def with_overlong_reward(reward_funcs: Any, args: Any) -> Any:
+    """The reward functions, with DAPO's overlong penalty appended when ``overlong_buffer_length`` is set."""
+    if args.overlong_buffer_length is None:
+        return reward_funcs
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if any(getattr(func, "__name__", None) == "overlong_penalty" for func in funcs):
+        raise ValueError("overlong_buffer_length adds overlong_penalty itself: remove it from reward_funcs.")
+    if args.reward_weights is not None and len(args.reward_weights) != len(funcs) + 1:
+        raise ValueError(f"overlong_buffer_length adds a reward: reward_weights needs {len(funcs) + 1} entries.")
+    length, factor = args.overlong_buffer_length, args.overlong_penalty_factor
+    return [*funcs, make_overlong_penalty_reward(args.max_completion_length, length, factor)]
 
 
 @contextmanager
@@ -200,7 +215,8 @@ class DynamicSamplingMixin:
             # verl's DAPO sizing: the shortfall over the informative fraction, at most a generation batch.
             extra = math.ceil((target - found) / max(Fraction(found, generated), MIN_INFORMATIVE_FRACTION))
             unit = processes // math.gcd(processes, num_generations)
-            extra = self._egpo_same_count_across_processes(min(math.ceil(extra / unit) * unit, target))
+            extra = min(math.ceil(extra / unit) * unit, target)  # the largest of every process's
+            extra = int(self.accelerator.gather(torch.tensor([extra], device=self.accelerator.device)).max())
             round_inputs = self._refill_inputs(extra, num_generations, draw)
 
         def pick(wanted: bool) -> list[tuple[int, int]]:
@@ -270,6 +286,41 @@ class DynamicSamplingMixin:
             else:
                 kept = [v for r in used for v in values[starts[r] : starts[r + 1]]]
             values[:] = before + kept
+
+    def _egpo_length_metrics(self, lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+        """TRL's ``completions/*`` length metrics of this process's rows ``lengths``/``truncated``, gathered."""
+        lengths = self.accelerator.gather(lengths).float()
+        truncated = self.accelerator.gather(truncated).bool()
+        terminated = lengths[~truncated]
+        if terminated.numel() == 0:
+            terminated = torch.zeros(1, device=lengths.device)
+        values = {"completions/clipped_ratio": truncated.float().mean().item()}
+        for kind, rows in (("", lengths), ("terminated_", terminated)):
+            values.update(
+                {f"completions/{stat}_{kind}length": getattr(rows, stat)().item() for stat in ("mean", "min", "max")}
+            )
+        return values
+
+    def _egpo_reward_metrics(self, rewards_per_func: torch.Tensor, num_generations: int) -> dict[str, float]:
+        """TRL's reward metrics of the global ``rewards_per_func``, as ``GRPOTrainer`` computes them."""
+        values: dict[str, float] = {}
+        for i, name in enumerate(self.reward_func_names):
+            values[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
+            values[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
+        rewards = weighted_reward_sum(rewards_per_func, self.reward_weights)
+        if self.multi_objective_aggregation == "normalize_then_sum" or self.scale_rewards == "batch":
+            if self.multi_objective_aggregation == "normalize_then_sum":
+                rewards = normalize_then_sum_rewards(rewards_per_func, self.reward_weights, num_generations)
+            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+            rewards = weighted_reward_sum(rewards_per_func, self.reward_weights)
+        elif num_generations > 1:
+            std = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
+        else:
+            std = torch.zeros_like(rewards)
+        values["reward"] = torch.nanmean(rewards).item()
+        values["reward_std"] = nanstd(rewards).item()
+        values["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).float().mean().item()
+        return values
 
     def _round_group_order(self, groups: int, extra: int) -> list[int]:
         """The round's gathered group indices in keeping order: the batch's own groups before the ``extra`` added."""
