@@ -15,14 +15,6 @@ from egpo_trl.input_checks import config_makes_forward_random
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "block_memory_note",
-    "block_size",
-    "group_first_order",
-    "reorder_rows",
-    "shuffle_then",
-]
-
 # Keys the scoring adds to each row for the block's weights: its global group, weighted reward sum (NaN: unscored),
 # correctness (1/0, NaN: no verdict), the tokens the entropy proxy averages over, and its index on this process.
 GROUP_KEY = "egpo_fused_group"
@@ -31,9 +23,7 @@ CORRECT_KEY = "egpo_fused_correct"
 MASK_KEY = "egpo_fused_mask"
 ROW_KEY = "egpo_fused_row"
 
-#: The DeepSpeed release ``loss_forward`` was checked with (ZeRO's ``clear_backward_seen_flag``, called per backward).
-
-DEEPSPEED_CHECKED = "0.19"
+DEEPSPEED_CHECKED = "0.19"  # the release loss_forward was checked with (ZeRO's clear_backward_seen_flag)
 
 
 def deepspeed_problem() -> str | None:
@@ -78,27 +68,6 @@ def group_first_order(groups: torch.Tensor) -> torch.Tensor:
     rank = torch.tensor([first[group] for group in groups.tolist()])
     # sort by the position of the group's first row; stable, so rows of a group keep their order
     return torch.sort(rank, stable=True).indices
-
-
-def shuffle_then(prepare, generation_batch, reorders):
-    """TRL's ``_prepare_inputs`` with each of ``reorders`` (batch -> permutation) applied after TRL's shuffle."""
-    from trl.trainer import grpo_trainer
-
-    original = grpo_trainer.shuffle_sequence_dict
-
-    def shuffle_and_reorder(batch):
-        batch = original(batch)
-        for reorder in reorders:
-            permutation = reorder(batch)
-            if permutation is not None:
-                batch = reorder_rows(batch, permutation)
-        return batch
-
-    grpo_trainer.shuffle_sequence_dict = shuffle_and_reorder
-    try:
-        return prepare(generation_batch)
-    finally:
-        grpo_trainer.shuffle_sequence_dict = original
 
 
 def reorder_rows(batch: dict[str, Any], permutation: torch.Tensor) -> dict[str, Any]:
@@ -218,11 +187,19 @@ class LossForwardEntropyMixin:
 
     def _fused_prepare_inputs(self, prepare, generation_batch):
         """TRL's ``_prepare_inputs`` with a new batch's shuffled rows grouped, so that a block holds whole groups."""
+        from trl.trainer import grpo_trainer
 
-        def group(batch):
-            return group_first_order(batch[GROUP_KEY]) if GROUP_KEY in batch else None
+        shuffle = grpo_trainer.shuffle_sequence_dict
 
-        return shuffle_then(prepare, generation_batch, [group])
+        def shuffle_then_group(batch):
+            batch = shuffle(batch)
+            return reorder_rows(batch, group_first_order(batch[GROUP_KEY])) if GROUP_KEY in batch else batch
+
+        grpo_trainer.shuffle_sequence_dict = shuffle_then_group
+        try:
+            return prepare(generation_batch)
+        finally:
+            grpo_trainer.shuffle_sequence_dict = shuffle
 
     def _fused_training_step(self, model, inputs, step):
         """Keep a micro-batch that does not end its block; the block's last one runs ``step``."""
@@ -260,20 +237,11 @@ class LossForwardEntropyMixin:
                 )
             )
         n = self._fused_batch["num_generations"]
-        nll = torch.cat(
-            [
-                sequence_entropy(logps.detach().float(), batch[MASK_KEY])
-                for (logps, _, _), batch in zip(forwards, block)
-            ]
-        )
+        pairs = list(zip(forwards, block))
+        nll = torch.cat([sequence_entropy(logps.detach().float(), batch[MASK_KEY]) for (logps, _, _), batch in pairs])
         shannon = None
         if self._egpo_entropy_input == "shannon":  # EDGE-GRPO: the mean full-distribution entropy of each row
-            shannon = torch.cat(
-                [
-                    sequence_mean(entropies.detach().float(), batch[MASK_KEY])
-                    for (_, entropies, _), batch in zip(forwards, block)
-                ]
-            )
+            shannon = torch.cat([sequence_mean(ent.detach().float(), batch[MASK_KEY]) for (_, ent, _), batch in pairs])
         rewards = torch.cat([batch[REWARD_KEY] for batch in block])
         correct = torch.cat([batch[CORRECT_KEY] for batch in block])
         # The weights of a group depend on its own rows only: the estimator over the block's groups gives them.
@@ -281,8 +249,12 @@ class LossForwardEntropyMixin:
         weights = self._egpo_estimator(rewards, entropy_input, n, correct=correct, **self._estimator_kwargs())
         self._fused_record(block, weights, nll, shannon)
         self._fused_cache = list(forwards)
-        del forwards  # each kept forward is freed with its micro-batch's backward
-        early = self._fused_backward_each(model)
+        del forwards, pairs  # each kept forward is freed with its micro-batch's backward
+        # Each micro-batch's backward can run as its loss is computed under DeepSpeed or alone, not under DDP.
+        alone = (
+            not isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.accelerator.num_processes == 1
+        )
+        early = self.is_deepspeed_enabled or alone
         total = None
         done = None  # the losses already backpropagated, for the logged loss
         start = 0
@@ -305,12 +277,6 @@ class LossForwardEntropyMixin:
             self._fused_cache = []
         # The trainer's step backpropagates what is left (the last micro-batch's loss) and logs the block's sum.
         return total if done is None else total + done
-
-    def _fused_backward_each(self, model) -> bool:
-        """Whether each micro-batch's backward can run as its loss is computed: under DeepSpeed or alone, not DDP."""
-        if self.is_deepspeed_enabled:
-            return True
-        return not isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.accelerator.num_processes == 1
 
     def _fused_backward_now(self, loss: torch.Tensor) -> None:
         """One earlier micro-batch's backward as an accumulation step (TRL's loss is already scaled for it)."""

@@ -36,7 +36,7 @@ from egpo_trl.old_logps import can_realign, shifted_logps
 from egpo_trl.resume_state import ExactResumeMixin
 from egpo_trl.sampling.dynamic import DynamicSamplingMixin, vllm_sequences_for_oversampling, with_overlong_reward
 from egpo_trl.sampling.gec import GuidedErrorCorrectionMixin
-from egpo_trl.segments import segment_masks
+from egpo_trl.segments import scope_mask
 
 logger = logging.getLogger(__name__)
 
@@ -351,12 +351,12 @@ class EGPOTrainer(
         mask = output["completion_mask"]
         if output.get("tool_mask") is not None:
             mask = mask * output["tool_mask"]
-        if self.args.egpo_entropy_scope == "completion":
+        mask, fallback = scope_mask(
+            output["completion_ids"], mask, self.processing_class, self.args.egpo_entropy_scope
+        )
+        if fallback is None:
             return mask, None
-        thinking, answer = segment_masks(output["completion_ids"], mask, self.processing_class)
-        chosen = thinking if self.args.egpo_entropy_scope == "thinking" else answer
-        fallback = ((chosen != 0).sum(dim=1) == 0) & ((mask != 0).sum(dim=1) > 0)
-        mask, fallback = torch.where(fallback.unsqueeze(1), mask, chosen), self.accelerator.gather(fallback)
+        fallback = self.accelerator.gather(fallback)
         if fallback.any():
             self._egpo_warn_once(
                 "egpo_entropy_scope=%r: %d of %d completions have no %s segment, so their entropy proxy is taken over "

@@ -17,13 +17,26 @@ from trl.trainer.utils import nanstd
 from egpo_trl.advantages import normalize_then_sum_rewards, weighted_reward_sum
 from egpo_trl.config import oversampling_layout_error
 from egpo_trl.rewards import make_overlong_penalty_reward
-from egpo_trl.sampling.common import refuse_unsupported_generation
 
 logger = logging.getLogger(__name__)
 
 _LEFT_PADDED_KEYS = ("prompt_ids", "prompt_mask")
 # An extra round is sized as if at least this fraction of groups were informative (no division by zero).
 MIN_INFORMATIVE_FRACTION = Fraction(1, 10)
+
+
+def refuse_unsupported_generation(trainer: Any, feature: str) -> None:
+    """Refuse ``feature`` (dynamic sampling or Guided Error Correction, which regroup or rewrite a round's completions)
+    for anything but single-turn text generation."""
+    unsupported = {
+        "vision-language models": bool(getattr(trainer, "_is_vlm", False)),
+        "tools": bool(trainer.tools),
+        "rollout_func": trainer.rollout_func is not None,
+        "environment_factory": trainer.environment_factories is not None,
+    }
+    used = [name for name, on in unsupported.items() if on]
+    if used:
+        raise ValueError(f"{feature} does not support {used[0]}; turn one of them off.")
 
 
 def first_round_extra_groups(oversample: float, target: int, processes: int) -> int:
@@ -39,7 +52,7 @@ def largest_oversample(distinct: int, target: int, processes: int) -> Fraction |
 
 
 def filter_mismatch(args: Any) -> str | None:
-    """What DAPO's filter drops that the run's estimator learns from, or keeps that it ignores; ``None`` if neither."""
+    """What DAPO's filter drops that the estimator learns from, or keeps that it ignores; ``None`` if neither."""
     estimator, metric = args.advantage_estimator, args.dynamic_sampling_metric
     if estimator == "egpo":
         learns = {"entirely incorrect": bool(args.egpo_nsr), "entirely correct": False}
@@ -49,10 +62,8 @@ def filter_mismatch(args: Any) -> str | None:
         return None
     dropped = [kind for kind, learned in learns.items() if learned]
     kept = [kind for kind, learned in sorted(learns.items()) if not learned] if metric == "reward" else []
-    parts = []
-    if dropped:
-        which = " whose total rewards are all equal" if metric == "reward" else ""
-        parts.append(f"it drops the {' and '.join(dropped)} groups{which}, which {estimator} learns from")
+    which = " whose total rewards are all equal" if metric == "reward" else ""
+    parts = [f"it drops the {' and '.join(dropped)} groups{which}, which {estimator} learns from"] if dropped else []
     if kept:
         parts.append(f"it keeps the {' and '.join(kept)} groups whose other rewards differ, which {estimator} gives no "
                      "advantage")  # fmt: skip
@@ -70,19 +81,14 @@ def first_round_groups(args: Any, processes: int) -> tuple[int, int]:
     return target, first_round_extra_groups(args.dynamic_sampling_oversample, target, processes)
 
 
-def oversampled_max_num_seqs(args: Any, processes: int | None = None) -> int:
-    """The sequences one colocated vLLM engine receives in an oversampled first round."""
-    processes = args.world_size if processes is None else processes
-    _, extra = first_round_groups(args, processes)
-    local_rows = args.per_device_train_batch_size * args.steps_per_generation
-    return (local_rows + extra // processes * args.num_generations) * args.vllm_tensor_parallel_size
-
-
 def colocated_engine_sequences(args: Any, processes: int | None = None) -> tuple[int, bool]:
-    """``(max_num_seqs, oversampled)``: the sequences one colocated vLLM engine is started with."""
-    if args.dynamic_sampling and args.dynamic_sampling_oversample > 1.0:
-        return oversampled_max_num_seqs(args, processes), True
-    return args.per_device_train_batch_size * args.steps_per_generation * args.vllm_tensor_parallel_size, False
+    """``(max_num_seqs, oversampled)``: the sequences one colocated vLLM engine is started with (with room for an
+    oversampled first round)."""
+    processes = args.world_size if processes is None else processes
+    local_rows = args.per_device_train_batch_size * args.steps_per_generation
+    oversampled = args.dynamic_sampling and args.dynamic_sampling_oversample > 1.0
+    extra = first_round_groups(args, processes)[1] // processes * args.num_generations if oversampled else 0
+    return (local_rows + extra) * args.vllm_tensor_parallel_size, oversampled
 
 
 def _prompt_key(prompt: Any) -> str:
@@ -151,14 +157,12 @@ class DynamicSamplingMixin:
         if extra and distinct < target + extra:
             largest = largest_oversample(distinct, target, processes)
             fix = (
-                f"Lower dynamic_sampling_oversample (at most {float(largest):g} here), or train on more prompts."
-                if largest is not None
-                else "Set dynamic_sampling_oversample: 1.0, or train on more prompts."
+                f"Lower dynamic_sampling_oversample (at most {float(largest):g} here)" if largest else "Set it to 1.0"
             )
             raise ValueError(
                 f"dynamic_sampling_oversample={args.dynamic_sampling_oversample:g} makes the first round {target} + "
                 f"{extra} groups, one prompt each, but train_dataset has {distinct} distinct prompts: the round would "
-                f"repeat prompts. {fix}"
+                f"repeat prompts. {fix}, or train on more prompts."
             )
 
     def _informative_groups(self, rewards_per_func: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -198,16 +202,9 @@ class DynamicSamplingMixin:
                 output, rewards_per_func = self._generate_round(round_inputs)
                 logs = self._snapshot_logs(groups * num_generations)
             informative = self._informative_groups(rewards_per_func, num_generations)
-            rounds.append(
-                {
-                    "output": output,
-                    "rewards_per_func": rewards_per_func,
-                    "informative": informative,
-                    "groups": groups,
-                    "order": self._round_group_order(groups, first_extra if round_index == 0 else 0),
-                    "logs": logs,
-                }
-            )
+            record = dict(output=output, rewards_per_func=rewards_per_func, informative=informative, logs=logs)
+            order = self._round_group_order(groups, first_extra if round_index == 0 else 0)
+            rounds.append({**record, "groups": groups, "order": order})
             found += int(informative.sum().item())
             generated += groups
             if found >= target or round_index + 1 == max_rounds:
@@ -234,12 +231,7 @@ class DynamicSamplingMixin:
                     "rounds (dynamic_sampling_max_rounds=%d, step %d); %d uninformative groups fill the batch and "
                     "give no GRPO signal. Raise dynamic_sampling_max_rounds, train on prompts of a better-suited "
                     "difficulty, or set dynamic_sampling=False.",
-                    len(selected),
-                    target,
-                    len(rounds),
-                    max_rounds,
-                    self.state.global_step,
-                    len(fillers),
+                    *(len(selected), target, len(rounds), max_rounds, self.state.global_step, len(fillers)),
                 )
             selected = selected + fillers
 
@@ -254,16 +246,9 @@ class DynamicSamplingMixin:
         metrics["dynamic_sampling/frac_informative"].append(found / generated)
         metrics["dynamic_sampling/generated_per_kept"].append(generated / target)
         metrics["dynamic_sampling/cap_hit"].append(float(cap_hit))
-        sampling = {
-            "rounds": len(rounds),
-            "target_groups": target,
-            "round_groups": [record["groups"] for record in rounds],
-            "first_round_extra_groups": first_extra,
-            "informative": [record["informative"] for record in rounds],
-            "selected": selected,
-            "cap_hit": cap_hit,
-        }
-        return output, rewards_per_func, sampling
+        sampling = dict(rounds=len(rounds), target_groups=target, round_groups=[r["groups"] for r in rounds])
+        sampling.update(first_round_extra_groups=first_extra, informative=[r["informative"] for r in rounds])
+        return output, rewards_per_func, {**sampling, "selected": selected, "cap_hit": cap_hit}
 
     def _keep_batch_metrics(self, marks, used, output, rewards_per_func, num_generations) -> None:
         """Reward and length metrics recomputed for the kept batch; other metrics keep the ``used`` rounds' values."""
@@ -308,11 +293,12 @@ class DynamicSamplingMixin:
             values[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
             values[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
         rewards = weighted_reward_sum(rewards_per_func, self.reward_weights)
-        if self.multi_objective_aggregation == "normalize_then_sum" or self.scale_rewards == "batch":
-            if self.multi_objective_aggregation == "normalize_then_sum":
-                rewards = normalize_then_sum_rewards(rewards_per_func, self.reward_weights, num_generations)
-            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-            rewards = weighted_reward_sum(rewards_per_func, self.reward_weights)
+        normalized = self.multi_objective_aggregation == "normalize_then_sum"
+        if normalized or self.scale_rewards == "batch":
+            spread = rewards
+            if normalized:
+                spread = normalize_then_sum_rewards(rewards_per_func, self.reward_weights, num_generations)
+            std = nanstd(spread).expand_as(spread) if spread.numel() > 1 else torch.zeros_like(rewards)
         elif num_generations > 1:
             std = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
         else:

@@ -20,7 +20,7 @@ from egpo_trl.rewards import (
     boxed_accuracy_reward,
     extract_last_boxed,
 )
-from egpo_trl.sampling.common import refuse_unsupported_generation
+from egpo_trl.sampling.dynamic import refuse_unsupported_generation
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,6 @@ class GuidedErrorCorrectionMixin:
     solution_boxed,answer_too_long}``."""
 
     def _check_guided_error_correction(self) -> None:
-        """Refuse at init what GEC cannot serve."""
         args = self.args
         refuse_unsupported_generation(self, "edge_gec")
         if getattr(self, "use_transformers_continuous_batching", False):
@@ -121,8 +120,7 @@ class GuidedErrorCorrectionMixin:
             )
         # Some rows get the answer template: the answer share, or the solution share without a `solution` column.
         injects = args.edge_gec_answer_prob > 0 or (args.edge_gec_solution_prob > 0 and "solution" not in columns)
-        index = getattr(self, "_egpo_correctness_index", None)
-        if injects and index is not None and self.reward_funcs[index] is boxed_accuracy_reward:
+        if injects and self.reward_funcs[self._egpo_correctness_index] is boxed_accuracy_reward:
             rendered, readable = answer_template_probe(args.edge_gec_answer_template)
             if not readable:
                 raise ValueError(
@@ -135,13 +133,11 @@ class GuidedErrorCorrectionMixin:
         def length(text: str) -> int:
             return len(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
+        cue, template = args.edge_gec_reflection_cue, args.edge_gec_answer_template
         texts = []  # the cue needs one continued token and the EOS; the template a one-character answer and the EOS
         if args.edge_gec_reflect_prob > 0:
-            texts.append(
-                ("edge_gec_reflection_cue", args.edge_gec_reflection_cue, length(args.edge_gec_reflection_cue) + 2)
-            )
+            texts.append(("edge_gec_reflection_cue", cue, length(cue) + 2))
         if injects:
-            template = args.edge_gec_answer_template
             texts.append(("edge_gec_answer_template", template, length(template.replace("{answer}", "0")) + 1))
         for name, text, needed in texts:
             if needed > args.max_completion_length:
@@ -268,9 +264,8 @@ class GuidedErrorCorrectionMixin:
         stats = self.accelerator.gather(torch.tensor([[len(reflect_rows), budget]], device=device)).view(-1, 2)
         counts = [int(n) for n in stats[:, 0].tolist()]
         continued: dict[int, tuple[list[int], list[float] | None]] = {}  # row -> continuation ids and log-probs
-        timings = getattr(self, "_egpo_timings", None)
-        if timings is not None:  # logged for every round GEC runs on (0 without continuations)
-            timings.setdefault("gec_continuation_s", 0.0)
+        if self._egpo_timings is not None:  # logged for every round GEC runs on (0 without continuations)
+            self._egpo_timings.setdefault("gec_continuation_s", 0.0)
         if sum(counts):
             batch = pad_continuation_batch(reflect_prompts, counts, filler=list(prompt_ids[0]))
             with self._egpo_timed("gec_continuation_s"):  # the continuations alone, also counted in gec_s
@@ -337,12 +332,8 @@ class GuidedErrorCorrectionMixin:
     def _gec_vllm_awake(self):
         """Keep a sleeping colocated vLLM engine awake over a round's generation and its continuations."""
         generation = getattr(self, "vllm_generation", None) if self.use_vllm else None
-        if (
-            generation is None
-            or generation.mode != "colocate"
-            or not generation.enable_sleep_mode
-            or self.args.edge_gec_reflect_prob <= 0
-        ):
+        awake = generation is not None and generation.mode == "colocate" and generation.enable_sleep_mode
+        if not awake or self.args.edge_gec_reflect_prob <= 0:  # nothing sleeps, or no continuations
             yield
             return
         with self._egpo_timed("generation_s"):
