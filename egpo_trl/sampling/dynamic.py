@@ -198,9 +198,7 @@ class DynamicSamplingMixin:
         for round_index in range(max_rounds):
             marks.append({name: len(values) for name, values in self._metrics["train"].items()})
             groups = len(round_inputs) * processes // num_generations
-            with self._logs_for_round(groups * num_generations):
-                output, rewards_per_func = self._generate_round(round_inputs)
-                logs = self._snapshot_logs(groups * num_generations)
+            output, rewards_per_func, logs = self._round_with_own_logs(round_inputs, groups * num_generations)
             informative = self._informative_groups(rewards_per_func, num_generations)
             record = dict(output=output, rewards_per_func=rewards_per_func, informative=informative, logs=logs)
             order = self._round_group_order(groups, first_extra if round_index == 0 else 0)
@@ -396,56 +394,40 @@ class DynamicSamplingMixin:
         fill = torch.full((t.size(0), missing, *t.shape[2:]), self._pad_value(key), dtype=t.dtype, device=t.device)
         return torch.cat([fill, t] if key in _LEFT_PADDED_KEYS else [t, fill], dim=1)
 
-    @contextmanager
-    def _logs_for_round(self, global_rows: int) -> Iterator[None]:
-        """TRL's completions-table logs emptied during a round and restored afterwards."""
+    def _round_with_own_logs(self, inputs: list[dict[str, Any]], global_rows: int) -> tuple:
+        """One generation round with TRL's completions-table logs emptied for it: ``(output, rewards_per_func, logs)``,
+        ``logs`` the round's entries (``None``: a column it did not log)."""
         logs = self._logs
 
-        def fresh(values):
-            return (
-                defaultdict(lambda: deque(maxlen=global_rows))
-                if isinstance(values, dict)
-                else deque(maxlen=global_rows)
-            )
-
-        self._logs = {name: fresh(values) for name, values in logs.items()}
-        try:
-            yield
-            for part in ("rewards", "extra"):
-                for name in self._logs[part]:
-                    logs[part][name]  # noqa: B018 (a defaultdict: creates the name's deque)
-        finally:
-            self._logs = logs
-
-    def _snapshot_logs(self, global_rows: int) -> dict[str, Any]:
-        """The completions-table entries of the last round (``None``: a column it did not log)."""
+        def column():
+            return deque(maxlen=global_rows)
 
         def tail(values) -> list | None:
-            return list(values)[-global_rows:] if len(values) >= global_rows else None
+            return list(values) if len(values) >= global_rows else None
 
-        logs = self._logs
-        snapshot = {part: tail(logs[part]) for part in ("prompt", "completion", "advantages")}
+        self._logs = own = {name: defaultdict(column) if isinstance(v, dict) else column() for name, v in logs.items()}
+        try:
+            output, rewards_per_func = self._generate_round(inputs)
+        finally:
+            self._logs = logs
+        snapshot = {part: tail(own[part]) for part in ("prompt", "completion", "advantages")}
         for part in ("rewards", "extra"):
-            snapshot[part] = {name: tail(values) for name, values in logs[part].items()}
-        return snapshot
+            snapshot[part] = {name: tail(values) for name, values in own[part].items()}
+            for name in own[part]:
+                logs[part][name]  # noqa: B018 (a defaultdict: creates the name's deque)
+        return output, rewards_per_func, snapshot
 
     def _restore_logs(self, rounds, selected, num_generations: int, global_rows: int) -> None:
         """Make the completions table (a generation batch's ``global_rows`` rows) show the kept rows."""
         rows = [(r, g * num_generations + j) for r, g in selected for j in range(num_generations)]
 
-        def replace(target, *path: str) -> None:
-            snapshots = []
-            for record in rounds:
-                snapshot = record["logs"]
-                for part in path:
-                    snapshot = snapshot.get(part) if isinstance(snapshot, dict) else None
-                snapshots.append(snapshot)
+        def replace(target, snapshots: list) -> None:
             for _ in range(min(len(target), global_rows)):
                 target.pop()
             target.extend(snapshots[r][i] if snapshots[r] is not None else None for r, i in rows)
 
         for part in ("prompt", "completion", "advantages"):
-            replace(self._logs[part], part)
+            replace(self._logs[part], [record["logs"][part] for record in rounds])
         for part in ("rewards", "extra"):
             for name, values in self._logs[part].items():
-                replace(values, part, name)
+                replace(values, [record["logs"][part].get(name) for record in rounds])

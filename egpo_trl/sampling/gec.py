@@ -89,10 +89,6 @@ def shortened(ids: list[int], limit: int, decode) -> list[int]:
 def pad_continuation_batch(prompts: list[list[int]], counts: list[int], filler: list[int]) -> list[list[int]]:
     """This process's continuation prompts padded with ``filler`` to the largest of every process's ``counts``."""
     width = max(max(counts, default=0), 1)
-    if len(prompts) > width:
-        raise ValueError(
-            f"{len(prompts)} continuation prompts on this process, more than the gathered maximum {width}"
-        )
     return [list(p) for p in prompts] + [list(filler) for _ in range(width - len(prompts))]
 
 
