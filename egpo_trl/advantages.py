@@ -1,9 +1,6 @@
-r"""Advantage estimators: one vectorised function per method, registered by name.
-
-Rows are consecutive groups of ``num_generations`` completions of one prompt; every estimator takes ``(rewards[B],
-entropies[B] | None, num_generations, *, correct=None, **options)`` and returns an :class:`AdvantageOutput`. Equation
-numbers are the EGPO paper's; baselines are GRPO, NSR (Zhu et al. 2025) and EDGE-GRPO (arXiv 2507.21848).
-"""
+"""Advantage estimators, registered by name: each takes ``(rewards[B], entropies[B] | None, num_generations, *,
+correct=None, **options)``, rows in consecutive groups of ``num_generations``, and returns an :class:`AdvantageOutput`.
+Equation numbers are the EGPO paper's."""
 
 from __future__ import annotations
 
@@ -19,13 +16,10 @@ NSR_WEIGHTINGS: tuple[str, ...] = ("entropy", "unit")
 SCALE_REWARDS_MODES: tuple[str, ...] = ("group", "batch", "none")
 ENTROPY_INPUTS: tuple[str, ...] = ("nll", "shannon", "none")
 ENTROPY_NORMALIZATIONS: tuple[str, ...] = ("group", "batch")
-_CHOICES = {
-    "clamp": CLAMP_MODES,
-    "renorm": RENORM_MODES,
-    "nsr_weighting": NSR_WEIGHTINGS,
-    "scale_rewards": SCALE_REWARDS_MODES,
-    "entropy_normalization": ENTROPY_NORMALIZATIONS,
-}
+_CHOICES = dict(
+    clamp=CLAMP_MODES, renorm=RENORM_MODES, nsr_weighting=NSR_WEIGHTINGS, scale_rewards=SCALE_REWARDS_MODES
+)
+_CHOICES["entropy_normalization"] = ENTROPY_NORMALIZATIONS
 
 # Group types, one per row: no verdict in the group, entirely incorrect, mixed, entirely correct.
 GROUP_UNSCORED, GROUP_ALL_INCORRECT, GROUP_MIXED, GROUP_ALL_CORRECT = -1, 0, 1, 2
@@ -63,10 +57,7 @@ def _check(rewards: torch.Tensor, num_generations: int, choices: dict | None = N
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be a 1-D tensor [B], got shape {tuple(rewards.shape)}.")
     if not isinstance(num_generations, int) or num_generations < 1 or rewards.numel() % num_generations:
-        raise ValueError(
-            f"{rewards.numel()} rewards do not divide into groups of num_generations={num_generations}: rows must be "
-            "consecutive groups of `num_generations` completions of one prompt."
-        )
+        raise ValueError(f"{rewards.numel()} rewards do not divide into groups of num_generations={num_generations}.")
     for name, tensor in tensors.items():
         if tensor is not None and tensor.shape != rewards.shape:
             raise ValueError(
@@ -313,12 +304,9 @@ def normalize_then_sum_advantages(
 egpo_advantages.binary_correctness = True
 nsr_advantages.binary_correctness = True
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "egpo": egpo_advantages,
-    "grpo": grpo_advantages,
-    "nsr": nsr_advantages,
-    "edge_grpo": edge_grpo_advantages,
-}
+ADVANTAGE_ESTIMATORS = dict(
+    egpo=egpo_advantages, grpo=grpo_advantages, nsr=nsr_advantages, edge_grpo=edge_grpo_advantages
+)
 
 
 def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:

@@ -171,18 +171,13 @@ class LossForwardEntropyMixin:
         output[CORRECT_KEY] = correct.float()[rows].to(device)
         output[MASK_KEY] = mask
         output[ROW_KEY] = torch.arange(local, device=device)
-        self._fused_batch = {
-            "result": result,
-            "rows": rows,
-            "weights": torch.ones(local),
-            "raw_weights": torch.ones(local),
-            "nll": torch.full((local,), float("nan")),
-            "shannon": torch.full((local,), float("nan")),
-            "seen": torch.zeros(local, dtype=torch.bool),
-            "num_generations": num_generations,
-            "fallback": fallback,
-            "scored": ~torch.isnan(rewards_per_func[:, self._egpo_correctness_index]),
-        }
+        scored = ~torch.isnan(rewards_per_func[:, self._egpo_correctness_index])
+        state = dict(result=result, rows=rows, num_generations=num_generations, fallback=fallback, scored=scored)
+        state.update(
+            weights=torch.ones(local), raw_weights=torch.ones(local), seen=torch.zeros(local, dtype=torch.bool)
+        )
+        state.update(nll=torch.full((local,), float("nan")), shannon=torch.full((local,), float("nan")))
+        self._fused_batch = state
         return result
 
     def _fused_prepare_inputs(self, prepare, generation_batch):
@@ -289,21 +284,18 @@ class LossForwardEntropyMixin:
         finally:
             state._set_sync_gradients(sync)
         if self.is_deepspeed_enabled:  # close the micro-step, as DeepSpeed's next forward would
-            close = getattr(
-                self.accelerator.deepspeed_engine_wrapped.engine.optimizer, "clear_backward_seen_flag", None
-            )
-            if callable(close):
-                close()
+            optimizer = self.accelerator.deepspeed_engine_wrapped.engine.optimizer
+            if callable(getattr(optimizer, "clear_backward_seen_flag", None)):
+                optimizer.clear_backward_seen_flag()
 
     def _fused_record(self, block, weights, nll, shannon=None) -> None:
         """Keep the block's weights; once every row is trained on, log the batch's egpo/* metrics and advantages."""
         state = self._fused_batch
         rows = torch.cat([batch[ROW_KEY] for batch in block]).cpu()
-        state["weights"][rows] = weights.weights.detach().float().cpu()
-        state["raw_weights"][rows] = weights.raw_weights.detach().float().cpu()
-        state["nll"][rows] = nll.detach().float().cpu()
-        if shannon is not None:
-            state["shannon"][rows] = shannon.detach().float().cpu()
+        values = {"weights": weights.weights, "raw_weights": weights.raw_weights, "nll": nll, "shannon": shannon}
+        for key, value in values.items():
+            if value is not None:
+                state[key][rows] = value.detach().float().cpu()
         state["seen"][rows] = True
         if not bool(state["seen"].all()):
             return
@@ -314,10 +306,9 @@ class LossForwardEntropyMixin:
         shannon = gathered.get("shannon")
         result = state["result"]
         result = type(result)(*[value.cpu() if torch.is_tensor(value) else value for value in result])
+        advantages = gathered["weights"] * result.base_advantages.cpu()
         result = result._replace(
-            weights=gathered["weights"],
-            raw_weights=gathered["raw_weights"],
-            advantages=gathered["weights"] * result.base_advantages.cpu(),
+            weights=gathered["weights"], raw_weights=gathered["raw_weights"], advantages=advantages
         )
         logged = self._logs["advantages"]
         for _ in range(min(len(logged), result.advantages.numel())):
@@ -325,13 +316,8 @@ class LossForwardEntropyMixin:
         logged.extend(result.advantages.tolist())
         # The proxy's metrics as the pass logs them: when the estimator reads it or egpo_entropy_metrics asks.
         logs_nll = self._egpo_entropy_input == "nll" or self.args.egpo_entropy_metrics
-        entropies = {
-            "nll": gathered["nll"] if logs_nll else None,
-            "shannon": shannon,
-            "source": "loss_forward",
-            "extra_pass": False,
-            "scope_fallback": state["fallback"],
-        }
+        entropies = dict(nll=gathered["nll"] if logs_nll else None, shannon=shannon, source="loss_forward")
+        entropies.update(extra_pass=False, scope_fallback=state["fallback"])
         self._egpo_log_metrics("train", result, entropies, state["num_generations"], scored=state["scored"].cpu())
         self.egpo_last_batch.update(
             entropies=gathered["nll"], token_entropies=shannon, result=result, entropy_source="loss_forward"

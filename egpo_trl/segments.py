@@ -14,8 +14,7 @@ DEFAULT_THINK_START = "<think>"
 DEFAULT_THINK_END = "</think>"
 ENTROPY_SCOPES = ("completion", "thinking", "answer")
 
-# Zero-length tokens (some special tokens decode to "") may sit inside a tag; allow a few of them.
-_EXTRA_SPAN_TOKENS = 4
+_EXTRA_SPAN_TOKENS = 4  # zero-length tokens (decoding to "") allowed inside a tag
 
 _cache_lock = threading.Lock()
 _TABLES: weakref.WeakKeyDictionary[Any, dict[tuple[str, int, str], torch.Tensor]] = weakref.WeakKeyDictionary()

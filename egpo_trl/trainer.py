@@ -27,12 +27,10 @@ from egpo_trl.advantages import (
 )
 from egpo_trl.config import EGPOConfig, distribution_changing_sampling_options, trl_computes_old_logps
 from egpo_trl.correctness import binary_correctness_features, correctness_reward_index, reward_func_names
-from egpo_trl.fused import GROUP_KEY as _FUSED_GROUP_KEY
-from egpo_trl.fused import LossForwardEntropyMixin, random_training_forward
+from egpo_trl.fused import GROUP_KEY, LossForwardEntropyMixin, random_training_forward
 from egpo_trl.heldout import NO_CORRECT_CAUSES
 from egpo_trl.input_checks import check_trainer_inputs
-from egpo_trl.old_logps import FORWARD_KEYS as _FORWARD_KEYS
-from egpo_trl.old_logps import can_realign, shifted_logps
+from egpo_trl.old_logps import FORWARD_KEYS, can_realign, shifted_logps
 from egpo_trl.resume_state import ExactResumeMixin
 from egpo_trl.sampling.dynamic import DynamicSamplingMixin, vllm_sequences_for_oversampling, with_overlong_reward
 from egpo_trl.sampling.gec import GuidedErrorCorrectionMixin
@@ -90,9 +88,7 @@ class EGPOTrainer(
             raise ValueError(f"{args.n_gpu} GPUs in one process: use `accelerate launch`, or CUDA_VISIBLE_DEVICES=0.")
         reward_funcs = with_overlong_reward(reward_funcs, args)
         # Pick the correctness reward before any model loads; TRL's own error on mismatched reward counts comes first.
-        environment = kwargs.get("environment_factory") is not None or (
-            len(pos_args) > 10 and pos_args[10] is not None
-        )
+        environment = kwargs.get("environment_factory", pos_args[10] if len(pos_args) > 10 else None) is not None
         processing_classes = kwargs.get("reward_processing_classes", pos_args[3] if len(pos_args) > 3 else None)
         given = (args.reward_weights, processing_classes)
         counts = {len(value) if isinstance(value, list) else 1 for value in given if value is not None}
@@ -428,7 +424,7 @@ class EGPOTrainer(
         def loss_of(model, batch):
             return super(EGPOTrainer, self).compute_loss(model, batch, return_outputs, num_items_in_batch)
 
-        if getattr(self, "_fused", False) and model.training and _FUSED_GROUP_KEY in inputs:
+        if getattr(self, "_fused", False) and model.training and GROUP_KEY in inputs:
             return self._fused_block_loss(model, inputs, loss_of)
         deferred = self._egpo_deferred_entropies is not None and model.training
         self._egpo_loss_rows = inputs.get(_ROW_KEY) if deferred else None
@@ -462,25 +458,16 @@ class EGPOTrainer(
     @torch.no_grad()
     def _egpo_forward(self, output: dict[str, Any], compute_entropy: bool = False):
         """One no-grad pass of the (old) policy: per-token log-probs and, when asked, Shannon entropies."""
-        forward_kwargs = {key: output[key] for key in _FORWARD_KEYS if output.get(key) is not None}
-        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        training = self.model.training
+        kwargs = {key: output[key] for key in FORWARD_KEYS if output.get(key) is not None}
+        training, args, width = self.model.training, self.args, output["completion_ids"].size(1)
+        kwargs.update(compute_entropy=compute_entropy)
+        kwargs["batch_size"] = args.per_device_train_batch_size if training else args.per_device_eval_batch_size
+        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         self.model.eval()  # no dropout: the proxy is the old policy's, and no RNG is consumed
         try:
-            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-                batch_size = (
-                    self.args.per_device_train_batch_size if training else self.args.per_device_eval_batch_size
-                )
-                logps, entropies, _ = self._get_per_token_logps_and_entropies(
-                    self.model,
-                    input_ids,
-                    attention_mask,
-                    output["completion_ids"].size(1),
-                    batch_size=batch_size,
-                    compute_entropy=compute_entropy,
-                    **forward_kwargs,
-                )
+            with disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
+                logps, entropies, _ = self._get_per_token_logps_and_entropies(self.model, ids, mask, width, **kwargs)
         finally:
             self.model.train(training)
         return logps, entropies
@@ -574,11 +561,8 @@ class EGPOTrainer(
         correct, incorrect = _judged_rows(result, scored)
         nll = nll.float().to(result.weights.device)
         finite = torch.isfinite(nll)
-        values = {
-            "entropy_mean": _mean_of(nll, finite),
-            "entropy_correct": _mean_of(nll, correct & finite),
-            "entropy_incorrect": _mean_of(nll, incorrect & finite),
-        }
+        values = {"entropy_mean": _mean_of(nll, finite), "entropy_correct": _mean_of(nll, correct & finite)}
+        values["entropy_incorrect"] = _mean_of(nll, incorrect & finite)
         if values["entropy_correct"] is not None and values["entropy_incorrect"] is not None:
             values["entropy_gap"] = values["entropy_incorrect"] - values["entropy_correct"]
         valid = finite & (result.group_type != -1)

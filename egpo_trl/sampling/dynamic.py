@@ -178,9 +178,7 @@ class DynamicSamplingMixin:
         lowest = torch.where(scored, rewards, torch.full_like(rewards, float("inf"))).min(dim=1).values
         return (scored.sum(dim=1) >= 2) & (highest > lowest)
 
-    def _dynamic_sampling(
-        self, inputs: list[dict[str, Any]], num_generations: int
-    ) -> tuple[dict[str, Any], torch.Tensor, dict[str, Any]]:
+    def _dynamic_sampling(self, inputs: list[dict[str, Any]], num_generations: int) -> tuple:
         """Generate rounds until ``G`` groups are informative or the round cap is hit, the batch's own kept first."""
         local_rows = len(inputs)
         processes = self.accelerator.num_processes
@@ -323,9 +321,8 @@ class DynamicSamplingMixin:
 
         prompts = self.train_dataset.select_columns(["prompt"])
         taken = set(gather_object([_prompt_key(row.get("prompt")) for row in inputs]))
-        generator = torch.Generator().manual_seed(
-            (self.args.seed + 1) * 1_000_003 + self.state.global_step * 1_009 + getattr(self, "_step", 0) * 7_919
-        )
+        seed = (self.args.seed + 1) * 1_000_003 + self.state.global_step * 1_009 + getattr(self, "_step", 0) * 7_919
+        generator = torch.Generator().manual_seed(seed)
         while True:
             drawn = False
             for index in torch.randperm(len(prompts), generator=generator).tolist():
@@ -380,9 +377,8 @@ class DynamicSamplingMixin:
                 gathered = [self._pad_width(key, t, width) for t in gathered]
             merged = torch.cat(gathered, dim=0)
             output[key] = merged[rows.to(merged.device)][start : start + local_rows]
-        loss_mask = output["completion_mask"]
-        if output.get("tool_mask") is not None:
-            loss_mask = loss_mask * output["tool_mask"]
+        tool_mask = output.get("tool_mask")
+        loss_mask = output["completion_mask"] * (tool_mask if tool_mask is not None else 1)
         output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         rewards = torch.cat([rounds[r]["rewards_per_func"] for r in used], dim=0)
         return output, rewards[rows.to(rewards.device)]

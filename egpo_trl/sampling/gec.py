@@ -28,8 +28,7 @@ _BOXED = "\\boxed{"
 _BRACES = re.compile(r"\\boxed\{|[{}]")
 # Appended to a reference solution whose last box does not give the reference answer.
 SOLUTION_ANSWER_SUFFIX = "\n\nThe final answer is \\boxed{{answer}}."
-# Tokens past the bisection's landing point checked one by one (a split character may decode unexpectedly).
-_SPLIT_CHARACTER_TOKENS = 16
+_SPLIT_CHARACTER_TOKENS = 16  # tokens past the bisection's landing point checked one by one
 
 
 def _open_boxed_start(text: str) -> int | None:
@@ -162,9 +161,8 @@ class GuidedErrorCorrectionMixin:
         num_generations = self.num_generations
 
         # Every reward function scores every sampled completion here, once; TRL's scoring re-scores the rewritten ones.
-        rewards_per_func, pending_extra, pending_metrics = self._gec_score_sampled(
-            inputs, prompts, completions, completion_ids
-        )
+        scores = self._gec_score_sampled(inputs, prompts, completions, completion_ids)
+        rewards_per_func, pending_extra, pending_metrics = scores
         values = rewards_per_func[:, self._egpo_correctness_index]
         scored = ~torch.isnan(values)
         is_correct = self._egpo_correct(rewards_per_func)[0]
@@ -176,10 +174,8 @@ class GuidedErrorCorrectionMixin:
         eligible = eligible[start : start + local_rows].cpu()
 
         self._gec_calls = getattr(self, "_gec_calls", 0) + 1  # a fresh draw for every round of every step
-        generator = torch.Generator().manual_seed(
-            (args.seed + 7) * 1_000_003 + self._gec_calls * 1_009 + self.accelerator.process_index
-        )
-        draws = torch.rand(local_rows, generator=generator)
+        seed = (args.seed + 7) * 1_000_003 + self._gec_calls * 1_009 + self.accelerator.process_index
+        draws = torch.rand(local_rows, generator=torch.Generator().manual_seed(seed))
         reflect_below = args.edge_gec_reflect_prob
         answer_below = reflect_below + args.edge_gec_answer_prob
         solution_below = answer_below + args.edge_gec_solution_prob
@@ -319,8 +315,7 @@ class GuidedErrorCorrectionMixin:
                 "edge_gec_answer_template (or the suffix that boxes a solution's answer), does not fit "
                 "max_completion_length=%d. gec/frac_answer_too_long counts them; raise max_completion_length or "
                 "shorten the template.",
-                too_long,
-                max_length,
+                *(too_long, max_length),
             )
         return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images
 
