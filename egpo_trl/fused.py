@@ -133,12 +133,9 @@ class LossForwardEntropyMixin:
         if args.egpo_entropy_logps != "loss_forward":
             return
         engine = "FSDP" if self.is_fsdp_enabled else None
-        problems = loss_forward_problems(
-            random_training_forward(self.model),  # NEFTune: among the arguments' problems
-            engine=engine,
-            multimodal=bool(getattr(self, "_is_vlm", False)),
-            router_loss=bool(getattr(self, "aux_loss_enabled", False)),
-        )
+        multimodal, router_loss = bool(getattr(self, "_is_vlm", False)), bool(getattr(self, "aux_loss_enabled", False))
+        # NEFTune is among the arguments' problems
+        problems = loss_forward_problems(random_training_forward(self.model), engine, multimodal, router_loss)
         # The arguments' checks again (they may have changed), with the trainer's: one error.
         args._validate_loss_forward(problems)
         self._fused = True

@@ -30,8 +30,7 @@ def completion_widths(completion_mask: torch.Tensor) -> torch.Tensor:
     return (columns * (completion_mask != 0)).amax(dim=1) if completion_mask.size(1) else completion_mask.sum(dim=1)
 
 
-#: Model types whose decoder takes its positions from ``position_ids`` alone (rotary embeddings) and whose attention
-#: is causal self-attention over the sequence: shifting a row and passing its original positions changes nothing.
+#: Decoders with rotary positions from ``position_ids`` alone and causal self-attention: a shifted row is unchanged.
 REALIGN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
 
 

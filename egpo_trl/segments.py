@@ -66,14 +66,12 @@ def _transition_table(tokenizer: Any, tag: str, device: torch.device) -> torch.T
     key = (tag, len(tokenizer), str(device))
     with _cache_lock:
         tables = _TABLES.setdefault(tokenizer, {})
-        table = tables.get(key)
-        if table is None:
+        if key not in tables:
             cpu_key = (tag, len(tokenizer), "cpu")
             if cpu_key not in tables:
                 tables[cpu_key] = _build_table(_token_strings(tokenizer), tag)
-            table = tables[cpu_key].to(device)
-            tables[key] = table
-    return table
+            tables[key] = tables[cpu_key].to(device)
+        return tables[key]
 
 
 def tag_spans(

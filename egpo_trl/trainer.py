@@ -387,9 +387,8 @@ class EGPOTrainer(
                     )
         deferred = None
         metrics_only = self._egpo_entropy_input == "none"
-        defer = mode == "train" and not trl_computes_old_logps(self.args) and not self.args.neftune_noise_alpha
-        if need_nll and logps is None and metrics_only and defer and not random_training_forward(self.model):
-            # Only the metrics need the proxy, and the loss's forward is the old policy's: take its log-probs.
+        if need_nll and logps is None and metrics_only and self._egpo_defers_entropy_metrics(mode):
+            # Only the metrics need the proxy: take the log-probs from the loss's forwards.
             rows, columns = output["completion_ids"].shape
             seen = torch.zeros(rows, dtype=torch.bool, device=mask.device)
             deferred = dict(mask=mask, logps=torch.zeros(rows, columns, device=mask.device), seen=seen)
@@ -407,6 +406,13 @@ class EGPOTrainer(
         return dict(
             nll=nll, shannon=shannon, source=source, extra_pass=extra_pass, scope_fallback=fallback, deferred=deferred
         )
+
+    def _egpo_defers_entropy_metrics(self, mode: str) -> bool:
+        """Whether this batch's ``egpo/entropy_*`` metrics come from the loss's forwards (when they are the old
+        policy's: no NEFTune noise, no random training forward)."""
+        args = self.args
+        deferrable = mode == "train" and not trl_computes_old_logps(args) and not args.neftune_noise_alpha
+        return deferrable and not random_training_forward(self.model)
 
     def _prepare_inputs(self, generation_batch):
         if getattr(self, "_fused", False) and self.model.training:
@@ -485,8 +491,7 @@ class EGPOTrainer(
         return {key: value for key, value in kwargs.items() if key in parameters}
 
     def _egpo_verdicts(self, rewards_per_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """The per-function rewards (rows without a verdict unscored under a binary estimator), the correctness
-        (NaN: no verdict) and an incorrect row's correctness reward."""
+        """The per-function rewards (unscored without a verdict, for a binary estimator), correctness and incorrect value."""
         correct, incorrect_value = self._egpo_correct(rewards_per_func)
         no_verdict = torch.isnan(rewards_per_func[:, self._egpo_correctness_index])
         if no_verdict.any():

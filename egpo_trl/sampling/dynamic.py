@@ -21,8 +21,7 @@ from egpo_trl.rewards import make_overlong_penalty_reward
 logger = logging.getLogger(__name__)
 
 _LEFT_PADDED_KEYS = ("prompt_ids", "prompt_mask")
-# An extra round is sized as if at least this fraction of groups were informative (no division by zero).
-MIN_INFORMATIVE_FRACTION = Fraction(1, 10)
+MIN_INFORMATIVE_FRACTION = Fraction(1, 10)  # the least informative fraction an extra round is sized for
 
 
 def refuse_unsupported_generation(trainer: Any, feature: str) -> None:
@@ -132,8 +131,7 @@ def vllm_sequences_for_oversampling(args: Any) -> Iterator[None]:
 
 
 class DynamicSamplingMixin:
-    """DAPO's dynamic sampling over whole generation batches; logs ``dynamic_sampling/{rounds,frac_informative,
-    generated_per_kept,cap_hit}``."""
+    """DAPO's dynamic sampling over whole generation batches; logs ``dynamic_sampling/*``."""
 
     def _check_dynamic_sampling(self) -> None:
         refuse_unsupported_generation(self, "dynamic_sampling")
