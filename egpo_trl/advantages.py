@@ -1,9 +1,6 @@
-r"""Advantage estimators: one vectorised function per method, registered by name.
-
-Rows are consecutive groups of ``num_generations`` completions of one prompt; every estimator takes ``(rewards[B],
-entropies[B] | None, num_generations, *, correct=None, **options)`` and returns an :class:`AdvantageOutput`. Equation
-numbers are the EGPO paper's; baselines are GRPO, NSR (Zhu et al. 2025) and EDGE-GRPO (arXiv 2507.21848).
-"""
+"""Advantage estimators, registered by name: each takes ``(rewards[B], entropies[B] | None, num_generations, *,
+correct=None, **options)``, rows in consecutive groups of ``num_generations``, and returns an :class:`AdvantageOutput`.
+Equation numbers are the EGPO paper's."""
 
 from __future__ import annotations
 
@@ -19,13 +16,10 @@ NSR_WEIGHTINGS: tuple[str, ...] = ("entropy", "unit")
 SCALE_REWARDS_MODES: tuple[str, ...] = ("group", "batch", "none")
 ENTROPY_INPUTS: tuple[str, ...] = ("nll", "shannon", "none")
 ENTROPY_NORMALIZATIONS: tuple[str, ...] = ("group", "batch")
-_CHOICES = {
-    "clamp": CLAMP_MODES,
-    "renorm": RENORM_MODES,
-    "nsr_weighting": NSR_WEIGHTINGS,
-    "scale_rewards": SCALE_REWARDS_MODES,
-    "entropy_normalization": ENTROPY_NORMALIZATIONS,
-}
+_CHOICES = dict(
+    clamp=CLAMP_MODES, renorm=RENORM_MODES, nsr_weighting=NSR_WEIGHTINGS, scale_rewards=SCALE_REWARDS_MODES
+)
+_CHOICES["entropy_normalization"] = ENTROPY_NORMALIZATIONS
 
 # Group types, one per row: no verdict in the group, entirely incorrect, mixed, entirely correct.
 GROUP_UNSCORED, GROUP_ALL_INCORRECT, GROUP_MIXED, GROUP_ALL_CORRECT = -1, 0, 1, 2
@@ -46,7 +40,7 @@ class AdvantageOutput(NamedTuple):
 
 def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``[B, T] -> [B]`` float32 mean over the tokens ``mask`` marks (others ignored, even NaN); NaN for a row without
-    one. Over per-token Shannon entropies this is EDGE-GRPO's :math:`P_i`."""
+    one."""
     if values.shape != mask.shape:
         raise ValueError(f"values {tuple(values.shape)} and mask {tuple(mask.shape)} differ in shape.")
     scored = mask.bool()
@@ -59,15 +53,11 @@ def sequence_entropy(per_token_logps: torch.Tensor, mask: torch.Tensor) -> torch
 
 
 def _check(rewards: torch.Tensor, num_generations: int, choices: dict | None = None, **tensors) -> None:
-    """Refuse a batch that is not groups of ``num_generations``, a tensor not shaped like ``rewards``, or an option
-    (``choices``: name -> value) not in :data:`_CHOICES`."""
+    """Refuse a batch not in groups of ``num_generations``, a tensor shaped unlike ``rewards``, an unknown option."""
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be a 1-D tensor [B], got shape {tuple(rewards.shape)}.")
     if not isinstance(num_generations, int) or num_generations < 1 or rewards.numel() % num_generations:
-        raise ValueError(
-            f"{rewards.numel()} rewards do not divide into groups of num_generations={num_generations}: rows must be "
-            "consecutive groups of `num_generations` completions of one prompt."
-        )
+        raise ValueError(f"{rewards.numel()} rewards do not divide into groups of num_generations={num_generations}.")
     for name, tensor in tensors.items():
         if tensor is not None and tensor.shape != rewards.shape:
             raise ValueError(
@@ -79,8 +69,8 @@ def _check(rewards: torch.Tensor, num_generations: int, choices: dict | None = N
 
 
 def _verdicts(r: torch.Tensor, correct: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[G, N]`` masks of the rows with a verdict and of the correct ones, and the ``[G, 1]`` group type. The verdict
-    is ``reward > 0`` on scored (non-NaN) rows unless ``correct`` says (a float ``correct`` has none where NaN)."""
+    """``[G, N]`` masks of the rows with a verdict and of the correct ones (``reward > 0`` unless ``correct`` says; NaN:
+    no verdict), and the ``[G, 1]`` group type."""
     judged = ~torch.isnan(r)
     if correct is None:
         is_correct = r > 0
@@ -126,8 +116,7 @@ AdvantageEstimator = Callable[..., AdvantageOutput]
 
 
 def entropy_input(kind: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Declare the per-completion entropy an estimator reads as ``entropies``: ``"nll"`` (Eq. 5, the default),
-    ``"shannon"`` (:func:`sequence_mean` of per-token Shannon entropies) or ``"none"`` (may be ``None``)."""
+    """Declare the entropy an estimator reads: ``"nll"`` (Eq. 5, the default), ``"shannon"`` or ``"none"``."""
     if kind not in ENTROPY_INPUTS:
         raise ValueError(f"Unknown entropy input {kind!r}; expected one of {ENTROPY_INPUTS}.")
 
@@ -161,18 +150,10 @@ def egpo_advantages(
     nsr_scale: float = 1.0,
     group_advantages: torch.Tensor | None = None,
 ) -> AdvantageOutput:
-    r"""EGPO's calibrated advantages :math:`\tilde A_i = w_i A_i`, Eq. 8-12.
-
-    Weights (Eq. 8): :math:`\hat w_i = \bar H / (H_i + \varepsilon)` over the group's valid entries (finite entropy,
-    scored reward; others, and groups with :math:`\bar H = 0`, keep weight 1). ``renorm="before_clamp"`` (C6)
-    divides them by their mean. ``clamp`` "asymmetric" (Eq. 9): correct :math:`\max(1, \mathrm{clip}(\hat w,
-    \lambda_{min}, \lambda_{max}))`, incorrect :math:`\min(1, \mathrm{clip})`; "symmetric" (C1) the clip alone,
-    "negative_only" (C2) / "positive_only" (C3) one side, "none" 1. ``renorm="after_clamp"`` (C5, Eq. 10) divides
-    by the group mean; ``nsr_weighting="unit"`` (C4) sets 1 on entirely-incorrect groups.
-    Base (Eq. 11): entirely-correct 0; mixed GRPO's under ``scale_rewards`` (or ``group_advantages``);
-    entirely-incorrect -1 (NSR; ``-nsr_scale`` under ``scale_rewards="none"``; 0 with ``nsr=False``). Rows without
-    a verdict get no NSR and weight 1. With ``clamp="none"`` and ``nsr=False`` this is GRPO.
-    """
+    r"""EGPO's calibrated advantages :math:`\tilde A_i = w_i A_i` (Eq. 8-12): weights :math:`\bar H / (H_i +
+    \varepsilon)` over a group's valid entries, clamped by ``clamp`` (Eq. 9; C1-C3) and renormalised by ``renorm``
+    (C5, C6); base advantages 0 on entirely-correct groups, GRPO's on mixed ones, -1 (NSR) on entirely-incorrect ones.
+    Rows without a verdict get no NSR and weight 1."""
     options = {"clamp": clamp, "renorm": renorm, "nsr_weighting": nsr_weighting, "scale_rewards": scale_rewards}
     _check(rewards, num_generations, options, entropies=entropies, correct=correct, group_advantages=group_advantages)
     if not 0 < lambda_min <= lambda_max:
@@ -244,9 +225,8 @@ def nsr_advantages(
     correct: torch.Tensor | None = None,
     **_: object,
 ) -> AdvantageOutput:
-    r"""Negative sample reinforcement (Zhu et al. 2025): :math:`A_i = -1` on incorrect completions, ``positive_weight``
-    :math:`\lambda_+` on correct ones (0 for NSR, 0.1 for Weighted-REINFORCE), 0 without a verdict; no group
-    baseline. Use with ``loss_type="dapo"``, the paper's token average."""
+    """Negative sample reinforcement (Zhu et al. 2025): -1 on incorrect completions, ``positive_weight`` on correct ones
+    (0: NSR, 0.1: Weighted-REINFORCE), 0 without a verdict."""
     _check(rewards, num_generations, correct=correct)
     if not isinstance(positive_weight, (int, float)) or isinstance(positive_weight, bool) or positive_weight < 0:
         raise ValueError(
@@ -272,10 +252,8 @@ def edge_grpo_advantages(
     group_advantages: torch.Tensor | None = None,
     **_: object,
 ) -> AdvantageOutput:
-    r"""EDGE-GRPO's entropy-driven advantage :math:`\hat A_i = A_i \bar P / (P_i + \varepsilon)`, no clamp:
-    :math:`A_i` is :func:`grpo_advantages`, :math:`P_i` the mean Shannon token entropy, :math:`\bar P` its mean over
-    the group (the paper's) or the batch (``entropy_normalization``). Entries with a non-finite entropy or unscored
-    reward, and groups with :math:`\bar P = 0`, keep weight 1."""
+    r"""EDGE-GRPO's advantage :math:`A_i \bar P / (P_i + \varepsilon)`: GRPO's :math:`A_i`, :math:`P_i` the mean Shannon
+    token entropy, :math:`\bar P` its mean over the group or the batch (``entropy_normalization``)."""
     options = {"entropy_normalization": entropy_normalization}
     _check(rewards, num_generations, options, entropies=entropies, correct=correct)
     base = grpo_advantages(
@@ -294,8 +272,7 @@ def edge_grpo_advantages(
 
 
 def weighted_reward_sum(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor) -> torch.Tensor:
-    """``[B, K] -> [B]``: the ``reward_weights``-weighted sum as GRPOTrainer forms it (NaN counts 0; NaN where no
-    function scored the completion)."""
+    """``[B, K] -> [B]``: the weighted sum as GRPOTrainer forms it (NaN where no function scored the completion)."""
     rewards = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
     return rewards.masked_fill(torch.isnan(rewards_per_func).all(dim=1), float("nan"))
 
@@ -303,8 +280,8 @@ def weighted_reward_sum(rewards_per_func: torch.Tensor, reward_weights: torch.Te
 def normalize_then_sum_rewards(
     rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, num_generations: int
 ) -> torch.Tensor:
-    """``[B, K] -> [B]``: each function's rewards normalised in the group ((r - mean) / (std + 1e-4)), then summed
-    with ``reward_weights``, as GRPOTrainer under ``multi_objective_aggregation="normalize_then_sum"``."""
+    """``[B, K] -> [B]``: each function's rewards normalised in the group, then summed with ``reward_weights``, as
+    GRPOTrainer under ``multi_objective_aggregation="normalize_then_sum"``."""
     grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.size(1))
     mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
     std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
@@ -316,15 +293,8 @@ def normalize_then_sum_rewards(
 def normalize_then_sum_advantages(
     rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, num_generations: int
 ) -> torch.Tensor:
-    """``[B, K] -> [B]``: GRPO's advantages under ``normalize_then_sum`` op for op as GRPOTrainer:
-    :func:`normalize_then_sum_rewards` normalised over the batch; 0 for rows no function scored."""
+    """``[B, K] -> [B]``: GRPO's advantages under ``normalize_then_sum`` op for op as GRPOTrainer (0: unscored)."""
     rewards_per_func = rewards_per_func.detach().float()
-    if rewards_per_func.dim() != 2 or rewards_per_func.size(1) != reward_weights.numel():
-        raise ValueError(
-            f"rewards_per_func must be [B, {reward_weights.numel()}] (one column per reward function), got "
-            f"{tuple(rewards_per_func.shape)}."
-        )
-    _check(rewards_per_func[:, 0], num_generations)
     rewards = normalize_then_sum_rewards(rewards_per_func, reward_weights, num_generations)
     std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
     return ((rewards - torch.nanmean(rewards)) / (std + STD_EPS)).nan_to_num(nan=0.0)
@@ -334,12 +304,9 @@ def normalize_then_sum_advantages(
 egpo_advantages.binary_correctness = True
 nsr_advantages.binary_correctness = True
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "egpo": egpo_advantages,
-    "grpo": grpo_advantages,
-    "nsr": nsr_advantages,
-    "edge_grpo": edge_grpo_advantages,
-}
+ADVANTAGE_ESTIMATORS = dict(
+    egpo=egpo_advantages, grpo=grpo_advantages, nsr=nsr_advantages, edge_grpo=edge_grpo_advantages
+)
 
 
 def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:

@@ -11,15 +11,9 @@ from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+from egpo_trl.input_checks import config_makes_forward_random
 
-__all__ = [
-    "block_memory_note",
-    "block_size",
-    "group_first_order",
-    "reorder_rows",
-    "shuffle_then",
-]
+logger = logging.getLogger(__name__)
 
 # Keys the scoring adds to each row for the block's weights: its global group, weighted reward sum (NaN: unscored),
 # correctness (1/0, NaN: no verdict), the tokens the entropy proxy averages over, and its index on this process.
@@ -29,9 +23,7 @@ CORRECT_KEY = "egpo_fused_correct"
 MASK_KEY = "egpo_fused_mask"
 ROW_KEY = "egpo_fused_row"
 
-#: The DeepSpeed release ``loss_forward`` was checked with (ZeRO's ``clear_backward_seen_flag``, called per backward).
-
-DEEPSPEED_CHECKED = "0.19"
+DEEPSPEED_CHECKED = "0.19"  # the release loss_forward was checked with (ZeRO's clear_backward_seen_flag)
 
 
 def deepspeed_problem() -> str | None:
@@ -78,27 +70,6 @@ def group_first_order(groups: torch.Tensor) -> torch.Tensor:
     return torch.sort(rank, stable=True).indices
 
 
-def shuffle_then(prepare, generation_batch, reorders):
-    """TRL's ``_prepare_inputs`` with each of ``reorders`` (batch -> permutation) applied after TRL's shuffle."""
-    from trl.trainer import grpo_trainer
-
-    original = grpo_trainer.shuffle_sequence_dict
-
-    def shuffle_and_reorder(batch):
-        batch = original(batch)
-        for reorder in reorders:
-            permutation = reorder(batch)
-            if permutation is not None:
-                batch = reorder_rows(batch, permutation)
-        return batch
-
-    grpo_trainer.shuffle_sequence_dict = shuffle_and_reorder
-    try:
-        return prepare(generation_batch)
-    finally:
-        grpo_trainer.shuffle_sequence_dict = original
-
-
 def reorder_rows(batch: dict[str, Any], permutation: torch.Tensor) -> dict[str, Any]:
     """``batch`` with every row-indexed value taken in ``permutation``'s order (as ``shuffle_sequence_dict``)."""
 
@@ -141,6 +112,18 @@ def loss_forward_problems(
     return problems
 
 
+def random_training_forward(model: torch.nn.Module) -> bool:
+    """Whether a training-mode forward of ``model`` is random: active dropout, or a random setting in its configs."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        adapters = getattr(module, "peft_config", None)
+        configs = [getattr(module, "config", None), *(adapters.values() if isinstance(adapters, dict) else ())]
+        if any(hasattr(config, "to_dict") and config_makes_forward_random(config.to_dict()) for config in configs):
+            return True
+    return False
+
+
 class LossForwardEntropyMixin:
     """``egpo_entropy_logps="loss_forward"`` for :class:`~egpo_trl.trainer.EGPOTrainer`."""
 
@@ -150,12 +133,9 @@ class LossForwardEntropyMixin:
         if args.egpo_entropy_logps != "loss_forward":
             return
         engine = "FSDP" if self.is_fsdp_enabled else None
-        problems = loss_forward_problems(
-            self._egpo_training_forward_is_random(arguments=False),  # NEFTune: among the arguments' problems
-            engine=engine,
-            multimodal=bool(getattr(self, "_is_vlm", False)),
-            router_loss=bool(getattr(self, "aux_loss_enabled", False)),
-        )
+        multimodal, router_loss = bool(getattr(self, "_is_vlm", False)), bool(getattr(self, "aux_loss_enabled", False))
+        # NEFTune is among the arguments' problems
+        problems = loss_forward_problems(random_training_forward(self.model), engine, multimodal, router_loss)
         # The arguments' checks again (they may have changed), with the trainer's: one error.
         args._validate_loss_forward(problems)
         self._fused = True
@@ -166,9 +146,6 @@ class LossForwardEntropyMixin:
         self._fused_cache: list[tuple] = []
         self._fused_batch: dict[str, Any] | None = None
 
-    def _fused_active(self, mode: str) -> bool:
-        return getattr(self, "_fused", False) and mode == "train"
-
     def _fused_finish(self, output: dict[str, Any], rewards_per_func: torch.Tensor, num_generations: int):
         """Base advantages of the generation batch now; the rows carry what the block's weights need."""
         from egpo_trl.advantages import weighted_reward_sum
@@ -176,9 +153,6 @@ class LossForwardEntropyMixin:
         # A new generation batch: nothing of an earlier one (a run stopped inside a block) carries over.
         self._fused_pending, self._fused_cache, self._fused_batch = [], [], None
         mask, fallback = self._egpo_loss_mask(output)
-        if fallback is not None:
-            fallback = self.accelerator.gather(fallback)
-            self._egpo_warn_scope_fallback(fallback)
         total = rewards_per_func.size(0)
         # Any finite entropies give the same base advantages: the weights are computed per block.
         result = self._egpo_compute(rewards_per_func, torch.zeros(total), num_generations)
@@ -186,38 +160,38 @@ class LossForwardEntropyMixin:
         start = self.accelerator.process_index * local
         rows = slice(start, start + local)
         device = output["advantages"].device
-        no_verdict = torch.isnan(rewards_per_func[:, self._egpo_correctness_index])
-        correct = self._egpo_correct(rewards_per_func)[0].float().masked_fill(no_verdict, float("nan"))
-        if getattr(self._egpo_estimator, "binary_correctness", False):  # unscored, as in _egpo_compute
-            rewards_per_func = rewards_per_func.masked_fill(no_verdict.unsqueeze(1), float("nan"))
+        rewards_per_func, correct, _ = self._egpo_verdicts(rewards_per_func)
         rewards = weighted_reward_sum(rewards_per_func, self.reward_weights)
         output["advantages"] = result.base_advantages[rows].to(device, output["advantages"].dtype)
         output[GROUP_KEY] = (torch.arange(total, device=device) // num_generations)[rows]
         output[REWARD_KEY] = rewards[rows].to(device)
-        output[CORRECT_KEY] = correct[rows].to(device)
+        output[CORRECT_KEY] = correct.float()[rows].to(device)
         output[MASK_KEY] = mask
         output[ROW_KEY] = torch.arange(local, device=device)
-        self._fused_batch = {
-            "result": result,
-            "rows": rows,
-            "weights": torch.ones(local),
-            "raw_weights": torch.ones(local),
-            "nll": torch.full((local,), float("nan")),
-            "shannon": torch.full((local,), float("nan")),
-            "seen": torch.zeros(local, dtype=torch.bool),
-            "num_generations": num_generations,
-            "fallback": fallback,
-            "scored": ~torch.isnan(rewards_per_func[:, self._egpo_correctness_index]),
-        }
+        scored = ~torch.isnan(rewards_per_func[:, self._egpo_correctness_index])
+        state = dict(result=result, rows=rows, num_generations=num_generations, fallback=fallback, scored=scored)
+        state.update(
+            weights=torch.ones(local), raw_weights=torch.ones(local), seen=torch.zeros(local, dtype=torch.bool)
+        )
+        state.update(nll=torch.full((local,), float("nan")), shannon=torch.full((local,), float("nan")))
+        self._fused_batch = state
         return result
 
     def _fused_prepare_inputs(self, prepare, generation_batch):
         """TRL's ``_prepare_inputs`` with a new batch's shuffled rows grouped, so that a block holds whole groups."""
+        from trl.trainer import grpo_trainer
 
-        def group(batch):
-            return group_first_order(batch[GROUP_KEY]) if GROUP_KEY in batch else None
+        shuffle = grpo_trainer.shuffle_sequence_dict
 
-        return shuffle_then(prepare, generation_batch, [group])
+        def shuffle_then_group(batch):
+            batch = shuffle(batch)
+            return reorder_rows(batch, group_first_order(batch[GROUP_KEY])) if GROUP_KEY in batch else batch
+
+        grpo_trainer.shuffle_sequence_dict = shuffle_then_group
+        try:
+            return prepare(generation_batch)
+        finally:
+            grpo_trainer.shuffle_sequence_dict = shuffle
 
     def _fused_training_step(self, model, inputs, step):
         """Keep a micro-batch that does not end its block; the block's last one runs ``step``."""
@@ -232,9 +206,6 @@ class LossForwardEntropyMixin:
         self._fused_pending.append(prepared)
         self._step += 1
         return torch.zeros((), device=self.accelerator.device)
-
-    def _fused_cached_forward(self):
-        return self._fused_cache.pop(0) if self._fused_cache else None
 
     def _fused_block_loss(self, model, inputs, loss_of):
         """Every micro-batch's forward, EGPO's weights from their log-probs, then ``loss_of(model, micro_batch)`` with
@@ -258,20 +229,11 @@ class LossForwardEntropyMixin:
                 )
             )
         n = self._fused_batch["num_generations"]
-        nll = torch.cat(
-            [
-                sequence_entropy(logps.detach().float(), batch[MASK_KEY])
-                for (logps, _, _), batch in zip(forwards, block)
-            ]
-        )
+        pairs = list(zip(forwards, block))
+        nll = torch.cat([sequence_entropy(logps.detach().float(), batch[MASK_KEY]) for (logps, _, _), batch in pairs])
         shannon = None
         if self._egpo_entropy_input == "shannon":  # EDGE-GRPO: the mean full-distribution entropy of each row
-            shannon = torch.cat(
-                [
-                    sequence_mean(entropies.detach().float(), batch[MASK_KEY])
-                    for (_, entropies, _), batch in zip(forwards, block)
-                ]
-            )
+            shannon = torch.cat([sequence_mean(ent.detach().float(), batch[MASK_KEY]) for (_, ent, _), batch in pairs])
         rewards = torch.cat([batch[REWARD_KEY] for batch in block])
         correct = torch.cat([batch[CORRECT_KEY] for batch in block])
         # The weights of a group depend on its own rows only: the estimator over the block's groups gives them.
@@ -279,8 +241,12 @@ class LossForwardEntropyMixin:
         weights = self._egpo_estimator(rewards, entropy_input, n, correct=correct, **self._estimator_kwargs())
         self._fused_record(block, weights, nll, shannon)
         self._fused_cache = list(forwards)
-        del forwards  # each kept forward is freed with its micro-batch's backward
-        early = self._fused_backward_each(model)
+        del forwards, pairs  # each kept forward is freed with its micro-batch's backward
+        # Each micro-batch's backward can run as its loss is computed under DeepSpeed or alone, not under DDP.
+        alone = (
+            not isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.accelerator.num_processes == 1
+        )
+        early = self.is_deepspeed_enabled or alone
         total = None
         done = None  # the losses already backpropagated, for the logged loss
         start = 0
@@ -304,12 +270,6 @@ class LossForwardEntropyMixin:
         # The trainer's step backpropagates what is left (the last micro-batch's loss) and logs the block's sum.
         return total if done is None else total + done
 
-    def _fused_backward_each(self, model) -> bool:
-        """Whether each micro-batch's backward can run as its loss is computed: under DeepSpeed or alone, not DDP."""
-        if self.is_deepspeed_enabled:
-            return True
-        return not isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.accelerator.num_processes == 1
-
     def _fused_backward_now(self, loss: torch.Tensor) -> None:
         """One earlier micro-batch's backward as an accumulation step (TRL's loss is already scaled for it)."""
         kwargs = {"scale_wrt_gas": False} if self.is_deepspeed_enabled else {}
@@ -321,21 +281,18 @@ class LossForwardEntropyMixin:
         finally:
             state._set_sync_gradients(sync)
         if self.is_deepspeed_enabled:  # close the micro-step, as DeepSpeed's next forward would
-            close = getattr(
-                self.accelerator.deepspeed_engine_wrapped.engine.optimizer, "clear_backward_seen_flag", None
-            )
-            if callable(close):
-                close()
+            optimizer = self.accelerator.deepspeed_engine_wrapped.engine.optimizer
+            if callable(getattr(optimizer, "clear_backward_seen_flag", None)):
+                optimizer.clear_backward_seen_flag()
 
     def _fused_record(self, block, weights, nll, shannon=None) -> None:
         """Keep the block's weights; once every row is trained on, log the batch's egpo/* metrics and advantages."""
         state = self._fused_batch
         rows = torch.cat([batch[ROW_KEY] for batch in block]).cpu()
-        state["weights"][rows] = weights.weights.detach().float().cpu()
-        state["raw_weights"][rows] = weights.raw_weights.detach().float().cpu()
-        state["nll"][rows] = nll.detach().float().cpu()
-        if shannon is not None:
-            state["shannon"][rows] = shannon.detach().float().cpu()
+        values = {"weights": weights.weights, "raw_weights": weights.raw_weights, "nll": nll, "shannon": shannon}
+        for key, value in values.items():
+            if value is not None:
+                state[key][rows] = value.detach().float().cpu()
         state["seen"][rows] = True
         if not bool(state["seen"].all()):
             return
@@ -346,10 +303,9 @@ class LossForwardEntropyMixin:
         shannon = gathered.get("shannon")
         result = state["result"]
         result = type(result)(*[value.cpu() if torch.is_tensor(value) else value for value in result])
+        advantages = gathered["weights"] * result.base_advantages.cpu()
         result = result._replace(
-            weights=gathered["weights"],
-            raw_weights=gathered["raw_weights"],
-            advantages=gathered["weights"] * result.base_advantages.cpu(),
+            weights=gathered["weights"], raw_weights=gathered["raw_weights"], advantages=advantages
         )
         logged = self._logs["advantages"]
         for _ in range(min(len(logged), result.advantages.numel())):
@@ -357,13 +313,8 @@ class LossForwardEntropyMixin:
         logged.extend(result.advantages.tolist())
         # The proxy's metrics as the pass logs them: when the estimator reads it or egpo_entropy_metrics asks.
         logs_nll = self._egpo_entropy_input == "nll" or self.args.egpo_entropy_metrics
-        entropies = {
-            "nll": gathered["nll"] if logs_nll else None,
-            "shannon": shannon,
-            "source": "loss_forward",
-            "extra_pass": False,
-            "scope_fallback": state["fallback"],
-        }
+        entropies = dict(nll=gathered["nll"] if logs_nll else None, shannon=shannon, source="loss_forward")
+        entropies.update(extra_pass=False, scope_fallback=state["fallback"])
         self._egpo_log_metrics("train", result, entropies, state["num_generations"], scored=state["scored"].cpu())
         self.egpo_last_batch.update(
             entropies=gathered["nll"], token_entropies=shannon, result=result, entropy_source="loss_forward"

@@ -1,6 +1,6 @@
 """Per-token log-probs of the completion tokens with every row shifted left past its prompt padding
-(``egpo_shift_prompt_padding``): each row keeps its original ``position_ids`` and has only right padding, so the
-forward needs no attention mask and SDPA runs its causal kernel; the tokens and positions are TRL's."""
+(``egpo_shift_prompt_padding``): each row keeps its ``position_ids`` and has only right padding, so the forward needs
+no attention mask."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
-
-__all__ = ["can_realign", "completion_widths", "shifted_logps"]
 
 #: Keyword arguments of GRPOTrainer's log-prob helper that a batch may carry (multimodal inputs).
 FORWARD_KEYS = (
@@ -32,61 +30,31 @@ def completion_widths(completion_mask: torch.Tensor) -> torch.Tensor:
     return (columns * (completion_mask != 0)).amax(dim=1) if completion_mask.size(1) else completion_mask.sum(dim=1)
 
 
-#: Model types whose decoder takes its positions from ``position_ids`` alone (rotary embeddings) and whose attention
-#: is causal self-attention over the sequence: shifting a row and passing its original positions changes nothing.
+#: Decoders with rotary positions from ``position_ids`` alone and causal self-attention: a shifted row is unchanged.
 REALIGN_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
 
 
-def _unwrapped_config(model: torch.nn.Module):
-    config = getattr(model, "config", None)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def _rope_types(config) -> set[str]:
-    """The rotary-embedding types a config names (``rope_parameters``, per layer type or not, and ``rope_scaling``)."""
-    kinds = set()
-    for name in ("rope_parameters", "rope_scaling"):
-        params = getattr(config, name, None)
-        if not isinstance(params, dict):
-            continue
-        entries = [value for value in params.values() if isinstance(value, dict)] or [params]
-        for entry in entries:
-            kind = entry.get("rope_type", entry.get("type"))
-            if kind is not None:
-                kinds.add(str(kind))
-    return kinds
-
-
-def _rope_follows_longest_position(model: torch.nn.Module) -> bool:
-    """Whether the model's rotary embedding picks its frequencies from the largest position of each forward
-    (``dynamic`` and ``longrope`` scaling): its values then depend on how wide the forward is."""
-    config = _unwrapped_config(model)
-    return config is not None and any("dynamic" in kind or kind == "longrope" for kind in _rope_types(config))
-
-
-def _prepends_virtual_tokens(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is a PEFT model whose active adapter prepends virtual tokens to the input embeddings (prompt
-    tuning, P-tuning and the like), which drops ``position_ids``. Prefix tuning only adds cached keys and values."""
-    peft_config = getattr(model, "active_peft_config", None)
-    if peft_config is None or not getattr(peft_config, "is_prompt_learning", False):
-        return False
-    peft_type = getattr(peft_config, "peft_type", None)
-    return str(getattr(peft_type, "value", peft_type)) != "PREFIX_TUNING"
-
-
 def can_realign(model: torch.nn.Module, prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> bool:
-    """Whether the pass may shift rows past their prompt padding: a :data:`REALIGN_MODEL_TYPES` decoder with full
-    causal SDPA or eager attention and no position-dependent rotary scaling or virtual-token adapter, on
-    left-padded prompts and right-padded completions."""
-    config = _unwrapped_config(model)
+    """Whether the pass may shift rows: a :data:`REALIGN_MODEL_TYPES` decoder with full causal SDPA or eager attention,
+    no position-dependent rotary scaling or virtual-token adapter, on left-padded prompts and right-padded completions."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if config is None or getattr(config, "model_type", None) not in REALIGN_MODEL_TYPES:
         return False
     if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
         return False
-    if _rope_follows_longest_position(model):
+    rope_types = set()  # rope_parameters (per layer type or not) and rope_scaling
+    for params in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
+        if isinstance(params, dict):
+            for entry in [value for value in params.values() if isinstance(value, dict)] or [params]:
+                rope_types.add(str(entry.get("rope_type", entry.get("type"))))
+    if any("dynamic" in kind or kind == "longrope" for kind in rope_types):
         return False  # frequencies that follow the largest position_ids of the forward
-    if _prepends_virtual_tokens(model):
-        return False
+    peft_config = getattr(model, "active_peft_config", None)  # prompt tuning drops position_ids; prefix tuning not
+    if getattr(peft_config, "is_prompt_learning", False):
+        peft_type = getattr(peft_config, "peft_type", None)
+        if str(getattr(peft_type, "value", peft_type)) != "PREFIX_TUNING":
+            return False
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         if any(kind != "full_attention" for kind in layer_types):
@@ -103,13 +71,6 @@ def can_realign(model: torch.nn.Module, prompt_mask: torch.Tensor, completion_ma
     if prompt_mask.size(1) == 0:
         return not bool(scored.any())
     return not bool((scored & (prompt_mask.sum(dim=1) == 0)).any())
-
-
-def _fused_entropies(outputs) -> torch.Tensor:
-    """The per-token entropies of a fused-LM-head forward."""
-    if outputs.entropy is None:  # pragma: no cover - GRPOTrainer asks its fused head for entropies
-        raise RuntimeError("The model's fused LM head does not compute entropies; is the TRL version 1.16.0?")
-    return outputs.entropy
 
 
 def _realigned_forward(
@@ -146,7 +107,7 @@ def _realigned_forward(
     logps = outputs.log_probs.gather(1, index).float().masked_fill(~keep, 0.0)
     entropies = None
     if compute_entropy:
-        entropies = _fused_entropies(outputs).gather(1, index).float().masked_fill(~keep, 0.0)
+        entropies = outputs.entropy.gather(1, index).float().masked_fill(~keep, 0.0)
     return logps, entropies
 
 
@@ -166,19 +127,12 @@ def shifted_logps(
     prompt_mask, completion_mask = attention_mask[:, :-logits_to_keep], attention_mask[:, -logits_to_keep:]
     widths = completion_widths(completion_mask)
     batch_size = batch_size or input_ids.size(0)
-    all_logps, all_entropies = [], []
-    for start in range(0, input_ids.size(0), batch_size):
-        rows = slice(start, start + batch_size)
-        logps, entropies = _realigned_forward(
-            model,
-            prompt_ids[rows],
-            prompt_mask[rows],
-            completion_ids[rows],
-            widths[rows],
-            compute_entropy,
-            autocast,
-            full_width=full_width,
+    tensors = (prompt_ids, prompt_mask, completion_ids, widths)
+    parts = [
+        _realigned_forward(
+            model, *(t[start : start + batch_size] for t in tensors), compute_entropy, autocast, full_width
         )
-        all_logps.append(logps)
-        all_entropies.append(entropies)
-    return torch.cat(all_logps, dim=0), (torch.cat(all_entropies, dim=0) if compute_entropy else None)
+        for start in range(0, input_ids.size(0), batch_size)
+    ]
+    entropies = torch.cat([part[1] for part in parts], dim=0) if compute_entropy else None
+    return torch.cat([part[0] for part in parts], dim=0), entropies

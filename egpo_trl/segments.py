@@ -1,46 +1,27 @@
-"""Thinking / answer segments of a completion on token positions (paper Sec. 5.4, Table 3).
-
-The closing tag is the first ``</think>``, found on token ids whether it is one token or several (a string-matching
-automaton advanced one token at a time); its tokens belong to neither segment. Thinking is everything before it,
-after a leading ``<think>`` if any; the answer is every valid token after it. Without a closing tag the whole
-completion is thinking and the answer is empty (its entropy ``NaN``).
-"""
+"""Thinking / answer segments of a completion on token positions (paper Sec. 5.4): the first ``</think>`` (one token
+or several) belongs to neither; thinking is what precedes it (after a leading ``<think>``), the answer what follows.
+Without a closing tag the whole completion is thinking and the answer is empty."""
 
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
-
-__all__ = [
-    "DEFAULT_THINK_END",
-    "DEFAULT_THINK_START",
-    "ENTROPY_SCOPES",
-    "SegmentSpans",
-    "scope_mask",
-    "segment_entropy",
-    "segment_masks",
-    "segment_spans",
-    "tag_spans",
-]
 
 DEFAULT_THINK_START = "<think>"
 DEFAULT_THINK_END = "</think>"
 ENTROPY_SCOPES = ("completion", "thinking", "answer")
 
-# Zero-length tokens (some special tokens decode to "") may sit inside a tag; allow a few of them.
-_EXTRA_SPAN_TOKENS = 4
+_EXTRA_SPAN_TOKENS = 4  # zero-length tokens (decoding to "") allowed inside a tag
 
 _cache_lock = threading.Lock()
 _TABLES: weakref.WeakKeyDictionary[Any, dict[tuple[str, int, str], torch.Tensor]] = weakref.WeakKeyDictionary()
-_TABLES_BY_ID: dict[int, tuple[Any, dict[tuple[str, int, str], torch.Tensor]]] = {}
 
 
 def _advance(tag: str, state: int, text: str) -> int:
-    """KMP state after reading ``text`` from ``state``: ``len(tag)`` on a match, else the longest tag prefix
-    that ends the text read so far."""
+    """State after reading ``text`` from ``state``: ``len(tag)`` on a match, else the longest tag prefix ending it."""
     window = tag[:state] + text
     if tag in window:
         return len(tag)
@@ -70,9 +51,7 @@ def _build_table(strings: list[str], tag: str) -> torch.Tensor:
             for state in range(length):
                 rows[state][token_id] = state
             continue
-        # A token can only lead to a non-zero state if it contains the tag's first character (a new match
-        # starts inside it), lies inside the tag (it continues a partial match), or starts with a suffix
-        # of the tag (it completes one). Every other token sends every state back to 0.
+        # Only a token that starts a match, lies inside the tag or completes one leads to a non-zero state.
         if tag[0] not in text and text not in tag and not (text[0] in inner and text.startswith(suffixes)):
             continue
         for state in range(length):
@@ -86,18 +65,13 @@ def _transition_table(tokenizer: Any, tag: str, device: torch.device) -> torch.T
         raise ValueError("The think tag must be a non-empty string such as '</think>'.")
     key = (tag, len(tokenizer), str(device))
     with _cache_lock:
-        try:
-            tables = _TABLES.setdefault(tokenizer, {})
-        except TypeError:  # not weak-referenceable: keep it alive with its tables
-            tables = _TABLES_BY_ID.setdefault(id(tokenizer), (tokenizer, {}))[1]
-        table = tables.get(key)
-        if table is None:
+        tables = _TABLES.setdefault(tokenizer, {})
+        if key not in tables:
             cpu_key = (tag, len(tokenizer), "cpu")
             if cpu_key not in tables:
                 tables[cpu_key] = _build_table(_token_strings(tokenizer), tag)
-            table = tables[cpu_key].to(device)
-            tables[key] = table
-    return table
+            tables[key] = tables[cpu_key].to(device)
+        return tables[key]
 
 
 def tag_spans(
@@ -199,25 +173,15 @@ def segment_entropy(per_token_logps: torch.Tensor, mask: torch.Tensor) -> torch.
 
 
 def scope_mask(
-    completion_ids: torch.Tensor,
-    mask: torch.Tensor,
-    tokenizer: Any,
-    scope: Literal["completion", "thinking", "answer"] = "completion",
-    empty: Literal["completion", "keep"] = "completion",
-    think_start: str = DEFAULT_THINK_START,
-    think_end: str = DEFAULT_THINK_END,
-) -> torch.Tensor:
-    """The mask for an entropy ``scope``; a row with an empty segment falls back to its whole completion unless
-    ``empty="keep"``."""
+    completion_ids: torch.Tensor, mask: torch.Tensor, tokenizer: Any, scope: str = "completion"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The mask for an entropy ``scope``, and which rows fall back to their whole completion for an empty segment
+    (``None`` for ``"completion"``)."""
     if scope not in ENTROPY_SCOPES:
         raise ValueError(f"Unknown entropy scope {scope!r}; choose one of {ENTROPY_SCOPES}.")
-    if empty not in ("completion", "keep"):
-        raise ValueError(f"empty={empty!r}: choose 'completion' (fall back to the whole completion) or 'keep'.")
     if scope == "completion":
-        return mask
-    thinking, answer = segment_masks(completion_ids, mask, tokenizer, think_start, think_end)
+        return mask, None
+    thinking, answer = segment_masks(completion_ids, mask, tokenizer)
     chosen = thinking if scope == "thinking" else answer
-    if empty == "completion":
-        is_empty = (chosen != 0).sum(dim=1, keepdim=True) == 0
-        chosen = torch.where(is_empty, mask, chosen)
-    return chosen
+    fallback = ((chosen != 0).sum(dim=1) == 0) & ((mask != 0).sum(dim=1) > 0)
+    return torch.where(fallback.unsqueeze(1), mask, chosen), fallback

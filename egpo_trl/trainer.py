@@ -1,6 +1,4 @@
-"""``EGPOTrainer``: TRL's ``GRPOTrainer`` with EGPO's entropy-calibrated advantages, computed on the gathered rewards
-and per-completion entropy proxies of each generation batch. Dynamic sampling, Guided Error Correction,
-``loss_forward`` and exact resume are mixins."""
+"""``EGPOTrainer``: TRL's ``GRPOTrainer`` with EGPO's entropy-calibrated advantages on each generation batch."""
 
 from __future__ import annotations
 
@@ -13,7 +11,7 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import get_config_model_id, nanstd
+from trl.trainer.utils import get_config_model_id
 
 from egpo_trl.advantages import (
     GROUP_ALL_CORRECT,
@@ -23,43 +21,33 @@ from egpo_trl.advantages import (
     get_advantage_estimator,
     get_entropy_input,
     normalize_then_sum_advantages,
-    normalize_then_sum_rewards,
     sequence_entropy,
     sequence_mean,
     weighted_reward_sum,
 )
 from egpo_trl.config import EGPOConfig, distribution_changing_sampling_options, trl_computes_old_logps
 from egpo_trl.correctness import binary_correctness_features, correctness_reward_index, reward_func_names
-from egpo_trl.fused import GROUP_KEY as _FUSED_GROUP_KEY
-from egpo_trl.fused import LossForwardEntropyMixin
+from egpo_trl.fused import GROUP_KEY, LossForwardEntropyMixin, random_training_forward
 from egpo_trl.heldout import NO_CORRECT_CAUSES
-from egpo_trl.input_checks import check_trainer_inputs, config_makes_forward_random
-from egpo_trl.old_logps import FORWARD_KEYS as _FORWARD_KEYS
-from egpo_trl.old_logps import can_realign, shifted_logps
+from egpo_trl.input_checks import check_trainer_inputs
+from egpo_trl.old_logps import FORWARD_KEYS, can_realign, shifted_logps
 from egpo_trl.resume_state import ExactResumeMixin
-from egpo_trl.rewards import make_overlong_penalty_reward
-from egpo_trl.sampling.dynamic import DynamicSamplingMixin, vllm_sequences_for_oversampling
+from egpo_trl.sampling.dynamic import DynamicSamplingMixin, vllm_sequences_for_oversampling, with_overlong_reward
 from egpo_trl.sampling.gec import GuidedErrorCorrectionMixin
-from egpo_trl.segments import segment_masks
+from egpo_trl.segments import scope_mask
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["EGPOTrainer"]
 
-# Per-token entropies captured from TRL's old-log-prob pass travel in the batch under this key until used.
-_TOKEN_ENTROPY_KEY = "egpo_token_entropies"
-#: ``egpo/entropy_source``: where the entropy proxy's log-probs came from (the same for every advantage estimator).
+# Batch keys: entropies of TRL's old-log-prob pass, each row's index (for the loss's log-probs), completion lengths.
+_TOKEN_ENTROPY_KEY, _ROW_KEY = "egpo_token_entropies", "egpo_row_index"
+_LENGTHS_KEY, _TRUNCATED_KEY = "egpo_completion_lengths", "egpo_completion_truncated"
+#: ``egpo/entropy_source``: where the entropy proxy's log-probs came from.
 _SOURCES = ("none", "old_per_token_logps", "forward", "sampling_per_token_logps", "training_forward", "loss_forward")
 ENTROPY_SOURCE_CODES = {source: code for code, source in enumerate(_SOURCES)}
-# Each row's index in this process's generation batch, so the loss's forward can return its log-probs to the metrics.
-_ROW_KEY = "egpo_row_index"
-# Per-row completion lengths and truncation, carried in the batch until its length metrics are logged.
-_LENGTHS_KEY = "egpo_completion_lengths"
-_TRUNCATED_KEY = "egpo_completion_truncated"
-# TRL's importance-sampling correction multiplies the loss by its ratios: below this mean, the run is told.
-IS_RATIO_WARNING_THRESHOLD = 0.5
-# Optimizer steps of a run after which, when none of its completions so far was correct, the run is told (once).
-NO_CORRECT_WARNING_STEPS = 4
+IS_RATIO_WARNING_THRESHOLD = 0.5  # a mean importance-sampling ratio below this is warned about
+NO_CORRECT_WARNING_STEPS = 4  # optimizer steps without a correct completion before the run is told
 
 
 def _mean_of(values: torch.Tensor, where: torch.Tensor) -> float | None:
@@ -73,25 +61,11 @@ def _judged_rows(result: AdvantageOutput, scored: torch.Tensor) -> tuple[torch.T
     return result.correct & scored, ~result.correct & scored & (result.group_type != -1)
 
 
-def _random_training_forward(model: torch.nn.Module) -> bool:
-    """Whether a training-mode forward of ``model`` is random: active dropout, or a random setting in its configs."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
-            return True
-        adapters = getattr(module, "peft_config", None)
-        configs = [getattr(module, "config", None), *(adapters.values() if isinstance(adapters, dict) else ())]
-        if any(hasattr(config, "to_dict") and config_makes_forward_random(config.to_dict()) for config in configs):
-            return True
-    return False
-
-
 class EGPOTrainer(
     ExactResumeMixin, DynamicSamplingMixin, GuidedErrorCorrectionMixin, LossForwardEntropyMixin, GRPOTrainer
 ):
-    """Entropy-Guided Policy Optimization (EGPO), a drop-in replacement for TRL's ``GRPOTrainer`` taking an
-    :class:`~egpo_trl.EGPOConfig`. A completion is correct when the binary reward named by ``egpo_correctness_reward``
-    gives it a reward > 0. Logs TRL's metrics plus ``egpo/*``, ``dynamic_sampling/*`` and ``gec/*``.
-    """
+    """EGPO, a drop-in replacement for TRL's ``GRPOTrainer`` taking an :class:`~egpo_trl.EGPOConfig`; a completion is
+    correct when the reward named by ``egpo_correctness_reward`` is > 0. Logs ``egpo/*`` besides TRL's metrics."""
 
     _tag_names = ["trl", "egpo"]
     _name = "EGPO"
@@ -111,15 +85,10 @@ class EGPOTrainer(
         elif not isinstance(args, EGPOConfig):
             raise TypeError(f"EGPOTrainer needs an EGPOConfig, got {type(args).__name__}.")
         if args.n_gpu > 1:
-            raise ValueError(
-                f"This process sees {args.n_gpu} GPUs (nn.DataParallel): run one process per GPU with `accelerate "
-                "launch`, or make one GPU visible (CUDA_VISIBLE_DEVICES=0)."
-            )
-        reward_funcs = self._with_overlong_reward(reward_funcs, args)
+            raise ValueError(f"{args.n_gpu} GPUs in one process: use `accelerate launch`, or CUDA_VISIBLE_DEVICES=0.")
+        reward_funcs = with_overlong_reward(reward_funcs, args)
         # Pick the correctness reward before any model loads; TRL's own error on mismatched reward counts comes first.
-        environment = kwargs.get("environment_factory") is not None or (
-            len(pos_args) > 10 and pos_args[10] is not None
-        )
+        environment = kwargs.get("environment_factory", pos_args[10] if len(pos_args) > 10 else None) is not None
         processing_classes = kwargs.get("reward_processing_classes", pos_args[3] if len(pos_args) > 3 else None)
         given = (args.reward_weights, processing_classes)
         counts = {len(value) if isinstance(value, list) else 1 for value in given if value is not None}
@@ -153,7 +122,7 @@ class EGPOTrainer(
         self.egpo_last_batch: dict[str, Any] = {}
 
     def vllm_kv_cache_tokens(self) -> int | None:
-        """How many tokens the colocated vLLM engine's KV cache holds, all sequences together (``None`` where unknown)."""
+        """How many tokens the colocated vLLM engine's KV cache holds (``None`` where unknown)."""
         generation = getattr(self, "vllm_generation", None)
         if not getattr(self, "use_vllm", False) or getattr(generation, "mode", None) != "colocate":
             return None
@@ -162,24 +131,6 @@ class EGPOTrainer(
         except AttributeError:
             return None
         return int(tokens) if isinstance(tokens, (int, float)) and tokens > 0 else None
-
-    @staticmethod
-    def _with_overlong_reward(reward_funcs, args: EGPOConfig):
-        """The reward functions, with DAPO's overlong penalty appended when ``overlong_buffer_length`` is set."""
-        if args.overlong_buffer_length is None:
-            return reward_funcs
-        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        if any(getattr(func, "__name__", None) == "overlong_penalty" for func in funcs):
-            raise ValueError(
-                "overlong_buffer_length adds overlong_penalty itself: remove it from the reward functions."
-            )
-        if args.reward_weights is not None and len(args.reward_weights) != len(funcs) + 1:
-            raise ValueError(
-                f"overlong_buffer_length adds a reward function (overlong_penalty, last): reward_weights needs "
-                f"{len(funcs) + 1} entries, got {len(args.reward_weights)}."
-            )
-        length, factor = args.overlong_buffer_length, args.overlong_penalty_factor
-        return [*funcs, make_overlong_penalty_reward(args.max_completion_length, length, factor)]
 
     # ------------------------------------------------------------------ TRL hooks
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -206,10 +157,8 @@ class EGPOTrainer(
                 self._egpo_timings[name] = self._egpo_timings.get(name, 0.0) + time.perf_counter() - start
 
     def _get_per_token_logps_and_entropies(self, model, *args, compute_entropy=False, **kwargs):
-        if getattr(self, "_fused", False) and torch.is_grad_enabled():
-            cached = self._fused_cached_forward()  # the loss of a block: its forward already ran (egpo_trl/fused.py)
-            if cached is not None:
-                return cached
+        if torch.is_grad_enabled() and getattr(self, "_fused", False) and self._fused_cache:
+            return self._fused_cache.pop(0)  # the loss of a block: its forward already ran (egpo_trl/fused.py)
         if torch.is_grad_enabled():
             result = self._egpo_trl_pass(model, *args, compute_entropy=compute_entropy, **kwargs)
             if self._egpo_loss_rows is not None:
@@ -237,17 +186,11 @@ class EGPOTrainer(
         ):
             prompt_mask, completion_mask = attention_mask[:, :-logits_to_keep], attention_mask[:, -logits_to_keep:]
             if can_realign(self.accelerator.unwrap_model(model), prompt_mask, completion_mask):
-                logps, entropies = shifted_logps(
-                    model,
-                    input_ids,
-                    attention_mask,
-                    logits_to_keep,
-                    batch_size=kwargs.get("batch_size"),
-                    compute_entropy=kwargs.get("compute_entropy", False),
-                    autocast=self.accelerator.autocast,
-                    full_width=trl_computes_old_logps(self.args) or self.beta != 0.0,
-                )
-                return logps, entropies, None
+                autocast = self.accelerator.autocast
+                full = trl_computes_old_logps(self.args) or self.beta != 0.0
+                entropy, size = kwargs.get("compute_entropy", False), kwargs.get("batch_size")
+                logps = shifted_logps(model, input_ids, attention_mask, logits_to_keep, size, entropy, autocast, full)
+                return *logps, None
         return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, **kwargs)
 
     def _generate(self, prompts: list):
@@ -280,41 +223,6 @@ class EGPOTrainer(
         eos_and_pad = {*self.eos_token_ids, self._tokenizer.pad_token_id}
         truncated = torch.tensor([bool(ids) and ids[-1] not in eos_and_pad for ids in completion_ids], device=device)
         return lengths, truncated
-
-    def _egpo_length_metrics(self, lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
-        """TRL's ``completions/*`` length metrics of the rows ``lengths``/``truncated`` (this process's; gathered)."""
-        lengths = self.accelerator.gather(lengths).float()
-        truncated = self.accelerator.gather(truncated).bool()
-        terminated = lengths[~truncated]
-        if terminated.numel() == 0:
-            terminated = torch.zeros(1, device=lengths.device)
-        values = {"completions/clipped_ratio": truncated.float().mean().item()}
-        for kind, rows in (("", lengths), ("terminated_", terminated)):
-            values.update(
-                {f"completions/{stat}_{kind}length": getattr(rows, stat)().item() for stat in ("mean", "min", "max")}
-            )
-        return values
-
-    def _egpo_reward_metrics(self, rewards_per_func: torch.Tensor, num_generations: int) -> dict[str, float]:
-        """TRL's reward metrics of the global rewards ``rewards_per_func``, computed as ``GRPOTrainer`` does."""
-        values: dict[str, float] = {}
-        for i, name in enumerate(self.reward_func_names):
-            values[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
-            values[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
-        rewards = weighted_reward_sum(rewards_per_func, self.reward_weights)
-        if self.multi_objective_aggregation == "normalize_then_sum":
-            normalized = normalize_then_sum_rewards(rewards_per_func, self.reward_weights, num_generations)
-            std = nanstd(normalized).expand_as(normalized) if normalized.numel() > 1 else torch.zeros_like(rewards)
-        elif self.scale_rewards == "batch":
-            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-        elif num_generations > 1:
-            std = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
-        else:
-            std = torch.zeros_like(rewards)
-        values["reward"] = torch.nanmean(rewards).item()
-        values["reward_std"] = nanstd(rewards).item()
-        values["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).float().mean().item()
-        return values
 
     def _generate_and_score_completions(self, inputs):
         mode = "train" if self.model.training else "eval"
@@ -398,7 +306,7 @@ class EGPOTrainer(
         """Advantages of the final generation batch from its gathered rewards and entropies, written back for TRL."""
         output.pop(_LENGTHS_KEY, None)
         output.pop(_TRUNCATED_KEY, None)
-        if self._fused_active(mode):
+        if mode == "train" and getattr(self, "_fused", False):
             result = self._fused_finish(output, rewards_per_func, num_generations)
             entropies = {"nll": None, "shannon": None, "source": "loss_forward"}
             process_slice = self._fused_batch["rows"]
@@ -434,16 +342,24 @@ class EGPOTrainer(
 
     # ------------------------------------------------------------------ entropies
     def _egpo_loss_mask(self, output: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The tokens the entropy proxy averages over, and which rows fell back to their whole completion."""
+        """The tokens the entropy proxy averages over, and which rows of the global batch fell back to their whole
+        completion (warned about once)."""
         mask = output["completion_mask"]
         if output.get("tool_mask") is not None:
             mask = mask * output["tool_mask"]
-        if self.args.egpo_entropy_scope == "completion":
+        mask, fallback = scope_mask(
+            output["completion_ids"], mask, self.processing_class, self.args.egpo_entropy_scope
+        )
+        if fallback is None:
             return mask, None
-        thinking, answer = segment_masks(output["completion_ids"], mask, self.processing_class)
-        chosen = thinking if self.args.egpo_entropy_scope == "thinking" else answer
-        fallback = ((chosen != 0).sum(dim=1) == 0) & ((mask != 0).sum(dim=1) > 0)
-        return torch.where(fallback.unsqueeze(1), mask, chosen), fallback
+        fallback = self.accelerator.gather(fallback)
+        if fallback.any():
+            self._egpo_warn_once(
+                "egpo_entropy_scope=%r: %d of %d completions have no %s segment, so their entropy proxy is taken over "
+                "the whole completion (egpo/frac_entropy_scope_fallback).",
+                *(self.args.egpo_entropy_scope, int(fallback.sum()), fallback.numel(), self.args.egpo_entropy_scope),
+            )
+        return mask, fallback
 
     def _egpo_entropies(self, output: dict[str, Any], mode: str = "train") -> dict[str, Any]:
         """Global per-completion entropies of this generation batch (``nll`` is the Eq. 5 proxy) and their source."""
@@ -480,31 +396,23 @@ class EGPOTrainer(
             need_nll, source = False, "training_forward"
         extra_pass = (need_nll and logps is None) or (need_shannon and token_entropies is None)
         if extra_pass:
-            forward_logps, forward_entropies = self._egpo_forward(
-                output, compute_entropy=need_shannon and token_entropies is None
-            )
+            forward_logps, forward_entropies = self._egpo_forward(output, need_shannon and token_entropies is None)
             if need_nll and logps is None:
                 logps, source = forward_logps, "forward"
             if need_shannon and token_entropies is None:
                 token_entropies = forward_entropies
         nll = self.accelerator.gather(sequence_entropy(logps, mask)) if need_nll else None
         shannon = self.accelerator.gather(sequence_mean(token_entropies, mask)) if need_shannon else None
-        if fallback is not None:
-            fallback = self.accelerator.gather(fallback)
-            self._egpo_warn_scope_fallback(fallback)
         return dict(
             nll=nll, shannon=shannon, source=source, extra_pass=extra_pass, scope_fallback=fallback, deferred=deferred
         )
 
-    def _egpo_training_forward_is_random(self, arguments: bool = True) -> bool:
-        """Whether the policy's training-mode forward is random: active dropout, or (``arguments``) NEFTune noise."""
-        return (arguments and bool(self.args.neftune_noise_alpha)) or _random_training_forward(self.model)
-
     def _egpo_defers_entropy_metrics(self, mode: str) -> bool:
-        """Whether this batch's ``egpo/entropy_*`` metrics come from the loss's forwards."""
-        return (
-            mode == "train" and not trl_computes_old_logps(self.args) and not self._egpo_training_forward_is_random()
-        )
+        """Whether this batch's ``egpo/entropy_*`` metrics come from the loss's forwards (when they are the old
+        policy's: no NEFTune noise, no random training forward)."""
+        args = self.args
+        deferrable = mode == "train" and not trl_computes_old_logps(args) and not args.neftune_noise_alpha
+        return deferrable and not random_training_forward(self.model)
 
     def _prepare_inputs(self, generation_batch):
         if getattr(self, "_fused", False) and self.model.training:
@@ -522,7 +430,7 @@ class EGPOTrainer(
         def loss_of(model, batch):
             return super(EGPOTrainer, self).compute_loss(model, batch, return_outputs, num_items_in_batch)
 
-        if getattr(self, "_fused", False) and model.training and _FUSED_GROUP_KEY in inputs:
+        if getattr(self, "_fused", False) and model.training and GROUP_KEY in inputs:
             return self._fused_block_loss(model, inputs, loss_of)
         deferred = self._egpo_deferred_entropies is not None and model.training
         self._egpo_loss_rows = inputs.get(_ROW_KEY) if deferred else None
@@ -553,44 +461,22 @@ class EGPOTrainer(
             if self.accelerator.is_main_process:
                 logger.warning(message, *values)
 
-    def _egpo_warn_scope_fallback(self, fallback: torch.Tensor) -> None:
-        """Warn once per run when completions of a segment entropy scope fall back to the whole completion."""
-        if fallback.any():
-            self._egpo_warn_once(
-                "egpo_entropy_scope=%r: %d of %d completions have no %s segment, so their entropy proxy is taken over "
-                "the whole completion (egpo/frac_entropy_scope_fallback).",
-                *(self.args.egpo_entropy_scope, int(fallback.sum()), fallback.numel(), self.args.egpo_entropy_scope),
-            )
-
     @torch.no_grad()
     def _egpo_forward(self, output: dict[str, Any], compute_entropy: bool = False):
         """One no-grad pass of the (old) policy: per-token log-probs and, when asked, Shannon entropies."""
-        forward_kwargs = {key: output[key] for key in _FORWARD_KEYS if output.get(key) is not None}
-        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        training = self.model.training
+        kwargs = {key: output[key] for key in FORWARD_KEYS if output.get(key) is not None}
+        training, args, width = self.model.training, self.args, output["completion_ids"].size(1)
+        kwargs.update(compute_entropy=compute_entropy)
+        kwargs["batch_size"] = args.per_device_train_batch_size if training else args.per_device_eval_batch_size
+        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         self.model.eval()  # no dropout: the proxy is the old policy's, and no RNG is consumed
         try:
-            with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-                batch_size = (
-                    self.args.per_device_train_batch_size if training else self.args.per_device_eval_batch_size
-                )
-                logps, entropies, _ = self._get_per_token_logps_and_entropies(
-                    self.model,
-                    input_ids,
-                    attention_mask,
-                    output["completion_ids"].size(1),
-                    batch_size=batch_size,
-                    compute_entropy=compute_entropy,
-                    **forward_kwargs,
-                )
+            with disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
+                logps, entropies, _ = self._get_per_token_logps_and_entropies(self.model, ids, mask, width, **kwargs)
         finally:
             self.model.train(training)
         return logps, entropies
-
-    def _egpo_same_count_across_processes(self, count: int) -> int:
-        """The largest of every process's ``count`` (under ZeRO-3 and FSDP every process runs as many forwards)."""
-        return int(self.accelerator.gather(torch.tensor([count], device=self.accelerator.device)).max())
 
     # ------------------------------------------------------------------ advantages
     def _estimator_kwargs(self) -> dict[str, Any]:
@@ -604,16 +490,20 @@ class EGPOTrainer(
             return kwargs
         return {key: value for key, value in kwargs.items() if key in parameters}
 
-    def _egpo_compute(self, rewards_per_func: torch.Tensor, entropies: torch.Tensor | None, num_generations: int):
-        """Advantages on the global batch from TRL's per-function rewards and the entropies."""
-        device = rewards_per_func.device
+    def _egpo_verdicts(self, rewards_per_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """The per-function rewards (unscored without a verdict, for a binary estimator), correctness and incorrect value."""
         correct, incorrect_value = self._egpo_correct(rewards_per_func)
         no_verdict = torch.isnan(rewards_per_func[:, self._egpo_correctness_index])
         if no_verdict.any():
             correct = correct.float().masked_fill(no_verdict, float("nan"))
             if getattr(self._egpo_estimator, "binary_correctness", False):
-                # A row without a verdict is unscored (advantage 0, out of the group statistics).
                 rewards_per_func = rewards_per_func.masked_fill(no_verdict.unsqueeze(1), float("nan"))
+        return rewards_per_func, correct, incorrect_value
+
+    def _egpo_compute(self, rewards_per_func: torch.Tensor, entropies: torch.Tensor | None, num_generations: int):
+        """Advantages on the global batch from TRL's per-function rewards and the entropies."""
+        device = rewards_per_func.device
+        rewards_per_func, correct, incorrect_value = self._egpo_verdicts(rewards_per_func)
         rewards = weighted_reward_sum(rewards_per_func, self.reward_weights)  # exactly as GRPOTrainer forms it
         kwargs = self._estimator_kwargs()
         if self.args.multi_objective_aggregation == "normalize_then_sum":
@@ -676,11 +566,8 @@ class EGPOTrainer(
         correct, incorrect = _judged_rows(result, scored)
         nll = nll.float().to(result.weights.device)
         finite = torch.isfinite(nll)
-        values = {
-            "entropy_mean": _mean_of(nll, finite),
-            "entropy_correct": _mean_of(nll, correct & finite),
-            "entropy_incorrect": _mean_of(nll, incorrect & finite),
-        }
+        values = {"entropy_mean": _mean_of(nll, finite), "entropy_correct": _mean_of(nll, correct & finite)}
+        values["entropy_incorrect"] = _mean_of(nll, incorrect & finite)
         if values["entropy_correct"] is not None and values["entropy_incorrect"] is not None:
             values["entropy_gap"] = values["entropy_incorrect"] - values["entropy_correct"]
         valid = finite & (result.group_type != -1)

@@ -561,18 +561,20 @@ def test_an_oversampled_engine_is_started_for_the_first_rounds_sequences():
     and of the added groups, times the tensor-parallel group (TRL's formula for a generation batch, with the groups)."""
     from types import SimpleNamespace
 
-    from egpo_trl.sampling.dynamic import oversampled_max_num_seqs
+    from egpo_trl.sampling.dynamic import colocated_engine_sequences
 
     # The DAPO 1.5B recipe on 8 GPUs: 128 rows each (8 groups), 64 groups; 1.5x adds 32 groups, 4 per process.
     args = SimpleNamespace(per_device_train_batch_size=16, steps_per_generation=8, num_generations=16, world_size=8,
-                           vllm_tensor_parallel_size=1, dynamic_sampling_oversample=1.5)  # fmt: skip
-    assert oversampled_max_num_seqs(args) == 128 + 4 * 16
+                           vllm_tensor_parallel_size=1, dynamic_sampling=True, dynamic_sampling_oversample=1.5)  # fmt: skip
+    assert colocated_engine_sequences(args) == (128 + 4 * 16, True)
     # Tensor parallelism over pairs of processes: each engine decodes both processes' prompts.
     args.vllm_tensor_parallel_size = 2
-    assert oversampled_max_num_seqs(args) == 2 * (128 + 4 * 16)
+    assert colocated_engine_sequences(args) == (2 * (128 + 4 * 16), True)
     # 1.1 of 64 groups: 6.4 -> 7 -> 8 added groups, one per process.
     args.vllm_tensor_parallel_size, args.dynamic_sampling_oversample = 1, 1.1
-    assert oversampled_max_num_seqs(args) == 128 + 16
+    assert colocated_engine_sequences(args) == (128 + 16, True)
+    args.dynamic_sampling = False  # no oversampling: the generation batch's rows
+    assert colocated_engine_sequences(args) == (128, False)
 
 
 def sometimes_noted_reward(completions, answer, log_extra=None, **kwargs):

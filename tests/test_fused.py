@@ -418,14 +418,14 @@ def test_adapters_whose_dropout_is_in_code_make_the_training_forward_random(tiny
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
 
-    from egpo_trl.trainer import _random_training_forward
+    from egpo_trl.fused import random_training_forward
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    assert not _random_training_forward(model)
+    assert not random_training_forward(model)
     config = eval(adapter, vars(peft))  # noqa: S307 - the parametrized constructor calls above
-    assert _random_training_forward(peft.get_peft_model(model, config))
+    assert random_training_forward(peft.get_peft_model(model, config))
     quiet = eval(adapter.replace("0.3", "0.0").replace("0.2", "0.0"), vars(peft))  # noqa: S307
-    assert not _random_training_forward(
+    assert not random_training_forward(
         peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), quiet)
     )
 

@@ -163,13 +163,6 @@ def test_every_process_gets_its_own_continuations_when_their_counts_differ(count
         )
 
 
-def test_padding_refuses_a_count_above_the_gathered_maximum():
-    from egpo_trl.sampling.gec import pad_continuation_batch
-
-    with pytest.raises(ValueError, match="more than the gathered maximum"):
-        pad_continuation_batch([[1], [2]], [1, 1], filler=[0])
-
-
 # ----------------------------------------------------------------------------- real runs
 def solution_dataset():
     dataset = make_prompt_dataset()

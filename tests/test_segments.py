@@ -206,12 +206,14 @@ def test_scope_mask_and_fallback(single_token_tokenizer):
     tok = single_token_tokenizer
     ids, mask = _batch(tok, ["<think>\nLet me add 1 and 2</think> So \\boxed{3}.", "no tags, \\boxed{3}"])
     thinking, answer = segment_masks(ids, mask, tok)
-    assert torch.equal(scope_mask(ids, mask, tok, "completion"), mask)
-    assert torch.equal(scope_mask(ids, mask, tok, "thinking"), thinking)
-    answer_scope = scope_mask(ids, mask, tok, "answer")
+    whole, fallback = scope_mask(ids, mask, tok, "completion")
+    assert whole is mask and fallback is None
+    thinking_scope, fallback = scope_mask(ids, mask, tok, "thinking")
+    assert torch.equal(thinking_scope, thinking) and not fallback.any()
+    answer_scope, fallback = scope_mask(ids, mask, tok, "answer")
     assert torch.equal(answer_scope[0], answer[0])
     assert torch.equal(answer_scope[1], mask[1])  # empty answer segment: falls back to the whole completion
-    assert scope_mask(ids, mask, tok, "answer", empty="keep")[1].sum() == 0
+    assert fallback.tolist() == [False, True]
     with pytest.raises(ValueError, match="completion"):
         scope_mask(ids, mask, tok, "reasoning")
 

@@ -39,7 +39,7 @@ FUNCTIONS = [
         "egpo_trl/resume_state.py (a finished run's end)",
     ),
     ("trl.trainer.utils", "selective_log_softmax", ["logits", "index", "temperature"], "benchmarks/is_gap.py"),
-    ("trl.trainer.utils", "nanstd", ["tensor", "dim", "keepdim"], "egpo_trl/trainer.py"),
+    ("trl.trainer.utils", "nanstd", ["tensor", "dim", "keepdim"], "egpo_trl/sampling/dynamic.py"),
     ("trl.trainer.utils", "is_async_callable", ["func"], "egpo_trl/sampling/gec.py (rescoring async rewards)"),
     (
         "trl.trainer.utils",
@@ -193,10 +193,10 @@ INSTANCE_ATTRIBUTES = [
     ("max_completion_length", lambda v: isinstance(v, int), "int", "sampling/gec.py"),
     ("use_vllm", lambda v: isinstance(v, bool), "bool", "trainer.py, gec.py"),
     ("vllm_importance_sampling_correction", lambda v: isinstance(v, bool), "bool", "trainer.py"),
-    ("tools", lambda v: v is None or isinstance(v, list), "list or None", "sampling/common.py"),
-    ("rollout_func", lambda v: v is None, "None here", "sampling/common.py"),
-    ("environment_factories", lambda v: v is None, "None here", "sampling/common.py"),
-    ("_is_vlm", lambda v: v is False, "False for a text model", "sampling/common.py"),
+    ("tools", lambda v: v is None or isinstance(v, list), "list or None", "sampling/dynamic.py"),
+    ("rollout_func", lambda v: v is None, "None here", "sampling/dynamic.py"),
+    ("environment_factories", lambda v: v is None, "None here", "sampling/dynamic.py"),
+    ("_is_vlm", lambda v: v is False, "False for a text model", "sampling/dynamic.py"),
     (
         "multi_objective_aggregation",
         lambda v: v in ("sum_then_normalize", "normalize_then_sum"),
@@ -607,7 +607,7 @@ def _static_problems() -> list[str]:
     from trl.generation.vllm_generation import VLLMGeneration
     from trl.trainer.utils import RepeatSampler
 
-    from egpo_trl.trainer import _FORWARD_KEYS
+    from egpo_trl.old_logps import FORWARD_KEYS
 
     problems = []
     for module_name, name, expected, used_by in FUNCTIONS:
@@ -632,10 +632,10 @@ def _static_problems() -> list[str]:
         if found[: len(expected)] != expected:
             problems.append(f"GRPOTrainer.{name}: parameters {found}, expected to start with {expected} ({used_by})")
     logps_parameters = _parameters(GRPOTrainer._get_per_token_logps_and_entropies)
-    missing = [key for key in _FORWARD_KEYS if key not in logps_parameters]
+    missing = [key for key in FORWARD_KEYS if key not in logps_parameters]
     if missing:
         problems.append(
-            f"GRPOTrainer._get_per_token_logps_and_entropies no longer takes {missing} (trainer.py's _FORWARD_KEYS)"
+            f"GRPOTrainer._get_per_token_logps_and_entropies no longer takes {missing} (old_logps.py's FORWARD_KEYS)"
         )
     from egpo_trl import EGPOTrainer
 

@@ -1,5 +1,4 @@
-"""The baselines' sampling features, mixins of :class:`~egpo_trl.trainer.EGPOTrainer`: DAPO's dynamic sampling
-(:mod:`~egpo_trl.sampling.dynamic`) and EDGE-GRPO's Guided Error Correction (:mod:`~egpo_trl.sampling.gec`)."""
+"""The baselines' sampling features: DAPO's dynamic sampling and EDGE-GRPO's Guided Error Correction."""
 
 from egpo_trl.sampling.dynamic import DynamicSamplingMixin
 from egpo_trl.sampling.gec import GuidedErrorCorrectionMixin

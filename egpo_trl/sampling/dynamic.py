@@ -12,16 +12,30 @@ from fractions import Fraction
 from typing import Any
 
 import torch
+from trl.trainer.utils import nanstd
 
-from egpo_trl.advantages import weighted_reward_sum
+from egpo_trl.advantages import normalize_then_sum_rewards, weighted_reward_sum
 from egpo_trl.config import oversampling_layout_error
-from egpo_trl.sampling.common import refuse_unsupported_generation
+from egpo_trl.rewards import make_overlong_penalty_reward
 
 logger = logging.getLogger(__name__)
 
 _LEFT_PADDED_KEYS = ("prompt_ids", "prompt_mask")
-# An extra round is sized as if at least this fraction of groups were informative (no division by zero).
-MIN_INFORMATIVE_FRACTION = Fraction(1, 10)
+MIN_INFORMATIVE_FRACTION = Fraction(1, 10)  # the least informative fraction an extra round is sized for
+
+
+def refuse_unsupported_generation(trainer: Any, feature: str) -> None:
+    """Refuse ``feature`` (dynamic sampling or Guided Error Correction, which regroup or rewrite a round's completions)
+    for anything but single-turn text generation."""
+    unsupported = {
+        "vision-language models": bool(getattr(trainer, "_is_vlm", False)),
+        "tools": bool(trainer.tools),
+        "rollout_func": trainer.rollout_func is not None,
+        "environment_factory": trainer.environment_factories is not None,
+    }
+    used = [name for name, on in unsupported.items() if on]
+    if used:
+        raise ValueError(f"{feature} does not support {used[0]}; turn one of them off.")
 
 
 def first_round_extra_groups(oversample: float, target: int, processes: int) -> int:
@@ -37,7 +51,7 @@ def largest_oversample(distinct: int, target: int, processes: int) -> Fraction |
 
 
 def filter_mismatch(args: Any) -> str | None:
-    """What DAPO's filter drops that the run's estimator learns from, or keeps that it ignores; ``None`` if neither."""
+    """What DAPO's filter drops that the estimator learns from, or keeps that it ignores; ``None`` if neither."""
     estimator, metric = args.advantage_estimator, args.dynamic_sampling_metric
     if estimator == "egpo":
         learns = {"entirely incorrect": bool(args.egpo_nsr), "entirely correct": False}
@@ -47,10 +61,8 @@ def filter_mismatch(args: Any) -> str | None:
         return None
     dropped = [kind for kind, learned in learns.items() if learned]
     kept = [kind for kind, learned in sorted(learns.items()) if not learned] if metric == "reward" else []
-    parts = []
-    if dropped:
-        which = " whose total rewards are all equal" if metric == "reward" else ""
-        parts.append(f"it drops the {' and '.join(dropped)} groups{which}, which {estimator} learns from")
+    which = " whose total rewards are all equal" if metric == "reward" else ""
+    parts = [f"it drops the {' and '.join(dropped)} groups{which}, which {estimator} learns from"] if dropped else []
     if kept:
         parts.append(f"it keeps the {' and '.join(kept)} groups whose other rewards differ, which {estimator} gives no "
                      "advantage")  # fmt: skip
@@ -68,23 +80,31 @@ def first_round_groups(args: Any, processes: int) -> tuple[int, int]:
     return target, first_round_extra_groups(args.dynamic_sampling_oversample, target, processes)
 
 
-def oversampled_max_num_seqs(args: Any, processes: int | None = None) -> int:
-    """The sequences one colocated vLLM engine receives in an oversampled first round."""
-    processes = args.world_size if processes is None else processes
-    _, extra = first_round_groups(args, processes)
-    local_rows = args.per_device_train_batch_size * args.steps_per_generation
-    return (local_rows + extra // processes * args.num_generations) * args.vllm_tensor_parallel_size
-
-
 def colocated_engine_sequences(args: Any, processes: int | None = None) -> tuple[int, bool]:
-    """``(max_num_seqs, oversampled)``: the sequences one colocated vLLM engine is started with."""
-    if args.dynamic_sampling and args.dynamic_sampling_oversample > 1.0:
-        return oversampled_max_num_seqs(args, processes), True
-    return args.per_device_train_batch_size * args.steps_per_generation * args.vllm_tensor_parallel_size, False
+    """``(max_num_seqs, oversampled)``: the sequences one colocated vLLM engine is started with (with room for an
+    oversampled first round)."""
+    processes = args.world_size if processes is None else processes
+    local_rows = args.per_device_train_batch_size * args.steps_per_generation
+    oversampled = args.dynamic_sampling and args.dynamic_sampling_oversample > 1.0
+    extra = first_round_groups(args, processes)[1] // processes * args.num_generations if oversampled else 0
+    return (local_rows + extra) * args.vllm_tensor_parallel_size, oversampled
 
 
 def _prompt_key(prompt: Any) -> str:
     return prompt if isinstance(prompt, str) else repr(prompt)
+
+
+def with_overlong_reward(reward_funcs: Any, args: Any) -> Any:
+    """The reward functions, with DAPO's overlong penalty appended when ``overlong_buffer_length`` is set."""
+    if args.overlong_buffer_length is None:
+        return reward_funcs
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if any(getattr(func, "__name__", None) == "overlong_penalty" for func in funcs):
+        raise ValueError("overlong_buffer_length adds overlong_penalty itself: remove it from reward_funcs.")
+    if args.reward_weights is not None and len(args.reward_weights) != len(funcs) + 1:
+        raise ValueError(f"overlong_buffer_length adds a reward: reward_weights needs {len(funcs) + 1} entries.")
+    length, factor = args.overlong_buffer_length, args.overlong_penalty_factor
+    return [*funcs, make_overlong_penalty_reward(args.max_completion_length, length, factor)]
 
 
 @contextmanager
@@ -111,8 +131,7 @@ def vllm_sequences_for_oversampling(args: Any) -> Iterator[None]:
 
 
 class DynamicSamplingMixin:
-    """DAPO's dynamic sampling over whole generation batches; logs ``dynamic_sampling/{rounds,frac_informative,
-    generated_per_kept,cap_hit}``."""
+    """DAPO's dynamic sampling over whole generation batches; logs ``dynamic_sampling/*``."""
 
     def _check_dynamic_sampling(self) -> None:
         refuse_unsupported_generation(self, "dynamic_sampling")
@@ -136,14 +155,12 @@ class DynamicSamplingMixin:
         if extra and distinct < target + extra:
             largest = largest_oversample(distinct, target, processes)
             fix = (
-                f"Lower dynamic_sampling_oversample (at most {float(largest):g} here), or train on more prompts."
-                if largest is not None
-                else "Set dynamic_sampling_oversample: 1.0, or train on more prompts."
+                f"Lower dynamic_sampling_oversample (at most {float(largest):g} here)" if largest else "Set it to 1.0"
             )
             raise ValueError(
                 f"dynamic_sampling_oversample={args.dynamic_sampling_oversample:g} makes the first round {target} + "
                 f"{extra} groups, one prompt each, but train_dataset has {distinct} distinct prompts: the round would "
-                f"repeat prompts. {fix}"
+                f"repeat prompts. {fix}, or train on more prompts."
             )
 
     def _informative_groups(self, rewards_per_func: torch.Tensor, num_generations: int) -> torch.Tensor:
@@ -159,9 +176,7 @@ class DynamicSamplingMixin:
         lowest = torch.where(scored, rewards, torch.full_like(rewards, float("inf"))).min(dim=1).values
         return (scored.sum(dim=1) >= 2) & (highest > lowest)
 
-    def _dynamic_sampling(
-        self, inputs: list[dict[str, Any]], num_generations: int
-    ) -> tuple[dict[str, Any], torch.Tensor, dict[str, Any]]:
+    def _dynamic_sampling(self, inputs: list[dict[str, Any]], num_generations: int) -> tuple:
         """Generate rounds until ``G`` groups are informative or the round cap is hit, the batch's own kept first."""
         local_rows = len(inputs)
         processes = self.accelerator.num_processes
@@ -179,20 +194,11 @@ class DynamicSamplingMixin:
         for round_index in range(max_rounds):
             marks.append({name: len(values) for name, values in self._metrics["train"].items()})
             groups = len(round_inputs) * processes // num_generations
-            with self._logs_for_round(groups * num_generations):
-                output, rewards_per_func = self._generate_round(round_inputs)
-                logs = self._snapshot_logs(groups * num_generations)
+            output, rewards_per_func, logs = self._round_with_own_logs(round_inputs, groups * num_generations)
             informative = self._informative_groups(rewards_per_func, num_generations)
-            rounds.append(
-                {
-                    "output": output,
-                    "rewards_per_func": rewards_per_func,
-                    "informative": informative,
-                    "groups": groups,
-                    "order": self._round_group_order(groups, first_extra if round_index == 0 else 0),
-                    "logs": logs,
-                }
-            )
+            record = dict(output=output, rewards_per_func=rewards_per_func, informative=informative, logs=logs)
+            order = self._round_group_order(groups, first_extra if round_index == 0 else 0)
+            rounds.append({**record, "groups": groups, "order": order})
             found += int(informative.sum().item())
             generated += groups
             if found >= target or round_index + 1 == max_rounds:
@@ -200,7 +206,8 @@ class DynamicSamplingMixin:
             # verl's DAPO sizing: the shortfall over the informative fraction, at most a generation batch.
             extra = math.ceil((target - found) / max(Fraction(found, generated), MIN_INFORMATIVE_FRACTION))
             unit = processes // math.gcd(processes, num_generations)
-            extra = self._egpo_same_count_across_processes(min(math.ceil(extra / unit) * unit, target))
+            extra = min(math.ceil(extra / unit) * unit, target)  # the largest of every process's
+            extra = int(self.accelerator.gather(torch.tensor([extra], device=self.accelerator.device)).max())
             round_inputs = self._refill_inputs(extra, num_generations, draw)
 
         def pick(wanted: bool) -> list[tuple[int, int]]:
@@ -218,12 +225,7 @@ class DynamicSamplingMixin:
                     "rounds (dynamic_sampling_max_rounds=%d, step %d); %d uninformative groups fill the batch and "
                     "give no GRPO signal. Raise dynamic_sampling_max_rounds, train on prompts of a better-suited "
                     "difficulty, or set dynamic_sampling=False.",
-                    len(selected),
-                    target,
-                    len(rounds),
-                    max_rounds,
-                    self.state.global_step,
-                    len(fillers),
+                    *(len(selected), target, len(rounds), max_rounds, self.state.global_step, len(fillers)),
                 )
             selected = selected + fillers
 
@@ -238,16 +240,9 @@ class DynamicSamplingMixin:
         metrics["dynamic_sampling/frac_informative"].append(found / generated)
         metrics["dynamic_sampling/generated_per_kept"].append(generated / target)
         metrics["dynamic_sampling/cap_hit"].append(float(cap_hit))
-        sampling = {
-            "rounds": len(rounds),
-            "target_groups": target,
-            "round_groups": [record["groups"] for record in rounds],
-            "first_round_extra_groups": first_extra,
-            "informative": [record["informative"] for record in rounds],
-            "selected": selected,
-            "cap_hit": cap_hit,
-        }
-        return output, rewards_per_func, sampling
+        sampling = dict(rounds=len(rounds), target_groups=target, round_groups=[r["groups"] for r in rounds])
+        sampling.update(first_round_extra_groups=first_extra, informative=[r["informative"] for r in rounds])
+        return output, rewards_per_func, {**sampling, "selected": selected, "cap_hit": cap_hit}
 
     def _keep_batch_metrics(self, marks, used, output, rewards_per_func, num_generations) -> None:
         """Reward and length metrics recomputed for the kept batch; other metrics keep the ``used`` rounds' values."""
@@ -271,6 +266,42 @@ class DynamicSamplingMixin:
                 kept = [v for r in used for v in values[starts[r] : starts[r + 1]]]
             values[:] = before + kept
 
+    def _egpo_length_metrics(self, lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+        """TRL's ``completions/*`` length metrics of this process's rows ``lengths``/``truncated``, gathered."""
+        lengths = self.accelerator.gather(lengths).float()
+        truncated = self.accelerator.gather(truncated).bool()
+        terminated = lengths[~truncated]
+        if terminated.numel() == 0:
+            terminated = torch.zeros(1, device=lengths.device)
+        values = {"completions/clipped_ratio": truncated.float().mean().item()}
+        for kind, rows in (("", lengths), ("terminated_", terminated)):
+            values.update(
+                {f"completions/{stat}_{kind}length": getattr(rows, stat)().item() for stat in ("mean", "min", "max")}
+            )
+        return values
+
+    def _egpo_reward_metrics(self, rewards_per_func: torch.Tensor, num_generations: int) -> dict[str, float]:
+        """TRL's reward metrics of the global ``rewards_per_func``, as ``GRPOTrainer`` computes them."""
+        values: dict[str, float] = {}
+        for i, name in enumerate(self.reward_func_names):
+            values[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, i]).item()
+            values[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, i]).item()
+        rewards = weighted_reward_sum(rewards_per_func, self.reward_weights)
+        normalized = self.multi_objective_aggregation == "normalize_then_sum"
+        if normalized or self.scale_rewards == "batch":
+            spread = rewards
+            if normalized:
+                spread = normalize_then_sum_rewards(rewards_per_func, self.reward_weights, num_generations)
+            std = nanstd(spread).expand_as(spread) if spread.numel() > 1 else torch.zeros_like(rewards)
+        elif num_generations > 1:
+            std = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
+        else:
+            std = torch.zeros_like(rewards)
+        values["reward"] = torch.nanmean(rewards).item()
+        values["reward_std"] = nanstd(rewards).item()
+        values["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).float().mean().item()
+        return values
+
     def _round_group_order(self, groups: int, extra: int) -> list[int]:
         """The round's gathered group indices in keeping order: the batch's own groups before the ``extra`` added."""
         if not extra:
@@ -288,9 +319,8 @@ class DynamicSamplingMixin:
 
         prompts = self.train_dataset.select_columns(["prompt"])
         taken = set(gather_object([_prompt_key(row.get("prompt")) for row in inputs]))
-        generator = torch.Generator().manual_seed(
-            (self.args.seed + 1) * 1_000_003 + self.state.global_step * 1_009 + getattr(self, "_step", 0) * 7_919
-        )
+        seed = (self.args.seed + 1) * 1_000_003 + self.state.global_step * 1_009 + getattr(self, "_step", 0) * 7_919
+        generator = torch.Generator().manual_seed(seed)
         while True:
             drawn = False
             for index in torch.randperm(len(prompts), generator=generator).tolist():
@@ -345,9 +375,8 @@ class DynamicSamplingMixin:
                 gathered = [self._pad_width(key, t, width) for t in gathered]
             merged = torch.cat(gathered, dim=0)
             output[key] = merged[rows.to(merged.device)][start : start + local_rows]
-        loss_mask = output["completion_mask"]
-        if output.get("tool_mask") is not None:
-            loss_mask = loss_mask * output["tool_mask"]
+        tool_mask = output.get("tool_mask")
+        loss_mask = output["completion_mask"] * (tool_mask if tool_mask is not None else 1)
         output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         rewards = torch.cat([rounds[r]["rewards_per_func"] for r in used], dim=0)
         return output, rewards[rows.to(rewards.device)]
@@ -359,56 +388,40 @@ class DynamicSamplingMixin:
         fill = torch.full((t.size(0), missing, *t.shape[2:]), self._pad_value(key), dtype=t.dtype, device=t.device)
         return torch.cat([fill, t] if key in _LEFT_PADDED_KEYS else [t, fill], dim=1)
 
-    @contextmanager
-    def _logs_for_round(self, global_rows: int) -> Iterator[None]:
-        """TRL's completions-table logs emptied during a round and restored afterwards."""
+    def _round_with_own_logs(self, inputs: list[dict[str, Any]], global_rows: int) -> tuple:
+        """One generation round with TRL's completions-table logs emptied for it: ``(output, rewards_per_func, logs)``,
+        ``logs`` the round's entries (``None``: a column it did not log)."""
         logs = self._logs
 
-        def fresh(values):
-            return (
-                defaultdict(lambda: deque(maxlen=global_rows))
-                if isinstance(values, dict)
-                else deque(maxlen=global_rows)
-            )
-
-        self._logs = {name: fresh(values) for name, values in logs.items()}
-        try:
-            yield
-            for part in ("rewards", "extra"):
-                for name in self._logs[part]:
-                    logs[part][name]  # noqa: B018 (a defaultdict: creates the name's deque)
-        finally:
-            self._logs = logs
-
-    def _snapshot_logs(self, global_rows: int) -> dict[str, Any]:
-        """The completions-table entries of the last round (``None``: a column it did not log)."""
+        def column():
+            return deque(maxlen=global_rows)
 
         def tail(values) -> list | None:
-            return list(values)[-global_rows:] if len(values) >= global_rows else None
+            return list(values) if len(values) >= global_rows else None
 
-        logs = self._logs
-        snapshot = {part: tail(logs[part]) for part in ("prompt", "completion", "advantages")}
+        self._logs = own = {name: defaultdict(column) if isinstance(v, dict) else column() for name, v in logs.items()}
+        try:
+            output, rewards_per_func = self._generate_round(inputs)
+        finally:
+            self._logs = logs
+        snapshot = {part: tail(own[part]) for part in ("prompt", "completion", "advantages")}
         for part in ("rewards", "extra"):
-            snapshot[part] = {name: tail(values) for name, values in logs[part].items()}
-        return snapshot
+            snapshot[part] = {name: tail(values) for name, values in own[part].items()}
+            for name in own[part]:
+                logs[part][name]  # noqa: B018 (a defaultdict: creates the name's deque)
+        return output, rewards_per_func, snapshot
 
     def _restore_logs(self, rounds, selected, num_generations: int, global_rows: int) -> None:
         """Make the completions table (a generation batch's ``global_rows`` rows) show the kept rows."""
         rows = [(r, g * num_generations + j) for r, g in selected for j in range(num_generations)]
 
-        def replace(target, *path: str) -> None:
-            snapshots = []
-            for record in rounds:
-                snapshot = record["logs"]
-                for part in path:
-                    snapshot = snapshot.get(part) if isinstance(snapshot, dict) else None
-                snapshots.append(snapshot)
+        def replace(target, snapshots: list) -> None:
             for _ in range(min(len(target), global_rows)):
                 target.pop()
             target.extend(snapshots[r][i] if snapshots[r] is not None else None for r, i in rows)
 
         for part in ("prompt", "completion", "advantages"):
-            replace(self._logs[part], part)
+            replace(self._logs[part], [record["logs"][part] for record in rounds])
         for part in ("rewards", "extra"):
             for name, values in self._logs[part].items():
-                replace(values, part, name)
+                replace(values, [record["logs"][part].get(name) for record in rounds])

@@ -20,7 +20,7 @@ from egpo_trl.rewards import (
     boxed_accuracy_reward,
     extract_last_boxed,
 )
-from egpo_trl.sampling.common import refuse_unsupported_generation
+from egpo_trl.sampling.dynamic import refuse_unsupported_generation
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +28,7 @@ _BOXED = "\\boxed{"
 _BRACES = re.compile(r"\\boxed\{|[{}]")
 # Appended to a reference solution whose last box does not give the reference answer.
 SOLUTION_ANSWER_SUFFIX = "\n\nThe final answer is \\boxed{{answer}}."
-# Tokens past the bisection's landing point checked one by one (a split character may decode unexpectedly).
-_SPLIT_CHARACTER_TOKENS = 16
+_SPLIT_CHARACTER_TOKENS = 16  # tokens past the bisection's landing point checked one by one
 
 
 def _open_boxed_start(text: str) -> int | None:
@@ -89,10 +88,6 @@ def shortened(ids: list[int], limit: int, decode) -> list[int]:
 def pad_continuation_batch(prompts: list[list[int]], counts: list[int], filler: list[int]) -> list[list[int]]:
     """This process's continuation prompts padded with ``filler`` to the largest of every process's ``counts``."""
     width = max(max(counts, default=0), 1)
-    if len(prompts) > width:
-        raise ValueError(
-            f"{len(prompts)} continuation prompts on this process, more than the gathered maximum {width}"
-        )
     return [list(p) for p in prompts] + [list(filler) for _ in range(width - len(prompts))]
 
 
@@ -101,7 +96,6 @@ class GuidedErrorCorrectionMixin:
     solution_boxed,answer_too_long}``."""
 
     def _check_guided_error_correction(self) -> None:
-        """Refuse at init what GEC cannot serve."""
         args = self.args
         refuse_unsupported_generation(self, "edge_gec")
         if getattr(self, "use_transformers_continuous_batching", False):
@@ -121,8 +115,7 @@ class GuidedErrorCorrectionMixin:
             )
         # Some rows get the answer template: the answer share, or the solution share without a `solution` column.
         injects = args.edge_gec_answer_prob > 0 or (args.edge_gec_solution_prob > 0 and "solution" not in columns)
-        index = getattr(self, "_egpo_correctness_index", None)
-        if injects and index is not None and self.reward_funcs[index] is boxed_accuracy_reward:
+        if injects and self.reward_funcs[self._egpo_correctness_index] is boxed_accuracy_reward:
             rendered, readable = answer_template_probe(args.edge_gec_answer_template)
             if not readable:
                 raise ValueError(
@@ -135,13 +128,11 @@ class GuidedErrorCorrectionMixin:
         def length(text: str) -> int:
             return len(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
+        cue, template = args.edge_gec_reflection_cue, args.edge_gec_answer_template
         texts = []  # the cue needs one continued token and the EOS; the template a one-character answer and the EOS
         if args.edge_gec_reflect_prob > 0:
-            texts.append(
-                ("edge_gec_reflection_cue", args.edge_gec_reflection_cue, length(args.edge_gec_reflection_cue) + 2)
-            )
+            texts.append(("edge_gec_reflection_cue", cue, length(cue) + 2))
         if injects:
-            template = args.edge_gec_answer_template
             texts.append(("edge_gec_answer_template", template, length(template.replace("{answer}", "0")) + 1))
         for name, text, needed in texts:
             if needed > args.max_completion_length:
@@ -170,9 +161,8 @@ class GuidedErrorCorrectionMixin:
         num_generations = self.num_generations
 
         # Every reward function scores every sampled completion here, once; TRL's scoring re-scores the rewritten ones.
-        rewards_per_func, pending_extra, pending_metrics = self._gec_score_sampled(
-            inputs, prompts, completions, completion_ids
-        )
+        scores = self._gec_score_sampled(inputs, prompts, completions, completion_ids)
+        rewards_per_func, pending_extra, pending_metrics = scores
         values = rewards_per_func[:, self._egpo_correctness_index]
         scored = ~torch.isnan(values)
         is_correct = self._egpo_correct(rewards_per_func)[0]
@@ -184,10 +174,8 @@ class GuidedErrorCorrectionMixin:
         eligible = eligible[start : start + local_rows].cpu()
 
         self._gec_calls = getattr(self, "_gec_calls", 0) + 1  # a fresh draw for every round of every step
-        generator = torch.Generator().manual_seed(
-            (args.seed + 7) * 1_000_003 + self._gec_calls * 1_009 + self.accelerator.process_index
-        )
-        draws = torch.rand(local_rows, generator=generator)
+        seed = (args.seed + 7) * 1_000_003 + self._gec_calls * 1_009 + self.accelerator.process_index
+        draws = torch.rand(local_rows, generator=torch.Generator().manual_seed(seed))
         reflect_below = args.edge_gec_reflect_prob
         answer_below = reflect_below + args.edge_gec_answer_prob
         solution_below = answer_below + args.edge_gec_solution_prob
@@ -268,9 +256,8 @@ class GuidedErrorCorrectionMixin:
         stats = self.accelerator.gather(torch.tensor([[len(reflect_rows), budget]], device=device)).view(-1, 2)
         counts = [int(n) for n in stats[:, 0].tolist()]
         continued: dict[int, tuple[list[int], list[float] | None]] = {}  # row -> continuation ids and log-probs
-        timings = getattr(self, "_egpo_timings", None)
-        if timings is not None:  # logged for every round GEC runs on (0 without continuations)
-            timings.setdefault("gec_continuation_s", 0.0)
+        if self._egpo_timings is not None:  # logged for every round GEC runs on (0 without continuations)
+            self._egpo_timings.setdefault("gec_continuation_s", 0.0)
         if sum(counts):
             batch = pad_continuation_batch(reflect_prompts, counts, filler=list(prompt_ids[0]))
             with self._egpo_timed("gec_continuation_s"):  # the continuations alone, also counted in gec_s
@@ -328,8 +315,7 @@ class GuidedErrorCorrectionMixin:
                 "edge_gec_answer_template (or the suffix that boxes a solution's answer), does not fit "
                 "max_completion_length=%d. gec/frac_answer_too_long counts them; raise max_completion_length or "
                 "shorten the template.",
-                too_long,
-                max_length,
+                *(too_long, max_length),
             )
         return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images
 
@@ -337,12 +323,8 @@ class GuidedErrorCorrectionMixin:
     def _gec_vllm_awake(self):
         """Keep a sleeping colocated vLLM engine awake over a round's generation and its continuations."""
         generation = getattr(self, "vllm_generation", None) if self.use_vllm else None
-        if (
-            generation is None
-            or generation.mode != "colocate"
-            or not generation.enable_sleep_mode
-            or self.args.edge_gec_reflect_prob <= 0
-        ):
+        awake = generation is not None and generation.mode == "colocate" and generation.enable_sleep_mode
+        if not awake or self.args.edge_gec_reflect_prob <= 0:  # nothing sleeps, or no continuations
             yield
             return
         with self._egpo_timed("generation_s"):
