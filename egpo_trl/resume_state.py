@@ -55,7 +55,7 @@ class _SigintHold:
     """Holds a Ctrl-C back from :meth:`start` to :meth:`stop` in the main thread; a second one interrupts at once."""
 
     def __init__(self, enabled: bool = True) -> None:
-        self.enabled, self.active, self.forced = enabled, False, False
+        self.enabled, self.active, self.forced, self.pending = enabled, False, False, False
         self._previous, self._received = None, False
 
     def start(self) -> None:
@@ -75,13 +75,14 @@ class _SigintHold:
         self._previous, self.active = signal.signal(signal.SIGINT, handler), True
 
     def stop(self, raise_held: bool = True) -> None:
-        """Puts the previous handler back; raises a held ``KeyboardInterrupt`` (unless ``raise_held`` is false)."""
+        """Puts the previous handler back; raises a held ``KeyboardInterrupt`` or, without ``raise_held``, keeps it."""
         if not self.active:
             return
         signal.signal(signal.SIGINT, self._previous)
         received, self._received, self.active = self._received, False, False
         if received and raise_held:
             raise KeyboardInterrupt
+        self.pending = self.pending or received
 
 
 def generation_seed(seed: int, global_step: int, call: int, instance: int, index: int) -> int:
@@ -112,6 +113,7 @@ class ExactResumeMixin:
             pass
         finally:
             self._egpo_sigint.stop(raise_held=False)  # an error inside a held span: the handler must not outlive it
+            self._egpo_sigint.pending = False  # the error, or the interruption, ends the run
             if stop in self.callback_handler.callbacks:
                 self.callback_handler.callbacks.remove(stop)
         state, args = self.state, self.args
@@ -199,11 +201,11 @@ class ExactResumeMixin:
             held = f"it holds {', '.join(others)} but not" if others else "it has no"
             mismatch = f"{held} {os.path.basename(path)} (saved by another trainer, version or process count)"
         else:
-            saved = state.get("layout") or {}
-            differ = [
-                f"{k}={saved.get(k)} (now {v})" for k, v in self._egpo_batch_layout().items() if saved.get(k) != v
-            ]
+            saved, current = state.get("layout") or {}, self._egpo_batch_layout()
+            differ = [f"{k}={saved.get(k)} (now {v})" for k, v in current.items() if saved.get(k) != v]
             mismatch = "it was saved with " + ", ".join(differ) if differ else None
+            if not current.keys() <= saved.keys():
+                mismatch = "its saved state does not record the batch layout and settings (an older version)"
         if self.args.world_size > 1:
             # Every process must decide alike, or their collective calls would mismatch.
             flags = self.accelerator.gather(torch.tensor([int(mismatch is None)], device=self.accelerator.device))
@@ -244,6 +246,9 @@ class ExactResumeMixin:
     def _inner_training_loop(self, *args: Any, **kwargs: Any):
         # auto_find_batch_size retries after an out-of-memory error, maybe inside a held span: a held Ctrl-C stops now.
         self._egpo_sigint.stop()
+        if self._egpo_sigint.pending:
+            self._egpo_sigint.pending = False
+            raise KeyboardInterrupt
         self._egpo_sigint.forced = False
         return super()._inner_training_loop(*args, **kwargs)
 

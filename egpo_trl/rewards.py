@@ -10,7 +10,6 @@ import logging
 import os
 import re
 import selectors
-import signal
 import subprocess
 import sys
 import threading
@@ -199,7 +198,7 @@ class _VerifyWorker:
         except (EOFError, OSError):  # its output closed, or its input (BrokenPipeError): it ended
             self._proc.kill()  # changes nothing if it has ended; bounds the wait below if it has not
             code = self._proc.wait()
-            return f"worker died ({f'exit code {code}' if code >= 0 else f'killed by {signal.Signals(-code).name}'})"
+            return f"worker died ({f'exit code {code}' if code >= 0 else f'killed by signal {-code}'})"
         if reply is None:
             return f"timed out after {timeout:g} s"
         return reply == b"1"

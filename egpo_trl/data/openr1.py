@@ -210,6 +210,8 @@ class OpenR1DataConfig:
             raise ValueError(f"bucket_ratios has unknown buckets {sorted(set(self.bucket_ratios) - set(BUCKETS))}.")
         if set(self.subset_ratios) != set(subsets):
             raise ValueError(f"subset_ratios keys {sorted(self.subset_ratios)} must be the input subsets {subsets}.")
+        if self.min_generations < 0:
+            raise ValueError(f"min_generations must be >= 0 (0 disables the stage), got {self.min_generations}.")
         for name in ("pool_size", "chunk_size", "minhash_num_perm", "shingle_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")

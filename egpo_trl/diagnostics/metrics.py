@@ -68,9 +68,11 @@ def entropy_table(
         batch = records[start : start + batch_size]
         logps, mask = _padded([record["logprobs"] for record in batch], torch.float64)
         if tokenizer is not None:  # recompute the segments from the token ids
+            if any("completion_ids" not in record for record in batch):
+                raise ValueError("Recomputing segments with --tokenizer needs the records' 'completion_ids'.")
             ids, _ = _padded([record["completion_ids"] for record in batch], torch.long)
             thinking, answer = segment_masks(ids, mask, tokenizer, think_start, think_end)
-        elif any("thinking_span" not in record for record in batch):
+        elif any("thinking_span" not in record or "answer_span" not in record for record in batch):
             raise ValueError("These records carry no thinking/answer spans; pass --tokenizer MODEL to compute them.")
         else:
             thinking = _span_mask([record["thinking_span"] for record in batch], mask)
