@@ -295,6 +295,10 @@ def normalize_then_sum_advantages(
 ) -> torch.Tensor:
     """``[B, K] -> [B]``: GRPO's advantages under ``normalize_then_sum`` op for op as GRPOTrainer (0: unscored)."""
     rewards_per_func = rewards_per_func.detach().float()
+    if rewards_per_func.dim() != 2 or rewards_per_func.size(1) != reward_weights.numel():
+        raise ValueError(
+            f"rewards_per_func must be [B, {reward_weights.numel()}], got {tuple(rewards_per_func.shape)}."
+        )
     rewards = normalize_then_sum_rewards(rewards_per_func, reward_weights, num_generations)
     std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
     return ((rewards - torch.nanmean(rewards)) / (std + STD_EPS)).nan_to_num(nan=0.0)

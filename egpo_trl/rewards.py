@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import selectors
+import signal
 import subprocess
 import sys
 import threading
@@ -198,7 +199,10 @@ class _VerifyWorker:
         except (EOFError, OSError):  # its output closed, or its input (BrokenPipeError): it ended
             self._proc.kill()  # changes nothing if it has ended; bounds the wait below if it has not
             code = self._proc.wait()
-            return f"worker died ({f'exit code {code}' if code >= 0 else f'killed by signal {-code}'})"
+            if code >= 0:
+                return f"worker died (exit code {code})"
+            name = next((s.name for s in signal.Signals if s == -code), f"signal {-code}")
+            return f"worker died (killed by {name})"
         if reply is None:
             return f"timed out after {timeout:g} s"
         return reply == b"1"
