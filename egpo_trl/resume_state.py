@@ -55,7 +55,7 @@ class _SigintHold:
     """Holds a Ctrl-C back from :meth:`start` to :meth:`stop` in the main thread; a second one interrupts at once."""
 
     def __init__(self, enabled: bool = True) -> None:
-        self.enabled, self.active, self.forced, self.pending = enabled, False, False, False
+        self.enabled, self.active, self.forced = enabled, False, False
         self._previous, self._received = None, False
 
     def start(self) -> None:
@@ -75,14 +75,13 @@ class _SigintHold:
         self._previous, self.active = signal.signal(signal.SIGINT, handler), True
 
     def stop(self, raise_held: bool = True) -> None:
-        """Puts the previous handler back; raises a held ``KeyboardInterrupt`` or, without ``raise_held``, keeps it."""
+        """Puts the previous handler back; raises a held ``KeyboardInterrupt`` (unless ``raise_held`` is false)."""
         if not self.active:
             return
         signal.signal(signal.SIGINT, self._previous)
         received, self._received, self.active = self._received, False, False
         if received and raise_held:
             raise KeyboardInterrupt
-        self.pending = self.pending or received
 
 
 def generation_seed(seed: int, global_step: int, call: int, instance: int, index: int) -> int:
@@ -104,7 +103,7 @@ class ExactResumeMixin:
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         """``Trainer.train``; resumed at the run's last step it loads the checkpoint and ends without a step."""
-        stop = _StopWhenFinished()
+        stop, self._egpo_sigint.forced = _StopWhenFinished(), False
         if resume_from_checkpoint:
             self.callback_handler.callbacks.insert(0, stop)
         try:
@@ -113,7 +112,6 @@ class ExactResumeMixin:
             pass
         finally:
             self._egpo_sigint.stop(raise_held=False)  # an error inside a held span: the handler must not outlive it
-            self._egpo_sigint.pending = False  # the error, or the interruption, ends the run
             if stop in self.callback_handler.callbacks:
                 self.callback_handler.callbacks.remove(stop)
         state, args = self.state, self.args
@@ -242,15 +240,6 @@ class ExactResumeMixin:
         if self.model.training and self.accelerator.sync_gradients:
             self._egpo_sigint.start()
         return inputs
-
-    def _inner_training_loop(self, *args: Any, **kwargs: Any):
-        # auto_find_batch_size retries after an out-of-memory error, maybe inside a held span: a held Ctrl-C stops now.
-        self._egpo_sigint.stop()
-        if self._egpo_sigint.pending:
-            self._egpo_sigint.pending = False
-            raise KeyboardInterrupt
-        self._egpo_sigint.forced = False
-        return super()._inner_training_loop(*args, **kwargs)
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any):
         self._egpo_sigint.start()

@@ -107,11 +107,6 @@ METHODS = [
         ["tr_loss", "grad_norm", "model", "trial", "epoch", "ignore_keys_for_eval", "start_time", "learning_rate"],
         "resume_state.py (override: the step-boundary snapshot for the Ctrl-C checkpoint)",
     ),
-    (
-        "_inner_training_loop",
-        ["batch_size", "args", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"],
-        "resume_state.py (override: a Ctrl-C held in a span an out-of-memory error ended stops an auto_find_batch_size retry)",
-    ),
     ("_get_output_dir", ["trial"], "resume_state.py (the checkpoint folder)"),
     (
         "train",
@@ -146,7 +141,6 @@ OVERRIDES = {
     "_get_train_sampler",
     "_init_training_state",
     "_maybe_log_save_evaluate",
-    "_inner_training_loop",
     "train",
 }
 
