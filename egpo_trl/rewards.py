@@ -302,3 +302,16 @@ def make_overlong_penalty_reward(max_length: int, buffer_length: int, penalty_fa
         return [penalty_factor * value for value in punishment(completion_ids)]
 
     return overlong_penalty
+
+
+def with_overlong_reward(reward_funcs: Any, args: Any) -> Any:
+    """The reward functions, with DAPO's overlong penalty appended when ``overlong_buffer_length`` is set."""
+    if args.overlong_buffer_length is None:
+        return reward_funcs
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if any(getattr(func, "__name__", None) == "overlong_penalty" for func in funcs):
+        raise ValueError("overlong_buffer_length adds overlong_penalty itself: remove it from reward_funcs.")
+    if args.reward_weights is not None and len(args.reward_weights) != len(funcs) + 1:
+        raise ValueError(f"overlong_buffer_length adds a reward: reward_weights needs {len(funcs) + 1} entries.")
+    length, factor = args.overlong_buffer_length, args.overlong_penalty_factor
+    return [*funcs, make_overlong_penalty_reward(args.max_completion_length, length, factor)]

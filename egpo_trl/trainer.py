@@ -32,7 +32,8 @@ from egpo_trl.heldout import NO_CORRECT_CAUSES
 from egpo_trl.input_checks import check_trainer_inputs
 from egpo_trl.old_logps import FORWARD_KEYS, can_realign, shifted_logps
 from egpo_trl.resume_state import ExactResumeMixin
-from egpo_trl.sampling.dynamic import DynamicSamplingMixin, vllm_sequences_for_oversampling, with_overlong_reward
+from egpo_trl.rewards import with_overlong_reward
+from egpo_trl.sampling.dynamic import DynamicSamplingMixin, vllm_sequences_for_oversampling
 from egpo_trl.sampling.gec import GuidedErrorCorrectionMixin
 from egpo_trl.segments import scope_mask
 

@@ -16,7 +16,6 @@ from trl.trainer.utils import nanstd
 
 from egpo_trl.advantages import normalize_then_sum_rewards, weighted_reward_sum
 from egpo_trl.config import oversampling_layout_error
-from egpo_trl.rewards import make_overlong_penalty_reward
 
 logger = logging.getLogger(__name__)
 
@@ -92,19 +91,6 @@ def colocated_engine_sequences(args: Any, processes: int | None = None) -> tuple
 
 def _prompt_key(prompt: Any) -> str:
     return prompt if isinstance(prompt, str) else repr(prompt)
-
-
-def with_overlong_reward(reward_funcs: Any, args: Any) -> Any:
-    """The reward functions, with DAPO's overlong penalty appended when ``overlong_buffer_length`` is set."""
-    if args.overlong_buffer_length is None:
-        return reward_funcs
-    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    if any(getattr(func, "__name__", None) == "overlong_penalty" for func in funcs):
-        raise ValueError("overlong_buffer_length adds overlong_penalty itself: remove it from reward_funcs.")
-    if args.reward_weights is not None and len(args.reward_weights) != len(funcs) + 1:
-        raise ValueError(f"overlong_buffer_length adds a reward: reward_weights needs {len(funcs) + 1} entries.")
-    length, factor = args.overlong_buffer_length, args.overlong_penalty_factor
-    return [*funcs, make_overlong_penalty_reward(args.max_completion_length, length, factor)]
 
 
 @contextmanager
