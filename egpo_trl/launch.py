@@ -203,13 +203,13 @@ class DryRunReport:
 
 def _check_dataset(script_args, report: DryRunReport) -> None:
     """The run's own loading of a local or synthetic dataset; a Hub dataset is loaded at run time."""
-    from egpo_trl.script.data import load_datasets
+    from egpo_trl.script.data import DATA_FILE_BUILDERS, load_datasets
 
     name = script_args.dataset_name
     path = Path(name).expanduser()
     if not (path.exists() or name.startswith(SYNTHETIC_DATASET_PREFIX)):
         local = name.startswith((".", "/", "~")) or name.count("/") > 1
-        if local or path.suffix in (".json", ".jsonl", ".csv", ".parquet"):
+        if local or path.suffix in DATA_FILE_BUILDERS:
             return report.problems.append(
                 f"dataset {name} does not exist. Build OpenR1-Stable-10k with `egpo-trl data build --config "
                 "recipes/data/openr1_stable_10k.yaml` (it writes outputs/data/openr1_stable_10k/dataset), or point "

@@ -194,7 +194,9 @@ class ExactResumeMixin:
         state = torch.load(path, weights_only=True) if os.path.isfile(path) else None
         if state is None:
             others = sorted(
-                n for n in os.listdir(checkpoint) if n.startswith("egpo_resume_state") and n.endswith(".pt")
+                n
+                for n in os.listdir(checkpoint)
+                if n.startswith(RESUME_STATE_NAME[: -len(".pt")]) and n.endswith(".pt")
             )
             held = f"it holds {', '.join(others)} but not" if others else "it has no"
             mismatch = f"{held} {os.path.basename(path)} (saved by another trainer, version or process count)"

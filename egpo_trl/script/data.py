@@ -16,6 +16,10 @@ logger = logging.getLogger(__name__)
 SYNTHETIC_DATASET_PREFIX = "synthetic:"
 
 
+# The `datasets` builder of each local data file type.
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
 def column_problem(columns: Sequence[str], script_args: TrainScriptArguments) -> str | None:
     """One line naming the columns the dataset lacks and the flags that fix it; ``None`` when nothing is missing."""
     columns = list(columns)
@@ -109,7 +113,7 @@ def load_datasets(script_args: TrainScriptArguments, seed: int = 0):
     if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
         loaded = load_from_disk(str(path))
     elif path.is_file():
-        builder = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}.get(path.suffix)
+        builder = DATA_FILE_BUILDERS.get(path.suffix)
         if builder is None:
             raise SystemExit(
                 f"egpo-trl train: cannot read {path}: use a .json, .jsonl, .csv or .parquet file, or a folder "

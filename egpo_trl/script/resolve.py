@@ -26,9 +26,9 @@ def check_model_exists(
 ) -> str:
     """Fail in one line, before anything loads, when the model is neither a local folder nor on the Hub."""
     try:
-        path = resolve_model_path(name_or_path)
-    except SystemExit as error:
-        raise SystemExit(str(error).replace("egpo-trl train:", f"{prog}:", 1)) from None
+        path = resolve_model_name(name_or_path)
+    except ValueError as error:
+        raise SystemExit(f"{prog}: {error}") from None
     if Path(path).expanduser().exists():
         return path
     from transformers import AutoConfig

@@ -24,7 +24,7 @@ from egpo_trl.script.outputs import (
     write_metrics,
 )
 from egpo_trl.script.plots import plot_metrics
-from egpo_trl.script.resolve import check_model_exists, resolve_model_path, resolve_reward_funcs
+from egpo_trl.script.resolve import check_model_exists, resolve_reward_funcs
 from egpo_trl.script.resume import (
     checkpoint_step,
     nothing_to_train,
@@ -37,8 +37,8 @@ from egpo_trl.script.resume import (
 logger = logging.getLogger(__name__)
 
 
-def build_trainer(script_args: TrainScriptArguments, training_args, model_args, train_dataset):
-    """An :class:`~egpo_trl.EGPOTrainer` for the resolved arguments (the model is loaded here)."""
+def build_trainer(script_args: TrainScriptArguments, training_args, model_args, model_path: str, train_dataset):
+    """An :class:`~egpo_trl.EGPOTrainer` for the resolved arguments and model path (the model is loaded here)."""
     from trl import get_peft_config, get_quantization_config
 
     from egpo_trl.trainer import EGPOTrainer
@@ -52,7 +52,7 @@ def build_trainer(script_args: TrainScriptArguments, training_args, model_args, 
     model_init_kwargs = {k: v for k, v in model_init_kwargs.items() if v is not None}  # the recipe's own win
     training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
     return EGPOTrainer(
-        model=resolve_model_path(model_args.model_name_or_path),
+        model=model_path,
         reward_funcs=resolve_reward_funcs(script_args.reward_funcs),
         args=training_args,
         train_dataset=train_dataset,
@@ -161,9 +161,11 @@ def _run(script_args: TrainScriptArguments, training_args, model_args) -> dict[s
     )
     if resume is not None and training_args.max_steps > 0 and nothing_to_train(training_args, resume, own_run):
         return summary  # judged before anything loads
-    check_model_exists(model_args.model_name_or_path, model_args.model_revision, training_args.trust_remote_code)
+    model_path = check_model_exists(
+        model_args.model_name_or_path, model_args.model_revision, training_args.trust_remote_code
+    )
     train_dataset, heldout = load_datasets(script_args, seed=training_args.seed)
-    trainer = build_trainer(script_args, training_args, model_args, train_dataset)
+    trainer = build_trainer(script_args, training_args, model_args, model_path, train_dataset)
     if resume is not None and training_args.max_steps <= 0:  # sized in epochs: judged by the trainer's step count
         if nothing_to_train(training_args, resume, own_run, trainer):
             return summary
