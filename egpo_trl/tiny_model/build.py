@@ -68,6 +68,10 @@ class BuildConfig:
     max_new_tokens: int = 96
     tokenizer_corpus_size: int = 5000
 
+    @property
+    def level_list(self) -> list[int]:
+        return [int(level) for level in self.levels.split(",")]
+
 
 def _sample_train_example(level: int, rng: random.Random, slip_prob: float) -> tuple[list[dict[str, str]], str]:
     """One (prompt messages, worked solution with slips) of ``level`` from the ``train`` split."""
@@ -119,7 +123,7 @@ def build_model(tokenizer: Any, config: BuildConfig) -> torch.nn.Module:
 
 def supervised_finetune(model: torch.nn.Module, tokenizer: Any, config: BuildConfig, log_every: int = 100) -> list:
     """Fine-tune on a stream of worked solutions (completion tokens only), AdamW with warm-up and cosine decay; returns the log."""
-    levels, rng = [int(level) for level in config.levels.split(",")], random.Random(f"sft/{config.seed}")
+    levels, rng = config.level_list, random.Random(f"sft/{config.seed}")
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay, betas=(0.9, 0.98)
     )
@@ -271,7 +275,7 @@ code end to end, not to be evaluated on real benchmarks.
 
 
 def _write_model_card(output: Path, config: BuildConfig, info: dict[str, Any], tokenizer: Any, name: str) -> None:
-    levels = [int(level) for level in config.levels.split(",")]
+    levels = config.level_list
     sampled = info["evaluation"][f"temperature_{config.eval_temperature:g}"]
     greedy, example = info["evaluation"]["greedy"], info["evaluation"]["example_completion"]
     shipped = name == TINY_MODEL_NAME and config == BuildConfig(num_threads=config.num_threads)
@@ -349,7 +353,7 @@ def build(config: BuildConfig, output: Path) -> dict[str, Any]:
     if config.device != "cpu" and not (config.device.startswith("cuda") and torch.cuda.is_available()):
         raise SystemExit(f"--device {config.device}: no such CUDA GPU is visible; build on the CPU with --device cpu.")
     device = torch.device(config.device)
-    levels = [int(level) for level in config.levels.split(",")]
+    levels = config.level_list
     if any(level not in LEVELS for level in levels):
         raise SystemExit(f"--levels {config.levels}: choose among {list(LEVELS)}.")
     set_seed(config.seed)
