@@ -114,3 +114,8 @@ def save_rank_records(trainer, out_dir) -> None:
         {"rank": rank, "world_size": trainer.accelerator.num_processes, "records": trainer.records},
         f"{out_dir}/records_rank{rank}.pt",
     )
+
+
+def last_line(text: str) -> str:
+    """The last line of a command's output."""
+    return text.strip().splitlines()[-1]

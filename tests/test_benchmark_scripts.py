@@ -96,26 +96,29 @@ def test_real_shapes_builds_a_checkpoint_with_the_qwen2_tokenizer(tmp_path):
     assert len(tokenizer) <= model.config.vocab_size
 
 
+def _fullbatch(tmp_path, tiny_model_dir, job, extra, results="results", timeout=300, **more):
+    """``bash benchmarks/gpu_checks.sh fullbatch RESULTS JOB`` on CPU, the tiny model standing in for the shape."""
+    shapes = tmp_path / "shapes"
+    if not shapes.exists():
+        shapes.mkdir()
+        (shapes / "qwen15b").symlink_to(tiny_model_dir)
+    env = {**ENV, "STEPS": "1", "PYTHON": sys.executable, "EXTRA": extra, "SHAPES": str(shapes),
+           "RUNS": str(tmp_path / "runs"), **more}  # fmt: skip
+    return subprocess.run(
+        ["bash", "benchmarks/gpu_checks.sh", "fullbatch", str(tmp_path / results), job],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 def test_fullbatch_runs_a_recipe_through_the_users_command_and_summarizes_it(tmp_path, tiny_model_dir):
     """``gpu_checks.sh fullbatch`` on CPU (the tiny model standing in for the shape): the recipe through ``egpo-trl
     train`` with the coin-flip reward, its command recorded with the per-device batch, the table, the summary and the
     packed results; a memory ballast that cannot start stops its job before it runs, saying why."""
-    shapes = tmp_path / "shapes"
-    shapes.mkdir()
-    (shapes / "qwen15b").symlink_to(tiny_model_dir)
     extra = ("--use_vllm false --use_cpu true --bf16 false --accelerate_config none --max_completion_length 8 "
              "--per_device_train_batch_size 16 --gradient_checkpointing false --torch_num_threads 1")  # fmt: skip
-    env = {**ENV, "STEPS": "1", "PYTHON": sys.executable, "EXTRA": extra, "SHAPES": str(shapes),
-           "RUNS": str(tmp_path / "runs"), "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # fmt: skip
-
-    def fullbatch(results: str, **more) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            ["bash", "benchmarks/gpu_checks.sh", "fullbatch", str(tmp_path / results), "egpo_qwen15b:1"],
-            cwd=ROOT, env={**env, **more}, capture_output=True, text=True, timeout=300, check=False,
-        )  # fmt: skip
-
-    done = fullbatch("results")
+    alloc = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    done = _fullbatch(tmp_path, tiny_model_dir, "egpo_qwen15b:1", extra, **alloc)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (stage,) = (tmp_path / "runs").glob("fullbatch-*")
     job = stage / "runs" / "egpo_qwen15b"
@@ -134,7 +137,10 @@ def test_fullbatch_runs_a_recipe_through_the_users_command_and_summarizes_it(tmp
 
     if not torch.cuda.is_available():
         no_rows = extra.replace("--per_device_train_batch_size 16 ", "")
-        refused = fullbatch("results2", BALLAST_GIB="79.1", EXTRA=no_rows, RUNS=str(tmp_path / "runs2"))
+        refused = _fullbatch(
+            tmp_path, tiny_model_dir, "egpo_qwen15b:1", no_rows, "results2", BALLAST_GIB="79.1",
+            RUNS=str(tmp_path / "runs2"), **alloc,
+        )  # fmt: skip
         assert refused.returncode == 1 and "the ballast did not start" in refused.stderr + refused.stdout
         (stage,) = (tmp_path / "runs2").glob("fullbatch-*")
         job = stage / "runs" / "egpo_qwen15b"
@@ -167,19 +173,11 @@ def test_timing_rewards_are_pure_and_the_hard_prompts_ones_are_entirely_incorrec
 def test_fullbatch_reports_dynamic_samplings_rounds_when_groups_are_replaced(tmp_path, tiny_model_dir):
     """DAPO's recipe through gpu_checks.sh with the hard-prompts reward: entirely incorrect groups are dropped and only
     the shortfall is generated again, and the summary carries the rounds and groups per group kept."""
-    shapes = tmp_path / "shapes"
-    shapes.mkdir()
-    (shapes / "qwen15b").symlink_to(tiny_model_dir)
     extra = ("--use_vllm false --use_cpu true --bf16 false --accelerate_config none --max_completion_length 8 "
              "--overlong_buffer_length 2 --per_device_train_batch_size 16 --gradient_checkpointing false "
              "--torch_num_threads 1 --dynamic_sampling_oversample 1.0 "
              "--reward_funcs benchmarks.timing_rewards:hard_prompts_coin_flip_reward")  # fmt: skip
-    env = {**ENV, "STEPS": "4", "PYTHON": sys.executable, "EXTRA": extra, "SHAPES": str(shapes),
-           "RUNS": str(tmp_path / "runs")}  # fmt: skip
-    done = subprocess.run(
-        ["bash", "benchmarks/gpu_checks.sh", "fullbatch", str(tmp_path / "results"), "dapo_qwen15b:4"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+    done = _fullbatch(tmp_path, tiny_model_dir, "dapo_qwen15b:4", extra, timeout=600, STEPS="4")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (stage,) = (tmp_path / "runs").glob("fullbatch-*")
     rows = json.loads((stage / "runs" / "summary.json").read_text())

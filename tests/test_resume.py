@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 
 import pytest
+from conftest import last_line
 
 from egpo_trl.resume_state import generation_seed
 from egpo_trl.train import main, read_metrics
@@ -37,10 +38,6 @@ def _rows(out: Path) -> list[dict]:
             continue
         rows.append({k: v for k, v in record.items() if k not in UNTIMED and not k.startswith("timing/")})
     return rows
-
-
-def last_line(text: str) -> str:
-    return text.strip().splitlines()[-1]
 
 
 def _digest(path: Path) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import last_line
 
 from egpo_trl.rewards import boxed_accuracy_reward, think_format_reward
 from egpo_trl.train import (
@@ -272,10 +273,6 @@ def egpo_trl(*args, cwd=REPO, timeout=300, **env):
         cwd=cwd,
         env={**os.environ, "OMP_NUM_THREADS": "1", **env},
     )
-
-
-def last_line(text: str) -> str:
-    return text.strip().splitlines()[-1]
 
 
 def test_help_leads_with_what_users_type_and_imports_nothing_heavy():
